@@ -1,0 +1,152 @@
+"""Argument checking and normalisation for ``retmask.kernels.attention``.
+
+Every error names the argument, the shape (or dtype/device) received and what was expected, so a user
+can fix the call without reading kernel code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Sizes of one attention call.
+
+    batch: B; q_heads: Hq; kv_heads: Hkv; q_len: M (query rows); kv_len: N (keys); head_dim: D.
+    Query row ``i`` sits at absolute position ``N - M + i`` (prefill: M == N; decode: M == 1).
+    """
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 = MHA, Hq = MQA)."""
+        return self.q_heads // self.kv_heads
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionShape:
+    """Validate ``q: [B, Hq, M, D]``, ``k, v: [B, Hkv, N, D]`` and return their sizes."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            expected = "[B, Hq, M, D]" if name == "q" else "[B, Hkv, N, D]"
+            raise ValueError(f"{name} must have 4 dimensions {expected}, got shape {_shape(t)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"{name} has dtype {t.dtype}; supported dtypes are float32, float16, bfloat16 "
+                "(and float64 for the reference backend)"
+            )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}; cast them first"
+        )
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(
+            f"q, k, v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}"
+        )
+    B, Hq, M, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape [B, Hkv, N, D], got k {_shape(k)} and v {_shape(v)}"
+        )
+    Bk, Hkv, N, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"k has batch size {Bk} but q has {B}: expected k of shape [{B}, Hkv, N, {D}]")
+    if Dk != D:
+        raise ValueError(f"k has head dim {Dk} but q has {D}: expected k of shape [{B}, Hkv, N, {D}]")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(
+            f"q has {Hq} heads and k/v have {Hkv}: the number of query heads must be a multiple of the "
+            "number of key/value heads (MHA, GQA or MQA)"
+        )
+    if M > N:
+        raise ValueError(
+            f"q has {M} query rows but k/v have only {N} keys: with a KV cache the keys include the "
+            "queries' own positions, so M <= N is required (query row i sits at position N - M + i)"
+        )
+    if D == 0 or D > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {D} is not supported: expected 1 <= D <= {MAX_HEAD_DIM}")
+    return AttentionShape(B, Hq, Hkv, M, N, D)
+
+
+def check_key_padding_mask(
+    mask: torch.Tensor | None, shape: AttentionShape, device: torch.device
+) -> torch.Tensor | None:
+    """Return ``key_padding_mask`` as a contiguous ``bool [B, N]`` (True = valid key), or None."""
+    if mask is None:
+        return None
+    expected = f"[{shape.batch}, {shape.kv_len}]"
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        got = _shape(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"key_padding_mask must be a bool tensor of shape [B, N] = {expected}, got {got}")
+    if tuple(mask.shape) != (shape.batch, shape.kv_len):
+        raise ValueError(f"key_padding_mask must have shape [B, N] = {expected}, got {_shape(mask)}")
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask is on {mask.device} but q is on {device}")
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"key_padding_mask must be bool (True = valid key), got {mask.dtype}; use mask.bool() "
+            "if 1 marks valid tokens"
+        )
+    return mask.contiguous()
+
+
+def check_skip_heads(
+    skip: torch.Tensor | None, shape: AttentionShape, device: torch.device
+) -> torch.Tensor | None:
+    """Return ``skip_heads`` as a contiguous ``bool [B, Hq]`` (True = head disabled), or None if no head
+    is disabled anywhere."""
+    if skip is None:
+        return None
+    B, Hq = shape.batch, shape.q_heads
+    if not isinstance(skip, torch.Tensor) or skip.dim() not in (1, 2):
+        got = _shape(skip) if isinstance(skip, torch.Tensor) else type(skip).__name__
+        raise ValueError(
+            f"skip_heads must be a bool tensor of shape [Hq] = [{Hq}] or [B, Hq] = [{B}, {Hq}], got {got}"
+        )
+    if skip.dtype != torch.bool:
+        raise ValueError(f"skip_heads must be bool (True = head disabled), got {skip.dtype}")
+    if skip.device != device:
+        raise ValueError(f"skip_heads is on {skip.device} but q is on {device}")
+    if skip.dim() == 1:
+        if skip.shape[0] != Hq:
+            raise ValueError(
+                f"skip_heads must have shape [Hq] = [{Hq}] or [B, Hq] = [{B}, {Hq}], got {_shape(skip)}"
+            )
+        skip = skip.unsqueeze(0).expand(B, Hq)
+    elif tuple(skip.shape) != (B, Hq):
+        raise ValueError(
+            f"skip_heads must have shape [Hq] = [{Hq}] or [B, Hq] = [{B}, {Hq}], got {_shape(skip)}"
+        )
+    return skip.contiguous()
+
+
+def check_argmax_rows(argmax_rows: int | None, return_argmax: bool, shape: AttentionShape) -> int:
+    """Number of trailing query rows that get an argmax (0 = no argmax requested)."""
+    if not return_argmax:
+        if argmax_rows is not None:
+            raise ValueError("argmax_rows was given but return_argmax=False; pass return_argmax=True")
+        return 0
+    if argmax_rows is None:
+        return shape.q_len
+    if not isinstance(argmax_rows, int) or not 1 <= argmax_rows <= shape.q_len:
+        raise ValueError(
+            f"argmax_rows must be an int in [1, M] = [1, {shape.q_len}] (the last rows of q), got {argmax_rows!r}"
+        )
+    return argmax_rows
