@@ -1,0 +1,14 @@
+"""Session-wide test setup.
+
+Triton kernels run in the interpreter on machines without a GPU. ``TRITON_INTERPRET`` is read when a
+kernel is decorated, so it must be set before any retmask Triton module is imported.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
