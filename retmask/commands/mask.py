@@ -1,0 +1,107 @@
+"""``retmask mask``: choose heads to mask from a retrieval-scores file, optionally export a masked checkpoint.
+
+Register with ``retmask.commands.mask.add_parser(subparsers)``; the parser's ``func`` default runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from retmask.selection import BASELINES, HeadSelection, SelectionError, load_scores, select_heads, write_heads
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``mask`` sub-command to an ``argparse`` sub-parsers object and return its parser."""
+    p = subparsers.add_parser(
+        "mask",
+        help="select heads to mask from retrieval scores (threshold, top-k, or a baseline)",
+        description=(
+            "Read a scores JSON ({'<layer>-<head>': [per-test scores]}, as written by `retmask detect`), "
+            "select the retrieval heads by threshold or top-k, or a baseline of the same size, and write a "
+            "heads JSON. With --export, also write an HF checkpoint with those heads' o_proj columns zeroed."
+        ),
+    )
+    p.add_argument("--scores", required=True, type=Path, help="retrieval-scores JSON file")
+    sel = p.add_mutually_exclusive_group(required=True)
+    sel.add_argument("--threshold", type=float, help="retrieval heads = heads with mean score >= τ")
+    sel.add_argument("--top-k", type=int, help="retrieval heads = the K best heads")
+    p.add_argument(
+        "--baseline",
+        choices=BASELINES,
+        help="mask as many random heads instead: none of them retrieval heads (non-retrieval) or any (random)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the baseline's random draw (default 0)")
+    p.add_argument("--out", type=Path, default=Path("heads.json"), help="heads JSON to write")
+    p.add_argument(
+        "--model-shape",
+        type=int,
+        nargs=2,
+        metavar=("L", "HQ"),
+        help="validate heads against [layers, query heads]; heads absent from the scores file count as 0",
+    )
+    p.add_argument("--export", type=Path, metavar="DIR", help="write a masked HF checkpoint here")
+    p.add_argument("--model", help="model to export (hub id, folder, GGUF; default: the embedded model)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _model_shape(model: Any) -> list[int]:
+    """``[num_layers, num_query_heads]`` from an HF model's config (text config for multimodal ones)."""
+    config = model.config
+    config = getattr(config, "get_text_config", lambda: config)()
+    return [int(config.num_hidden_layers), int(config.num_attention_heads)]
+
+
+def export(selection: HeadSelection, out_dir: Path, model_spec: str | None) -> None:
+    """Load the model, check the heads exist in it, and write the masked checkpoint."""
+    import retmask  # lazily: loading the model layer pulls in torch and transformers
+
+    loaded = retmask.load_model(model_spec) if model_spec is not None else retmask.load_model()
+    model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+    from retmask.selection import check_heads
+
+    check_heads(selection.heads, _model_shape(model), source=str(selection.source or "heads"))
+    retmask.export_masked(model, selection.heads, out_dir, tokenizer)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``retmask mask``; returns the process exit code."""
+    try:
+        if args.export is None and args.model is not None:
+            raise SelectionError("--model only matters with --export DIR; add --export or drop --model")
+        scores = load_scores(args.scores)
+        selection = select_heads(
+            scores,
+            threshold=args.threshold,
+            top_k=args.top_k,
+            baseline=args.baseline,
+            seed=args.seed,
+            model_shape=args.model_shape,
+            source=str(args.scores),
+        )
+        path = write_heads(selection, args.out)
+        what = f"{args.baseline} baseline of " if args.baseline else ""
+        rule = f"score >= {args.threshold}" if args.threshold is not None else f"top {args.top_k}"
+        print(f"{len(selection.heads)} heads ({what}{rule}) -> {path}")
+        if args.export is not None:
+            export(selection, args.export, args.model)
+            print(f"masked checkpoint -> {args.export}")
+    except SelectionError as e:
+        print(f"retmask mask: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m retmask.commands.mask``), handy before the main CLI registers it."""
+    parser = argparse.ArgumentParser(prog="retmask")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["mask", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
