@@ -1,0 +1,469 @@
+// Fused flash-style CPU attention with per-row argmax of the logits and head skipping.
+//
+// One pass over the keys per tile of query rows: S = (scale*Q) K^T on a key block, online softmax
+// carrying the running max logit *and its key index* per row, O += P V. Memory is linear in N: a
+// thread holds one Q tile, one packed K^T / V block, one logit block and one O accumulator.
+//
+// Work items: (batch, kv head, block of query rows) with all *active* query heads of that kv group
+// stacked as tile rows (GQA/MQA share one packed K/V block; no repeat). Skipped heads create no rows,
+// so they cost nothing beyond writing their zeros / -1. Items are sorted by causal cost (largest
+// first) and handed out dynamically by OpenMP, which balances the causal triangle.
+//
+// Exported with a plain C ABI (called through ctypes with tensor data pointers and element strides).
+// fp16/bf16 inputs are converted to fp32 while packing; all accumulation is fp32.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+// 16 fp32 lanes; GCC lowers this to one zmm (AVX-512), two ymm (AVX2) or four xmm registers.
+typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4)));  // unaligned access
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr int VL = 16;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline vf vload(const float* p) { return *reinterpret_cast<const vf*>(p); }
+inline void vstore(float* p, vf x) { *reinterpret_cast<vf*>(p) = x; }
+inline vf vbroadcast(float x) { return vf{} + x; }
+
+// exp(x) for x <= 0 (softmax arguments). Cephes-style: 2^n * p(r), |rel err| ~ 2e-7.
+// Arguments below -87 (incl. -inf of masked keys) give exactly 0.
+inline vf vexp(vf x) {
+    const vf lo = vbroadcast(-87.0f);
+    vf xc = x < lo ? lo : x;
+    vf t = xc * 1.44269504088896341f;
+    const vf magic = vbroadcast(12582912.0f);  // 1.5 * 2^23: round to nearest integer
+    vf n = (t + magic) - magic;
+    vf r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = vbroadcast(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    std::memcpy(&scale, &e, sizeof(scale));
+    vf res = p * scale;
+    return x < lo ? vf{} : res;
+}
+
+inline float hmax(vf x) {
+    float m = x[0];
+    for (int i = 1; i < VL; ++i) m = std::max(m, x[i]);
+    return m;
+}
+inline float hsum(vf x) {
+    float s = 0.f;
+    for (int i = 0; i < VL; ++i) s += x[i];
+    return s;
+}
+
+// ---- element types -------------------------------------------------------------------------------
+struct F32 {
+    using T = float;
+    static float load(const T* p) { return *p; }
+    static void store(T* p, float x) { *p = x; }
+};
+struct F16 {
+    using T = _Float16;
+    static float load(const T* p) { return static_cast<float>(*p); }
+    static void store(T* p, float x) { *p = static_cast<_Float16>(x); }
+};
+struct BF16 {
+    using T = uint16_t;
+    static float load(const T* p) {
+        uint32_t u = static_cast<uint32_t>(*p) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+    static void store(T* p, float x) {  // round to nearest even, like torch's .to(bfloat16)
+        uint32_t u;
+        std::memcpy(&u, &x, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            *p = 0x7fc0;
+            return;
+        }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        *p = static_cast<uint16_t>(u >> 16);
+    }
+};
+
+// ---- micro-kernels ---------------------------------------------------------------------------------
+// S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows and all BN keys (BN % 32 == 0).
+// Q: [MR][ldq], Kt: [D][BN], S: [MR][BN]. Every key column is computed by the same FMA sequence, so
+// duplicate keys give bit-identical logits (ties resolve to the smallest index, as in torch).
+template <int MR>
+inline void qk_tile(const float* __restrict Q, int ldq, const float* __restrict Kt, float* __restrict S,
+                    int D, int BN) {
+    for (int j0 = 0; j0 < BN; j0 += 2 * VL) {
+        vf acc[MR][2];
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vf{};
+        const float* kp = Kt + j0;
+        for (int d = 0; d < D; ++d, kp += BN) {
+            vf k0 = vload(kp), k1 = vload(kp + VL);
+#pragma GCC unroll 16
+            for (int r = 0; r < MR; ++r) {
+                vf qv = vbroadcast(Q[r * ldq + d]);
+                acc[r][0] += qv * k0;
+                acc[r][1] += qv * k1;
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+            vstore(S + r * BN + j0, acc[r][0]);
+            vstore(S + r * BN + j0 + VL, acc[r][1]);
+        }
+    }
+}
+
+// O[r][d] += sum_j P[r][j] * V[j][d] for MR rows, NV*16 output columns starting at column d0.
+// P: [MR][BN], V: [BN][ldv], O: [MR][ldo]; only the first nj keys are read.
+template <int MR, int NV>
+inline void pv_tile(const float* __restrict P, int BN, const float* __restrict V, int ldv, float* __restrict O,
+                    int ldo, int nj) {
+    vf acc[MR][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) acc[r][c] = vload(O + r * ldo + c * VL);
+    for (int j = 0; j < nj; ++j) {
+        vf vv[NV];
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) vv[c] = vload(V + j * ldv + c * VL);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+            vf p = vbroadcast(P[r * BN + j]);
+#pragma GCC unroll 4
+            for (int c = 0; c < NV; ++c) acc[r][c] += p * vv[c];
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) vstore(O + r * ldo + c * VL, acc[r][c]);
+}
+
+constexpr int MR_QK = 8;  // 8 rows x 32 keys = 16 accumulators
+constexpr int MR_PV = 8;  // 8 rows x 32 columns = 16 accumulators
+
+template <int MR>
+void qk_rows(const float* Q, int ldq, const float* Kt, float* S, int D, int BN, int rows) {
+    if constexpr (MR > 0) {
+        if (rows >= MR) {
+            int r = 0;
+            for (; r + MR <= rows; r += MR) qk_tile<MR>(Q + r * ldq, ldq, Kt, S + r * BN, D, BN);
+            if (r < rows) qk_rows<MR - 1>(Q + r * ldq, ldq, Kt, S + r * BN, D, BN, rows - r);
+        } else {
+            qk_rows<MR - 1>(Q, ldq, Kt, S, D, BN, rows);
+        }
+    }
+}
+
+template <int MR>
+void pv_rows(const float* P, int BN, const float* V, int ldv, float* O, int ldo, int Dp, int nj, int rows) {
+    if constexpr (MR > 0) {
+        if (rows >= MR) {
+            int r = 0;
+            for (; r + MR <= rows; r += MR) {
+                int d = 0;
+                for (; d + 2 * VL <= Dp; d += 2 * VL)
+                    pv_tile<MR, 2>(P + r * BN, BN, V + d, ldv, O + r * ldo + d, ldo, nj);
+                if (d < Dp) pv_tile<MR, 1>(P + r * BN, BN, V + d, ldv, O + r * ldo + d, ldo, nj);
+            }
+            if (r < rows) pv_rows<MR - 1>(P + r * BN, BN, V, ldv, O + r * ldo, ldo, Dp, nj, rows - r);
+        } else {
+            pv_rows<MR - 1>(P, BN, V, ldv, O, ldo, Dp, nj, rows);
+        }
+    }
+}
+
+// ---- the forward ---------------------------------------------------------------------------------
+
+struct Args {
+    const void *q, *k, *v;
+    const int64_t *qs, *ks, *vs, *os;  // element strides [4]
+    void* out;
+    int64_t* argmax;                  // [B, Hq, T] contiguous, or null
+    const uint8_t* kpm;               // [B, N] contiguous (1 = valid), or null
+    const uint8_t* skip;              // [B, Hq] contiguous (1 = skipped), or null
+    int64_t B, Hq, Hkv, M, N, D, T;
+    bool causal;
+    float scale;
+    int block_m, block_n;
+};
+
+struct Item {
+    int64_t b, hkv, i0, i1;  // query rows [i0, i1)
+    int64_t cost;
+};
+
+inline float* aligned_floats(size_t n) {
+    size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;
+    void* p = std::aligned_alloc(64, bytes ? bytes : 64);
+    if (p) std::memset(p, 0, bytes);
+    return static_cast<float*>(p);
+}
+
+template <class E>
+int run(const Args& a) {
+    using T = typename E::T;
+    const T* q = static_cast<const T*>(a.q);
+    const T* k = static_cast<const T*>(a.k);
+    const T* v = static_cast<const T*>(a.v);
+    T* out = static_cast<T*>(a.out);
+    const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, M = a.M, N = a.N, D = a.D, T_ = a.T;
+    const int64_t g = Hq / Hkv;
+    const int BN = a.block_n;
+    const int Dp = static_cast<int>((D + VL - 1) / VL * VL);
+    // Query rows per item: about block_m tile rows in total over the group's active heads.
+    const int64_t bm = std::max<int64_t>(1, a.block_m / g);
+
+    // Skipped heads: zeros and -1, nothing else.
+    if (a.skip) {
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t h = 0; h < Hq; ++h) {
+                if (!a.skip[b * Hq + h]) continue;
+                for (int64_t i = 0; i < M; ++i) {
+                    T* o = out + b * a.os[0] + h * a.os[1] + i * a.os[2];
+                    for (int64_t d = 0; d < D; ++d) E::store(o + d * a.os[3], 0.f);
+                }
+                if (a.argmax && T_)
+                    for (int64_t t = 0; t < T_; ++t) a.argmax[(b * Hq + h) * T_ + t] = -1;
+            }
+    }
+
+    // Per batch, per key block: 0 = no valid key, 1 = some, 2 = all valid (skip / mask / no mask).
+    const int64_t nblk = (N + BN - 1) / BN;
+    std::vector<uint8_t> blk_state;
+    if (a.kpm) {
+        blk_state.resize(B * nblk);
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t jb = 0; jb < nblk; ++jb) {
+                int64_t cnt = 0, j0 = jb * BN, j1 = std::min<int64_t>(N, j0 + BN);
+                for (int64_t j = j0; j < j1; ++j) cnt += a.kpm[b * N + j] != 0;
+                blk_state[b * nblk + jb] = cnt == 0 ? 0 : (cnt == j1 - j0 ? 2 : 1);
+            }
+    }
+
+    std::vector<Item> items;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t hk = 0; hk < Hkv; ++hk) {
+            int64_t active = 0;
+            for (int64_t h = hk * g; h < (hk + 1) * g; ++h) active += !(a.skip && a.skip[b * Hq + h]);
+            if (!active) continue;
+            for (int64_t i0 = 0; i0 < M; i0 += bm) {
+                int64_t i1 = std::min(M, i0 + bm);
+                int64_t keys = a.causal ? N - M + i1 : N;
+                items.push_back({b, hk, i0, i1, keys * active * (i1 - i0)});
+            }
+        }
+    std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    const int64_t n_items = static_cast<int64_t>(items.size());
+    int failed = 0;
+
+#pragma omp parallel
+    {
+        const int max_rows = static_cast<int>(g * bm);
+        float* Qt = aligned_floats(static_cast<size_t>(max_rows) * Dp);
+        float* Ot = aligned_floats(static_cast<size_t>(max_rows) * Dp);
+        float* S = aligned_floats(static_cast<size_t>(max_rows) * BN);
+        float* Kt = aligned_floats(static_cast<size_t>(Dp) * BN);
+        float* Vp = aligned_floats(static_cast<size_t>(BN) * Dp);
+        std::vector<float> m(max_rows), l(max_rows);
+        std::vector<int64_t> am(max_rows), pos(max_rows), row_h(max_rows), row_i(max_rows);
+        std::vector<uint8_t> want(max_rows);
+        std::vector<float> kbias(BN);
+        if (!Qt || !Ot || !S || !Kt || !Vp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; ++it) {
+            if (failed) continue;
+            const Item& w = items[it];
+            const int64_t b = w.b, hk = w.hkv, nrow = w.i1 - w.i0;
+            // Tile rows: active heads of this kv group x query rows [i0, i1).
+            int R = 0;
+            for (int64_t h = hk * g; h < (hk + 1) * g; ++h) {
+                if (a.skip && a.skip[b * Hq + h]) continue;
+                for (int64_t i = w.i0; i < w.i1; ++i, ++R) {
+                    row_h[R] = h;
+                    row_i[R] = i;
+                    pos[R] = N - M + i;
+                    want[R] = a.argmax && T_ && i >= M - T_;
+                    const T* qp = q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+                    float* qt = Qt + static_cast<int64_t>(R) * Dp;
+                    for (int64_t d = 0; d < D; ++d) qt[d] = E::load(qp + d * a.qs[3]) * a.scale;
+                    m[R] = NEG_INF;
+                    l[R] = 0.f;
+                    am[R] = -1;
+                    std::memset(Ot + static_cast<int64_t>(R) * Dp, 0, sizeof(float) * Dp);
+                }
+            }
+            (void)nrow;
+            const int64_t min_pos = N - M + w.i0, max_pos = N - M + w.i1 - 1;
+            const int64_t key_end = a.causal ? max_pos + 1 : N;
+            const T* kb = k + b * a.ks[0] + hk * a.ks[1];
+            const T* vb = v + b * a.vs[0] + hk * a.vs[1];
+
+            for (int64_t j0 = 0; j0 < key_end; j0 += BN) {
+                const int64_t jb = j0 / BN;
+                const uint8_t st = a.kpm ? blk_state[b * nblk + jb] : 2;
+                if (st == 0) continue;  // no valid key in this block (e.g. left padding)
+                const int nj = static_cast<int>(std::min<int64_t>(BN, key_end - j0));
+                // Pack K^T [D][BN] and V [BN][Dp] in fp32; columns / rows past nj are zero.
+                for (int j = 0; j < nj; ++j) {
+                    const T* kr = kb + (j0 + j) * a.ks[2];
+                    const T* vr = vb + (j0 + j) * a.vs[2];
+                    float* vp = Vp + static_cast<int64_t>(j) * Dp;
+                    if (a.ks[3] == 1) {
+                        for (int64_t d = 0; d < D; ++d) Kt[d * BN + j] = E::load(kr + d);
+                    } else {
+                        for (int64_t d = 0; d < D; ++d) Kt[d * BN + j] = E::load(kr + d * a.ks[3]);
+                    }
+                    if (a.vs[3] == 1) {
+                        for (int64_t d = 0; d < D; ++d) vp[d] = E::load(vr + d);
+                    } else {
+                        for (int64_t d = 0; d < D; ++d) vp[d] = E::load(vr + d * a.vs[3]);
+                    }
+                }
+                if (nj < BN) {
+                    for (int64_t d = 0; d < D; ++d) std::memset(Kt + d * BN + nj, 0, sizeof(float) * (BN - nj));
+                    std::memset(Vp + static_cast<int64_t>(nj) * Dp, 0, sizeof(float) * (BN - nj) * Dp);
+                }
+
+                qk_rows<MR_QK>(Qt, Dp, Kt, S, static_cast<int>(D), BN, R);
+
+                // Key validity bias for this block: 0 or -inf (padding, tail past key_end).
+                const bool need_bias = st == 1 || nj < BN;
+                if (need_bias)
+                    for (int j = 0; j < BN; ++j)
+                        kbias[j] = (j < nj && (!a.kpm || a.kpm[b * N + j0 + j])) ? 0.f : NEG_INF;
+                const bool diag = a.causal && j0 + BN - 1 > min_pos;
+
+                for (int r = 0; r < R; ++r) {
+                    float* s = S + static_cast<int64_t>(r) * BN;
+                    if (need_bias)
+                        for (int j = 0; j < BN; j += VL) vstore(s + j, vload(s + j) + vload(kbias.data() + j));
+                    if (diag) {
+                        const int64_t lim = pos[r] - j0;  // keys j > lim are in the future
+                        for (int64_t j = std::max<int64_t>(0, lim + 1); j < BN; ++j) s[j] = NEG_INF;
+                    }
+                    vf mx = vload(s);
+                    for (int j = VL; j < BN; j += VL) {
+                        vf x = vload(s + j);
+                        mx = x > mx ? x : mx;
+                    }
+                    const float bmax = hmax(mx);
+                    float* o = Ot + static_cast<int64_t>(r) * Dp;
+                    if (bmax == NEG_INF) {  // nothing valid for this row in this block
+                        std::memset(s, 0, sizeof(float) * BN);
+                        continue;
+                    }
+                    if (bmax > m[r]) {  // strictly greater: earlier blocks win ties
+                        if (want[r]) {
+                            int j = 0;
+                            while (s[j] != bmax) ++j;
+                            am[r] = j0 + j;
+                        }
+                        if (m[r] != NEG_INF) {
+                            const float alpha = std::exp(m[r] - bmax);
+                            l[r] *= alpha;
+                            const vf av = vbroadcast(alpha);
+                            for (int d = 0; d < Dp; d += VL) vstore(o + d, vload(o + d) * av);
+                        }
+                        m[r] = bmax;
+                    }
+                    const vf mv = vbroadcast(m[r]);
+                    vf sum = vf{};
+                    for (int j = 0; j < BN; j += VL) {
+                        vf p = vexp(vload(s + j) - mv);
+                        vstore(s + j, p);
+                        sum += p;
+                    }
+                    l[r] += hsum(sum);
+                }
+
+                pv_rows<MR_PV>(S, BN, Vp, Dp, Ot, Dp, Dp, nj, R);
+            }
+
+            // Normalise and write out; rows that never saw a valid key give 0 and -1.
+            for (int r = 0; r < R; ++r) {
+                const int64_t h = row_h[r], i = row_i[r];
+                T* op = out + b * a.os[0] + h * a.os[1] + i * a.os[2];
+                const float* o = Ot + static_cast<int64_t>(r) * Dp;
+                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                for (int64_t d = 0; d < D; ++d) E::store(op + d * a.os[3], o[d] * inv);
+                if (want[r]) a.argmax[(b * Hq + h) * T_ + (i - (M - T_))] = l[r] > 0.f ? am[r] : -1;
+            }
+        }
+        std::free(Qt);
+        std::free(Ot);
+        std::free(S);
+        std::free(Kt);
+        std::free(Vp);
+    }
+    return failed ? 2 : 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 for bad arguments, 2 if scratch memory could not be allocated.
+// dtype: 0 = float32, 1 = float16, 2 = bfloat16 (q, k, v and out share it).
+// Strides are in elements, [4] each for q [B,Hq,M,D], k/v [B,Hkv,N,D], out [B,Hq,M,D].
+// argmax: int64 [B,Hq,T] contiguous (T = argmax_rows > 0) or null; key_padding_mask: uint8 [B,N]
+// contiguous, 1 = valid, or null; skip_heads: uint8 [B,Hq] contiguous, 1 = skipped, or null.
+// block_m: tile rows per work item (summed over the active heads of a kv group); block_n: keys per
+// block, multiple of 32. num_threads <= 0 keeps the OpenMP default.
+int retmask_attention_fwd_cpu(int dtype, const void* q, const int64_t* q_strides, const void* k,
+                              const int64_t* k_strides, const void* v, const int64_t* v_strides, void* out,
+                              const int64_t* out_strides, int64_t* argmax, const uint8_t* key_padding_mask,
+                              const uint8_t* skip_heads, int64_t B, int64_t Hq, int64_t Hkv, int64_t M,
+                              int64_t N, int64_t D, int causal, float sm_scale, int64_t argmax_rows,
+                              int block_m, int block_n, int num_threads) {
+    if (B < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || M < 0 || M > N || D <= 0 || argmax_rows < 0 ||
+        argmax_rows > M || block_m <= 0 || block_n <= 0 || block_n % 32)
+        return 1;
+    if (argmax_rows > 0 && !argmax) return 1;
+    Args a{q, k, v, q_strides, k_strides, v_strides, out_strides, out, argmax, key_padding_mask, skip_heads,
+           B, Hq, Hkv, M, N, D, argmax_rows, causal != 0, sm_scale, block_m, block_n};
+    if (B == 0 || M == 0) return 0;
+#ifdef _OPENMP
+    int saved = omp_get_max_threads();
+    if (num_threads > 0) omp_set_num_threads(num_threads);
+#else
+    (void)num_threads;
+#endif
+    int rc = 1;
+    switch (dtype) {
+        case 0: rc = run<F32>(a); break;
+        case 1: rc = run<F16>(a); break;
+        case 2: rc = run<BF16>(a); break;
+        default: rc = 1;
+    }
+#ifdef _OPENMP
+    if (num_threads > 0) omp_set_num_threads(saved);
+#endif
+    return rc;
+}
+
+}  // extern "C"
