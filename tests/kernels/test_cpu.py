@@ -1,0 +1,310 @@
+"""Both CPU paths (fused C++ kernel and blocked torch) against the reference oracle.
+
+The C++ kernel writes into caller-provided buffers that each test first fills with NaN (output) and a
+sentinel index (argmax), so an element the kernel forgets to write cannot pass by accident.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from retmask.kernels import attention, cpu_blocked, reference_attention
+from retmask.kernels import cpu as cpu_backend
+
+from .helpers import POISON_FLOAT, POISON_INDEX, assert_argmax_matches, left_padding_mask, make_qkv
+
+PATHS = ("cpp", "blocked")
+OUT_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+ARGMAX_TOL = 1e-4  # logits are computed in fp32 from the same (rounded) inputs in every path
+
+
+def run_path(
+    path: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+    skip_heads: torch.Tensor | None = None,
+    argmax_rows: int = 0,
+    out_transposed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One CPU path on [B, Hq, M, D] / [B, Hkv, N, D] inputs; skip_heads bool [B, Hq].
+
+    For "cpp" the outputs are pre-poisoned caller buffers (optionally a non-contiguous out view)."""
+    if path == "blocked":
+        out, argmax, _ = cpu_blocked.forward(
+            q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
+            skip_heads=skip_heads, argmax_rows=argmax_rows,
+        )  # fmt: skip
+        return out, argmax
+    B, Hq, M, D = q.shape
+    if out_transposed:  # [B, M, Hq, D] storage seen as [B, Hq, M, D], like transformers' layout
+        out = torch.full((B, M, Hq, D), POISON_FLOAT, dtype=q.dtype).transpose(1, 2)
+    else:
+        out = torch.full((B, Hq, M, D), POISON_FLOAT, dtype=q.dtype)
+    argmax = torch.full((B, Hq, argmax_rows), POISON_INDEX, dtype=torch.int64) if argmax_rows else None
+    got_out, got_argmax = cpu_backend.cpp_forward(
+        q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, out=out, argmax=argmax,
+    )  # fmt: skip
+    assert got_out is out and got_argmax is argmax
+    return out, argmax
+
+
+def check_against_reference(
+    path: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    skip_heads: torch.Tensor | None = None,
+    argmax_rows: int = 0,
+    out_transposed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``path`` and assert output, argmax, zeros of skipped heads and -1 of invalid rows."""
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    out, argmax = run_path(
+        path, q, k, v, causal=causal, sm_scale=scale, key_padding_mask=key_padding_mask,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, out_transposed=out_transposed,
+    )  # fmt: skip
+    ref_out, ref_argmax = reference_attention(
+        q, k, v, causal=causal, sm_scale=scale, key_padding_mask=key_padding_mask,
+        skip_heads=skip_heads, argmax_rows=argmax_rows,
+    )  # fmt: skip
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert not torch.isnan(out).any(), "output has NaN (unwritten element or 0/0)"
+    tol = OUT_TOL[q.dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
+    if skip_heads is not None:
+        assert (out[skip_heads] == 0).all(), "skipped heads must give exactly 0"
+    if argmax_rows:
+        assert argmax is not None and argmax.dtype == torch.int64
+        assert argmax.shape == (q.shape[0], q.shape[1], argmax_rows)
+        assert_argmax_matches(
+            argmax, q, k, causal=causal, sm_scale=scale, key_padding_mask=key_padding_mask,
+            skip_heads=skip_heads, atol=ARGMAX_TOL,
+        )  # fmt: skip
+    else:
+        assert argmax is None and ref_argmax is None
+    return out, argmax
+
+
+# (B, Hq, Hkv, M, N, D): N not a multiple of the 64-key block; M = 1, some, N; MHA / GQA / MQA.
+SHAPES = [
+    (1, 2, 2, 1, 1, 16),
+    (2, 4, 4, 1, 77, 64),
+    (2, 4, 2, 13, 77, 96),
+    (1, 6, 2, 130, 130, 64),
+    (2, 8, 1, 33, 100, 128),
+    (1, 9, 3, 200, 200, 64),
+    (1, 4, 1, 65, 129, 16),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [True, False])
+def test_matches_reference_fp32(path, shape, causal):
+    B, Hq, Hkv, M, N, D = shape
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=sum(shape) + causal)
+    check_against_reference(path, q, k, v, causal=causal, argmax_rows=M)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D", [16, 64, 96, 128])
+def test_half_precision_dtypes(path, dtype, D):
+    q, k, v = make_qkv(2, 6, 2, 21, 90, D, dtype=dtype, seed=D, noncontiguous_q=True)
+    pad = left_padding_mask(2, 90, [0, 11])
+    check_against_reference(path, q, k, v, causal=True, key_padding_mask=pad, argmax_rows=21)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_noncontiguous_inputs_and_output(path):
+    q, k, v = make_qkv(2, 4, 2, 17, 70, 64, seed=3, noncontiguous_q=True)
+    # k, v as transposed views of [B, N, Hkv, D] buffers (strided along N and heads).
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    check_against_reference(path, q, k, v, causal=True, argmax_rows=5, out_transposed=path == "cpp")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("argmax_rows", [0, 1, 7])
+def test_argmax_rows_subset(path, argmax_rows):
+    q, k, v = make_qkv(2, 8, 2, 40, 150, 64, seed=argmax_rows)
+    pad = left_padding_mask(2, 150, [5, 0])
+    check_against_reference(path, q, k, v, causal=True, key_padding_mask=pad, argmax_rows=argmax_rows)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_rows_without_valid_key(path, causal):
+    # Batch 0: 100 left-padded keys, so causal rows at positions < 100 see nothing.
+    # Batch 1: every key is padding, so every row is invalid (out 0, argmax -1).
+    B, Hq, Hkv, M, N, D = 2, 4, 2, 120, 130, 64
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=11)
+    pad = left_padding_mask(B, N, [100, N])
+    out, argmax = check_against_reference(path, q, k, v, causal=causal, key_padding_mask=pad, argmax_rows=M)
+    assert (out[1] == 0).all() and (argmax[1] == -1).all()
+    if causal:
+        assert (out[0, :, :90] == 0).all() and (argmax[0, :, :90] == -1).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_skip_heads_per_row(path):
+    B, Hq, Hkv, M, N, D = 3, 8, 2, 9, 100, 64
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=5)
+    skip = torch.zeros(B, Hq, dtype=torch.bool)
+    skip[0, [1, 2]] = True  # some heads of group 0
+    skip[1, 4:] = True  # a whole KV group
+    skip[2, :] = True  # everything in one row
+    pad = left_padding_mask(B, N, [0, 30, 3])
+    out, argmax = check_against_reference(
+        path, q, k, v, causal=True, key_padding_mask=pad, skip_heads=skip, argmax_rows=M
+    )
+    assert (argmax[skip] == -1).all()
+    # Other heads of a shared KV group are unaffected by skipping their neighbours.
+    ref, _ = reference_attention(q, k, v, causal=True, key_padding_mask=pad)
+    torch.testing.assert_close(out[0, 0], ref[0, 0], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_all_heads_skipped(path):
+    q, k, v = make_qkv(2, 4, 2, 5, 40, 16, seed=6)
+    skip = torch.ones(2, 4, dtype=torch.bool)
+    out, argmax = run_path(path, q, k, v, causal=True, sm_scale=0.25, skip_heads=skip, argmax_rows=5)
+    assert (out == 0).all() and (argmax == -1).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("skip_shape", ["Hq", "B,Hq"])
+def test_public_entry_skip_masks(path, skip_shape, monkeypatch):
+    """attention(..., backend="cpu") with a [Hq] or [B, Hq] skip mask on the chosen path."""
+    monkeypatch.setattr(cpu_backend, "choose_path", lambda *a, **kw: path)
+    q, k, v = make_qkv(2, 6, 3, 12, 80, 32, seed=7)
+    if skip_shape == "Hq":
+        skip = torch.tensor([True, False, False, True, True, False])
+        skip_b = skip.expand(2, 6)
+    else:
+        skip = torch.tensor(
+            [[True, False, False, False, True, True], [False, False, True, False, False, False]]
+        )
+        skip_b = skip
+    out, argmax = attention(q, k, v, skip_heads=skip, return_argmax=True, argmax_rows=4, backend="cpu")
+    ref_out, ref_argmax = reference_attention(q, k, v, causal=True, skip_heads=skip_b, argmax_rows=4)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    assert torch.equal(argmax, ref_argmax)
+    assert (out[skip_b] == 0).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_ties_pick_smallest_index(path):
+    """Duplicate keys give bit-identical logits: the argmax must be the first copy."""
+    B, Hq, Hkv, M, N, D = 1, 4, 2, 10, 200, 64
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=8)
+    # Keys 3, 70 and 150 are identical (in different 64-key blocks); key 130 equals key 131 (same block).
+    k[:, :, 70] = k[:, :, 3]
+    k[:, :, 150] = k[:, :, 3]
+    k[:, :, 131] = k[:, :, 130]
+    # Heads of group 0 look for key 3, heads of group 1 for key 130.
+    q[:, :2] = 4.0 * k[:, 0, 3][:, None, None, :]
+    q[:, 2:] = 4.0 * k[:, 1, 130][:, None, None, :]
+    out, argmax = run_path(path, q, k, v, causal=True, sm_scale=D**-0.5, argmax_rows=M)
+    assert (argmax[:, :2] == 3).all()
+    assert (argmax[:, 2:] == 130).all()
+    # Non-causal, all keys equal: every row's argmax is key 0.
+    k_same = k[:, :, :1].expand(B, Hkv, N, D).contiguous()
+    _, argmax = run_path(path, q, k_same, v, causal=False, sm_scale=D**-0.5, argmax_rows=M)
+    assert (argmax == 0).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_large_logits_are_stable(path):
+    q, k, v = make_qkv(1, 2, 1, 20, 90, 32, seed=9)
+    check_against_reference(path, q * 30, k, v, causal=True, argmax_rows=20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gradients_through_cpu_backend(dtype):
+    B, Hq, Hkv, M, N, D = 2, 4, 2, 11, 40, 32
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=10, noncontiguous_q=True)
+    pad = left_padding_mask(B, N, [0, 35])  # batch 1: the first rows have no valid key
+    skip = torch.tensor([[False, True, False, False], [False, False, False, True]])
+    grad = torch.randn(B, Hq, M, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grads = []
+    for backend in ("cpu", "reference"):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out, argmax = attention(
+            *leaves, key_padding_mask=pad, skip_heads=skip, return_argmax=True, backend=backend
+        )
+        (out * grad).sum().backward()
+        grads.append([t.grad for t in leaves])
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for got, ref in zip(*grads, strict=True):
+        assert torch.isfinite(got.float()).all()
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    assert (grads[0][0][:, :][skip] == 0).all(), "skipped heads get zero gradient"
+
+
+def test_missing_extension_warns_and_falls_back(monkeypatch):
+    monkeypatch.setattr(cpu_backend.importlib.util, "find_spec", lambda name: None)
+    cpu_backend._library.cache_clear()
+    try:
+        q, k, v = make_qkv(1, 2, 1, 4, 10, 16, seed=12)
+        with pytest.warns(RuntimeWarning, match="not built"):
+            out, argmax, _ = cpu_backend.forward(
+                q, k, v, causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=None, argmax_rows=4
+            )
+        ref_out, ref_argmax = reference_attention(q, k, v, sm_scale=0.25, argmax_rows=4)
+        torch.testing.assert_close(out, ref_out)
+        assert torch.equal(argmax, ref_argmax)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once only
+            cpu_backend.forward(
+                q, k, v, causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=None, argmax_rows=0
+            )
+    finally:
+        monkeypatch.undo()
+        cpu_backend._library.cache_clear()
+    assert cpu_backend.cpp_available()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    N=st.integers(1, 160),
+    D=st.sampled_from([8, 16, 24, 64, 80]),
+    causal=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    path=st.sampled_from(PATHS),
+)
+def test_property_random_shapes(data, B, Hkv, group, N, D, causal, dtype, path):
+    Hq = Hkv * group
+    M = data.draw(st.integers(1, N), label="M")
+    T = data.draw(st.integers(0, M), label="argmax_rows")
+    pads = data.draw(st.lists(st.integers(0, N), min_size=B, max_size=B), label="pads")
+    skip = data.draw(
+        st.one_of(st.none(), st.lists(st.booleans(), min_size=B * Hq, max_size=B * Hq)), label="skip"
+    )
+    skip_heads = torch.tensor(skip).reshape(B, Hq) if skip is not None else None
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=seed, noncontiguous_q=seed % 2 == 0)
+    check_against_reference(
+        path, q, k, v, causal=causal, key_padding_mask=left_padding_mask(B, N, pads),
+        skip_heads=skip_heads, argmax_rows=T,
+    )  # fmt: skip
