@@ -1,0 +1,1 @@
+"""Hugging Face transformers integration: attention interface, head masks, argmax capture, patching."""

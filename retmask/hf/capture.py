@@ -1,0 +1,137 @@
+"""``retmask.capture_argmax``: per-layer, per-head argmax of the attention logits, from the kernel.
+
+Each forward call of the model inside the context appends one int64 tensor ``[L, B, Hq, T']`` to
+``cap.calls``: for the selected query rows of that call, the absolute key position (in the KV sequence,
+cache and left padding included) with the largest attention logit; -1 for a masked head or a row
+without any valid key. The kernel computes it alongside the output (``return_argmax=True,
+argmax_rows=T``); attention is never materialised and nothing is copied to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layers import head_layout
+from .patch import require_retmask
+
+
+class ArgmaxCapture:
+    """Context manager returned by ``capture_argmax``.
+
+    Attributes:
+        calls: one int64 tensor [L, B, Hq, T'] per forward call, on the model's device.
+        last: the newest entry of ``calls``.
+    """
+
+    def __init__(self, model: torch.nn.Module, rows: int | torch.Tensor | None = 1):
+        require_retmask(model, "capture_argmax")
+        self.model = model
+        self.layout = head_layout(model)
+        self.calls: list[torch.Tensor] = []
+        self.active = False  # True only between the model's forward pre-hook and post-hook
+        self._rows, self._mask_first, self._mask_select, self._mask_len = _parse_rows(rows)
+        self._current: list[torch.Tensor | None] = []
+        self._hooks: list = []
+
+    @property
+    def last(self) -> torch.Tensor:
+        if not self.calls:
+            raise RuntimeError(
+                "capture_argmax recorded no forward call yet: run the model inside the `with` block"
+            )
+        return self.calls[-1]
+
+    # -- called from the attention function ---------------------------------------------------------
+    def rows_for_call(self, q_len: int) -> tuple[int, torch.Tensor | None]:
+        """Kernel ``argmax_rows`` for a call with ``q_len`` query rows, and the rows to keep among them."""
+        if self._mask_select is None:
+            return (q_len if self._rows is None else min(self._rows, q_len)), None
+        if self._mask_len != q_len:
+            raise ValueError(
+                f"capture_argmax rows mask has {self._mask_len} entries but this forward call has "
+                f"{q_len} query rows: the mask selects rows outside the sequence; pass a bool mask of length "
+                f"{q_len} or rows=<int> (the last rows of each call)"
+            )
+        return q_len - self._mask_first, self._mask_select
+
+    def record(self, layer_idx: int, argmax: torch.Tensor) -> None:
+        """argmax: int64 [B, Hq, T'] of layer ``layer_idx`` for the current call."""
+        self._current[layer_idx] = argmax
+
+    # -- hooks on the model ------------------------------------------------------------------------
+    def _start(self, module, args):
+        self._current = [None] * self.layout.num_layers
+        self.active = True
+
+    def _finish(self, module, args, output):
+        self.active = False
+        missing = [i for i, a in enumerate(self._current) if a is None]
+        if missing:
+            raise RuntimeError(
+                f"capture_argmax: layers {missing} did not run through retmask attention in this forward call "
+                "(was the attention implementation changed inside the `with` block?)"
+            )
+        self.calls.append(torch.stack(self._current))  # [L, B, Hq, T']
+        self._current = []
+
+    def __enter__(self) -> ArgmaxCapture:
+        for layer in self.layout.layers:
+            if getattr(layer, "_retmask_capture", None) is not None:
+                raise RuntimeError(
+                    "capture_argmax is already active on this model; nested captures are not supported"
+                )
+        for layer in self.layout.layers:
+            layer._retmask_capture = self
+        self._hooks = [
+            self.model.register_forward_pre_hook(self._start),
+            self.model.register_forward_hook(self._finish),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for layer in self.layout.layers:
+            layer._retmask_capture = None
+        self.active = False
+
+
+def _parse_rows(rows) -> tuple[int | None, int, torch.Tensor | None, int]:
+    """-> (last-rows count or None = all rows, first selected row of a mask, selected rows of a mask
+    relative to that first row, mask length)."""
+    if rows is None:
+        return None, 0, None, 0
+    if isinstance(rows, torch.Tensor) and rows.dtype == torch.bool:
+        if rows.dim() != 1:
+            raise ValueError(
+                f"capture_argmax rows mask must be bool [S] (one entry per query row of each call), got "
+                f"shape {list(rows.shape)}"
+            )
+        select = rows.detach().cpu().nonzero().flatten()  # one host read, at set-up time
+        if select.numel() == 0:
+            raise ValueError("capture_argmax rows mask selects no row; set at least one entry to True")
+        first = int(select[0])
+        return None, first, select - first, rows.shape[0]
+    if isinstance(rows, bool) or not isinstance(rows, int):
+        raise TypeError(
+            f"capture_argmax rows must be an int (the last T query rows of each call), a bool tensor [S] or "
+            f"None (all rows), got {type(rows).__name__}"
+        )
+    if rows < 1:
+        raise ValueError(f"capture_argmax rows must be >= 1 (the last T query rows of each call), got {rows}")
+    return rows, 0, None, 0
+
+
+def capture_argmax(model: torch.nn.Module, rows: int | torch.Tensor | None = 1) -> ArgmaxCapture:
+    """Record the attention argmax of every layer and query head during forward calls.
+
+    Args:
+        model: a model on retmask attention (``retmask.patch`` / ``attn_implementation="retmask"``).
+        rows: int T = the last T query rows of each call (T' = min(T, rows of that call)); a bool
+            tensor [S] = those rows (every call must then have S query rows); None = all rows.
+
+    Use as ``with retmask.capture_argmax(model, rows=T) as cap: model(...)``; then ``cap.calls`` holds
+    one int64 tensor [L, B, Hq, T'] per forward call (``cap.last`` = newest), absolute key positions.
+    """
+    return ArgmaxCapture(model, rows)

@@ -1,0 +1,69 @@
+"""Runtime head masks on query heads: ``set_head_mask``, ``clear_head_mask``, ``head_mask``.
+
+A masked head is skipped by the kernel (``skip_heads``): its output is exactly 0 and it costs no work,
+which gives the same logits as a checkpoint with that head's o_proj columns zeroed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ..masking import HeadSpec, normalize_head_mask
+from .layers import head_layout
+from .patch import require_retmask
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    return module.o_proj.weight.device
+
+
+def set_head_mask(model: torch.nn.Module, heads: HeadSpec) -> torch.Tensor:
+    """Mask query heads at run time (replaces any previous mask).
+
+    Args:
+        heads: list of (layer, head) pairs (or "layer-head" strings), bool [L, Hq], or bool [B, L, Hq]
+            = one mask per batch row (every forward call must then have exactly B rows).
+
+    Returns:
+        the normalised CPU mask, bool [L, Hq] or [B, L, Hq].
+    """
+    require_retmask(model, "set_head_mask")
+    layout = head_layout(model)
+    mask = normalize_head_mask(heads, *layout.shape)
+    per_row = mask.dim() == 3
+    for layer_idx, module in enumerate(layout.layers):
+        skip = mask[:, layer_idx] if per_row else mask[layer_idx]  # [B, Hq] or [Hq]
+        # None for a layer without masked heads keeps the kernel on its fast path; decided once, here.
+        module._retmask_skip = skip.to(_device(module)) if bool(skip.any()) else None
+        # The batch size of a per-row mask, checked against every call even in layers without masked heads.
+        module._retmask_rows = mask.shape[0] if per_row else None
+    return mask
+
+
+def clear_head_mask(model: torch.nn.Module) -> None:
+    """Remove any runtime head mask."""
+    for module in head_layout(model).layers:
+        module._retmask_skip = None
+        module._retmask_rows = None
+
+
+def _current(model: torch.nn.Module) -> list[tuple[torch.Tensor | None, int | None]]:
+    return [
+        (getattr(m, "_retmask_skip", None), getattr(m, "_retmask_rows", None))
+        for m in head_layout(model).layers
+    ]
+
+
+@contextmanager
+def head_mask(model: torch.nn.Module, heads: HeadSpec) -> Iterator[torch.Tensor]:
+    """``with retmask.head_mask(model, heads): ...`` masks ``heads`` inside the block, then restores the
+    previous mask (if any). Yields the normalised mask."""
+    saved = _current(model)
+    try:
+        yield set_head_mask(model, heads)
+    finally:
+        for module, (skip, rows) in zip(head_layout(model).layers, saved, strict=True):
+            module._retmask_skip, module._retmask_rows = skip, rows

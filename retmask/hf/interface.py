@@ -1,0 +1,191 @@
+"""The ``"retmask"`` attention implementation for transformers, and its mask function.
+
+transformers calls ``retmask_attention(module, query, key, value, attention_mask, dropout=, scaling=, **kw)``
+from every attention layer of a model loaded with ``attn_implementation="retmask"``; it forwards to
+``retmask.kernels.attention``. Two per-layer attributes, set by ``retmask.set_head_mask`` and
+``retmask.capture_argmax`` on the attention modules, switch on head skipping and argmax capture:
+
+  ``module._retmask_skip``:    None or bool [Hq] / [B, Hq] (True = query head switched off)
+  ``module._retmask_rows``:    None or B, the batch size a per-row head mask was set for
+  ``module._retmask_capture``: None or an ``ArgmaxRecorder`` collecting the per-layer argmax
+
+The mask function hands the kernel the 2D ``[B, K]`` padding mask (flash-attention style) or None and
+leaves causality to the kernel: a 4D mask would cost O(Q*K) memory per row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    causal_mask_function,
+    flash_attention_mask,
+)
+
+from ..kernels import attention as kernel_attention
+
+NAME = "retmask"
+
+
+def _model_name(module_or_config: Any) -> str:
+    config = getattr(module_or_config, "config", module_or_config)
+    return getattr(config, "model_type", None) or type(module_or_config).__name__
+
+
+def _unsupported(model: str, feature: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"model '{model}' uses {feature}, which retmask attention does not support (the kernel computes plain "
+        "causal or bidirectional softmax attention with a padding mask); load this model with "
+        "attn_implementation='sdpa' or 'eager' instead, or pick a model without that feature"
+    )
+
+
+def _check_features(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+    """Raise for anything the kernel would silently get wrong."""
+    model = _model_name(module)
+    if kwargs.get("sliding_window") is not None:
+        raise _unsupported(model, f"sliding-window attention (window {kwargs['sliding_window']})")
+    if kwargs.get("softcap") is not None:
+        raise _unsupported(model, f"attention logit soft-capping (softcap={kwargs['softcap']})")
+    if kwargs.get("s_aux") is not None:
+        raise _unsupported(model, "attention sinks (s_aux)")
+    if kwargs.get("position_bias") is not None:
+        raise _unsupported(model, "an additive position bias")
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        raise _unsupported(model, "packed sequences (cu_seq_lens)")
+    cache = kwargs.get("cache")
+    if cache is not None and type(cache).__name__ == "PagedAttentionCache":
+        raise _unsupported(model, "a paged KV cache (continuous batching)")
+    if dropout and dropout > 0:
+        raise _unsupported(
+            model,
+            f"attention dropout ({dropout}) in training; set config.attention_dropout = 0.0 before training",
+        )
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            f"model '{model}': retmask attention never materialises attention weights, so "
+            "output_attentions=True is not available; use retmask.capture_argmax(model) for the per-head "
+            "argmax, or attn_implementation='eager' for full weights"
+        )
+
+
+def _key_padding_mask(
+    attention_mask: torch.Tensor | None,
+    module: torch.nn.Module,
+    batch: int,
+    kv_len: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The mask built by ``retmask_mask`` -> kernel ``key_padding_mask`` bool [B, N] (True = valid key)."""
+    if attention_mask is None:
+        return None
+    model = _model_name(module)
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"model '{model}': retmask attention takes a 2D padding mask [B, K], got a mask of shape "
+            f"{list(attention_mask.shape)} (a custom 4D mask passed to forward?); pass a 2D attention_mask "
+            "(1 = token, 0 = padding) instead"
+        )
+    if attention_mask.shape[1] != kv_len:
+        raise _unsupported(
+            model,
+            f"a KV cache whose length ({kv_len}) differs from the padding mask's ({attention_mask.shape[1]}), "
+            "e.g. a static/compileable cache; use the default DynamicCache",
+        )
+    if attention_mask.shape[0] != batch:
+        raise ValueError(
+            f"model '{model}': the padding mask has batch size {attention_mask.shape[0]} but the input has {batch}"
+        )
+    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+    return mask.to(device)
+
+
+def _skip_heads(module: torch.nn.Module, batch: int) -> torch.Tensor | None:
+    rows = getattr(module, "_retmask_rows", None)
+    if rows is not None and rows != batch:
+        raise ValueError(
+            f"model '{_model_name(module)}': the per-row head mask was set for batch size {rows} "
+            f"but this forward call has {batch} rows; set a mask of shape [{batch}, L, Hq] (or a shared "
+            "[L, Hq] mask) with retmask.set_head_mask. Note that generate() expands the batch for beam "
+            "search / num_return_sequences"
+        )
+    return getattr(module, "_retmask_skip", None)
+
+
+def retmask_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function.
+
+    query: [B, Hq, S, D] (a non-contiguous view); key, value: [B, Hkv, N, D] (not repeated for GQA; N
+    includes the KV cache); attention_mask: bool [B, N] padding mask or None (from ``retmask_mask``).
+    Returns (out [B, S, Hq, D] contiguous, None).
+    """
+    _check_features(module, dropout, kwargs)
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    B, _, S, _ = query.shape
+    kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
+    skip = _skip_heads(module, B)
+    recorder = getattr(module, "_retmask_capture", None)
+    if recorder is not None and recorder.active:
+        rows, select = recorder.rows_for_call(S)
+        out, argmax = kernel_attention(
+            query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
+            return_argmax=True, argmax_rows=rows,
+        )  # fmt: skip
+        if select is not None:
+            argmax = argmax.index_select(2, select.to(argmax.device))
+        recorder.record(module.layer_idx, argmax)
+    else:
+        out = kernel_attention(
+            query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def retmask_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """transformers mask function: bool [B, kv_length] padding mask (True = valid), or None if none.
+
+    Any mask pattern other than plain causal / bidirectional (sliding window, chunks, packed sequences,
+    custom overlays) cannot be expressed by a padding mask: raise instead of silently ignoring it.
+    """
+    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+        model = _model_name(kwargs.get("config"))
+        raise _unsupported(
+            model,
+            "an attention pattern other than plain causal/bidirectional (sliding-window or chunked attention, "
+            "packed sequences without an attention_mask, or a custom mask overlay)",
+        )
+    return flash_attention_mask(
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
+    )
+
+
+def register() -> None:
+    """Register ``"retmask"`` class-wide with transformers (idempotent). Runs at ``import retmask``."""
+    AttentionInterface.register(NAME, retmask_attention)
+    AttentionMaskInterface.register(NAME, retmask_mask)
+
+
+register()
