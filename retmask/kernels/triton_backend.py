@@ -1,0 +1,42 @@
+"""Triton backend of ``retmask.kernels.attention`` (imported lazily as backend "triton").
+
+Dispatch only: ``triton_fwd`` (prefill forward with argmax and head skipping), ``triton_decode``
+(M == 1, split over keys) and ``triton_bwd`` (FA2-style backward). Inputs arrive validated and
+normalised by ``attention()`` (see ``validation.py``): masks are contiguous bool, skip_heads is
+[B, Hq] or None, argmax_rows is in [0, M].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_decode import decode_forward
+from .triton_fwd import attention_forward
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    key_padding_mask: torch.Tensor | None,
+    skip_heads: torch.Tensor | None,
+    argmax_rows: int,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] -> (out [B, Hq, M, D] q.dtype,
+    argmax int64 [B, Hq, argmax_rows] | None, lse fp32 [B, Hq, M] | None).
+
+    One query row (decode) takes the split-key kernel; everything else the prefill kernel.
+    """
+    if q.shape[2] == 1:
+        return decode_forward(
+            q, k, v, key_padding_mask=key_padding_mask, skip_heads=skip_heads, sm_scale=sm_scale,
+            argmax_rows=argmax_rows, return_lse=return_lse,
+        )  # fmt: skip
+    return attention_forward(
+        q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, return_lse=return_lse,
+    )  # fmt: skip

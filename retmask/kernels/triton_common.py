@@ -1,0 +1,162 @@
+"""Shared host-side helpers of the Triton kernels: tile configs, active-pair lists, output allocation.
+
+Nothing here launches a kernel. The kernels themselves live in ``triton_fwd`` (prefill forward),
+``triton_decode`` (M == 1 forward) and ``triton_bwd`` (backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x * log2(e))
+LN2 = 0.6931471805599453
+
+# Debug aid for tests: when set to "1", every output buffer starts filled with a poison value (NaN for
+# floats, POISON_INDEX for argmax) instead of uninitialised memory, so an element a kernel forgot to
+# write is caught by comparison with the oracle instead of passing by luck.
+POISON_ENV = "RETMASK_TRITON_POISON"
+POISON_INDEX = -12345
+
+
+def interpreting() -> bool:
+    """True when the kernels run in the Triton interpreter (CPU tensors, tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` for ``tl.dot``: IEEE fp32 for fp32 inputs (TF32 drops 13 mantissa bits and
+    flips near-tie argmaxes), the native tensor-core path otherwise (ignored for fp16/bf16)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch parameters of one kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Fixed configs keyed by the padded head dim (BLOCK_D). These are conservative starting points chosen
+# by register/shared-memory budget, not measured: on a GPU, autotune them per (BLOCK_D, dtype, causal)
+# over BLOCK_M in {64, 128}, BLOCK_N in {32, 64, 128}, num_warps in {4, 8}, num_stages in {2, 3, 4}
+# (the interpreter has no driver, so @triton.autotune cannot run in the tests here).
+_FWD_CONFIGS: dict[int, TileConfig] = {
+    16: TileConfig(128, 64, 4, 3),
+    32: TileConfig(128, 64, 4, 3),
+    64: TileConfig(128, 64, 4, 3),
+    128: TileConfig(128, 64, 8, 3),
+    256: TileConfig(64, 32, 8, 2),
+}
+# The backward holds k, v, dk, dv (dK/dV kernel) or q, do, dq (dQ kernel) tiles at once: smaller tiles.
+_BWD_CONFIGS: dict[int, TileConfig] = {
+    16: TileConfig(64, 64, 4, 2),
+    32: TileConfig(64, 64, 4, 2),
+    64: TileConfig(64, 64, 4, 2),
+    128: TileConfig(32, 64, 8, 2),
+    256: TileConfig(16, 32, 8, 1),
+}
+# Decode: one query row per program, keys in BLOCK_N chunks; block_m is unused.
+_DECODE_CONFIGS: dict[int, TileConfig] = {
+    16: TileConfig(1, 128, 4, 2),
+    32: TileConfig(1, 128, 4, 2),
+    64: TileConfig(1, 64, 4, 2),
+    128: TileConfig(1, 64, 4, 2),
+    256: TileConfig(1, 32, 8, 2),
+}
+# In the interpreter small tiles make tiny test shapes span several blocks (ragged edges, causal
+# diagonal, multi-block online softmax) while keeping the number of simulated programs low.
+_INTERPRET_CONFIG = TileConfig(32, 16, 1, 1)
+
+
+def block_d(head_dim: int) -> int:
+    """Head dim padded to a power of two (>= 16, the smallest ``tl.dot`` operand); extra lanes masked."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _lookup(table: dict[int, TileConfig], head_dim: int) -> TileConfig:
+    if interpreting():
+        return _INTERPRET_CONFIG
+    return table[block_d(head_dim)]
+
+
+def fwd_config(head_dim: int) -> TileConfig:
+    return _lookup(_FWD_CONFIGS, head_dim)
+
+
+def bwd_config(head_dim: int) -> TileConfig:
+    return _lookup(_BWD_CONFIGS, head_dim)
+
+
+def decode_config(head_dim: int) -> TileConfig:
+    return _lookup(_DECODE_CONFIGS, head_dim)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a nominal 4 in the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def active_pairs(skip: torch.Tensor | None, rows: int, cols: int) -> tuple[torch.Tensor | None, int]:
+    """Flat indices ``b * cols + h`` of the enabled (batch, head) pairs as int32, and their count.
+
+    skip: bool [rows, cols] (True = disabled) or None (all enabled: returns None and the kernels use
+    the program id directly). The count sizes the launch grid, so this is the one host sync per call.
+    """
+    if skip is None:
+        return None, rows * cols
+    pairs = (~skip).reshape(-1).nonzero().flatten().to(torch.int32)
+    return pairs, int(pairs.numel())
+
+
+def poisoning() -> bool:
+    return os.environ.get(POISON_ENV) == "1"
+
+
+def new_float(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialised float buffer (NaN-filled when poisoning)."""
+    if poisoning():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def new_index(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Uninitialised int64 buffer (POISON_INDEX-filled when poisoning)."""
+    if poisoning():
+        return torch.full(shape, POISON_INDEX, dtype=torch.int64, device=device)
+    return torch.empty(shape, dtype=torch.int64, device=device)
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make ``t``'s GPU the current one (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def fill_skipped(
+    skip: torch.Tensor | None,
+    out: torch.Tensor,
+    argmax: torch.Tensor | None,
+    lse: torch.Tensor | None,
+) -> None:
+    """Write the fixed results of disabled heads, which no program visits: out 0, argmax -1, lse +inf
+    (+inf makes exp(s - lse) = 0, so a backward that read it would produce zero gradients).
+
+    skip: bool [B, Hq]; out: [B, Hq, M, D]; argmax: [B, Hq, T]; lse: [B, Hq, M]. Advanced indexing
+    touches only the disabled heads' elements.
+    """
+    if skip is None:
+        return
+    out[skip] = 0
+    if argmax is not None:
+        argmax[skip] = -1
+    if lse is not None:
+        lse[skip] = float("inf")

@@ -1,0 +1,229 @@
+"""Fused prefill forward: online softmax that also carries each row's maximal logit and its key index.
+
+Math. For one query row with scaled logits ``s_j`` (base 2: ``s_j = q.k_j * sm_scale * log2(e)``, so
+that ``exp2`` replaces ``exp``), attention is ``o = sum_j 2^(s_j) v_j / sum_j 2^(s_j)``. Keys arrive in
+blocks of BLOCK_N. Before a block we hold ``m`` (largest logit seen so far), ``l = sum 2^(s_j - m)`` and
+``acc = sum 2^(s_j - m) v_j`` over the keys seen. A block with maximum ``b`` moves the reference point
+to ``m' = max(m, b)``; the old sums are expressed relative to it by multiplying with
+``alpha = 2^(m - m')`` and the block's terms are added with weights ``p_j = 2^(s_j - m')``. After the
+last block ``o = acc / l`` and the log-sum-exp (natural log, what the backward needs) is
+``(m + log2 l) * ln 2``. Subtracting the running maximum keeps every exponent <= 0: no overflow.
+
+The argmax comes for free: ``m`` already *is* the running maximal logit, so we only add its position.
+Inside a block ``tl.max(..., return_indices=True)`` returns the first maximal column; the running
+index moves only when the block maximum is *strictly* greater than ``m``. Blocks are visited in
+increasing key order, so among tied maxima the smallest key index wins, as with ``torch.argmax``.
+
+Masking. Query row ``i`` sits at absolute position ``N - M + i``; causal rows see keys ``j <= N-M+i``;
+``key_padding_mask`` (True = valid) removes keys for a whole batch row. Disallowed logits become -inf.
+The key loop is split in two: blocks below the first row's position (seen by every row of the tile,
+never past N) need no causal or bounds mask; the remaining blocks up to the last row's position get
+the full mask. A row that has no valid key keeps ``m = -inf, l = 0``: the kernel substitutes 0 for the
+reference point so ``-inf - -inf`` never appears, writes ``o = 0``, argmax ``-1`` and ``lse = +inf``
+(so ``exp(s - lse) = 0`` in the backward: zero gradients, no NaN).
+
+Head skipping. The grid's second axis enumerates only the *enabled* (batch, head) pairs: an int32 list
+built on the host from ``skip_heads`` is indexed with ``program_id(1)``. Work is proportional to the
+enabled heads; the disabled heads' outputs are written on the host (0 / -1 / +inf).
+
+Argmax rows. Only the last T rows need an argmax. Query tiles that hold none of them are launched
+separately with the argmax bookkeeping compiled out, so teacher forcing (T ~ 50 of 50K rows) pays
+almost nothing for it.
+
+Layout: q [B, Hq, M, D] with arbitrary strides; k, v [B, Hkv, N, D] with arbitrary strides (GQA: query
+head h reads KV head ``h // (Hq // Hkv)``); D is padded to BLOCK_D (a power of two) with masked loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import (
+    active_pairs,
+    block_d,
+    device_guard,
+    dot_precision,
+    fill_skipped,
+    fwd_config,
+    new_float,
+    new_index,
+)
+
+
+@triton.jit
+def _fwd_block(
+    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Fold keys [start_n, start_n + BLOCK_N) into (acc [BM, BD], l_i [BM], m_i [BM], idx_i [BM])."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    if MASKED:
+        n_ok = cols < N
+    else:
+        n_ok = cols >= 0  # all in range: the caller only passes full blocks below N
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN] fp32
+    if MASKED or HAS_PAD:
+        valid = n_ok[None, :]
+        if MASKED and CAUSAL:
+            valid = valid & (cols[None, :] <= pos[:, None])
+        if HAS_PAD:
+            key_ok = tl.load(pad_base + cols, mask=cols < N, other=0) != 0
+            valid = valid & key_ok[None, :]
+        s = tl.where(valid, s, float("-inf"))
+    if TRACK_ARGMAX:
+        blk_max, blk_arg = tl.max(s, 1, return_indices=True)
+        # Strictly greater: an earlier (smaller) index keeps a tie.
+        idx_i = tl.where(blk_max > m_i, blk_arg + start_n, idx_i)
+    else:
+        blk_max = tl.max(s, 1)
+    m_new = tl.maximum(m_i, blk_max)
+    # Rows with no valid key so far: use 0 as reference point (all their terms are exp2(-inf) = 0).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new, idx_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, Lse, Argmax, PadMask, Pairs,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H_Q, GROUP, M, N, sm_scale, argmax_first_row, argmax_rows, first_m_block,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr,
+    TRACK_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M query rows of one enabled (batch, head) pair, all their keys."""
+    start_m = tl.program_id(0) + first_m_block
+    if HAS_PAIRS:
+        pair = tl.load(Pairs + tl.program_id(1)).to(tl.int64)
+    else:
+        pair = tl.program_id(1).to(tl.int64)
+    b = pair // H_Q
+    h = pair % H_Q
+    kvh = h // GROUP
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < M
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    pad_base = PadMask + b * N
+    pos = offs_m + (N - M)  # absolute position of each query row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    idx_i = tl.full([BLOCK_M], -1, dtype=tl.int32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    # Keys [0, full_hi) are in range and visible to every row of the tile: no causal/bounds mask.
+    first_pos = start_m * BLOCK_M + (N - M)
+    if CAUSAL:
+        hi = tl.minimum(N, first_pos + BLOCK_M)
+        full_hi = tl.minimum((first_pos + 1) // BLOCK_N, N // BLOCK_N) * BLOCK_N
+    else:
+        hi = N
+        full_hi = (N // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_hi, BLOCK_N):
+        acc, l_i, m_i, idx_i = _fwd_block(
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, TRACK_ARGMAX, DOT_PRECISION,
+        )  # fmt: skip
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i, idx_i = _fwd_block(
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, DOT_PRECISION,
+        )  # fmt: skip
+
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    out = acc / l_safe[:, None]  # rows without keys: acc == 0 -> out 0
+    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+        tl.store(Lse + pair * M + offs_m, lse, mask=m_ok)
+    if TRACK_ARGMAX:
+        t = offs_m - argmax_first_row
+        tl.store(Argmax + pair * argmax_rows + t, idx_i.to(tl.int64), mask=m_ok & (t >= 0))
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    key_padding_mask: torch.Tensor | None,
+    skip_heads: torch.Tensor | None,
+    argmax_rows: int,
+    return_lse: bool,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the prefill forward.
+
+    q: [B, Hq, M, D] (any strides); k, v: [B, Hkv, N, D] (any strides); key_padding_mask: bool [B, N]
+    contiguous or None; skip_heads: bool [B, Hq] contiguous or None; argmax_rows: T in [0, M].
+    block_m / block_n override the tile table (tests). Returns out [B, Hq, M, D] (q.dtype, contiguous),
+    argmax int64 [B, Hq, T] or None, lse fp32 [B, Hq, M] or None.
+    """
+    B, Hq, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    cfg = fwd_config(D)
+    bm, bn = block_m or cfg.block_m, block_n or cfg.block_n
+    device = q.device
+    out = new_float((B, Hq, M, D), q.dtype, device)
+    argmax = new_index((B, Hq, argmax_rows), device) if argmax_rows else None
+    lse = new_float((B, Hq, M), torch.float32, device) if return_lse else None
+    pairs, n_active = active_pairs(skip_heads, B, Hq)
+    fill_skipped(skip_heads, out, argmax, lse)
+    if n_active == 0:
+        return out, argmax, lse
+
+    dummy = out  # stands in for pointers whose use is compiled out
+    n_blocks = triton.cdiv(M, bm)
+    # Tiles [0, split) hold no argmax row: launch them without the argmax bookkeeping.
+    split = (M - argmax_rows) // bm if argmax_rows else n_blocks
+    launches = [(0, split, False), (split, n_blocks, True)]
+    with device_guard(q):
+        for lo, hi, track in launches:
+            if hi <= lo:
+                continue
+            _fwd_kernel[(hi - lo, n_active)](
+                q, k, v, out, lse if lse is not None else dummy, argmax if track else dummy,
+                key_padding_mask if key_padding_mask is not None else dummy,
+                pairs if pairs is not None else dummy,
+                *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                Hq, Hq // Hkv, M, N, float(sm_scale), M - argmax_rows, argmax_rows, lo,
+                HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(D),
+                CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=pairs is not None,
+                TRACK_ARGMAX=track, WRITE_LSE=return_lse, DOT_PRECISION=dot_precision(q.dtype),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+    return out, argmax, lse
+
+
+__all__ = ["attention_forward"]

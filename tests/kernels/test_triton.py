@@ -1,0 +1,259 @@
+"""Triton backend against the reference oracle (runs in the Triton interpreter on CPU-only machines).
+
+Every test poisons the kernels' output buffers (NaN / POISON_INDEX via RETMASK_TRITON_POISON), so an
+element a kernel forgets to write shows up as a mismatch. Shapes are tiny because the interpreter is
+slow; the interpreter tile config (BLOCK_M=32, BLOCK_N=16) still makes them span several ragged
+blocks. bf16 is not tested here: ``tl.dot`` on bf16 is wrong in the interpreter (triton#11584).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retmask.kernels import attention, reference_attention
+from retmask.kernels.reference import reference_logits
+from retmask.kernels.triton_common import POISON_ENV, POISON_INDEX, active_pairs
+from retmask.kernels.triton_decode import decode_forward
+from retmask.kernels.triton_fwd import attention_forward
+
+from .helpers import assert_argmax_matches, left_padding_mask, make_qkv
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+ARGMAX_ATOL = {torch.float32: 1e-4, torch.float16: 1e-3}
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setenv(POISON_ENV, "1")
+
+
+def _random_skip(B: int, Hq: int, seed: int, p: float = 0.4) -> torch.Tensor:
+    return torch.rand(B, Hq, generator=torch.Generator().manual_seed(seed)) < p
+
+
+def _reference_lse(q, k, *, causal, sm_scale, key_padding_mask, skip_heads):
+    """fp32 [B, Hq, M] log-sum-exp; +inf where a row has no valid key or the head is skipped."""
+    logits = reference_logits(q, k, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask)
+    lse = logits.logsumexp(-1)
+    lse = lse.masked_fill(~torch.isfinite(logits).any(-1), float("inf"))
+    if skip_heads is not None:
+        lse = lse.masked_fill(skip_heads[:, :, None], float("inf"))
+    return lse.float()
+
+
+def check_forward(
+    q, k, v, *, causal=True, pad=None, skip=None, argmax_rows=None, sm_scale=None, launcher=None, **kw
+):
+    """Run the Triton forward (``launcher`` or the public entry) and compare out, argmax and lse."""
+    D = q.shape[-1]
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    T = q.shape[2] if argmax_rows is None else argmax_rows
+    if launcher is None:
+        out, argmax = attention(
+            q, k, v, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip,
+            return_argmax=True, argmax_rows=T, backend="triton",
+        )  # fmt: skip
+        from retmask.kernels.triton_backend import forward
+
+        _, _, lse = forward(
+            q, k, v, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip,
+            argmax_rows=T, return_lse=True,
+        )  # fmt: skip
+    else:
+        out, argmax, lse = launcher(
+            q,
+            k,
+            v,
+            causal=causal,
+            sm_scale=scale,
+            key_padding_mask=pad,
+            skip_heads=skip,
+            argmax_rows=T,
+            return_lse=True,
+            **kw,
+        )
+    ref_out, ref_argmax = reference_attention(
+        q, k, v, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip, argmax_rows=T
+    )
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert argmax.dtype == torch.int64 and argmax.shape == (*q.shape[:2], T)
+    assert not torch.isnan(out).any(), "unwritten (poisoned) output elements"
+    assert not (argmax == POISON_INDEX).any(), "unwritten (poisoned) argmax elements"
+    torch.testing.assert_close(out, ref_out, **TOL[q.dtype])
+    assert_argmax_matches(
+        argmax, q, k, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip,
+        atol=ARGMAX_ATOL[q.dtype],
+    )  # fmt: skip
+    ref_lse = _reference_lse(q, k, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip)
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    return out, argmax
+
+
+# (B, Hq, Hkv, M, N, D): N not a multiple of 16/32, M in {1, some, N}, MHA / GQA / MQA, odd head dims.
+FWD_SHAPES = [
+    (1, 1, 1, 1, 1, 16),
+    (2, 4, 4, 37, 53, 32),  # MHA, M < N, ragged
+    (2, 4, 2, 70, 70, 24),  # GQA, prefill M == N, D padded 24 -> 32
+    (1, 4, 1, 17, 65, 64),  # MQA
+    (2, 2, 1, 33, 33, 96),  # D padded 96 -> 128
+    (1, 2, 2, 16, 48, 128),  # exact multiples of the blocks
+    (2, 3, 1, 1, 45, 16),  # decode through the public entry
+]
+
+
+@pytest.mark.parametrize("shape", FWD_SHAPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_matches_reference(shape, causal):
+    B, Hq, Hkv, M, N, D = shape
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=hash(shape) % 1000)
+    check_forward(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_forward_padding_skips_noncontiguous(dtype):
+    B, Hq, Hkv, M, N = 2, 4, 2, 40, 61
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, 32, dtype=dtype, seed=3, noncontiguous_q=True)
+    assert not q.is_contiguous()
+    pad = left_padding_mask(B, N, [0, 29])  # batch 1: rows at positions < 29 see no valid key
+    skip = torch.tensor([[False, True, False, True], [True, False, False, False]])
+    out, argmax = check_forward(q, k, v, pad=pad, skip=skip, argmax_rows=25)
+    assert (out[skip] == 0).all() and (argmax[skip] == -1).all()
+    # Batch 1, rows 0..7 sit at positions 21..28 < 29: no valid key -> 0 and -1.
+    assert (out[1, :, :8] == 0).all()
+
+
+def test_forward_noncontiguous_kv_and_custom_scale():
+    q, k, v = make_qkv(2, 4, 2, 20, 50, 16, seed=4)
+    k_t = k.transpose(1, 2).contiguous().transpose(1, 2)  # [B, Hkv, N, D] view of a [B, N, Hkv, D] buffer
+    v_t = v.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not k_t.is_contiguous()
+    check_forward(q, k_t, v_t, sm_scale=0.7, pad=left_padding_mask(2, 50, [3, 0]), argmax_rows=7)
+
+
+def test_forward_all_heads_skipped():
+    q, k, v = make_qkv(2, 4, 2, 9, 30, 16, seed=5)
+    skip = torch.ones(2, 4, dtype=torch.bool)
+    out, argmax = check_forward(q, k, v, skip=skip)
+    assert (out == 0).all() and (argmax == -1).all()
+
+
+def test_forward_one_dim_skip_mask_and_argmax_rows():
+    q, k, v = make_qkv(2, 4, 1, 50, 67, 32, seed=6)
+    # argmax_rows not aligned to a tile: the no-argmax launch and the argmax launch share a tile.
+    check_forward(q, k, v, skip=torch.tensor([True, False, False, True]).expand(2, 4), argmax_rows=19)
+    out, argmax = attention(
+        q, k, v, skip_heads=torch.tensor([True, False, False, True]), return_argmax=True, backend="triton"
+    )
+    assert argmax.shape == (2, 4, 50) and (argmax[:, [0, 3]] == -1).all()
+
+
+def test_rows_without_valid_key_fully_padded_batch():
+    q, k, v = make_qkv(2, 2, 1, 12, 40, 16, seed=7)
+    pad = left_padding_mask(2, 40, [40, 35])  # batch 0: no valid key at all
+    for causal in (True, False):
+        out, argmax = check_forward(q, k, v, causal=causal, pad=pad)
+        assert (out[0] == 0).all() and (argmax[0] == -1).all()
+
+
+@pytest.mark.parametrize("M", [1, 24])
+def test_exact_ties_pick_smallest_index(M):
+    """q = 0 makes every logit exactly 0: the argmax is the first valid (and causally visible) key."""
+    B, Hq, N = 2, 2, 57
+    q, k, v = make_qkv(B, Hq, 1, M, N, 16, seed=8)
+    q = torch.zeros_like(q)
+    pad = left_padding_mask(B, N, [0, 21])
+    _, argmax = check_forward(q, k, v, pad=pad)
+    assert (argmax[0] == 0).all() and (argmax[1] == 21).all()
+
+
+def test_duplicate_keys_tie_across_blocks():
+    """Copies of the best key in the same block and in later blocks: the smallest index must win."""
+    B, Hq, M, N, D = 1, 2, 6, 64, 16
+    q, k, v = make_qkv(B, Hq, 1, M, N, D, seed=9)
+    q = q[:, :1, :1].expand(B, Hq, M, D).clone()  # every head and row shares one query
+    best = q[0, 0, 0] / q[0, 0, 0].norm() * 8  # a key far more aligned with q than any random key
+    for j in (5, 9, 37, 60):  # 5 and 9 share a 16-key block; 37 and 60 are in later blocks
+        k[0, 0, j] = best
+    _, argmax = check_forward(q, k, v, causal=False)
+    assert (argmax == 5).all()
+    pad = left_padding_mask(B, N, [6])  # key 5 padded out: the next copy, 9, wins
+    _, argmax = check_forward(q, k, v, causal=False, pad=pad)
+    assert (argmax == 9).all()
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_splits(splits, dtype):
+    B, Hq, Hkv, N = 2, 4, 2, 70
+    q, k, v = make_qkv(B, Hq, Hkv, 1, N, 32, dtype=dtype, seed=10 + splits, noncontiguous_q=True)
+    pad = left_padding_mask(B, N, [0, 23])
+    skip = _random_skip(B, Hq, seed=splits)
+    check_forward(
+        q, k, v, pad=pad, skip=skip, launcher=decode_forward, num_splits=splits, block_n=16
+    )  # fmt: skip
+
+
+def test_decode_ties_across_splits_and_empty_splits():
+    """Exact ties spread over several splits keep the smallest index; splits holding only padding (all
+    -inf) must not disturb the merge; a fully padded row gives 0 / -1 / +inf."""
+    B, Hq, N = 3, 2, 64
+    q, k, v = make_qkv(B, Hq, 1, 1, N, 16, seed=11)
+    q = torch.zeros_like(q)  # every logit is 0
+    pad = left_padding_mask(B, N, [0, 40, N])  # batch 1: the first two 16-key splits are empty
+    out, argmax = check_forward(q, k, v, pad=pad, launcher=decode_forward, num_splits=4, block_n=16)
+    assert argmax[:, :, 0].tolist() == [[0, 0], [40, 40], [-1, -1]]
+    assert (out[2] == 0).all()
+
+
+def test_decode_all_heads_skipped_and_no_argmax():
+    q, k, v = make_qkv(1, 2, 1, 1, 20, 16, seed=12)
+    out, argmax, lse = decode_forward(
+        q, k, v, key_padding_mask=None, skip_heads=torch.ones(1, 2, dtype=torch.bool), sm_scale=0.25,
+        argmax_rows=1, return_lse=True,
+    )  # fmt: skip
+    assert (out == 0).all() and (argmax == -1).all() and torch.isinf(lse).all()
+    out, argmax, lse = decode_forward(
+        q, k, v, key_padding_mask=None, skip_heads=None, sm_scale=0.25, argmax_rows=0, return_lse=False
+    )
+    assert argmax is None and lse is None
+    torch.testing.assert_close(out, reference_attention(q, k, v, sm_scale=0.25)[0])
+
+
+def test_prefill_launcher_block_sizes():
+    """Other tile shapes (BLOCK_M != BLOCK_N, larger tiles) exercise the full/diagonal loop split."""
+    q, k, v = make_qkv(1, 2, 1, 45, 70, 16, seed=13)
+    pad = left_padding_mask(1, 70, [9])
+    for bm, bn in ((16, 32), (64, 16), (16, 16)):
+        check_forward(q, k, v, pad=pad, argmax_rows=45, launcher=attention_forward, block_m=bm, block_n=bn)
+
+
+def test_active_pairs():
+    skip = torch.tensor([[True, False, False], [False, True, True]])
+    pairs, n = active_pairs(skip, 2, 3)
+    assert n == 3 and pairs.dtype == torch.int32 and pairs.tolist() == [1, 2, 3]
+    assert active_pairs(None, 2, 3) == (None, 6)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    B=st.integers(1, 2),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    N=st.integers(1, 60),
+    m_frac=st.floats(0.0, 1.0),
+    D=st.sampled_from([8, 16, 40]),
+    causal=st.booleans(),
+    pad_frac=st.floats(0.0, 1.0),
+    skip_seed=st.integers(0, 100),
+)
+def test_forward_hypothesis_shapes(B, kv_heads, group, N, m_frac, D, causal, pad_frac, skip_seed):
+    M = max(1, round(m_frac * N))
+    Hq = kv_heads * group
+    q, k, v = make_qkv(B, Hq, kv_heads, M, N, D, seed=skip_seed)
+    pad = left_padding_mask(B, N, [int(pad_frac * N)] + [0] * (B - 1))
+    skip = _random_skip(B, Hq, seed=skip_seed, p=0.3)
+    check_forward(q, k, v, causal=causal, pad=pad, skip=skip, argmax_rows=max(1, M // 2))
