@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .triton_bwd import attention_backward
 from .triton_decode import decode_forward
 from .triton_fwd import attention_forward
 
@@ -39,4 +40,25 @@ def forward(
     return attention_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
         skip_heads=skip_heads, argmax_rows=argmax_rows, return_lse=return_lse,
+    )  # fmt: skip
+
+
+def backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    key_padding_mask: torch.Tensor | None,
+    skip_heads: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """grad_out, q, out: [B, Hq, M, D]; k, v: [B, Hkv, N, D]; lse: fp32 [B, Hq, M] from ``forward``
+    -> (dq [B, Hq, M, D], dk [B, Hkv, N, D], dv [B, Hkv, N, D]) in the inputs' dtypes."""
+    return attention_backward(
+        grad_out, q, k, v, out, lse, causal=causal, sm_scale=sm_scale,
+        key_padding_mask=key_padding_mask, skip_heads=skip_heads,
     )  # fmt: skip

@@ -257,3 +257,91 @@ def test_forward_hypothesis_shapes(B, kv_heads, group, N, m_frac, D, causal, pad
     pad = left_padding_mask(B, N, [int(pad_frac * N)] + [0] * (B - 1))
     skip = _random_skip(B, Hq, seed=skip_seed, p=0.3)
     check_forward(q, k, v, causal=causal, pad=pad, skip=skip, argmax_rows=max(1, M // 2))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward
+
+
+def _grads(backend, q, k, v, grad_out, **kw):
+    """(out, dq, dk, dv) of ``attention`` for one backend; reference grads in fp32 for fp16 inputs."""
+    if backend == "reference" and q.dtype == torch.float16:
+        q, k, v, grad_out = (t.float() for t in (q, k, v, grad_out))
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = attention(q, k, v, backend=backend, **kw)
+    out.backward(grad_out)
+    return out, q.grad, k.grad, v.grad
+
+
+GRAD_TOL = {torch.float32: dict(atol=5e-5, rtol=5e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+
+# (B, Hq, Hkv, M, N, D, pads, skip rows)
+GRAD_CASES = [
+    (1, 2, 2, 33, 33, 16, None, None),  # MHA prefill
+    (2, 4, 2, 37, 53, 24, [0, 45], [[False, True, False, False], [True, True, False, False]]),  # GQA
+    (2, 4, 1, 20, 47, 32, [5, 0], [[False, False, True, False], [False, False, False, False]]),  # MQA
+    (2, 2, 1, 1, 40, 16, [0, 12], [[False, True], [False, False]]),  # decode forward, generic backward
+    (1, 2, 1, 18, 30, 64, [30], None),  # every key padded: all gradients 0
+]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_backward_matches_reference(case, causal):
+    B, Hq, Hkv, M, N, D, pads, skip = case
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=20 + M, noncontiguous_q=True)
+    pad = None if pads is None else left_padding_mask(B, N, pads)
+    skip = None if skip is None else torch.tensor(skip)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(M))
+    kw = dict(causal=causal, key_padding_mask=pad, skip_heads=skip)
+    got = _grads("triton", q, k, v, grad_out, **kw)
+    ref = _grads("reference", q, k, v, grad_out, **kw)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
+        assert not torch.isnan(a).any(), f"{name}: NaN (unwritten or keyless rows)"
+        torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32], msg=lambda m, n=name: f"{n}: {m}")
+    _, dq, dk, dv = got
+    if skip is not None:
+        assert (dq[skip] == 0).all(), "disabled heads get no dq"
+        kv_off = skip.view(B, Hkv, Hq // Hkv).all(-1)
+        assert (dk[kv_off] == 0).all() and (dv[kv_off] == 0).all(), "KV heads of a disabled group"
+    if pads is not None and pads[0] == N:
+        assert (dq[0] == 0).all() and (dk[0] == 0).all() and (dv[0] == 0).all()
+
+
+def test_backward_fp16_noncontiguous_grad_out():
+    B, Hq, Hkv, M, N, D = 2, 4, 2, 40, 40, 32
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float16, seed=30, noncontiguous_q=True)
+    # transformers transposes the output: its gradient arrives as a [B, Hq, M, D] view of [B, M, Hq, D].
+    grad_out = torch.randn(B, M, Hq, D, generator=torch.Generator().manual_seed(3)).half().transpose(1, 2)
+    kw = dict(
+        causal=True, key_padding_mask=left_padding_mask(B, N, [0, 10]), skip_heads=_random_skip(B, Hq, 4)
+    )
+    got = _grads("triton", q, k, v, grad_out, **kw)
+    ref = _grads("reference", q, k, v, grad_out, **kw)
+    for a, b in zip(got, ref, strict=True):
+        assert a.dtype == torch.float16
+        torch.testing.assert_close(a.float(), b, **GRAD_TOL[torch.float16])
+
+
+def test_backward_all_heads_skipped_and_tile_shapes():
+    from retmask.kernels.triton_bwd import attention_backward
+
+    q, k, v = make_qkv(1, 2, 1, 21, 37, 16, seed=31)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    out, _, lse = attention_forward(
+        q, k, v, causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=None, argmax_rows=0,
+        return_lse=True,
+    )  # fmt: skip
+    _, *ref = _grads("reference", q, k, v, grad_out, causal=True, sm_scale=0.25)
+    for bm, bn in ((16, 32), (64, 16)):
+        got = attention_backward(
+            grad_out, q, k, v, out, lse, causal=True, sm_scale=0.25, key_padding_mask=None,
+            skip_heads=None, block_m=bm, block_n=bn,
+        )  # fmt: skip
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32])
+    skip = torch.ones(1, 2, dtype=torch.bool)
+    dq, dk, dv = attention_backward(
+        grad_out, q, k, v, out, lse, causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=skip
+    )
+    assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()

@@ -1,0 +1,309 @@
+"""FA2-style backward of the fused attention: gradients from the saved log-sum-exp, nothing materialised.
+
+Math. For one row, ``P_j = exp(s_j - lse)`` with ``s_j = sm_scale * q.k_j`` (the forward saved ``lse``,
+so P is recomputed blockwise without another softmax pass) and ``o = sum_j P_j v_j``. With upstream
+gradient ``dO``:
+
+* ``dV_j = sum_rows P_j dO``                         (o is linear in v)
+* ``dP_j = dO . v_j``
+* ``dS_j = P_j (dP_j - delta)``, ``delta = sum_j P_j dP_j = dO . o``   (softmax Jacobian; the second form
+  needs only the forward output, computed once per row by the *preprocess* kernel)
+* ``dQ = sm_scale * sum_j dS_j k_j``,  ``dK_j = sm_scale * sum_rows dS_j q``.
+
+Two kernels avoid atomics: the dK/dV kernel owns a block of keys of one KV head and loops over the
+query rows (and over every query head of its GQA group, so a KV head receives the sum of its group's
+contributions); the dQ kernel owns a block of query rows and loops over the keys. Both recompute
+``P`` in base 2: ``exp2(s * log2 e - lse * log2 e)``.
+
+Masking reproduces the forward exactly: disallowed keys (causal ``j > N - M + i``, padding, beyond N)
+and rows beyond M get ``P = 0``. A row with no valid key has ``lse = +inf``, so its ``P`` is 0 and its
+gradients are 0 with no NaN. Disabled heads contribute nothing: the dQ and preprocess grids enumerate
+only enabled (batch, head) pairs, the dK/dV kernel skips disabled heads of its group, and KV heads whose
+whole group is disabled are not launched (their dK/dV are written as 0 on the host), as are the
+disabled heads' dQ rows.
+
+Causal loops start where they can contribute: key block ``[n0, n0 + BLOCK_N)`` is seen only by rows with
+``N - M + i >= n0``, and row block ``[m0, m0 + BLOCK_M)`` sees keys up to ``N - M + m0 + BLOCK_M - 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import active_pairs, block_d, bwd_config, device_guard, dot_precision, new_float
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    Out, DO, Delta, Pairs,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_db, stride_dh, stride_dm, stride_dd,
+    H_Q, M,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAIRS: tl.constexpr,
+):  # fmt: skip
+    """delta[pair, i] = sum_d dO[i, d] * O[i, d] in fp32 for BLOCK_M rows of one enabled pair."""
+    if HAS_PAIRS:
+        pair = tl.load(Pairs + tl.program_id(1)).to(tl.int64)
+    else:
+        pair = tl.program_id(1).to(tl.int64)
+    b = pair // H_Q
+    h = pair % H_Q
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < M)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(
+        Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+        mask=mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :] * stride_dd,
+        mask=mask,
+        other=0.0,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + pair * M + offs_m, delta, mask=offs_m < M)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, PadMask, Skip, KvPairs,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_db, stride_dh, stride_dm, stride_dd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H_Q, H_KV, GROUP, M, N, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_PAIRS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (key block, enabled KV pair): dK, dV of BLOCK_N keys, summed over the group's heads."""
+    start_n = tl.program_id(0) * BLOCK_N
+    if HAS_PAIRS:
+        kv_pair = tl.load(KvPairs + tl.program_id(1)).to(tl.int64)
+    else:
+        kv_pair = tl.program_id(1).to(tl.int64)
+    b = kv_pair // H_KV
+    kvh = kv_pair % H_KV
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = cols < N
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(
+        K + b * stride_kb + kvh * stride_kh + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + b * stride_vb + kvh * stride_vh + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    key_ok = n_ok
+    if HAS_PAD:
+        key_ok = key_ok & (tl.load(PadMask + b * N + cols, mask=n_ok, other=0) != 0)
+    qk_scale = sm_scale * 1.4426950408889634
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Rows i with N - M + i >= start_n are the first that can see this key block.
+    if CAUSAL:
+        m_lo = (tl.maximum(start_n - (N - M), 0) // BLOCK_M) * BLOCK_M
+    else:
+        m_lo = 0
+    for g in range(0, GROUP):
+        h = kvh * GROUP + g
+        enabled = True
+        if HAS_SKIP:
+            enabled = tl.load(Skip + b * H_Q + h) == 0
+        if enabled:
+            pair = b * H_Q + h
+            q_base = Q + b * stride_qb + h * stride_qh
+            do_base = DO + b * stride_db + h * stride_dh
+            for start_m in range(m_lo, M, BLOCK_M):
+                rows = start_m + tl.arange(0, BLOCK_M)
+                m_ok = rows < M
+                row_mask = m_ok[:, None] & d_ok[None, :]
+                q = tl.load(
+                    q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0
+                )
+                do = tl.load(
+                    do_base + rows[:, None] * stride_dm + offs_d[None, :] * stride_dd,
+                    mask=row_mask,
+                    other=0.0,
+                )
+                # lse = +inf beyond M (and for keyless rows): P = exp2(s - inf) = 0.
+                lse2 = tl.load(Lse + pair * M + rows, mask=m_ok, other=float("inf")) * 1.4426950408889634
+                delta = tl.load(Delta + pair * M + rows, mask=m_ok, other=0.0)
+                s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BN, BM]
+                valid = key_ok[:, None] & m_ok[None, :]
+                if CAUSAL:
+                    valid = valid & (cols[:, None] <= (rows + (N - M))[None, :])
+                p_t = tl.where(valid, tl.exp2(s_t - lse2[None, :]), 0.0)
+                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    dk = dk * sm_scale
+    tl.store(
+        DK + b * stride_dkb + kvh * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+        dk.to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV + b * stride_dvb + kvh * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, PadMask, Pairs,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_db, stride_dh, stride_dm, stride_dd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H_Q, GROUP, M, N, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, enabled pair): dQ of BLOCK_M rows, looping over the visible keys."""
+    start_m = tl.program_id(0) * BLOCK_M
+    if HAS_PAIRS:
+        pair = tl.load(Pairs + tl.program_id(1)).to(tl.int64)
+    else:
+        pair = tl.program_id(1).to(tl.int64)
+    b = pair // H_Q
+    h = pair % H_Q
+    kvh = h // GROUP
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = rows < M
+    d_ok = offs_d < HEAD_DIM
+    row_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        mask=row_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_db + h * stride_dh + rows[:, None] * stride_dm + offs_d[None, :] * stride_dd,
+        mask=row_mask,
+        other=0.0,
+    )
+    lse2 = tl.load(Lse + pair * M + rows, mask=m_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(Delta + pair * M + rows, mask=m_ok, other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    pos = rows + (N - M)
+    qk_scale = sm_scale * 1.4426950408889634
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        hi = tl.minimum(N, start_m + BLOCK_M + (N - M))
+    else:
+        hi = N
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        n_ok = cols < N
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
+        valid = m_ok[:, None] & n_ok[None, :]
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= pos[:, None])
+        if HAS_PAD:
+            key_ok = tl.load(PadMask + b * N + cols, mask=n_ok, other=0) != 0
+            valid = valid & key_ok[None, :]
+        p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    dq = dq * sm_scale
+    tl.store(
+        DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+        dq.to(DQ.dtype.element_ty),
+        mask=row_mask,
+    )
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    key_padding_mask: torch.Tensor | None,
+    skip_heads: torch.Tensor | None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the fused forward.
+
+    grad_out, q, out: [B, Hq, M, D] (any strides); k, v: [B, Hkv, N, D] (any strides); lse: fp32
+    [B, Hq, M] contiguous from the forward (+inf for keyless rows); key_padding_mask: bool [B, N]
+    contiguous or None; skip_heads: bool [B, Hq] contiguous or None. block_m / block_n override the
+    tile table (tests). Returns dq [B, Hq, M, D], dk, dv [B, Hkv, N, D], contiguous, in the inputs'
+    dtypes; disabled heads give dq = 0 and no contribution to dk, dv.
+    """
+    B, Hq, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    cfg = bwd_config(D)
+    bm, bn = block_m or cfg.block_m, block_n or cfg.block_n
+    bd = block_d(D)
+    device = q.device
+    dq = new_float((B, Hq, M, D), q.dtype, device)
+    dk = new_float((B, Hkv, N, D), k.dtype, device)
+    dv = new_float((B, Hkv, N, D), v.dtype, device)
+    pairs, n_active = active_pairs(skip_heads, B, Hq)
+    kv_skip = None if skip_heads is None else skip_heads.view(B, Hkv, group).all(-1)
+    kv_pairs, n_kv_active = active_pairs(kv_skip, B, Hkv)
+    if skip_heads is not None:
+        dq[skip_heads] = 0
+        dk[kv_skip] = 0
+        dv[kv_skip] = 0
+    if n_active == 0:
+        return dq, dk, dv
+
+    delta = torch.empty((B, Hq, M), dtype=torch.float32, device=device)  # only enabled rows are read
+    dummy = dq
+    pad_arg = key_padding_mask if key_padding_mask is not None else dummy
+    precision = dot_precision(q.dtype)
+    common = dict(HEAD_DIM=D, BLOCK_D=bd, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    with device_guard(q):
+        _bwd_preprocess_kernel[(triton.cdiv(M, bm), n_active)](
+            out, grad_out, delta, pairs if pairs is not None else dummy,
+            *out.stride(), *grad_out.stride(), Hq, M,
+            BLOCK_M=bm, HAS_PAIRS=pairs is not None, **common,
+        )  # fmt: skip
+        _bwd_dkdv_kernel[(triton.cdiv(N, bn), n_kv_active)](
+            q, k, v, grad_out, lse, delta, dk, dv, pad_arg,
+            skip_heads if skip_heads is not None else dummy, kv_pairs if kv_pairs is not None else dummy,
+            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+            Hq, Hkv, group, M, N, float(sm_scale),
+            BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
+            HAS_SKIP=skip_heads is not None, HAS_PAIRS=kv_pairs is not None, DOT_PRECISION=precision,
+            **common,
+        )  # fmt: skip
+        _bwd_dq_kernel[(triton.cdiv(M, bm), n_active)](
+            q, k, v, grad_out, lse, delta, dq, pad_arg, pairs if pairs is not None else dummy,
+            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
+            Hq, group, M, N, float(sm_scale),
+            BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
+            HAS_PAIRS=pairs is not None, DOT_PRECISION=precision, **common,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+__all__ = ["attention_backward"]
