@@ -177,6 +177,15 @@ def retmask_mask(
             "an attention pattern other than plain causal/bidirectional (sliding-window or chunked attention, "
             "packed sequences without an attention_mask, or a custom mask overlay)",
         )
+    if isinstance(q_offset, torch.Tensor) or kv_offset != 0 or q_offset + q_length != kv_length:
+        # The kernel places query row i at key position kv_length - q_length + i; static caches (keys
+        # padded to a maximum length) and offset caches break that alignment.
+        raise _unsupported(
+            _model_name(kwargs.get("config")),
+            f"a KV cache whose keys are not exactly the past tokens followed by the queries (q_offset={q_offset}, "
+            f"q_length={q_length}, kv_length={kv_length}, kv_offset={kv_offset}; e.g. a static/compileable cache); "
+            "use the default DynamicCache",
+        )
     return flash_attention_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
     )

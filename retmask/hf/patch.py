@@ -28,10 +28,18 @@ def check_supported(model: torch.nn.Module) -> None:
             f"{type(model).__name__} does not route attention through AttentionInterface "
             "(_supports_attention_backend is False)",
         )
-    layout = head_layout(model)
+    try:
+        layout = head_layout(model)
+    except ValueError as err:
+        raise _fail(model_type, str(err)) from None
     for sub in (config, getattr(config, "text_config", None)):
         if sub is None:
             continue
+        for attr in ("attn_logit_softcapping", "attention_logit_softcapping"):
+            if getattr(sub, attr, None) is not None:
+                raise _fail(
+                    model_type, f"attention logit soft-capping is active ({attr}={getattr(sub, attr)})"
+                )
         kinds = set(getattr(sub, "layer_types", None) or [])
         if kinds - {"full_attention"}:
             raise _fail(model_type, f"its layers use {sorted(kinds - {'full_attention'})} attention")
@@ -39,11 +47,6 @@ def check_supported(model: torch.nn.Module) -> None:
             raise _fail(
                 model_type, f"sliding-window attention is active (sliding_window={sub.sliding_window})"
             )
-        for attr in ("attn_logit_softcapping", "attention_logit_softcapping"):
-            if getattr(sub, attr, None) is not None:
-                raise _fail(
-                    model_type, f"attention logit soft-capping is active ({attr}={getattr(sub, attr)})"
-                )
     if any(hasattr(m, "sinks") for m in layout.layers):
         raise _fail(model_type, "its attention layers have attention sinks")
 

@@ -1,0 +1,124 @@
+"""Runtime head masks equal checkpoints with zeroed o_proj columns; per-row masks; input errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import retmask
+
+from .conftest import random_batch, tiny_model, with_attn, zeroed_copy
+
+HEADS = [(0, 1), (1, 0), (1, 3)]  # query heads 0 and 1 share KV head 0: GQA must not leak
+
+
+def logits(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def test_head_mask_equals_zeroed_o_proj(arch):
+    model = tiny_model(arch)
+    zeroed = zeroed_copy(model, HEADS)
+    ids, mask = random_batch(2, 12, left_pad=[0, 3])
+    valid = mask.bool()
+    retmask.set_head_mask(model, HEADS)
+    try:
+        torch.testing.assert_close(
+            logits(model, ids, mask)[valid], logits(zeroed, ids, mask)[valid], atol=1e-4, rtol=1e-4
+        )
+    finally:
+        retmask.clear_head_mask(model)
+    plain = with_attn(model, "sdpa")
+    torch.testing.assert_close(
+        logits(model, ids, mask)[valid], logits(plain, ids, mask)[valid], atol=1e-4, rtol=1e-4
+    )
+
+
+def test_mask_forms_agree_and_context_manager_restores():
+    model = tiny_model("qwen3")
+    ids, mask = random_batch(2, 8)
+    as_tensor = torch.zeros(2, 4, dtype=torch.bool)
+    for layer, head in HEADS:
+        as_tensor[layer, head] = True
+    with retmask.head_mask(model, HEADS) as normalised:
+        assert torch.equal(normalised, as_tensor)
+        from_pairs = logits(model, ids, mask)
+    with retmask.head_mask(model, as_tensor):
+        from_tensor = logits(model, ids, mask)
+    with retmask.head_mask(model, ["0-1", "1-0", "1-3"]):
+        from_strings = logits(model, ids, mask)
+    assert torch.equal(from_pairs, from_tensor) and torch.equal(from_pairs, from_strings)
+    # Nested: the inner block restores the outer mask, the outer block restores "no mask".
+    unmasked = logits(model, ids, mask)
+    with retmask.head_mask(model, [(0, 0)]):
+        outer = logits(model, ids, mask)
+        with retmask.head_mask(model, HEADS):
+            pass
+        assert torch.equal(logits(model, ids, mask), outer)
+    assert torch.equal(logits(model, ids, mask), unmasked)
+
+
+def test_per_row_masks_equal_separate_runs(arch):
+    model = tiny_model(arch)
+    ids, mask = random_batch(3, 10, left_pad=[2, 0, 0])
+    rows = torch.zeros(3, 2, 4, dtype=torch.bool)
+    rows[0, 0, 1] = rows[0, 1, 2] = True  # row 0: two heads
+    rows[2, 1, 0] = rows[2, 1, 1] = rows[2, 0, 3] = True  # row 2: three heads; row 1: none
+    with retmask.head_mask(model, rows):
+        batched = logits(model, ids, mask)
+    for b in range(3):
+        with retmask.head_mask(model, rows[b]):
+            alone = logits(model, ids[b : b + 1], mask[b : b + 1])
+        valid = mask[b].bool()
+        torch.testing.assert_close(batched[b][valid], alone[0][valid], atol=1e-4, rtol=1e-4)
+
+
+def test_per_row_generate_equals_separate_generates():
+    model = tiny_model("llama")
+    ids, mask = random_batch(2, 7, left_pad=[0, 2], seed=5)
+    rows = torch.zeros(2, 2, 4, dtype=torch.bool)
+    rows[1, 0, 0] = rows[1, 1, 2] = True
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with retmask.head_mask(model, rows), torch.no_grad():
+        both = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    with torch.no_grad():
+        plain = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        with retmask.head_mask(model, rows[1]):
+            masked = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(both[0], plain[0]) and torch.equal(both[1], masked[1])
+
+
+def test_head_mask_errors():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"layer 2, head 0.*\[L, Hq\] = \[2, 4\]"):
+        retmask.set_head_mask(model, [(2, 0)])
+    with pytest.raises(ValueError, match=r"layer 0, head 4.*\[L, Hq\] = \[2, 4\]"):
+        retmask.set_head_mask(model, [(0, 4)])
+    with pytest.raises(ValueError, match=r"layer -1"):
+        retmask.set_head_mask(model, [(-1, 0)])
+    with pytest.raises(ValueError, match=r"\[L, Hq\] = \[2, 4\].*got \[3, 4\]"):
+        retmask.set_head_mask(model, torch.zeros(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="must be bool"):
+        retmask.set_head_mask(model, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="head entry #1"):
+        retmask.set_head_mask(model, [(0, 0), (1,)])
+    with pytest.raises(TypeError, match="list of"):
+        retmask.set_head_mask(model, 3)
+    with pytest.raises(ValueError, match="retmask.patch"):
+        retmask.set_head_mask(with_attn(model, "sdpa"), [(0, 0)])
+    ids, mask = random_batch(2, 5)
+    with retmask.head_mask(model, torch.zeros(3, 2, 4, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="batch size 3 but this forward call has 2 rows"):
+            logits(model, ids, mask)
+
+
+def test_masked_heads_get_no_gradient_through_attention():
+    model = tiny_model("llama")
+    model.train()
+    ids, _ = random_batch(2, 8)
+    with retmask.head_mask(model, [(0, 1)]):
+        model(input_ids=ids, labels=ids).loss.backward()
+    # The masked head's output is 0, so its o_proj columns receive no gradient.
+    grad = model.model.layers[0].self_attn.o_proj.weight.grad
+    assert grad[:, 16:32].abs().max() == 0 and grad[:, :16].abs().max() > 0
