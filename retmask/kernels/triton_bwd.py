@@ -259,7 +259,7 @@ def attention_backward(
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    cfg = bwd_config(D)
+    cfg = bwd_config(D, q.dtype)
     bm, bn = block_m or cfg.block_m, block_n or cfg.block_n
     bd = block_d(D)
     device = q.device

@@ -44,16 +44,22 @@ class TileConfig:
     num_stages: int
 
 
-# Fixed configs keyed by the padded head dim (BLOCK_D). These are conservative starting points chosen
-# by register/shared-memory budget, not measured: on a GPU, autotune them per (BLOCK_D, dtype, causal)
-# over BLOCK_M in {64, 128}, BLOCK_N in {32, 64, 128}, num_warps in {4, 8}, num_stages in {2, 3, 4}
-# (the interpreter has no driver, so @triton.autotune cannot run in the tests here).
+# Fixed configs keyed by the padded head dim (BLOCK_D) for 2-byte inputs (fp16/bf16); fp32 inputs use
+# the _FP32 overrides where the 2-byte tiles would overflow shared memory (q tile + num_stages x (k, v)
+# tiles must stay under ~227 KB on H100). These are conservative starting points chosen by
+# register/shared-memory budget, not measured: on a GPU, autotune them per (BLOCK_D, dtype, causal,
+# argmax on/off) over BLOCK_M in {64, 128}, BLOCK_N in {32, 64, 128}, num_warps in {4, 8},
+# num_stages in {2, 3, 4} (the interpreter has no driver, so @triton.autotune cannot run here).
 _FWD_CONFIGS: dict[int, TileConfig] = {
     16: TileConfig(128, 64, 4, 3),
     32: TileConfig(128, 64, 4, 3),
     64: TileConfig(128, 64, 4, 3),
     128: TileConfig(128, 64, 8, 3),
     256: TileConfig(64, 32, 8, 2),
+}
+_FWD_CONFIGS_FP32: dict[int, TileConfig] = {
+    128: TileConfig(64, 32, 4, 2),
+    256: TileConfig(32, 32, 4, 2),
 }
 # The backward holds k, v, dk, dv (dK/dV kernel) or q, do, dq (dQ kernel) tiles at once: smaller tiles.
 _BWD_CONFIGS: dict[int, TileConfig] = {
@@ -63,7 +69,12 @@ _BWD_CONFIGS: dict[int, TileConfig] = {
     128: TileConfig(32, 64, 8, 2),
     256: TileConfig(16, 32, 8, 1),
 }
-# Decode: one query row per program, keys in BLOCK_N chunks; block_m is unused.
+_BWD_CONFIGS_FP32: dict[int, TileConfig] = {
+    64: TileConfig(32, 64, 4, 2),
+    128: TileConfig(16, 32, 4, 2),
+    256: TileConfig(16, 16, 4, 1),
+}
+# Decode: one query row per program, keys in BLOCK_N chunks (no tensor cores); block_m is unused.
 _DECODE_CONFIGS: dict[int, TileConfig] = {
     16: TileConfig(1, 128, 4, 2),
     32: TileConfig(1, 128, 4, 2),
@@ -81,22 +92,27 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _lookup(table: dict[int, TileConfig], head_dim: int) -> TileConfig:
+def _lookup(
+    table: dict[int, TileConfig], fp32_table: dict[int, TileConfig], head_dim: int, dtype: torch.dtype
+) -> TileConfig:
     if interpreting():
         return _INTERPRET_CONFIG
-    return table[block_d(head_dim)]
+    bd = block_d(head_dim)
+    if dtype == torch.float32 and bd in fp32_table:
+        return fp32_table[bd]
+    return table[bd]
 
 
-def fwd_config(head_dim: int) -> TileConfig:
-    return _lookup(_FWD_CONFIGS, head_dim)
+def fwd_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
+    return _lookup(_FWD_CONFIGS, _FWD_CONFIGS_FP32, head_dim, dtype)
 
 
-def bwd_config(head_dim: int) -> TileConfig:
-    return _lookup(_BWD_CONFIGS, head_dim)
+def bwd_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
+    return _lookup(_BWD_CONFIGS, _BWD_CONFIGS_FP32, head_dim, dtype)
 
 
-def decode_config(head_dim: int) -> TileConfig:
-    return _lookup(_DECODE_CONFIGS, head_dim)
+def decode_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
+    return _lookup(_DECODE_CONFIGS, {}, head_dim, dtype)
 
 
 def num_sms(device: torch.device) -> int:

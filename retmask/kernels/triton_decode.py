@@ -185,7 +185,7 @@ def decode_forward(
     if M != 1:
         raise ValueError(f"decode_forward needs exactly one query row, got q of shape {list(q.shape)}")
     Hkv, N = k.shape[1], k.shape[2]
-    cfg = decode_config(D)
+    cfg = decode_config(D, q.dtype)
     bn = block_n or cfg.block_n
     device = q.device
     out = new_float((B, Hq, 1, D), q.dtype, device)

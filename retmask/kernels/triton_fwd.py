@@ -192,7 +192,7 @@ def attention_forward(
     """
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
-    cfg = fwd_config(D)
+    cfg = fwd_config(D, q.dtype)
     bm, bn = block_m or cfg.block_m, block_n or cfg.block_n
     device = q.device
     out = new_float((B, Hq, M, D), q.dtype, device)

@@ -345,3 +345,19 @@ def test_backward_all_heads_skipped_and_tile_shapes():
         grad_out, q, k, v, out, lse, causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=skip
     )
     assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_tile_tables_cover_head_dims_and_fit_shared_memory(monkeypatch, dtype):
+    """Every supported head dim has GPU configs whose pipelined forward tiles fit H100 shared memory."""
+    from retmask.kernels import triton_common as tc
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    size = torch.finfo(dtype).bits // 8
+    for D in range(1, 257):
+        bd = tc.block_d(D)
+        f, b, d = tc.fwd_config(D, dtype), tc.bwd_config(D, dtype), tc.decode_config(D, dtype)
+        assert min(f.block_m, f.block_n, b.block_m, b.block_n) >= 16, "tl.dot needs >= 16 rows/cols"
+        smem = (f.block_m * bd + f.num_stages * 2 * f.block_n * bd) * size
+        assert smem <= 227 * 1024, (D, dtype, f, smem)
+        assert d.block_n >= 16
