@@ -1,0 +1,406 @@
+"""CPU attention benchmark: eager softmax(QK^T)V + argmax vs PyTorch SDPA vs retmask's fused kernel.
+
+Every (method, shape) runs in a fresh subprocess (bench/common.py: peak RSS above the inputs, median
+wall time), so memory numbers do not leak between configs. fp32, B = 1, causal prefill (M = N).
+
+Methods:
+  eager        what ``output_attentions=True`` forces: repeat KV for GQA, materialise the [Hq, N, N]
+               logits and probabilities, softmax(QK^T)V, argmax of every row.
+  sdpa         torch.nn.functional.scaled_dot_product_attention (is_causal, enable_gqa): the floor,
+               no argmax.
+  ours_all     retmask.kernels.attention(backend="cpu", return_argmax=True): argmax of every row.
+  ours_last64  the same with argmax_rows=64 (teacher-forced retrieval scoring needs only the last rows).
+  cpp_* / blocked_*   the two CPU paths called directly (evidence for the dispatch in kernels/cpu.py).
+
+Usage:
+  flock /tmp/retmask-heavy.lock python bench/bench_attention.py            # full run (~15 min, 2 cores)
+  python bench/bench_attention.py --quick                                  # 1K-2K, a smoke test
+  python bench/bench_attention.py --max-n 8192 --out /tmp/attn             # cap N, other output prefix
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+MODELS: dict[str, tuple[int, int, int]] = {  # name: (Hq, Hkv, D)
+    "SmolLM2": (9, 3, 64),
+    "Llama-3.1-8B": (32, 8, 128),
+}
+FULL_NS = [1024, 2048, 4096, 8192, 16384, 32768]
+QUICK_NS = [1024, 2048]
+MAIN_METHODS = ["eager", "sdpa", "ours_all", "ours_last64"]
+SKIP_FRACTIONS = [0.0, 0.25, 0.5, 0.9]
+EAGER_MEMORY_FRACTION = 0.4  # run eager only if its estimated bytes fit in this share of MemAvailable
+LAST_ROWS = 64
+
+
+# ---- worker (runs in the subprocess) ---------------------------------------------------------------
+
+
+def _make_callable(cfg: dict[str, Any]):
+    """Build inputs and return (fn, description) for one config. Inputs are excluded from memory."""
+    import torch
+    import torch.nn.functional as F
+
+    from retmask.kernels import attention, cpu_blocked
+    from retmask.kernels import cpu as cpu_backend
+
+    Hq, Hkv, D, N, M = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["N"], cfg.get("M", cfg["N"])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, Hq, M, D, generator=gen)
+    k = torch.randn(1, Hkv, N, D, generator=gen)
+    v = torch.randn(1, Hkv, N, D, generator=gen)
+    scale = D**-0.5
+    g = Hq // Hkv
+    skip = None
+    if cfg.get("skip_frac"):
+        n_skip = round(cfg["skip_frac"] * Hq)
+        perm = torch.randperm(Hq, generator=torch.Generator().manual_seed(1))
+        skip = torch.zeros(Hq, dtype=torch.bool)
+        skip[perm[:n_skip]] = True
+    method = cfg["method"]
+    rows = {"all": M, "last64": min(LAST_ROWS, M)}
+
+    if method == "eager":
+
+        def fn():
+            kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # transformers' repeat_kv
+            s = torch.matmul(q, kr.transpose(-1, -2)) * scale
+            future = torch.ones(M, N, dtype=torch.bool).triu_(N - M + 1)
+            s.masked_fill_(future, float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            out = torch.matmul(p, vr)
+            return out, p.argmax(-1)
+
+    elif method == "sdpa":
+
+        def fn():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=M == N, scale=scale, enable_gqa=g > 1)
+
+    elif method.startswith("ours_"):
+        T = rows[method.split("_", 1)[1]]
+
+        def fn():
+            return attention(q, k, v, skip_heads=skip, return_argmax=True, argmax_rows=T, backend="cpu")
+
+    elif method.startswith(("cpp_", "blocked_")):
+        path, which = method.split("_", 1)
+        T = rows[which]
+        skip_b = skip.expand(1, Hq).contiguous() if skip is not None else None
+        if path == "cpp":
+
+            def fn():
+                return cpu_backend.cpp_forward(
+                    q, k, v, causal=True, sm_scale=scale, key_padding_mask=None, skip_heads=skip_b,
+                    argmax_rows=T,
+                )  # fmt: skip
+
+        else:
+
+            def fn():
+                return cpu_blocked.forward(
+                    q, k, v, causal=True, sm_scale=scale, key_padding_mask=None, skip_heads=skip_b,
+                    argmax_rows=T,
+                )  # fmt: skip
+
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    return fn
+
+
+def _import_kernels_only() -> None:
+    """Make ``import retmask.kernels`` skip ``retmask/__init__`` (which imports transformers, ~5 s):
+    each config is a fresh process, and their start-up would otherwise dominate a full run."""
+    import importlib.util
+    import types
+
+    if "retmask" in sys.modules:
+        return
+    spec = importlib.util.find_spec("retmask")
+    pkg = types.ModuleType("retmask")
+    pkg.__path__ = list(spec.submodule_search_locations)
+    sys.modules["retmask"] = pkg
+
+
+def worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    _import_kernels_only()
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    with torch.inference_mode():
+        fn = _make_callable(cfg)
+        mem = common.PeakMemory()
+        mem.start()
+        times = common.time_calls(fn, cfg["repeats"], cfg["warmup"])
+        peak = mem.stop()
+    return {"times": times, "median": common.median(times), "peak": peak, "peak_exact": mem.exact}
+
+
+# ---- driver ----------------------------------------------------------------------------------------
+
+
+def causal_flops(Hq: int, N: int, D: int, M: int | None = None) -> float:
+    """FLOPs of causal attention (QK^T and PV over the lower triangle)."""
+    M = N if M is None else M
+    return 4.0 * Hq * D * M * (N - M / 2)
+
+
+def repeats_for(flops: float, quick: bool) -> tuple[int, int]:
+    """(repeats, warmup): fewer at large sizes so a full run stays near 15 minutes on 2 cores."""
+    est = flops / 150e9  # seconds at roughly SDPA's rate here
+    if quick or est < 0.5:
+        return 5, 1
+    if est < 4:
+        return 3, 1
+    if est < 15:
+        return 2, 0
+    return 1, 0
+
+
+def eager_bytes(Hq: int, Hkv: int, N: int, D: int) -> int:
+    """Bytes the eager method materialises: fp32 logits and probabilities [Hq, N, N], the bool causal
+    mask [N, N], the repeated K/V [Hq, N, D] and the output."""
+    return 2 * Hq * N * N * 4 + N * N + 2 * Hq * N * D * 4 + Hq * N * D * 4
+
+
+class Runner:
+    def __init__(self, threads: int, quick: bool, log) -> None:
+        self.threads, self.quick, self.log = threads, quick, log
+        self.results: list[dict[str, Any]] = []
+
+    def run(self, model: str, N: int, method: str, M: int | None = None, skip_frac: float = 0.0,
+            repeats: tuple[int, int] | None = None) -> dict[str, Any]:  # fmt: skip
+        Hq, Hkv, D = MODELS[model]
+        M = N if M is None else M
+        reps, warm = repeats or repeats_for(causal_flops(Hq, N, D, M), self.quick)
+        if method == "eager":
+            reps, warm = min(reps, 2), 0  # eager is 5-10x slower; one or two calls suffice
+        cfg = dict(Hq=Hq, Hkv=Hkv, D=D, N=N, M=M, method=method, skip_frac=skip_frac, repeats=reps,
+                   warmup=warm, threads=self.threads)  # fmt: skip
+        t0 = time.time()
+        res = common.run_worker(__file__, cfg, timeout=900)
+        res.update(model=model, N=N, M=M, method=method, skip_frac=skip_frac)
+        self.results.append(res)
+        status = res.get("error") or (
+            f"{common.fmt_seconds(res['median'])}  peak +{common.fmt_bytes(res['peak'])}  (n={reps})"
+        )
+        self.log(f"  {model:13s} N={N:6d} M={M:6d} {method:15s} skip={skip_frac:4.2f}  {status}"
+                 f"  [{time.time() - t0:.0f} s wall]")  # fmt: skip
+        return res
+
+
+def main_table(results: list[dict], models: list[str], ns: list[int]) -> tuple[list[str], list[list[str]]]:
+    by = {(r["model"], r["N"], r["method"]): r for r in results if r["M"] == r["N"] and not r["skip_frac"]}
+    headers = ["model", "N"]
+    for m in MAIN_METHODS:
+        headers += [f"{m} time", f"{m} peak"]
+    headers += ["eager/sdpa time", "ours_all/sdpa time", "ours_last64/sdpa time", "ours_all/sdpa peak",
+                "ours_last64/sdpa peak"]  # fmt: skip
+    rows = []
+    for model in models:
+        Hq, Hkv, D = MODELS[model]
+        for N in ns:
+            base = by.get((model, N, "sdpa"))
+            if base is None:
+                continue
+            row = [model, str(N)]
+            ratios_t, ratios_m = {}, {}
+            for m in MAIN_METHODS:
+                r = by.get((model, N, m))
+                if r is None or "error" in r:
+                    if m == "eager":
+                        why = r["error"] if r and "error" in r else "not run"
+                        row += [f"skipped ({why})", f"needs ~{common.fmt_bytes(eager_bytes(Hq, Hkv, N, D))}"]
+                    else:
+                        row += ["error", "-"]
+                    continue
+                row += [common.fmt_seconds(r["median"]), common.fmt_bytes(r["peak"])]
+                if "error" not in base:
+                    ratios_t[m] = r["median"] / base["median"]
+                    ratios_m[m] = r["peak"] / max(base["peak"], 1)
+            row += [common.fmt_ratio(ratios_t.get(m)) for m in ("eager", "ours_all", "ours_last64")]
+            row += [common.fmt_ratio(ratios_m.get(m)) for m in ("ours_all", "ours_last64")]
+            rows.append(row)
+    return headers, rows
+
+
+def plot(results: list[dict], models: list[str], ns: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
+    labels = {"eager": "eager + argmax", "sdpa": "SDPA (no argmax)", "ours_all": "ours, argmax all rows",
+              "ours_last64": "ours, argmax last 64 rows"}  # fmt: skip
+    styles = {"eager": "o-", "sdpa": "s-", "ours_all": "^-", "ours_last64": "v--"}
+    for col, model in enumerate(models):
+        for method in MAIN_METHODS:
+            pts = [(r["N"], r["median"], r["peak"]) for r in results
+                   if r["model"] == model and r["method"] == method and r["M"] == r["N"]
+                   and not r["skip_frac"] and "error" not in r and r["N"] in ns]  # fmt: skip
+            if not pts:
+                continue
+            x, t, m = zip(*sorted(pts), strict=True)
+            axes[0][col].plot(x, t, styles[method], label=labels[method])
+            axes[1][col].plot(x, [b / 1e6 for b in m], styles[method], label=labels[method])
+        Hq, Hkv, D = MODELS[model]
+        axes[0][col].set_title(f"{model} shape (Hq={Hq}, Hkv={Hkv}, D={D}), fp32, causal")
+        axes[0][col].set_ylabel("median time (s)")
+        axes[1][col].set_ylabel("peak RSS above inputs (MB)")
+        for row in (0, 1):
+            ax = axes[row][col]
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length N")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(json.loads(sys.argv[2]))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="N in {1K, 2K}, fewer configs (smoke test)")
+    ap.add_argument("--max-n", type=int, default=None, help="largest N to run")
+    ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--out", default=None, help="output prefix (default bench/results/attention_cpu, "
+                    "or /tmp/attention_cpu_quick with --quick)")  # fmt: skip
+    ap.add_argument("--no-paths", action="store_true", help="skip the cpp-vs-blocked path comparison")
+    args = ap.parse_args()
+
+    import os
+
+    threads = args.threads or os.cpu_count() or 1
+    ns = QUICK_NS if args.quick else FULL_NS
+    if args.max_n:
+        ns = [n for n in ns if n <= args.max_n]
+    out_prefix = Path(args.out or ("/tmp/attention_cpu_quick" if args.quick else
+                                   Path(__file__).parent / "results" / "attention_cpu"))  # fmt: skip
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    machine = common.machine_description()
+    machine["threads used"] = str(threads)
+    log("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
+    runner = Runner(threads, args.quick, log)
+    t_start = time.time()
+    mem_avail = common.mem_available_bytes()
+
+    log("== main: eager vs SDPA vs ours (causal prefill, B=1, fp32) ==")
+    eager_skipped = []
+    for model in args.models:
+        Hq, Hkv, D = MODELS[model]
+        for N in ns:
+            for method in MAIN_METHODS:
+                if method == "eager":
+                    need = eager_bytes(Hq, Hkv, N, D)
+                    if need > EAGER_MEMORY_FRACTION * mem_avail:
+                        eager_skipped.append((model, N, need))
+                        log(f"  {model:13s} N={N:6d} eager skipped: needs ~{common.fmt_bytes(need)}, "
+                            f"{common.fmt_bytes(mem_avail)} available")  # fmt: skip
+                        continue
+                runner.run(model, N, method)
+
+    log("== head-skip sweep: ours, argmax on all rows ==")
+    sweep = []
+    sweep_cfgs = [("SmolLM2", 8192), ("Llama-3.1-8B", 4096)] if not args.quick else [("SmolLM2", 2048)]
+    for model, N in sweep_cfgs:
+        if model not in args.models or (args.max_n and N > args.max_n):
+            continue
+        for f in SKIP_FRACTIONS:
+            sweep.append(runner.run(model, N, "ours_all", skip_frac=f))
+
+    paths = []
+    if not args.no_paths:
+        log("== CPU path comparison (dispatch evidence): fused C++ vs blocked torch ==")
+        prefill_ns = [2048, 8192] if not args.quick else [1024]
+        for model in args.models:
+            for N in prefill_ns:
+                if args.max_n and N > args.max_n:
+                    continue
+                for method in ("cpp_all", "blocked_all", "cpp_last64", "blocked_last64"):
+                    paths.append(runner.run(model, N, method))
+            for N in [n for n in (2048, 8192, 32768) if not args.max_n or n <= args.max_n]:
+                if args.quick and N > 2048:
+                    continue
+                for method in ("sdpa", "cpp_all", "blocked_all"):  # decode: M = 1, argmax of the one row
+                    paths.append(runner.run(model, N, method, M=1, repeats=(20, 3)))
+
+    elapsed = time.time() - t_start
+    log(f"total benchmark wall time: {elapsed / 60:.1f} min")
+
+    # ---- report ----------------------------------------------------------------------------------
+    md = [f"# CPU attention benchmark ({'quick' if args.quick else 'full'} run)", ""]
+    md += [f"Generated by `bench/bench_attention.py{' --quick' if args.quick else ''}` on "
+           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {elapsed / 60:.1f} min.", ""]  # fmt: skip
+    md += [common.markdown_table(["", ""], [[k, v] for k, v in machine.items()]), ""]
+    md += ["Method: every cell is a fresh subprocess; time = median wall time of the repeats (fewer at large "
+           "N); peak = peak RSS above the inputs (VmHWM after resetting it via /proc/self/clear_refs, minus "
+           "RSS once the inputs exist; outputs included). The machine is shared: other light processes may "
+           "have been running; heavy jobs were serialised with a lock. Compare ratios within this run.", ""]  # fmt: skip
+    headers, rows = main_table(runner.results, args.models, ns)
+    md += [
+        "## Eager vs SDPA vs ours (causal prefill M = N, B = 1, fp32)",
+        "",
+        common.markdown_table(headers, rows),
+        "",
+    ]
+    if eager_skipped:
+        md += ["Eager runs skipped because their materialised logits/probabilities would not fit "
+               f"(> {EAGER_MEMORY_FRACTION:.0%} of {common.fmt_bytes(mem_avail)} available):", ""]  # fmt: skip
+        md += [f"- {m}, N={n}: eager needs ~{common.fmt_bytes(b)}" for m, n, b in eager_skipped] + [""]
+    if sweep:
+        srows = []
+        for model, N in sweep_cfgs:
+            pts = [r for r in sweep if r["model"] == model and r["N"] == N and "error" not in r]
+            base = next((r for r in pts if r["skip_frac"] == 0), None)
+            for r in pts:
+                Hq = MODELS[model][0]
+                srows.append([model, str(N), f"{r['skip_frac']:.0%} ({round(r['skip_frac'] * Hq)}/{Hq})",
+                              common.fmt_seconds(r["median"]),
+                              common.fmt_ratio(r["median"] / base["median"] if base else None)])  # fmt: skip
+        md += ["## Head-skip sweep (ours, argmax on all rows)", "",
+               common.markdown_table(["model", "N", "heads skipped", "time", "vs none"], srows), ""]  # fmt: skip
+    if paths:
+        prow = []
+        for r in paths:
+            if "error" in r:
+                continue
+            prow.append([r["model"], str(r["N"]), str(r["M"]), r["method"], common.fmt_seconds(r["median"]),
+                         common.fmt_bytes(r["peak"])])  # fmt: skip
+        md += ["## CPU path comparison (dispatch evidence)", "",
+               "`cpp_*` = fused C++ kernel, `blocked_*` = SDPA output + key-blocked torch argmax scan; "
+               "`_all` = argmax of every row, `_last64` = of the last 64 rows; M = 1 rows are decode steps.",
+               "", common.markdown_table(["model", "N", "M", "path", "time", "peak"], prow), ""]  # fmt: skip
+    md_path = out_prefix.with_suffix(".md")
+    md_path.write_text("\n".join(md))
+    (out_prefix.parent / (out_prefix.name + ".json")).write_text(
+        json.dumps({"machine": machine, "results": runner.results}, indent=1)
+    )
+    plot(runner.results, args.models, ns, out_prefix.with_suffix(".png"))
+    print()
+    print(common.text_table(headers, rows))
+    print(f"\nwrote {md_path}, {out_prefix.with_suffix('.png')}, {out_prefix.name}.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Shared benchmark utilities: machine description, per-config subprocesses with peak-memory
+measurement, timing, Markdown tables and plots.
+
+Memory method (Linux): a config runs in a fresh Python subprocess. After its inputs are built, the
+worker resets the kernel's peak-RSS counter (``echo 5 > /proc/self/clear_refs`` resets ``VmHWM``) and
+records the current RSS; after the timed calls it reads ``VmHWM`` again. ``peak - baseline`` is the
+most memory the measured calls held at once beyond their inputs (outputs included), as the OS saw it.
+Where ``clear_refs`` is unavailable the lifetime peak (``ru_maxrss``) is used and the result is marked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+# ---- machine ---------------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    """CPU model name from /proc/cpuinfo (falls back to platform.processor())."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 when unknown)."""
+    try:
+        m = re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text())
+        return int(m.group(1)) * 1024 if m else 0
+    except OSError:
+        return 0
+
+
+def mem_total_bytes() -> int:
+    try:
+        m = re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text())
+        return int(m.group(1)) * 1024 if m else 0
+    except OSError:
+        return 0
+
+
+def machine_description() -> dict[str, str]:
+    """CPU model, cores, SIMD level, memory, torch / python versions, threads used by torch."""
+    import torch
+
+    flags = cpu_flags()
+    simd = "avx512f" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")
+    return {
+        "cpu": cpu_model(),
+        "cores": str(os.cpu_count()),
+        "torch_threads": str(torch.get_num_threads()),
+        "simd": simd,
+        "memory": f"{mem_total_bytes() / 2**30:.1f} GiB",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "os": platform.platform(),
+    }
+
+
+# ---- memory inside a worker ------------------------------------------------------------------------
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        m = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+        return int(m.group(1)) if m else None
+    except OSError:
+        return None
+
+
+class PeakMemory:
+    """Peak RSS above a baseline, for the code run between ``start()`` and ``stop()`` (bytes)."""
+
+    def __init__(self) -> None:
+        self.baseline = 0
+        self.exact = True
+
+    def start(self) -> None:
+        import gc
+
+        gc.collect()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        except OSError:
+            self.exact = False
+        rss = _status_kb("VmRSS")
+        self.baseline = (rss or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    def stop(self) -> int:
+        hwm = _status_kb("VmHWM") if self.exact else None
+        peak = (hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return max(0, peak - self.baseline)
+
+
+def time_calls(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+# ---- subprocess driver -----------------------------------------------------------------------------
+
+
+def run_worker(script: str | Path, config: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    """Run ``python script --worker '<json config>'`` in a fresh process; it must print one JSON object
+    on its last stdout line. Returns that object, or ``{"error": ...}`` on failure / timeout."""
+    cmd = [sys.executable, str(script), "--worker", json.dumps(config)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    return json.loads(lines[-1])
+
+
+# ---- formatting ------------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """GitHub Markdown table."""
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Fixed-width table for the terminal."""
+    widths = [
+        max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True))
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
