@@ -524,12 +524,53 @@ def _mc(question: str, options: list[str], answer: str) -> tuple[str, str]:
     return f"{question}\n{lines}\nAnswer with the letter only.", _LETTERS[options.index(answer)]
 
 
+def _near_misses(n: _Names, right: str, mutate: Callable[[str], str], k: int = 3) -> list[str]:
+    """``k`` distinct corruptions of ``right``: the options a model that half-copied would pick."""
+    out: list[str] = []
+    for _ in range(200):
+        v = mutate(right)
+        if v != right and v not in out:
+            out.append(v)
+            if len(out) == k:
+                return out
+    raise RuntimeError(f"cannot corrupt {right!r} into {k} distinct options")
+
+
 def _mc_address(n: _Names) -> tuple[str, str | None]:
+    # Options differ from the right address in one detail (number, direction, street kind, town, postcode),
+    # like the masked model's "No.8 Wuke West Second Road" -> "No.8, Wuke Road" in the paper's Figure 7.
     company = n.company()
-    addresses = n.distinct(n.address, 4)
-    right = addresses[0]
-    n.rng.shuffle(addresses)
-    return _mc(f"{company} is located at {right}. Which address is correct?", addresses, right)
+    street, town_zip = n.street(), f"{n.town()} {n.rng.randint(10000, 99999)}"
+    right = f"{street}, {town_zip}"
+
+    def mutate(addr: str) -> str:
+        r = n.rng
+        number, rest = addr.split(" ", 1)
+        road, place = rest.split(", ", 1)
+        town, postcode = place.rsplit(" ", 1)
+        change = r.randrange(5)
+        if change == 0:
+            delta = r.choice([-10, -1, 1, 10])
+            value = int(number[3:]) + delta
+            number = f"No.{value if value >= 1 else value + 2 * abs(delta)}"
+        elif change == 1:
+            words = road.split()
+            if words[0] in ("North", "West", "East", "Upper", "Lower"):
+                words = words[1:]
+            else:
+                words = [r.choice(["North", "West", "East", "Upper", "Lower"]), *words]
+            road = " ".join(words)
+        elif change == 2:
+            road = " ".join([*road.split()[:-1], r.choice(_STREET_KINDS)])
+        elif change == 3:
+            town = town[: len(town) // 2] + r.choice(_TOWN_ENDS)
+        else:
+            postcode = postcode[:-2] + f"{r.randint(0, 99):02d}"
+        return f"{number} {road}, {town} {postcode}"
+
+    options = [right, *_near_misses(n, right, mutate)]
+    n.rng.shuffle(options)
+    return _mc(f"{company} is located at {right}. Which address is correct?", options, right)
 
 
 def _mc_role(n: _Names) -> tuple[str, str | None]:
@@ -563,12 +604,24 @@ def _mc_arith(n: _Names) -> tuple[str, str | None]:
 
 def _mc_code(n: _Names) -> tuple[str, str | None]:
     product = n.rng.choice(_PRODUCTS)
-    codes = n.distinct(n.code, 4)
-    right = codes[0]
-    n.rng.shuffle(codes)
+    right = n.code()
+
+    def mutate(code: str) -> str:
+        # one changed or swapped character: codes that look right at a glance
+        chars = list(code)
+        i = n.rng.choice([0, 1, 3, 4, 5, 6, 8])
+        if n.rng.random() < 0.5 and i in (3, 4, 5):
+            chars[i], chars[i + 1] = chars[i + 1], chars[i]
+        else:
+            pool = "0123456789" if chars[i].isdigit() else "ABCDEFGHJKLMNPQRSTUVWXYZ"
+            chars[i] = n.rng.choice(pool)
+        return "".join(chars)
+
+    options = [right, *_near_misses(n, right, mutate)]
+    n.rng.shuffle(options)
     return _mc(
         f"The {product} in the catalogue of {n.company()} has product code {right}. Which is its code?",
-        codes,
+        options,
         right,
     )
 
