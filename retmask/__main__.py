@@ -1,0 +1,7 @@
+"""``python -m retmask <command>`` (also ``torchrun ... -m retmask detect``)."""
+
+import sys
+
+from retmask.cli import main
+
+sys.exit(main())

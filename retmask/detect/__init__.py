@@ -1,0 +1,25 @@
+"""Retrieval-head detection (Wu et al. 2024 retrieval score; DESIGN.md §1).
+
+core.py     per-test copy counting: the step-by-step oracle and the fast path (proven equal by tests)
+drafts.py   prompt-lookup drafts for the fast path's verification passes
+stopping.py newline / EOS stop tokens
+scores.py   per-head scores JSON, summary, sparsity histogram, the --until-stable rule
+run.py      the driver: grid, prefix-ordered execution, resume, run record
+"""
+
+from .core import FastDetector, TestOutcome, oracle_detect
+from .run import DetectConfig, DetectResult, run_detect
+from .scores import head_scores, summarize
+from .stopping import stop_token_ids
+
+__all__ = [
+    "DetectConfig",
+    "DetectResult",
+    "FastDetector",
+    "TestOutcome",
+    "head_scores",
+    "oracle_detect",
+    "run_detect",
+    "stop_token_ids",
+    "summarize",
+]

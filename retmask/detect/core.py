@@ -1,0 +1,228 @@
+"""Per-test copy counting: the step-by-step oracle and the fast path.
+
+Both return, for one prompt, the greedy answer and ``copies`` [L, Hq]: for every layer and query head the
+number of decoding steps t at which the head's most attended key ``j`` (attention row of the token fed at
+step t) lies in the needle span and ``prompt[j]`` equals the token ``y_t`` produced at that step
+(DESIGN.md §1 step 6). Decoding: greedy, at most ``max_new_tokens``, stopping after a stop token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .drafts import propose_draft
+
+DraftFn = Callable[[np.ndarray, tuple[int, int], list[int], int], list[int]]
+
+
+@dataclass
+class TestOutcome:
+    """tokens: the greedy answer (stop token included); copies: int64 [L, Hq] on the host."""
+
+    tokens: list[int]
+    copies: np.ndarray
+    timings: dict[str, float] = field(default_factory=dict)
+    passes: int = 0  # forward calls after the prefill (decode steps or verification passes)
+    prefill_tokens: int = 0  # prompt tokens actually computed (the rest came from the shared prefix)
+
+
+@contextlib.contextmanager
+def attn_implementation(model, name: str) -> Iterator[None]:
+    """Temporarily switch ``model`` to another attention implementation (KV caches stay valid)."""
+    old = model.config._attn_implementation
+    if old == name:
+        yield
+        return
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(old)
+
+
+def _layout(model) -> tuple[int, int]:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return cfg.num_hidden_layers, cfg.num_attention_heads
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+@torch.no_grad()
+def oracle_detect(
+    model,
+    prompt_ids: np.ndarray | list[int],
+    span: tuple[int, int],
+    stop_ids: Collection[int],
+    max_new_tokens: int = 50,
+    prefill_impl: str = "sdpa",
+) -> TestOutcome:
+    """Reference-style, step by step: prefill ``prompt[:-1]`` (``prefill_impl``), then feed one token per
+    step with eager attention and ``output_attentions=True`` and check every layer and head on the host
+    (top-1 key, as the published script does). Slow on purpose: the ground truth for tests and the
+    benchmark's baseline."""
+    prompt = torch.as_tensor(np.asarray(prompt_ids), dtype=torch.long)
+    device = model.device
+    num_layers, num_heads = _layout(model)
+    s, e = span
+    copies = np.zeros((num_layers, num_heads), dtype=np.int64)
+    t0 = time.perf_counter()
+    cache = _new_cache(model)
+    with attn_implementation(model, prefill_impl):
+        model(input_ids=prompt[None, :-1].to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    t1 = time.perf_counter()
+    tokens: list[int] = []
+    x = prompt[-1:]
+    with attn_implementation(model, "eager"):
+        for _ in range(max_new_tokens):
+            out = model(
+                input_ids=x[None].to(device), past_key_values=cache, use_cache=True, output_attentions=True
+            )
+            y = int(out.logits[0, -1].argmax())
+            tokens.append(y)
+            for layer in range(num_layers):
+                att = out.attentions[layer]  # [1, Hq, 1, K]
+                for head in range(num_heads):
+                    j = int(att[0, head, -1].topk(1).indices[0])
+                    if s <= j < e and int(prompt[j]) == y:
+                        copies[layer, head] += 1
+            if y in stop_ids:
+                break
+            x = torch.tensor([y])
+    t2 = time.perf_counter()
+    return TestOutcome(
+        tokens, copies, {"prefill_s": t1 - t0, "decode_s": t2 - t1}, len(tokens), len(prompt) - 1
+    )
+
+
+def _crop_to(cache, length: int) -> None:
+    """Keep the first ``length`` positions of a DynamicCache (transformers 5 ``crop`` takes a negative
+    number of tokens to remove)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    if m == 0:
+        return 0
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
+class FastDetector:
+    """The fast path, one model, many tests, one KV cache carried across tests.
+
+    * Shared prefixes: the cache keeps the KV of the previous prompt; a new test reuses the longest common
+      prefix, computed in chunks aligned to absolute multiples of ``chunk`` positions and reused only in
+      whole chunks, so every KV entry is computed by the same call shapes whatever ran before: a test's
+      result does not depend on the order of tests (resume and sharding reproduce it exactly).
+    * No logits for prompt positions (``logits_to_keep=1`` in the prefill).
+    * Greedy answer by prompt-lookup verification: feed ``[x, d_1..d_k]``, accept the longest draft prefix
+      equal to the greedy tokens plus one; the argmax of the accepted rows is captured in the same pass by
+      the fused kernel (``retmask.capture_argmax``) and checked against the tokens on the device; counts
+      accumulate in an [L, Hq] tensor read once per test.
+    """
+
+    def __init__(
+        self,
+        model,
+        stop_ids: Collection[int],
+        max_new_tokens: int = 50,
+        chunk: int = 512,
+        draft_fn: DraftFn = propose_draft,
+    ):
+        from retmask.hf.patch import require_retmask
+
+        require_retmask(model, "retmask detect's fast path")
+        self.model = model
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self.max_new_tokens = max_new_tokens
+        self.chunk = chunk
+        self.draft_fn = draft_fn
+        self.layout = _layout(model)
+        self.cache = None
+        self.cached = np.zeros(0, dtype=np.int64)  # token ids whose KV is in self.cache (whole chunks)
+
+    def reset(self) -> None:
+        self.cache = None
+        self.cached = np.zeros(0, dtype=np.int64)
+
+    @torch.no_grad()
+    def _prefill(self, prefix: np.ndarray) -> int:
+        """Bring the cache to exactly ``prefix`` (int64 [m]); returns the number of tokens computed."""
+        device = self.model.device
+        keep = (_lcp(self.cached, prefix) // self.chunk) * self.chunk
+        if self.cache is None:
+            self.cache = _new_cache(self.model)
+            keep = 0
+        else:
+            _crop_to(self.cache, keep)
+        ids = torch.as_tensor(prefix, dtype=torch.long, device=device)
+        for a in range(keep, len(prefix), self.chunk):
+            b = min(len(prefix), a - a % self.chunk + self.chunk)
+            self.model(input_ids=ids[None, a:b], past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cached = prefix
+        return len(prefix) - keep
+
+    @torch.no_grad()
+    def run(self, prompt_ids: np.ndarray | list[int], span: tuple[int, int]) -> TestOutcome:
+        from retmask.hf.capture import capture_argmax
+
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        n = len(prompt)
+        device = self.model.device
+        s, e = span
+        t0 = time.perf_counter()
+        computed = self._prefill(prompt[:-1])
+        t1 = time.perf_counter()
+        # Only full chunks of the prompt may stay in the cache for the next test (see class docstring);
+        # remember where the prompt ends so the decode tokens can be cropped away afterwards.
+        base = n - 1
+        prompt_t = torch.as_tensor(prompt, device=device)
+        counts = torch.zeros(self.layout, dtype=torch.int64, device=device)
+        tokens: list[int] = []
+        x = int(prompt[-1])
+        passes = 0
+        stopped = False
+        while not stopped and len(tokens) < self.max_new_tokens:
+            remaining = self.max_new_tokens - len(tokens)
+            draft = self.draft_fn(prompt, span, tokens, remaining - 1)[: remaining - 1]
+            inp = torch.tensor([[x, *draft]], dtype=torch.long, device=device)
+            past = self.cache.get_seq_length()
+            with capture_argmax(self.model, rows=inp.shape[1]) as cap:
+                out = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True)
+            passes += 1
+            greedy = out.logits[0].argmax(-1).tolist()  # one host read per pass: the accepted length
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == greedy[accepted]:
+                accepted += 1
+            new = greedy[: accepted + 1]
+            for i, tok in enumerate(new):
+                if tok in self.stop_ids:
+                    new = new[: i + 1]
+                    stopped = True
+                    break
+            rows = len(new)
+            # Row r of this pass is the attention row of the token fed at decode step len(tokens) + r.
+            idx = cap.last[:, 0, :, :rows]  # int64 [L, Hq, rows], absolute key positions
+            ys = torch.tensor(new, dtype=torch.long, device=device)
+            hit = (idx >= s) & (idx < e) & (prompt_t[idx.clamp(0, n - 1)] == ys)
+            counts += hit.sum(-1)
+            tokens += new
+            _crop_to(self.cache, past + rows)  # drop the KV of rejected draft tokens
+            x = new[-1]
+        _crop_to(self.cache, base)
+        copies = counts.cpu().numpy()  # the one read of the counts per test
+        t2 = time.perf_counter()
+        return TestOutcome(tokens, copies, {"prefill_s": t1 - t0, "decode_s": t2 - t1}, passes, computed)

@@ -1,0 +1,325 @@
+"""The ``retmask detect`` driver: grid -> tests -> fast path in prefix order -> scores, record, resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retmask.niah import (
+    PROTOCOLS,
+    NiahTest,
+    build_tests,
+    depth_grid,
+    length_grid,
+    load_haystack,
+    load_needles,
+    rouge1_recall,
+)
+
+from .core import FastDetector, _layout
+from .scores import StabilityTracker, format_summary, head_scores, mean_matrix, summarize
+from .stopping import stop_token_ids
+
+RECALL_THRESHOLD = 0.5  # a test counts when ROUGE-1 recall > 50% (reference: score * 100 > 50)
+PROGRESS_VERSION = 1
+
+
+@dataclass
+class DetectConfig:
+    """Everything that determines the result of a run (written into the run record)."""
+
+    model: str | None = None  # hub id / folder / .gguf; None = the embedded SmolLM2-135M-Instruct
+    gguf_file: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    needles: str | None = None  # JSONL; None = retmask/data/needles.jsonl
+    haystack: str | None = None  # file or directory; None = the default prose haystack
+    protocol: str = "default"
+    min_len: int | None = None  # overrides of the protocol's grid
+    max_len: int | None = None
+    num_lengths: int | None = None
+    num_depths: int | None = None
+    max_new_tokens: int = 50
+    chunk: int = 512  # prefill chunk = granularity of KV-prefix reuse
+    until_stable: bool = False
+    patience: int = 20  # --until-stable: consecutive counted tests without change of the τ-set and top-10
+    seed: int = 0
+
+    def grid(self) -> tuple[list[int], list[int]]:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {self.protocol!r}; choose one of {sorted(PROTOCOLS)}")
+        p = PROTOCOLS[self.protocol]
+        lo = p.min_len if self.min_len is None else self.min_len
+        hi = p.max_len if self.max_len is None else self.max_len
+        nl = p.num_lengths if self.num_lengths is None else self.num_lengths
+        nd = p.num_depths if self.num_depths is None else self.num_depths
+        if nl < 1 or nd < 1 or hi < lo:
+            raise ValueError(f"empty grid: lengths {lo}..{hi} x {nl}, depths x {nd}; check the grid flags")
+        return length_grid(lo, hi, nl), depth_grid(nd)
+
+
+@dataclass
+class DetectResult:
+    scores: dict  # {"<layer>-<head>": [per counted test]}
+    summary: dict
+    record: dict
+    results: dict[int, dict] = field(default_factory=dict)  # per test index
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "float64": torch.float64,
+    }
+    if name not in table:
+        raise ValueError(f"--dtype must be one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+def max_context(model) -> int | None:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def check_context_limit(model, lengths: list[int], max_new_tokens: int) -> None:
+    """Refuse a grid whose longest test cannot fit the model, before any test is built or run."""
+    limit = max_context(model)
+    if limit is not None and max(lengths) + max_new_tokens > limit:
+        raise ValueError(
+            f"context length {max(lengths)} (+{max_new_tokens} new tokens) exceeds the model's maximum of "
+            f"{limit} tokens (max_position_embeddings); lower --max-len to at most {limit - max_new_tokens} "
+            "or use a long-context model"
+        )
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    """Write JSON so that a crash (kill -9) leaves either the old or the new file, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fingerprint(cfg: DetectConfig, model, needles, haystack_text: str, lengths, depths) -> dict:
+    return {
+        "model": cfg.model or "embedded:SmolLM2-135M-Instruct",
+        "gguf_file": cfg.gguf_file,
+        "dtype": cfg.dtype,
+        "model_name_or_path": str(getattr(model.config, "_name_or_path", "")),
+        "needles": [n.to_dict() for n in needles],
+        "haystack_sha256": hashlib.sha256(haystack_text.encode("utf-8")).hexdigest(),
+        "lengths": lengths,
+        "depths": depths,
+        "max_new_tokens": cfg.max_new_tokens,
+        "chunk": cfg.chunk,
+    }
+
+
+def prefix_order(tests: list[NiahTest]) -> list[NiahTest]:
+    """Tests sorted by their prompt ids, lexicographically: neighbours share the longest prefixes, so the
+    carried KV cache computes every distinct prefix (trie node) about once."""
+    return sorted(tests, key=lambda t: (t.prompt_ids.astype(">u4").tobytes(), t.index))
+
+
+def _test_entry(t: NiahTest, needles) -> dict:
+    return {
+        "index": t.index,
+        "key": t.key,
+        "needle_index": t.needle_index,
+        "needle": needles[t.needle_index].needle,
+        "length": t.length,
+        "depth": t.depth,
+        "insertion": t.insertion,
+        "prompt_tokens": int(len(t.prompt_ids)),
+        "span": list(t.span) if t.span else None,
+        "answer_tokens": len(t.answer_ids),
+    }
+
+
+def run_tests(
+    detector: FastDetector,
+    tokenizer,
+    tests: list[NiahTest],
+    needles,
+    done: dict[int, dict],
+    on_result=None,
+    tracker: StabilityTracker | None = None,
+    progress_bar: bool = True,
+) -> dict[int, dict]:
+    """Run the tests not in ``done`` in prefix order; ``on_result(done)`` after each (progress writing)."""
+    from tqdm import tqdm
+
+    todo = [t for t in prefix_order(tests) if t.index not in done]
+    bar = tqdm(
+        total=len(tests), initial=len(tests) - len(todo), desc="detect", unit="test", disable=not progress_bar
+    )
+    for t in todo:
+        if tracker is not None and tracker.stable:
+            break
+        nd = needles[t.needle_index]
+        out = detector.run(t.prompt_ids, t.span)
+        response = tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
+        recall = rouge1_recall(nd.real_needle, response)
+        counted = recall > RECALL_THRESHOLD
+        entry = _test_entry(t, needles) | {
+            "order": len(done),
+            "response": response,
+            "tokens": out.tokens,
+            "rouge1_recall": recall,
+            "counted": counted,
+            "copies": out.copies.astype(int).tolist(),
+            "passes": out.passes,
+            "prefill_tokens_computed": out.prefill_tokens,
+            **{k: round(v, 4) for k, v in out.timings.items()},
+        }
+        done[t.index] = entry
+        if tracker is not None and counted:
+            tracker.update(out.copies / len(t.answer_ids))
+        if on_result is not None:
+            on_result(done)
+        bar.update(1)
+        bar.set_postfix(counted=sum(e["counted"] for e in done.values()), L=t.length, d=t.depth)
+    bar.close()
+    return done
+
+
+def run_detect(
+    cfg: DetectConfig,
+    out: str | Path | None = None,
+    *,
+    plot: str | Path | None = None,
+    resume: bool = False,
+    model=None,
+    tokenizer=None,
+    progress_bar: bool = True,
+    log=print,
+) -> DetectResult:
+    """Run a detection end to end. Writes ``out`` (scores JSON), ``<out stem>.run.json`` (run record),
+    ``<out>.progress.json`` (progress, atomically after each test) and ``plot`` (heatmap PNG) if given."""
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    lengths, depths = cfg.grid()
+    needles = load_needles(cfg.needles)
+    haystack_text = load_haystack(cfg.haystack)
+    if model is None:
+        from retmask.models import load_model
+
+        model, tokenizer = load_model(
+            cfg.model, gguf_file=cfg.gguf_file, dtype=_dtype(cfg.dtype), device=cfg.device
+        )
+    check_context_limit(model, lengths, cfg.max_new_tokens)
+    shape = _layout(model)
+
+    out = Path(out) if out is not None else None
+    progress_path = out.with_name(out.name + ".progress.json") if out is not None else None
+    fingerprint = _fingerprint(cfg, model, needles, haystack_text, lengths, depths)
+
+    t0 = time.perf_counter()
+    tests = build_tests(tokenizer, needles, haystack_text, lengths, depths)
+    build_s = time.perf_counter() - t0
+    skipped = [t for t in tests if t.skip_reason]
+    for t in skipped:
+        log(
+            f"skipped test {t.key} (needle {t.needle_index}, length {t.length}, depth {t.depth}): {t.skip_reason}",
+            file=sys.stderr,
+        )
+    runnable = [t for t in tests if not t.skip_reason]
+
+    done: dict[int, dict] = {}
+    if resume and progress_path is not None and progress_path.exists():
+        state = json.loads(progress_path.read_text())
+        if state.get("version") != PROGRESS_VERSION or state.get("fingerprint") != fingerprint:
+            raise ValueError(
+                f"--resume: {progress_path} was written by a run with other settings (model, needles, haystack, "
+                "grid or max-new-tokens differ); rerun with the same flags, or drop --resume to start over"
+            )
+        done = {int(k): v for k, v in state["results"].items()}
+        log(f"resuming: {len(done)} of {len(runnable)} tests already done ({progress_path})", file=sys.stderr)
+
+    tracker = None
+    if cfg.until_stable:
+        tracker = StabilityTracker(shape, patience=cfg.patience)
+        by_index = {t.index: t for t in runnable}
+        for e in sorted(done.values(), key=lambda e: e["order"]):  # replay in processing order
+            if e["counted"]:
+                tracker.update(np.asarray(e["copies"]) / len(by_index[e["index"]].answer_ids))
+
+    def save(d):
+        if progress_path is not None:
+            atomic_write_json(
+                progress_path, {"version": PROGRESS_VERSION, "fingerprint": fingerprint, "results": d}
+            )
+
+    detector = FastDetector(model, stop_token_ids(tokenizer, model), cfg.max_new_tokens, cfg.chunk)
+    t0 = time.perf_counter()
+    done = run_tests(detector, tokenizer, runnable, needles, done, save, tracker, progress_bar)
+    run_s = time.perf_counter() - t0
+
+    counted = sorted((e for e in done.values() if e["counted"]), key=lambda e: e["index"])
+    scores = head_scores(
+        [np.asarray(e["copies"]) for e in counted], [e["answer_tokens"] for e in counted], shape
+    )
+    summary = summarize(scores, shape)
+    record = {
+        "config": asdict(cfg),
+        "model": fingerprint["model"],
+        "model_name_or_path": fingerprint["model_name_or_path"],
+        "layers": shape[0],
+        "query_heads": shape[1],
+        "protocol": cfg.protocol,
+        "grid": {"lengths": lengths, "depths": depths, "needles": len(needles), "tests": len(tests)},
+        "needles": [n.to_dict() for n in needles],
+        "haystack_sha256": fingerprint["haystack_sha256"],
+        "skipped": [
+            {
+                "key": t.key,
+                "length": t.length,
+                "depth": t.depth,
+                "needle_index": t.needle_index,
+                "reason": t.skip_reason,
+            }
+            for t in skipped
+        ],
+        "tests_run": len(done),
+        "tests_counted": len(counted),
+        "until_stable": None
+        if tracker is None
+        else {"stable": tracker.stable, "patience": tracker.patience, "counted_tests_used": tracker.count},
+        "summary": summary,
+        "timings": {
+            "build_tests_s": round(build_s, 3),
+            "tests_s": round(run_s, 3),
+            "total_s": round(time.perf_counter() - t_start, 3),
+        },
+        "tests": [
+            {k: v for k, v in e.items() if k != "copies"}
+            for e in sorted(done.values(), key=lambda e: e["index"])
+        ],
+    }
+    if out is not None:
+        atomic_write_json(out, scores)
+        atomic_write_json(out.with_name(out.stem + ".run.json"), record)
+    if plot is not None:
+        from retmask.plotting import head_heatmap
+
+        head_heatmap(
+            mean_matrix(scores, shape),
+            plot,
+            title=f"retrieval scores: {fingerprint['model']} ({len(counted)} tests)",
+        )
+    log(format_summary(summary))
+    return DetectResult(scores, summary, record, done)

@@ -1,0 +1,37 @@
+"""Needle-in-a-Haystack building blocks (Wu et al. 2024; DESIGN.md §1), tokenizer-level and model-free.
+
+haystack.py  default haystack text and haystack files      needles.py  needles JSONL
+context.py   context construction (buffer, walk back)      prompt.py   chat / base prompt
+span.py      needle span rule                              rouge.py    ROUGE-1 recall filter
+grid.py      protocols (lengths × depths × needles) and the list of tests
+"""
+
+from .context import build_context_ids, period_token_ids
+from .grid import PROTOCOLS, NiahTest, Protocol, build_tests, depth_grid, length_grid
+from .haystack import default_haystack_text, haystack_token_ids, load_haystack
+from .needles import DEFAULT_NEEDLES_PATH, Needle, NeedleFileError, load_needles
+from .prompt import build_prompt_ids, is_chat_tokenizer
+from .rouge import rouge1_recall
+from .span import find_needle_span
+
+__all__ = [
+    "DEFAULT_NEEDLES_PATH",
+    "PROTOCOLS",
+    "Needle",
+    "NeedleFileError",
+    "NiahTest",
+    "Protocol",
+    "build_context_ids",
+    "build_prompt_ids",
+    "build_tests",
+    "default_haystack_text",
+    "depth_grid",
+    "find_needle_span",
+    "haystack_token_ids",
+    "is_chat_tokenizer",
+    "length_grid",
+    "load_haystack",
+    "load_needles",
+    "period_token_ids",
+    "rouge1_recall",
+]

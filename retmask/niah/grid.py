@@ -1,0 +1,102 @@
+"""Protocols (lengths × depths) and the list of NIAH tests with their prompt ids and needle spans."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .context import DEFAULT_BUFFER, build_context_ids, period_token_ids
+from .haystack import haystack_token_ids
+from .needles import Needle
+from .prompt import build_prompt_ids
+from .span import find_needle_span
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A grid preset: ``num_lengths`` lengths evenly spaced in [min_len, max_len] × ``num_depths`` depths
+    evenly spaced in [0, 100] (both rounded to integers, as the reference does)."""
+
+    min_len: int
+    max_len: int
+    num_lengths: int
+    num_depths: int
+    description: str
+
+
+PROTOCOLS: dict[str, Protocol] = {
+    # Wu et al. 2024: 20 lengths in [1K, 50K] x 10 depths (x their 3 needles).
+    "wu2024": Protocol(1000, 50000, 20, 10, "Wu et al. 2024: 20 lengths in 1K-50K x 10 depths"),
+    # RetMask (Ma & Okazaki): 20 lengths in [0, 5K] x 10 depths; lengths too short for the 200-token
+    # buffer are reported and skipped.
+    "retmask": Protocol(0, 5000, 20, 10, "RetMask: 20 lengths in 0-5K x 10 depths"),
+    # Default for small models on CPUs (the embedded SmolLM2 retrieves needles at 500-4000 tokens).
+    "default": Protocol(500, 4000, 4, 4, "retmask default: 4 lengths in 500-4000 x 4 depths"),
+}
+
+
+def length_grid(min_len: int, max_len: int, num: int) -> list[int]:
+    return [int(x) for x in np.round(np.linspace(min_len, max_len, num=num, endpoint=True)).astype(int)]
+
+
+def depth_grid(num: int) -> list[int]:
+    return [int(x) for x in np.round(np.linspace(0, 100, num=num, endpoint=True)).astype(int)]
+
+
+@dataclass
+class NiahTest:
+    """One test. ``prompt_ids``: int64 [n]; ``span``: needle span ``[s, e)`` in the prompt or ``None`` when
+    the answer is not found (such a test is reported and skipped); ``answer_ids``: ids of ``real_needle``."""
+
+    index: int  # position in the canonical grid order (needle, length, depth): the order of the scores
+    needle_index: int
+    length: int
+    depth: int
+    insertion: int
+    prompt_ids: np.ndarray
+    span: tuple[int, int] | None
+    answer_ids: list[int]
+    skip_reason: str | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"n{self.needle_index}-L{self.length}-d{self.depth}"
+
+
+def build_tests(
+    tokenizer,
+    needles: Sequence[Needle],
+    haystack_text: str,
+    lengths: Sequence[int],
+    depths: Sequence[int],
+    chat: bool | None = None,
+    buffer: int = DEFAULT_BUFFER,
+) -> list[NiahTest]:
+    """All tests in the canonical order: for each needle, each length, each depth (the reference's loops)."""
+    hay = haystack_token_ids(tokenizer, haystack_text, max(lengths))
+    periods = period_token_ids(tokenizer)
+    tests: list[NiahTest] = []
+    for ni, nd in enumerate(needles):
+        needle_ids = tokenizer(nd.needle, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(nd.real_needle, add_special_tokens=False)["input_ids"]
+        for length in lengths:
+            for depth in depths:
+                idx = len(tests)
+                try:
+                    ctx_ids, p = build_context_ids(hay, needle_ids, length, depth, periods, buffer)
+                except ValueError as err:
+                    tests.append(
+                        NiahTest(
+                            idx, ni, length, depth, -1, np.zeros(0, np.int64), None, answer_ids, str(err)
+                        )
+                    )
+                    continue
+                context = tokenizer.decode(ctx_ids)
+                prompt = np.asarray(build_prompt_ids(tokenizer, context, nd.question, chat), dtype=np.int64)
+                span = find_needle_span(prompt.tolist(), answer_ids)
+                reason = None if span is not None else "needle answer not found in the prompt (span rule)"
+                tests.append(NiahTest(idx, ni, length, depth, p, prompt, span, answer_ids, reason))
+    return tests

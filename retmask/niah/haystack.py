@@ -1,0 +1,90 @@
+"""Haystack text: the project's default (prose assembled from ``pydoc_data.topics``) or user text files."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+
+class HaystackError(ValueError):
+    """A haystack file or directory that cannot be used; the message names the file (and line)."""
+
+
+def _is_prose(paragraph: str) -> bool:
+    # Keep ordinary English sentences; drop code, tables, grammar rules and version notes, so the haystack
+    # reads like a book and the period token reliably ends sentences.
+    if len(paragraph) < 120 or not paragraph.endswith("."):
+        return False
+    if ">>>" in paragraph or "|" in paragraph or paragraph.count('"') > 6:
+        return False
+    if paragraph.startswith(("Changed in version", "Added in version", "Deprecated", "**", "See also")):
+        return False
+    ok = sum(c.isalpha() or c in " ,.;'\"()-" for c in paragraph)
+    return ok / len(paragraph) >= 0.93
+
+
+@lru_cache(maxsize=1)
+def default_haystack_text() -> str:
+    """Plain English prose (≈27K words ≈ 35K tokens) assembled at run time from the Python documentation
+    topics bundled with CPython (``pydoc_data.topics``, PSF licence), in a fixed order: deterministic.
+
+    Longer haystacks are obtained by repetition (:func:`haystack_token_ids`), as the reference script does.
+    """
+    from pydoc_data.topics import topics
+
+    paragraphs: list[str] = []
+    for key in sorted(topics):
+        for block in re.split(r"\n\s*\n", topics[key]):
+            text = re.sub(r"\s+", " ", block).strip()
+            if _is_prose(text):
+                paragraphs.append(text)
+    return "\n\n".join(paragraphs) + "\n\n"
+
+
+def load_haystack(path: str | Path | None = None) -> str:
+    """The haystack text: ``None`` -> :func:`default_haystack_text`; a file -> its text; a directory -> all
+    ``*.txt`` files in it (sorted by name, recursively) concatenated. Errors name the file and line."""
+    if path is None:
+        return default_haystack_text()
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise HaystackError(
+                f"haystack directory {path} has no *.txt files; add text files or pass a file"
+            )
+    elif path.is_file():
+        files = [path]
+    else:
+        raise HaystackError(f"haystack {path} does not exist; pass --haystack FILE|DIR")
+    parts = []
+    for f in files:
+        data = f.read_bytes()
+        try:
+            parts.append(data.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            line = data[: err.start].count(b"\n") + 1
+            raise HaystackError(
+                f"{f}:{line}: not UTF-8 text ({err.reason}); convert the file to UTF-8"
+            ) from None
+    text = "".join(parts)
+    if not text.strip():
+        raise HaystackError(f"haystack {path} is empty; it must contain prose")
+    return text
+
+
+def haystack_token_ids(tokenizer, text: str, min_tokens: int) -> list[int]:
+    """Token ids of ``text`` (no special tokens), repeated until at least ``min_tokens`` long.
+
+    The text is repeated before tokenising (like the reference, which concatenates the files again) so
+    the seams tokenise naturally.
+    """
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise HaystackError("haystack tokenises to zero tokens; it must contain prose")
+    reps = 1
+    while len(ids) < min_tokens:
+        reps = -(-min_tokens // max(1, len(ids) // reps)) + 1
+        ids = tokenizer(text * reps, add_special_tokens=False)["input_ids"]
+    return ids

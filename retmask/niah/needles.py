@@ -1,0 +1,65 @@
+"""Needles JSONL: one ``{"needle", "question", "real_needle"}`` object per line (the published key names)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_NEEDLES_PATH = Path(__file__).resolve().parent.parent / "data" / "needles.jsonl"
+REQUIRED_KEYS = ("needle", "question", "real_needle")
+
+
+class NeedleFileError(ValueError):
+    """A needles file that cannot be used; the message names the file and the line."""
+
+
+@dataclass(frozen=True)
+class Needle:
+    """One needle. ``needle`` is inserted into the haystack; ``real_needle`` is the expected answer."""
+
+    needle: str
+    question: str
+    real_needle: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"needle": self.needle, "question": self.question, "real_needle": self.real_needle}
+
+
+def load_needles(path: str | Path | None = None) -> list[Needle]:
+    """Read a needles JSONL file (default: the project's own ``retmask/data/needles.jsonl``).
+
+    Blank lines are ignored. Any other problem raises :class:`NeedleFileError` naming ``file:line``.
+    """
+    path = Path(path) if path is not None else DEFAULT_NEEDLES_PATH
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise NeedleFileError(f"needles file {path} does not exist; pass --needles FILE.jsonl") from None
+    except UnicodeDecodeError as err:
+        raise NeedleFileError(f"{path}: not UTF-8 text ({err}); save the file as UTF-8") from None
+    needles: list[Needle] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise NeedleFileError(
+                f"{where}: not valid JSON ({err.msg}); each line must be one JSON object"
+            ) from None
+        if not isinstance(obj, dict):
+            raise NeedleFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        missing = [k for k in REQUIRED_KEYS if k not in obj]
+        if missing:
+            raise NeedleFileError(
+                f"{where}: missing key(s) {missing}; each line needs {list(REQUIRED_KEYS)} (published key names)"
+            )
+        for k in REQUIRED_KEYS:
+            if not isinstance(obj[k], str) or not obj[k].strip():
+                raise NeedleFileError(f"{where}: {k!r} must be a non-empty string, got {obj[k]!r}")
+        needles.append(Needle(obj["needle"], obj["question"], obj["real_needle"]))
+    if not needles:
+        raise NeedleFileError(f"{path}: no needles found (file is empty); add at least one JSON line")
+    return needles

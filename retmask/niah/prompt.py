@@ -1,0 +1,29 @@
+"""The NIAH prompt (DESIGN.md §1 step 3), identical to the reference script's two templates."""
+
+from __future__ import annotations
+
+CHAT_TEMPLATE_USER = "<book>{context}</book>\nBased on the content of the book, Question: {question}\nAnswer:"
+BASE_TEMPLATE = "{context}Based on the content of the book, Question: {question}\nAnswer:"
+
+
+def is_chat_tokenizer(tokenizer) -> bool:
+    """Chat models are recognised by their tokenizer having a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_prompt_ids(tokenizer, context: str, question: str, chat: bool | None = None) -> list[int]:
+    """Prompt token ids.
+
+    Chat: the chat template with one user message and the generation prompt; the template's text already
+    holds any BOS, so it is tokenised without adding special tokens. Base: ``context + question`` tokenised
+    with the tokenizer's special tokens (a BOS where the model uses one), like the reference.
+    """
+    if chat is None:
+        chat = is_chat_tokenizer(tokenizer)
+    if chat:
+        messages = [
+            {"role": "user", "content": CHAT_TEMPLATE_USER.format(context=context, question=question)}
+        ]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(BASE_TEMPLATE.format(context=context, question=question))["input_ids"])
