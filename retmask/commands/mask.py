@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.selection import BASELINES, HeadSelection, SelectionError, load_scores, select_heads, write_heads
+from retmask.selection import BASELINES, SelectionError, load_scores, select_heads, write_heads
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -55,31 +55,43 @@ def _model_shape(model: Any) -> list[int]:
     return [int(config.num_hidden_layers), int(config.num_attention_heads)]
 
 
-def export(selection: HeadSelection, out_dir: Path, model_spec: str | None) -> None:
-    """Load the model, check the heads exist in it, and write the masked checkpoint."""
-    import retmask  # lazily: loading the model layer pulls in torch and transformers
+def load_for_export(model_spec: str | None) -> tuple[Any, Any, list[int]]:
+    """Load the model to export (and its tokenizer when the loader gives one) and its ``[L, Hq]``."""
+    import retmask  # lazily: the model layer pulls in torch and transformers
 
     loaded = retmask.load_model(model_spec) if model_spec is not None else retmask.load_model()
-    model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
-    from retmask.selection import check_heads
-
-    check_heads(selection.heads, _model_shape(model), source=str(selection.source or "heads"))
-    retmask.export_masked(model, selection.heads, out_dir, tokenizer)
+    model, tokenizer = (loaded[0], loaded[1]) if isinstance(loaded, tuple) else (loaded, None)
+    return model, tokenizer, _model_shape(model)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``retmask mask``; returns the process exit code."""
+    """Run ``retmask mask``; returns the process exit code.
+
+    With ``--export`` the model is loaded first, so its shape validates the selection (and lets heads
+    absent from the scores file take part in baselines) before anything is written.
+    """
+    import retmask
+
     try:
         if args.export is None and args.model is not None:
             raise SelectionError("--model only matters with --export DIR; add --export or drop --model")
         scores = load_scores(args.scores)
+        shape = list(args.model_shape) if args.model_shape is not None else None
+        model = tokenizer = None
+        if args.export is not None:
+            model, tokenizer, model_shape = load_for_export(args.model)
+            if shape is not None and shape != model_shape:
+                raise SelectionError(
+                    f"--model-shape {shape} disagrees with the model's [L, Hq] = {model_shape}"
+                )
+            shape = model_shape
         selection = select_heads(
             scores,
             threshold=args.threshold,
             top_k=args.top_k,
             baseline=args.baseline,
             seed=args.seed,
-            model_shape=args.model_shape,
+            model_shape=shape,
             source=str(args.scores),
         )
         path = write_heads(selection, args.out)
@@ -87,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         rule = f"score >= {args.threshold}" if args.threshold is not None else f"top {args.top_k}"
         print(f"{len(selection.heads)} heads ({what}{rule}) -> {path}")
         if args.export is not None:
-            export(selection, args.export, args.model)
+            retmask.export_masked(model, selection.heads, args.export, tokenizer)
             print(f"masked checkpoint -> {args.export}")
     except SelectionError as e:
         print(f"retmask mask: error: {e}", file=sys.stderr)

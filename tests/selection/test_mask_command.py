@@ -90,6 +90,7 @@ def test_export_uses_model_layer(tmp_path, monkeypatch):
     small = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_attention_heads=4))
     small.config.get_text_config = lambda: small.config
     monkeypatch.setattr(retmask, "load_model", lambda spec=None: small, raising=False)
+    calls.clear()
     rc = mask.main(
         [
             "--scores",
@@ -103,3 +104,20 @@ def test_export_uses_model_layer(tmp_path, monkeypatch):
         ]
     )
     assert rc == 2
+    assert rc == 2 and not calls  # scores naming heads the model lacks: nothing exported
+    rc = mask.main(
+        [
+            "--scores",
+            str(_scores(tmp_path)),
+            "--top-k",
+            "2",
+            "--out",
+            str(out),
+            "--export",
+            str(tmp_path / "ckpt3"),
+            "--model-shape",
+            "3",
+            "8",
+        ]
+    )
+    assert rc == 2 and not calls

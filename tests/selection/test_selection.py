@@ -11,8 +11,11 @@ import pytest
 from retmask.selection import (
     SelectionError,
     check_heads,
+    heads_from_json,
     load_scores,
     mean_scores,
+    mudaf_selection,
+    parse_heads_arg,
     read_heads,
     sample_non_retrieval,
     sample_random,
@@ -246,3 +249,19 @@ def test_mudaf_sampling_distribution():
     low = sum(c for h, c in counts.items() if h[0] > 0) / 28
     assert high > 3 * low
     assert sum(counts.values()) == 400 * 8
+
+
+def test_mudaf_selection_record_and_explicit_heads(tmp_path, scores_file):
+    s = load_scores(scores_file)
+    sel = mudaf_selection(s, seed=4, model_shape=[L, H], source="x.json")
+    assert sel.method == "mudaf-sample" and sel.temperature == 0.05 and len(sel.heads) == 8
+    assert sel.heads == sample_softmax_heads(s, n=8, temperature=0.05, seed=4)
+    assert read_heads(write_heads(sel, tmp_path / "m.json")).heads == sel.heads  # draw order kept
+    assert parse_heads_arg("15-30, 16-1") == [(15, 30), (16, 1)]
+    assert parse_heads_arg("[[15, 30], [16, 1]]") == [(15, 30), (16, 1)]
+    with pytest.raises(SelectionError, match="'15:30'"):
+        parse_heads_arg("15:30")
+    with pytest.raises(SelectionError, match="empty head list"):
+        parse_heads_arg(" , ")
+    with pytest.raises(SelectionError, match=r"\[2, 0\] does not exist"):
+        heads_from_json({"heads": [[2, 0]], "model_shape": [2, 4]})
