@@ -204,3 +204,14 @@ def test_length_limits(examples, bpe_tokenizer):
         build_prompt(e, bpe_tokenizer, max_length=16)
     with pytest.raises(MDQAError, match="pass a tokenizer"):
         build_prompt(e, max_length=16)
+
+
+def test_command_line(tmp_path, capsys):
+    from retmask.mdqa.__main__ import main
+
+    assert main(["--n", "3", "--distractors", "4", "--out", str(tmp_path / "m.jsonl")]) == 0
+    got = load_mdqa(tmp_path / "m.jsonl")
+    assert len(got) == 3 and all(len(e.passages) - len(e.golden_ids) == 4 for e in got)
+    with pytest.raises(SystemExit):
+        main(["--n", "0", "--out", str(tmp_path / "x.jsonl")])
+    assert "must be >= 1" in capsys.readouterr().err
