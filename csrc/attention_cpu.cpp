@@ -9,7 +9,9 @@
 // so they cost nothing beyond writing their zeros / -1. Items are sorted by causal cost (largest
 // first) and handed out dynamically by OpenMP, which balances the causal triangle.
 //
-// Exported with a plain C ABI (called through ctypes with tensor data pointers and element strides).
+// Two tile layouts (see the path comments below): rows in vector lanes for prefill, row-major for
+// decode-sized tiles. Exported with a plain C ABI (called through ctypes with data pointers and
+// element strides).
 // fp16/bf16 inputs are converted to fp32 while packing; all accumulation is fp32.
 
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -104,6 +107,130 @@ struct BF16 {
 };
 
 // ---- micro-kernels ---------------------------------------------------------------------------------
+// The tile is kept transposed so that query rows live in vector lanes: Qt [D][RP], St [BN][RP],
+// Ot [D][RP] (RP = rows rounded up to 16). K and V are read row-major straight from the input (or a
+// converted fp32 copy) and broadcast one scalar at a time, so nothing is transposed and the softmax
+// (max, exp, sum, argmax, rescale) is element-wise over rows with no horizontal reductions.
+
+// St[j][r] = sum_d K[j][d] * Qt[d][r] for NJ keys x RV*16 rows. Every logit is the same FMA chain
+// over d = 0..D-1 whatever its position in a tile, so duplicate keys give bit-identical logits and
+// ties resolve to the smallest index, as in torch.
+template <int NJ, int RV>
+inline void qk_tile(const float* __restrict K, int64_t ldk, const float* __restrict Qt, int RP,
+                    float* __restrict St, int D) {
+    vf acc[NJ][RV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) acc[j][c] = vf{};
+    for (int d = 0; d < D; ++d) {
+        vf qv[RV];
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) qv[c] = vload(Qt + d * RP + c * VL);
+#pragma GCC unroll 8
+        for (int j = 0; j < NJ; ++j) {
+            const vf kb = vbroadcast(K[j * ldk + d]);
+#pragma GCC unroll 4
+            for (int c = 0; c < RV; ++c) acc[j][c] += kb * qv[c];
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) vstore(St + j * RP + c * VL, acc[j][c]);
+}
+
+// Ot[d][r] += sum_j V[j][d] * P[j][r] for ND head dims x RV*16 rows, keys j < nj.
+template <int ND, int RV>
+inline void pv_tile(const float* __restrict V, int64_t ldv, const float* __restrict P, int RP,
+                    float* __restrict Ot, int nj) {
+    vf acc[ND][RV];
+#pragma GCC unroll 8
+    for (int d = 0; d < ND; ++d)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) acc[d][c] = vload(Ot + d * RP + c * VL);
+    for (int j = 0; j < nj; ++j) {
+        vf pv[RV];
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) pv[c] = vload(P + j * RP + c * VL);
+#pragma GCC unroll 8
+        for (int d = 0; d < ND; ++d) {
+            const vf vb = vbroadcast(V[j * ldv + d]);
+#pragma GCC unroll 4
+            for (int c = 0; c < RV; ++c) acc[d][c] += vb * pv[c];
+        }
+    }
+#pragma GCC unroll 8
+    for (int d = 0; d < ND; ++d)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) vstore(Ot + d * RP + c * VL, acc[d][c]);
+}
+
+constexpr int NJ_QK = 6;  // 6 keys x 4 row vectors = 24 accumulators (of 32 zmm registers)
+constexpr int ND_PV = 6;  // 6 head dims x 4 row vectors = 24 accumulators
+constexpr int RV_MAX = 4;
+
+// All keys [0, nj) x row vectors [c0, c0 + RV) of the logit block.
+template <int RV>
+void qk_cols(const float* K, int64_t ldk, const float* Qt, int RP, float* St, int D, int nj) {
+    int j = 0;
+    for (; j + NJ_QK <= nj; j += NJ_QK) qk_tile<NJ_QK, RV>(K + j * ldk, ldk, Qt, RP, St + j * RP, D);
+    const float* k = K + j * ldk;
+    float* s = St + j * RP;
+    switch (nj - j) {
+        case 5: qk_tile<5, RV>(k, ldk, Qt, RP, s, D); break;
+        case 4: qk_tile<4, RV>(k, ldk, Qt, RP, s, D); break;
+        case 3: qk_tile<3, RV>(k, ldk, Qt, RP, s, D); break;
+        case 2: qk_tile<2, RV>(k, ldk, Qt, RP, s, D); break;
+        case 1: qk_tile<1, RV>(k, ldk, Qt, RP, s, D); break;
+        default: break;
+    }
+}
+
+void qk_block(const float* K, int64_t ldk, const float* Qt, int RP, float* St, int D, int nj) {
+    const int nv = RP / VL;
+    int c = 0;
+    for (; c + RV_MAX <= nv; c += RV_MAX) qk_cols<RV_MAX>(K, ldk, Qt + c * VL, RP, St + c * VL, D, nj);
+    switch (nv - c) {
+        case 3: qk_cols<3>(K, ldk, Qt + c * VL, RP, St + c * VL, D, nj); break;
+        case 2: qk_cols<2>(K, ldk, Qt + c * VL, RP, St + c * VL, D, nj); break;
+        case 1: qk_cols<1>(K, ldk, Qt + c * VL, RP, St + c * VL, D, nj); break;
+        default: break;
+    }
+}
+
+template <int RV>
+void pv_cols(const float* V, int64_t ldv, const float* P, int RP, float* Ot, int D, int nj) {
+    int d = 0;
+    for (; d + ND_PV <= D; d += ND_PV) pv_tile<ND_PV, RV>(V + d, ldv, P, RP, Ot + d * RP, nj);
+    const float* v = V + d;
+    float* o = Ot + d * RP;
+    switch (D - d) {
+        case 5: pv_tile<5, RV>(v, ldv, P, RP, o, nj); break;
+        case 4: pv_tile<4, RV>(v, ldv, P, RP, o, nj); break;
+        case 3: pv_tile<3, RV>(v, ldv, P, RP, o, nj); break;
+        case 2: pv_tile<2, RV>(v, ldv, P, RP, o, nj); break;
+        case 1: pv_tile<1, RV>(v, ldv, P, RP, o, nj); break;
+        default: break;
+    }
+}
+
+void pv_block(const float* V, int64_t ldv, const float* P, int RP, float* Ot, int D, int nj) {
+    const int nv = RP / VL;
+    int c = 0;
+    for (; c + RV_MAX <= nv; c += RV_MAX) pv_cols<RV_MAX>(V, ldv, P + c * VL, RP, Ot + c * VL, D, nj);
+    switch (nv - c) {
+        case 3: pv_cols<3>(V, ldv, P + c * VL, RP, Ot + c * VL, D, nj); break;
+        case 2: pv_cols<2>(V, ldv, P + c * VL, RP, Ot + c * VL, D, nj); break;
+        case 1: pv_cols<1>(V, ldv, P + c * VL, RP, Ot + c * VL, D, nj); break;
+        default: break;
+    }
+}
+
+// ---- row-major path (few rows per tile: decode) --------------------------------------------------
+// Rows in registers, keys in vector lanes: K^T [D][BN] and V [BN][Dp] are packed per block. Used when a
+// tile has fewer than 16 rows (decode, M = 1), where the lanes path below would leave lanes idle.
+namespace rowmajor {
 // S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows and all BN keys (BN % 32 == 0).
 // Q: [MR][ldq], Kt: [D][BN], S: [MR][BN]. Every key column is computed by the same FMA sequence, so
 // duplicate keys give bit-identical logits (ties resolve to the smallest index, as in torch).
@@ -193,6 +320,8 @@ void pv_rows(const float* P, int BN, const float* V, int ldv, float* O, int ldo,
     }
 }
 
+}  // namespace rowmajor
+
 // ---- the forward ---------------------------------------------------------------------------------
 
 struct Args {
@@ -220,20 +349,47 @@ inline float* aligned_floats(size_t n) {
     return static_cast<float*>(p);
 }
 
+// K or V rows [j0, j0 + nj) of one (batch, kv head) as fp32 rows: the input itself when it already is
+// contiguous fp32 along D, else a converted copy in buf [nj][D].
 template <class E>
-int run(const Args& a) {
+const float* rows_fp32(const typename E::T* base, const int64_t* st, int64_t j0, int nj, int64_t D,
+                       float* buf, int64_t* ld) {
+    if constexpr (std::is_same_v<E, F32>) {
+        if (st[3] == 1) {
+            *ld = st[2];
+            return base + j0 * st[2];
+        }
+    }
+    for (int j = 0; j < nj; ++j) {
+        const typename E::T* src = base + (j0 + j) * st[2];
+        float* dst = buf + j * D;
+        if (st[3] == 1) {
+            for (int64_t d = 0; d < D; ++d) dst[d] = E::load(src + d);
+        } else {
+            for (int64_t d = 0; d < D; ++d) dst[d] = E::load(src + d * st[3]);
+        }
+    }
+    *ld = D;
+    return buf;
+}
+
+struct Plan {
+    int64_t g, bm, nblk;
+    std::vector<uint8_t> blk_state;  // per batch, per key block: 0 none valid, 1 some, 2 all
+    std::vector<Item> items;         // sorted by causal cost, largest first
+};
+
+// Work items, key-block validity, and the zeros / -1 of skipped heads (their only "work").
+template <class E>
+Plan make_plan(const Args& a) {
     using T = typename E::T;
-    const T* q = static_cast<const T*>(a.q);
-    const T* k = static_cast<const T*>(a.k);
-    const T* v = static_cast<const T*>(a.v);
     T* out = static_cast<T*>(a.out);
     const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, M = a.M, N = a.N, D = a.D, T_ = a.T;
-    const int64_t g = Hq / Hkv;
     const int BN = a.block_n;
-    const int Dp = static_cast<int>((D + VL - 1) / VL * VL);
+    Plan plan;
+    const int64_t g = plan.g = Hq / Hkv;
     // Query rows per item: about block_m tile rows in total over the group's active heads.
-    const int64_t bm = std::max<int64_t>(1, a.block_m / g);
-
+    const int64_t bm = plan.bm = std::max<int64_t>(1, a.block_m / g);
     // Skipped heads: zeros and -1, nothing else.
     if (a.skip) {
         for (int64_t b = 0; b < B; ++b)
@@ -249,8 +405,8 @@ int run(const Args& a) {
     }
 
     // Per batch, per key block: 0 = no valid key, 1 = some, 2 = all valid (skip / mask / no mask).
-    const int64_t nblk = (N + BN - 1) / BN;
-    std::vector<uint8_t> blk_state;
+    const int64_t nblk = plan.nblk = (N + BN - 1) / BN;
+    std::vector<uint8_t>& blk_state = plan.blk_state;
     if (a.kpm) {
         blk_state.resize(B * nblk);
         for (int64_t b = 0; b < B; ++b)
@@ -261,7 +417,7 @@ int run(const Args& a) {
             }
     }
 
-    std::vector<Item> items;
+    std::vector<Item>& items = plan.items;
     for (int64_t b = 0; b < B; ++b)
         for (int64_t hk = 0; hk < Hkv; ++hk) {
             int64_t active = 0;
@@ -274,9 +430,26 @@ int run(const Args& a) {
             }
         }
     std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    return plan;
+}
+
+
+template <class E>
+int run_rows(const Args& a, const Plan& plan) {
+    using T = typename E::T;
+    const T* q = static_cast<const T*>(a.q);
+    const T* k = static_cast<const T*>(a.k);
+    const T* v = static_cast<const T*>(a.v);
+    T* out = static_cast<T*>(a.out);
+    const int64_t Hq = a.Hq, M = a.M, N = a.N, D = a.D, T_ = a.T;
+    const int BN = a.block_n;
+    const int64_t g = plan.g, bm = plan.bm, nblk = plan.nblk;
+    const std::vector<uint8_t>& blk_state = plan.blk_state;
+    const std::vector<Item>& items = plan.items;
     const int64_t n_items = static_cast<int64_t>(items.size());
     int failed = 0;
-
+    const int Dp = static_cast<int>((D + VL - 1) / VL * VL);
+    using namespace rowmajor;
 #pragma omp parallel
     {
         const int max_rows = static_cast<int>(g * bm);
@@ -298,7 +471,7 @@ int run(const Args& a) {
         for (int64_t it = 0; it < n_items; ++it) {
             if (failed) continue;
             const Item& w = items[it];
-            const int64_t b = w.b, hk = w.hkv, nrow = w.i1 - w.i0;
+            const int64_t b = w.b, hk = w.hkv;
             // Tile rows: active heads of this kv group x query rows [i0, i1).
             int R = 0;
             for (int64_t h = hk * g; h < (hk + 1) * g; ++h) {
@@ -317,7 +490,6 @@ int run(const Args& a) {
                     std::memset(Ot + static_cast<int64_t>(R) * Dp, 0, sizeof(float) * Dp);
                 }
             }
-            (void)nrow;
             const int64_t min_pos = N - M + w.i0, max_pos = N - M + w.i1 - 1;
             const int64_t key_end = a.causal ? max_pos + 1 : N;
             const T* kb = k + b * a.ks[0] + hk * a.ks[1];
@@ -423,6 +595,176 @@ int run(const Args& a) {
     return failed ? 2 : 0;
 }
 
+template <class E>
+int run_lanes(const Args& a, const Plan& plan) {
+    using T = typename E::T;
+    const T* q = static_cast<const T*>(a.q);
+    const T* k = static_cast<const T*>(a.k);
+    const T* v = static_cast<const T*>(a.v);
+    T* out = static_cast<T*>(a.out);
+    const int64_t Hq = a.Hq, M = a.M, N = a.N, D = a.D, T_ = a.T;
+    const int BN = a.block_n;
+    const int64_t g = plan.g, bm = plan.bm, nblk = plan.nblk;
+    const std::vector<uint8_t>& blk_state = plan.blk_state;
+    const std::vector<Item>& items = plan.items;
+    const int64_t n_items = static_cast<int64_t>(items.size());
+    int failed = 0;
+    const int Di = static_cast<int>(D);
+#pragma omp parallel
+    {
+        const int max_rp = static_cast<int>((g * bm + VL - 1) / VL * VL);
+        float* Qt = aligned_floats(static_cast<size_t>(D) * max_rp);
+        float* Ot = aligned_floats(static_cast<size_t>(D) * max_rp);
+        float* St = aligned_floats(static_cast<size_t>(BN) * max_rp);
+        float* m = aligned_floats(max_rp);
+        float* l = aligned_floats(max_rp);
+        int32_t* am = reinterpret_cast<int32_t*>(aligned_floats(max_rp));
+        int32_t* pos = reinterpret_cast<int32_t*>(aligned_floats(max_rp));
+        int32_t* want = reinterpret_cast<int32_t*>(aligned_floats(max_rp));
+        const bool convert = !std::is_same_v<E, F32> || a.ks[3] != 1 || a.vs[3] != 1;
+        float* Kbuf = convert ? aligned_floats(static_cast<size_t>(BN) * D) : nullptr;
+        float* Vbuf = convert ? aligned_floats(static_cast<size_t>(BN) * D) : nullptr;
+        std::vector<int64_t> row_h(max_rp), row_i(max_rp);
+        if (!Qt || !Ot || !St || !m || !l || !am || !pos || !want || (convert && (!Kbuf || !Vbuf))) {
+#pragma omp atomic write
+            failed = 1;
+        }
+
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; ++it) {
+            if (failed) continue;
+            const Item& w = items[it];
+            const int64_t b = w.b, hk = w.hkv;
+            // Tile rows: active heads of this kv group x query rows [i0, i1), padded to RP rows.
+            int R = 0;
+            for (int64_t h = hk * g; h < (hk + 1) * g; ++h) {
+                if (a.skip && a.skip[b * Hq + h]) continue;
+                for (int64_t i = w.i0; i < w.i1; ++i, ++R) {
+                    row_h[R] = h;
+                    row_i[R] = i;
+                }
+            }
+            const int RP = (R + VL - 1) / VL * VL;
+            for (int r = 0; r < RP; ++r) {
+                const bool real = r < R;
+                pos[r] = real ? static_cast<int32_t>(N - M + row_i[r]) : -1;  // padding rows see nothing
+                want[r] = real && a.argmax && T_ && row_i[r] >= M - T_ ? -1 : 0;
+                m[r] = NEG_INF;
+                l[r] = 0.f;
+                am[r] = -1;
+                if (real) {
+                    const T* qp = q + b * a.qs[0] + row_h[r] * a.qs[1] + row_i[r] * a.qs[2];
+                    for (int64_t d = 0; d < D; ++d) Qt[d * RP + r] = E::load(qp + d * a.qs[3]) * a.scale;
+                } else {
+                    for (int64_t d = 0; d < D; ++d) Qt[d * RP + r] = 0.f;
+                }
+            }
+            std::memset(Ot, 0, sizeof(float) * D * RP);
+            const int64_t min_pos = N - M + w.i0, max_pos = N - M + w.i1 - 1;
+            const int64_t key_end = a.causal ? max_pos + 1 : N;
+            const T* kb = k + b * a.ks[0] + hk * a.ks[1];
+            const T* vb = v + b * a.vs[0] + hk * a.vs[1];
+            const int NV = RP / VL;
+
+            for (int64_t j0 = 0; j0 < key_end; j0 += BN) {
+                const uint8_t st = a.kpm ? blk_state[b * nblk + j0 / BN] : 2;
+                if (st == 0) continue;  // no valid key in this block (e.g. left padding)
+                const int nj = static_cast<int>(std::min<int64_t>(BN, key_end - j0));
+                int64_t ldk, ldv;
+                const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, Kbuf, &ldk);
+                const float* Vr = rows_fp32<E>(vb, a.vs, j0, nj, D, Vbuf, &ldv);
+
+                qk_block(Kr, ldk, Qt, RP, St, Di, nj);
+
+                // Masks: padded keys -> -inf rows; future keys (causal) -> -inf per lane.
+                if (st == 1)
+                    for (int j = 0; j < nj; ++j)
+                        if (!a.kpm[b * N + j0 + j])
+                            for (int c = 0; c < NV; ++c) vstore(St + j * RP + c * VL, vbroadcast(NEG_INF));
+                if (a.causal && j0 + nj - 1 > min_pos) {
+                    for (int j = static_cast<int>(std::max<int64_t>(0, min_pos + 1 - j0)); j < nj; ++j) {
+                        const int32_t key = static_cast<int32_t>(j0 + j);
+                        for (int c = 0; c < NV; ++c) {
+                            const vi p = *reinterpret_cast<const vi*>(pos + c * VL);
+                            float* s = St + j * RP + c * VL;
+                            vstore(s, p < key ? vbroadcast(NEG_INF) : vload(s));
+                        }
+                    }
+                }
+
+                for (int c = 0; c < NV; ++c) {
+                    const int off = c * VL;
+                    vf bmax = vload(St + off);
+                    for (int j = 1; j < nj; ++j) {
+                        const vf x = vload(St + j * RP + off);
+                        bmax = x > bmax ? x : bmax;
+                    }
+                    const vf mold = vload(m + off);
+                    const vi better = bmax > mold;  // strictly: earlier blocks win ties
+                    const vi wantv = *reinterpret_cast<const vi*>(want + off);
+                    bool any_arg = false;
+                    for (int t = 0; t < VL; ++t) any_arg |= (better[t] & wantv[t]) != 0;
+                    if (any_arg) {  // first key in the block reaching the block max, per lane
+                        vi idx = vi{} + nj;
+                        for (int j = nj - 1; j >= 0; --j) idx = vload(St + j * RP + off) == bmax ? vi{} + j : idx;
+                        vi amv = *reinterpret_cast<const vi*>(am + off);
+                        amv = (better & wantv) ? idx + static_cast<int32_t>(j0) : amv;
+                        *reinterpret_cast<vi*>(am + off) = amv;
+                    }
+                    const vf mnew = better ? bmax : mold;
+                    // exp(-inf - -inf) would be NaN: rows with nothing valid so far subtract 0 instead.
+                    const vf msafe = mnew == vbroadcast(NEG_INF) ? vf{} : mnew;
+                    const vf alpha = vexp(mold - msafe);
+                    vstore(m + off, mnew);
+                    vf sum = vf{};
+                    for (int j = 0; j < nj; ++j) {
+                        float* s = St + j * RP + off;
+                        const vf p = vexp(vload(s) - msafe);
+                        vstore(s, p);
+                        sum += p;
+                    }
+                    vstore(l + off, vload(l + off) * alpha + sum);
+                    bool changed = false;
+                    for (int t = 0; t < VL; ++t) changed |= better[t] != 0;
+                    if (changed) {
+                        for (int64_t d = 0; d < D; ++d) vstore(Ot + d * RP + off, vload(Ot + d * RP + off) * alpha);
+                    }
+                }
+
+                pv_block(Vr, ldv, St, RP, Ot, Di, nj);
+            }
+
+            // Normalise and write out; rows that never saw a valid key give 0 and -1.
+            for (int r = 0; r < R; ++r) {
+                const int64_t h = row_h[r], i = row_i[r];
+                T* op = out + b * a.os[0] + h * a.os[1] + i * a.os[2];
+                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                for (int64_t d = 0; d < D; ++d) E::store(op + d * a.os[3], Ot[d * RP + r] * inv);
+                if (want[r]) a.argmax[(b * Hq + h) * T_ + (i - (M - T_))] = l[r] > 0.f ? am[r] : -1;
+            }
+        }
+        std::free(Qt);
+        std::free(Ot);
+        std::free(St);
+        std::free(m);
+        std::free(l);
+        std::free(am);
+        std::free(pos);
+        std::free(want);
+        std::free(Kbuf);
+        std::free(Vbuf);
+    }
+    return failed ? 2 : 0;
+}
+
+// Lanes path when a tile fills at least one 16-row vector, row-major path otherwise (decode).
+template <class E>
+int run(const Args& a) {
+    const Plan plan = make_plan<E>(a);
+    const int64_t max_rows = plan.g * std::min(plan.bm, a.M);
+    return max_rows >= VL ? run_lanes<E>(a, plan) : run_rows<E>(a, plan);
+}
+
 }  // namespace
 
 extern "C" {
@@ -441,7 +783,7 @@ int retmask_attention_fwd_cpu(int dtype, const void* q, const int64_t* q_strides
                               int64_t N, int64_t D, int causal, float sm_scale, int64_t argmax_rows,
                               int block_m, int block_n, int num_threads) {
     if (B < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || M < 0 || M > N || D <= 0 || argmax_rows < 0 ||
-        argmax_rows > M || block_m <= 0 || block_n <= 0 || block_n % 32)
+        argmax_rows > M || N >= (int64_t(1) << 31) || block_m <= 0 || block_n <= 0 || block_n % 32)
         return 1;
     if (argmax_rows > 0 && !argmax) return 1;
     Args a{q, k, v, q_strides, k_strides, v_strides, out_strides, out, argmax, key_padding_mask, skip_heads,
