@@ -44,22 +44,28 @@ class TileConfig:
     num_stages: int
 
 
-# Fixed configs keyed by the padded head dim (BLOCK_D) for 2-byte inputs (fp16/bf16); fp32 inputs use
-# the _FP32 overrides where the 2-byte tiles would overflow shared memory (q tile + num_stages x (k, v)
-# tiles must stay under ~227 KB on H100). These are conservative starting points chosen by
-# register/shared-memory budget, not measured: on a GPU, autotune them per (BLOCK_D, dtype, causal,
-# argmax on/off) over BLOCK_M in {64, 128}, BLOCK_N in {32, 64, 128}, num_warps in {4, 8},
-# num_stages in {2, 3, 4} (the interpreter has no driver, so @triton.autotune cannot run here).
+# Fixed configs keyed by the padded head dim (BLOCK_D) for 2-byte inputs (fp16/bf16), with _FP32
+# overrides for fp32 inputs, whose IEEE tl.dot runs on the CUDA cores (no tensor cores) and needs far
+# more registers. Not timed (no GPU was available): each entry was chosen so that the kernel compiles
+# for sm_90 without register spills (checked with ptxas via ``python -m retmask.kernels.triton_aot``;
+# exceptions, fp32 D=128: the forward without argmax spills 664 B, the dK/dV kernel 48 B) and the
+# pipelined tiles fit shared memory.
+# On a GPU, autotune per (BLOCK_D, dtype, causal, argmax on/off) over BLOCK_M in {64, 128},
+# BLOCK_N in {32, 64, 128}, num_warps in {4, 8}, num_stages in {2, 3, 4} (the interpreter has no
+# driver, so @triton.autotune cannot run here).
 _FWD_CONFIGS: dict[int, TileConfig] = {
-    16: TileConfig(128, 64, 4, 3),
-    32: TileConfig(128, 64, 4, 3),
-    64: TileConfig(128, 64, 4, 3),
-    128: TileConfig(128, 64, 8, 3),
+    16: TileConfig(128, 64, 8, 3),
+    32: TileConfig(128, 64, 8, 3),
+    64: TileConfig(128, 64, 8, 3),
+    128: TileConfig(128, 32, 8, 3),
     256: TileConfig(64, 32, 8, 2),
 }
 _FWD_CONFIGS_FP32: dict[int, TileConfig] = {
-    128: TileConfig(64, 32, 4, 2),
-    256: TileConfig(32, 32, 4, 2),
+    16: TileConfig(64, 32, 8, 2),
+    32: TileConfig(64, 32, 8, 2),
+    64: TileConfig(64, 32, 8, 2),
+    128: TileConfig(64, 32, 8, 2),
+    256: TileConfig(16, 16, 4, 1),
 }
 # The backward holds k, v, dk, dv (dK/dV kernel) or q, do, dq (dQ kernel) tiles at once: smaller tiles.
 _BWD_CONFIGS: dict[int, TileConfig] = {
@@ -70,16 +76,20 @@ _BWD_CONFIGS: dict[int, TileConfig] = {
     256: TileConfig(16, 32, 8, 1),
 }
 _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
-    64: TileConfig(32, 64, 4, 2),
+    16: TileConfig(16, 32, 4, 2),
+    32: TileConfig(16, 32, 4, 2),
+    64: TileConfig(16, 32, 4, 2),
     128: TileConfig(16, 32, 4, 2),
     256: TileConfig(16, 16, 4, 1),
 }
 # Decode: one query row per program, keys in BLOCK_N chunks (no tensor cores); block_m is unused.
+# Memory-bound: BLOCK_N * BLOCK_D is kept near 8K elements so each program has enough loads in flight
+# while staying under ~190 registers per thread.
 _DECODE_CONFIGS: dict[int, TileConfig] = {
     16: TileConfig(1, 128, 4, 2),
     32: TileConfig(1, 128, 4, 2),
     64: TileConfig(1, 64, 4, 2),
-    128: TileConfig(1, 64, 4, 2),
+    128: TileConfig(1, 64, 8, 2),
     256: TileConfig(1, 32, 8, 2),
 }
 # In the interpreter small tiles make tiny test shapes span several blocks (ragged edges, causal

@@ -361,3 +361,41 @@ def test_gpu_tile_tables_cover_head_dims_and_fit_shared_memory(monkeypatch, dtyp
         smem = (f.block_m * bd + f.num_stages * 2 * f.block_n * bd) * size
         assert smem <= 227 * 1024, (D, dtype, f, smem)
         assert d.block_n >= 16
+
+
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    """GPU code generation, which the interpreter never exercises: the launches the launchers make with
+    the GPU tile tables (fp16, D = 64 and 128: prefill with and without argmax, decode, backward) are
+    recorded here and compiled for sm_90 by ptxas in a process without TRITON_INTERPRET."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from retmask.kernels.triton_aot import record_standard_launches
+
+    launches = [launch for d in (64, 128) for launch in record_standard_launches(torch.float16, d)]
+    kernels = {launch.kernel for launch in launches}
+    assert kernels == {
+        "_fwd_kernel", "_decode_partial_kernel", "_decode_merge_kernel",
+        "_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel",
+    }  # fmt: skip
+    assert {launch.constexprs["TRACK_ARGMAX"] for launch in launches if launch.kernel == "_fwd_kernel"} == {
+        True,
+        False,
+    }
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps([asdict(launch) for launch in launches]))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "retmask.kernels.triton_aot", "--compile", str(path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(launches)
+    for launch, res in zip(launches, results, strict=True):
+        assert res["stack"] == 0, f"{launch.label} {launch.kernel} spills {res['stack']} B"
+        assert res["shared"] <= 227 * 1024

@@ -1,0 +1,226 @@
+"""Compile the Triton kernels for a GPU target on a machine without a GPU, and report their resources.
+
+The interpreter (how the tests run without a GPU) checks the kernels' arithmetic but not their GPU code
+generation: a kernel can interpret fine and still fail to compile, or spill registers with a given tile
+config. This module closes part of that gap with Triton's ahead-of-time path and the bundled ``ptxas``:
+
+1. ``record_launches()`` runs the real launchers (``triton_fwd``, ``triton_decode``, ``triton_bwd``)
+   on small CPU tensors with the *GPU* config tables, but replaces each kernel by a recorder: the exact
+   signature (pointer dtypes, integer/float scalars) and constexprs of every launch are captured and
+   nothing is executed.
+2. ``compile_launch()`` compiles one recorded launch for a CUDA target (default sm_90, H100) in a
+   process where ``TRITON_INTERPRET`` is not set, and reads registers / spill stack from the cubin.
+
+Command line: ``python -m retmask.kernels.triton_aot [--dtypes fp16 bf16 fp32] [--head-dims 64 128]``
+prints one line per kernel launch: registers, spill stack bytes, shared memory. Record in one process
+(``--record-only FILE``, under TRITON_INTERPRET=1) and compile in another (``--compile FILE``) when the
+kernel modules are already imported in interpreter mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KERNELS = {
+    "retmask.kernels.triton_fwd": ("_fwd_kernel",),
+    "retmask.kernels.triton_decode": ("_decode_partial_kernel", "_decode_merge_kernel"),
+    "retmask.kernels.triton_bwd": ("_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"),
+}
+_PTR_TYPES = {
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float32: "*fp32",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.bool: "*i1",
+}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Launch:
+    """One recorded kernel launch: runtime argument types by name, constexprs, launch options."""
+
+    module: str
+    kernel: str
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+    label: str = ""
+
+
+@dataclass
+class Resources:
+    """Per-thread registers, spill stack bytes and static shared memory of a compiled kernel."""
+
+    registers: int
+    stack: int
+    shared: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _arg_type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return _PTR_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"cannot type kernel argument {value!r}")
+
+
+class _Recorder:
+    """Stands in for a kernel object: ``kernel[grid](*args, **kw)`` records instead of running."""
+
+    def __init__(self, module: str, name: str, arg_names: list[str], sink: list[Launch], label: str):
+        self.module, self.name, self.arg_names, self.sink, self.label = module, name, arg_names, sink, label
+
+    def __getitem__(self, grid: Any):
+        def launch(*args: Any, num_warps: int = 4, num_stages: int = 3, **constexprs: Any) -> None:
+            runtime = self.arg_names[: len(args)]
+            signature = {n: _arg_type(v) for n, v in zip(runtime, args, strict=True)}
+            for n in self.arg_names[len(args) :]:
+                signature[n] = "constexpr"
+            self.sink.append(
+                Launch(self.module, self.name, signature, constexprs, num_warps, num_stages, self.label)
+            )
+
+        return launch
+
+
+@contextlib.contextmanager
+def record_launches(label: str = "") -> Iterator[list[Launch]]:
+    """Within the block, kernel launches are recorded (with GPU tile configs), not executed."""
+
+    launches: list[Launch] = []
+    saved: list[tuple[Any, str, Any]] = []
+    for module_name, names in KERNELS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            kernel = getattr(module, name)
+            saved.append((module, name, kernel))
+            setattr(module, name, _Recorder(module_name, name, list(kernel.arg_names), launches, label))
+    saved_interp = os.environ.pop("TRITON_INTERPRET", None)  # GPU config tables, not the interpreter's
+    try:
+        yield launches
+    finally:
+        if saved_interp is not None:
+            os.environ["TRITON_INTERPRET"] = saved_interp
+        for module, name, kernel in saved:
+            setattr(module, name, kernel)
+
+
+def record_standard_launches(dtype: torch.dtype, head_dim: int) -> list[Launch]:
+    """Launches of a causal GQA prefill with padding, skips and argmax on the last rows (both forward
+    variants), a decode step and the backward, on tiny CPU tensors (nothing runs)."""
+    from .triton_bwd import attention_backward
+    from .triton_decode import decode_forward
+    from .triton_fwd import attention_forward
+
+    B, Hq, Hkv, N = 1, 4, 2, 256
+    label = f"{str(dtype).removeprefix('torch.')} D={head_dim}"
+    q = torch.zeros(B, Hq, N, head_dim, dtype=dtype)
+    k = torch.zeros(B, Hkv, N, head_dim, dtype=dtype)
+    pad = torch.ones(B, N, dtype=torch.bool)
+    skip = torch.tensor([[False, True, False, False]])
+    common = dict(sm_scale=0.125, key_padding_mask=pad, skip_heads=skip)
+    with record_launches(label) as launches:
+        out, _, lse = attention_forward(q, k, k, causal=True, argmax_rows=50, return_lse=True, **common)
+        decode_forward(q[:, :, -1:], k, k, argmax_rows=1, return_lse=True, **common)
+        attention_backward(out, q, k, k, out, torch.zeros(B, Hq, N), causal=True, **common)
+    del lse
+    return launches
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def compile_launch(launch: Launch, arch: int = 90) -> Resources:
+    """Compile ``launch`` for CUDA sm_<arch> with ptxas; needs TRITON_INTERPRET unset in this process."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_launch needs a process without TRITON_INTERPRET=1 (use --compile)")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(launch.module), launch.kernel)
+    src = ASTSource(fn, launch.signature, launch.constexprs)
+    options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    fields = dict(
+        item.split(":", 1)
+        for line in usage.splitlines()
+        if "REG:" in line
+        for item in line.split()
+        if ":" in item
+    )
+    return Resources(int(fields["REG"]), int(fields["STACK"]), int(compiled.metadata.shared))
+
+
+def _describe(launch: Launch) -> str:
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "TRACK_ARGMAX", "SPLITS")
+    cfg = " ".join(f"{k}={launch.constexprs[k]}" for k in keys if k in launch.constexprs)
+    return (
+        f"{launch.label:>16s} {launch.kernel:24s} {cfg} warps={launch.num_warps} stages={launch.num_stages}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Compile retmask's Triton kernels for sm_90 without a GPU")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp16", "fp32"])
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--record-only", metavar="FILE", help="write the recorded launches as JSON and stop")
+    parser.add_argument("--compile", metavar="FILE", help="compile launches from JSON; print JSON results")
+    args = parser.parse_args(argv)
+
+    if args.compile:
+        launches = [Launch(**d) for d in json.loads(Path(args.compile).read_text())]
+        results = [asdict(compile_launch(launch, args.arch)) for launch in launches]
+        print(json.dumps(results))
+        return 0
+    launches = [
+        launch
+        for dt in args.dtypes
+        for d in args.head_dims
+        for launch in record_standard_launches(DTYPES[dt], d)
+    ]
+    if args.record_only:
+        Path(args.record_only).write_text(json.dumps([asdict(launch) for launch in launches]))
+        return 0
+    spills = 0
+    for launch in launches:
+        res = compile_launch(launch, args.arch)
+        spills += res.stack > 0
+        print(f"{_describe(launch)}  regs={res.registers} spill_stack={res.stack}B shared={res.shared}B")
+    print(f"{len(launches)} launches compiled for sm_{args.arch}; {spills} with a spill stack")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
