@@ -61,6 +61,7 @@ class Launch:
     num_warps: int
     num_stages: int
     label: str = ""
+    grid: tuple[int, ...] = ()
 
 
 @dataclass
@@ -98,8 +99,11 @@ class _Recorder:
             for n in self.arg_names[len(args) :]:
                 signature[n] = "constexpr"
             self.sink.append(
-                Launch(self.module, self.name, signature, constexprs, num_warps, num_stages, self.label)
-            )
+                Launch(
+                    self.module, self.name, signature, constexprs, num_warps, num_stages, self.label,
+                    tuple(int(g) for g in grid),
+                )
+            )  # fmt: skip
 
         return launch
 
@@ -200,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.compile:
-        launches = [Launch(**d) for d in json.loads(Path(args.compile).read_text())]
+        launches = [
+            Launch(**{**d, "grid": tuple(d["grid"])}) for d in json.loads(Path(args.compile).read_text())
+        ]
         results = [asdict(compile_launch(launch, args.arch)) for launch in launches]
         print(json.dumps(results))
         return 0

@@ -399,3 +399,36 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     for launch, res in zip(launches, results, strict=True):
         assert res["stack"] == 0, f"{launch.label} {launch.kernel} spills {res['stack']} B"
         assert res["shared"] <= 227 * 1024
+
+
+def test_launch_grids_cover_only_enabled_heads():
+    """Work is proportional to the enabled heads: the grids enumerate enabled (batch, head) pairs (and,
+    for dK/dV, KV heads with at least one enabled query head), never the disabled ones."""
+    from retmask.kernels.triton_aot import record_launches
+    from retmask.kernels.triton_bwd import attention_backward
+
+    B, Hq, Hkv, M, N, D = 2, 8, 2, 300, 300, 64
+    q = torch.zeros(B, Hq, M, D)
+    k = torch.zeros(B, Hkv, N, D)
+
+    def grids(skip):
+        kw = dict(sm_scale=0.1, key_padding_mask=None, skip_heads=skip)
+        with record_launches() as launches:
+            attention_forward(q, k, k, causal=True, argmax_rows=0, return_lse=False, **kw)
+            decode_forward(q[:, :, :1], k, k, argmax_rows=0, return_lse=False, **kw)
+            attention_backward(q, q, k, k, q, torch.zeros(B, Hq, M), causal=True, **kw)
+        return {launch.kernel: launch.grid for launch in launches}
+
+    full = grids(None)
+    half = torch.zeros(B, Hq, dtype=torch.bool)
+    half[:, 1::2] = True  # every other head: each KV group keeps 2 of its 4 heads
+    g = grids(half)
+    for kernel in ("_fwd_kernel", "_decode_partial_kernel", "_bwd_preprocess_kernel", "_bwd_dq_kernel"):
+        assert full[kernel][1] == B * Hq and g[kernel][1] == B * Hq // 2, kernel
+        assert full[kernel][0] == g[kernel][0]
+    assert g["_decode_merge_kernel"] == (B * Hq // 2,)
+    assert g["_bwd_dkdv_kernel"][1] == full["_bwd_dkdv_kernel"][1] == B * Hkv
+    group_off = torch.zeros(B, Hq, dtype=torch.bool)
+    group_off[0, :4] = True  # the whole first KV group of batch 0
+    assert grids(group_off)["_bwd_dkdv_kernel"][1] == B * Hkv - 1
+    assert "_fwd_kernel" not in grids(torch.ones(B, Hq, dtype=torch.bool))  # nothing enabled: no launch
