@@ -187,7 +187,7 @@ def compile_launch(launch: Launch, arch: int = 90) -> Resources:
 
 
 def _describe(launch: Launch) -> str:
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_D", "TRACK_ARGMAX", "SPLITS")
+    keys = ("BLOCK_M", "BLOCK_G", "BLOCK_N", "BLOCK_D", "TRACK_ARGMAX", "SPLITS")
     cfg = " ".join(f"{k}={launch.constexprs[k]}" for k in keys if k in launch.constexprs)
     return (
         f"{launch.label:>16s} {launch.kernel:24s} {cfg} warps={launch.num_warps} stages={launch.num_stages}"

@@ -82,9 +82,9 @@ _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
     128: TileConfig(16, 32, 4, 2),
     256: TileConfig(16, 16, 4, 1),
 }
-# Decode: one query row per program, keys in BLOCK_N chunks (no tensor cores); block_m is unused.
-# Memory-bound: BLOCK_N * BLOCK_D is kept near 8K elements so each program has enough loads in flight
-# while staying under ~190 registers per thread.
+# Decode: one program per (KV head, key split) holds the G query heads of the group as a [BLOCK_G, D]
+# tile (BLOCK_G = G padded to >= 16, derived from the shapes) and walks keys in BLOCK_N chunks; block_m
+# is unused. Memory-bound: BLOCK_N * BLOCK_D near 4-8K elements keeps loads in flight per program.
 _DECODE_CONFIGS: dict[int, TileConfig] = {
     16: TileConfig(1, 128, 4, 2),
     32: TileConfig(1, 128, 4, 2),

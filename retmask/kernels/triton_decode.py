@@ -1,22 +1,27 @@
-"""Decode forward (M == 1): the keys are split across programs, then the partial results are merged.
+"""Decode forward (M == 1): keys split across programs, one program per KV head and split, then a merge.
 
 Why. With one query row per (batch, head) the prefill grid has only B * Hq programs, far fewer than a
 GPU can run at once, and each would stream all N keys alone. Splitting the keys into S contiguous
-ranges gives B * Hq * S programs that read K/V in parallel (the split-K / "flash-decoding" scheme).
+ranges gives S times more programs that read K/V in parallel (the split-K / "flash-decoding" scheme).
+Decode is memory-bound (about G = Hq / Hkv FLOPs per byte), so the program also takes all G query heads
+that share one KV head (GQA) as the rows of one [BLOCK_G, D] query tile: each K/V element is read from
+HBM once per split instead of once per query head, and the logits become a small tensor-core ``tl.dot``
+(BLOCK_G = G padded to >= 16 rows; the padding rows cost compute, which decode has to spare).
 
-Math. Program (split s, pair) runs the online softmax of ``triton_fwd`` over its key range only and
-writes a partial state: ``m_s`` (largest base-2 logit in the range, -inf if the range has no valid
-key), ``i_s`` (its smallest key index), ``l_s = sum 2^(s_j - m_s)`` and ``a_s = sum 2^(s_j - m_s) v_j``.
-With ``m = max_s m_s`` the exact result is ``o = sum_s 2^(m_s - m) a_s / sum_s 2^(m_s - m) l_s`` and
-``lse = (m + log2 sum_s 2^(m_s - m) l_s) * ln 2``. The global argmax is the index of a split whose
-``m_s == m``; taking the smallest such ``i_s`` keeps the smallest index among tied maxima (splits are
-ordered ranges, and each ``i_s`` is already the smallest within its range). Splits without a valid key
-(``m_s = -inf``) get weight 0; if every split is empty the row is empty: out 0, argmax -1, lse +inf.
+Math. Program (split s, KV pair) runs the online softmax of ``triton_fwd`` (the same ``_fwd_block``)
+over its key range and writes, for every row, a partial state: ``m_s`` (largest base-2 logit in the
+range, -inf if the range has no valid key), ``i_s`` (its smallest key index), ``l_s = sum 2^(s_j - m_s)``
+and ``a_s = sum 2^(s_j - m_s) v_j``. With ``m = max_s m_s`` the exact result is
+``o = sum_s 2^(m_s - m) a_s / sum_s 2^(m_s - m) l_s`` and ``lse = (m + log2 sum_s 2^(m_s - m) l_s) ln 2``.
+The global argmax is the index of a split whose ``m_s == m``; taking the smallest such ``i_s`` keeps
+the smallest index among tied maxima (splits are ordered ranges, and each ``i_s`` is already the
+smallest within its range). Splits without a valid key (``m_s = -inf``) get weight 0; if every split is
+empty the row is empty: out 0, argmax -1, lse +inf.
 
-With one query row a tensor-core ``tl.dot`` does not apply (its operands need >= 16 rows): logits are an
-elementwise product reduced over D, and the value update a broadcast product reduced over keys, in fp32.
 Causality is trivially satisfied (the single row sits at position N - 1 and sees every key); padding
-still applies. Only enabled (batch, head) pairs are launched, as in the prefill kernel.
+still applies. Head skipping: only KV heads with at least one enabled query head are launched (a fully
+disabled group costs nothing, and its K/V is never read); disabled rows inside a launched group ride
+along in the tile for free but are never merged or stored.
 """
 
 from __future__ import annotations
@@ -30,102 +35,106 @@ from .triton_common import (
     block_d,
     decode_config,
     device_guard,
+    dot_precision,
     fill_skipped,
     interpreting,
     new_float,
     new_index,
     num_sms,
 )
+from .triton_fwd import _fwd_block
 
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, PadMask, Pairs, PartM, PartIdx, PartL, PartAcc,
+    Q, K, V, PadMask, KvPairs, PartM, PartIdx, PartL, PartAcc,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    H_Q, GROUP, N, keys_per_split, num_splits, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr,
+    H_KV, GROUP, N, keys_per_split, num_splits, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program (split, slot): partial (m, idx, l, acc) of keys [split * kps, (split + 1) * kps)."""
+    """Program (split, KV slot): partial (m, idx, l, acc) of the group's rows over keys
+    [split * kps, min((split + 1) * kps, N)); kps is a multiple of BLOCK_N."""
     split = tl.program_id(0)
     slot = tl.program_id(1)
     if HAS_PAIRS:
-        pair = tl.load(Pairs + slot).to(tl.int64)
+        kv_pair = tl.load(KvPairs + slot).to(tl.int64)
     else:
-        pair = slot.to(tl.int64)
-    b = pair // H_Q
-    h = pair % H_Q
-    kvh = h // GROUP
+        kv_pair = slot.to(tl.int64)
+    b = kv_pair // H_KV
+    kvh = kv_pair % H_KV
+    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
+    heads = kvh * GROUP + offs_g  # query heads of this group (rows >= GROUP are padding)
+    q_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0
+    )
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
+    pad_base = PadMask + b * N
+    pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (N - 1)  # unused: no causal mask for the last row
     qk_scale = sm_scale * 1.4426950408889634
 
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    idx_i = tl.full([BLOCK_G], -1, dtype=tl.int32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, N)
-    m_i = tl.full([1], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([1], dtype=tl.float32)
-    idx_i = tl.full([1], -1, dtype=tl.int32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        n_ok = cols < hi
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        s = tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale  # [BLOCK_N]
-        valid = n_ok
-        if HAS_PAD:
-            valid = valid & (tl.load(PadMask + b * N + cols, mask=n_ok, other=0) != 0)
-        s = tl.where(valid, s, float("-inf"))
-        blk_max, blk_arg = tl.max(s, 0, return_indices=True)
-        idx_i = tl.where(blk_max > m_i, blk_arg + start_n, idx_i)  # strict: earlier index keeps ties
-        m_new = tl.maximum(m_i, blk_max)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref)  # [BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, 0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
-        m_i = m_new
+    full_hi = tl.maximum(lo, (hi // BLOCK_N) * BLOCK_N)  # whole blocks need no bounds mask
+    for start_n in range(lo, full_hi, BLOCK_N):
+        acc, l_i, m_i, idx_i = _fwd_block(
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, False, HAS_PAD, True, DOT_PRECISION,
+        )  # fmt: skip
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i, idx_i = _fwd_block(
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, False, HAS_PAD, True, DOT_PRECISION,
+        )  # fmt: skip
 
-    part = slot * num_splits + split
-    zero = tl.arange(0, 1)
-    tl.store(PartM + part + zero, m_i)
-    tl.store(PartIdx + part + zero, idx_i)
-    tl.store(PartL + part + zero, l_i)
-    tl.store(PartAcc + part * BLOCK_D + offs_d, acc)
+    part = (slot * num_splits + split) * BLOCK_G + offs_g  # [BLOCK_G] partial-state rows
+    tl.store(PartM + part, m_i)
+    tl.store(PartIdx + part, idx_i)
+    tl.store(PartL + part, l_i)
+    tl.store(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], acc)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    Pairs, PartM, PartIdx, PartL, PartAcc, Out, Lse, Argmax,
+    KvPairs, Skip, PartM, PartIdx, PartL, PartAcc, Out, Lse, Argmax,
     stride_ob, stride_oh, stride_od,
-    H_Q, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_PAIRS: tl.constexpr, WRITE_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr,
+    H_Q, H_KV, GROUP, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_PAIRS: tl.constexpr, HAS_SKIP: tl.constexpr, WRITE_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
-    """Program (slot): combine the num_splits partial states of one enabled pair (SPLITS = padded)."""
+    """Program (KV slot, g): combine the num_splits partial states of query head kvh * GROUP + g
+    (SPLITS = num_splits padded to a power of two). Disabled heads store nothing."""
     slot = tl.program_id(0)
+    g = tl.program_id(1)
     if HAS_PAIRS:
-        pair = tl.load(Pairs + slot).to(tl.int64)
+        kv_pair = tl.load(KvPairs + slot).to(tl.int64)
     else:
-        pair = slot.to(tl.int64)
-    b = pair // H_Q
-    h = pair % H_Q
+        kv_pair = slot.to(tl.int64)
+    b = kv_pair // H_KV
+    h = (kv_pair % H_KV) * GROUP + g
+    pair = b * H_Q + h
+    enabled = tl.full([1], 1, dtype=tl.int1)
+    if HAS_SKIP:
+        enabled = tl.load(Skip + pair + tl.arange(0, 1)) == 0
     offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
-    base = slot * num_splits
-    m_s = tl.load(PartM + base + offs_s, mask=s_ok, other=float("-inf"))
-    i_s = tl.load(PartIdx + base + offs_s, mask=s_ok, other=2147483647)
-    l_s = tl.load(PartL + base + offs_s, mask=s_ok, other=0.0)
-    a_s = tl.load(
-        PartAcc + (base + offs_s[:, None]) * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0
-    )
+    part = (slot * num_splits + offs_s) * BLOCK_G + g
+    m_s = tl.load(PartM + part, mask=s_ok, other=float("-inf"))
+    i_s = tl.load(PartIdx + part, mask=s_ok, other=2147483647)
+    l_s = tl.load(PartL + part, mask=s_ok, other=0.0)
+    a_s = tl.load(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
 
     m = tl.max(m_s, 0)
     empty = m == float("-inf")
@@ -138,24 +147,24 @@ def _decode_merge_kernel(
     l_safe = tl.where(empty, 1.0, l_tot)
     out = tl.sum(a_s * w[:, None], 0) / l_safe
     d_ok = offs_d < HEAD_DIM
-    tl.store(
-        Out + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty), mask=d_ok
-    )
+    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok & enabled)
     zero = tl.arange(0, 1)
     if WRITE_LSE:
         lse = tl.where(empty, float("inf"), (m + tl.log2(l_safe)) * 0.6931471805599453)
-        tl.store(Lse + pair + zero, tl.zeros([1], dtype=tl.float32) + lse)
+        tl.store(Lse + pair + zero, tl.zeros([1], dtype=tl.float32) + lse, mask=enabled)
     if WRITE_ARGMAX:
-        tl.store(Argmax + pair + zero, tl.zeros([1], dtype=tl.int64) + idx.to(tl.int64))
+        tl.store(Argmax + pair + zero, tl.zeros([1], dtype=tl.int64) + idx.to(tl.int64), mask=enabled)
 
 
-def default_num_splits(n_active: int, kv_len: int, block_n: int, device: torch.device) -> int:
+def default_num_splits(n_programs: int, kv_len: int, block_n: int, device: torch.device) -> int:
     """Enough programs to fill the GPU about twice, each with at least 4 key blocks to amortise its
-    partial write (tune on GPU); at most 4 splits in the interpreter, where programs run serially."""
+    partial write (tune on GPU); at most 4 splits in the interpreter, where programs run serially.
+    n_programs: programs per split (enabled KV heads over the batch)."""
     max_splits = max(1, triton.cdiv(kv_len, 4 * block_n))
     if interpreting():
         return min(4, triton.cdiv(kv_len, block_n))
-    want = triton.cdiv(2 * num_sms(device), max(1, n_active))
+    want = triton.cdiv(2 * num_sms(device), max(1, n_programs))
     return max(1, min(want, max_splits))
 
 
@@ -185,48 +194,51 @@ def decode_forward(
     if M != 1:
         raise ValueError(f"decode_forward needs exactly one query row, got q of shape {list(q.shape)}")
     Hkv, N = k.shape[1], k.shape[2]
+    group = Hq // Hkv
     cfg = decode_config(D, q.dtype)
     bn = block_n or cfg.block_n
     device = q.device
     out = new_float((B, Hq, 1, D), q.dtype, device)
     argmax = new_index((B, Hq, 1), device) if argmax_rows else None
     lse = new_float((B, Hq, 1), torch.float32, device) if return_lse else None
-    pairs, n_active = active_pairs(skip_heads, B, Hq)
+    kv_skip = None if skip_heads is None else skip_heads.view(B, Hkv, group).all(-1)
+    kv_pairs, n_kv = active_pairs(kv_skip, B, Hkv)
     fill_skipped(skip_heads, out, argmax, lse)
-    if n_active == 0:
+    if n_kv == 0:
         return out, argmax, lse
 
-    splits = num_splits or default_num_splits(n_active, N, bn, device)
+    splits = num_splits or default_num_splits(n_kv, N, bn, device)
     splits = max(1, min(splits, triton.cdiv(N, bn)))
     keys_per_split = triton.cdiv(triton.cdiv(N, splits), bn) * bn  # whole key blocks per split
     splits = triton.cdiv(N, keys_per_split)  # drop splits that rounding left empty
-    bd = block_d(D)
-    # Partial states: written for every (slot, split) by the partial kernel, so plain empty buffers.
-    part_m = torch.empty(n_active * splits, dtype=torch.float32, device=device)
-    part_idx = torch.empty(n_active * splits, dtype=torch.int32, device=device)
-    part_l = torch.empty(n_active * splits, dtype=torch.float32, device=device)
-    part_acc = torch.empty(n_active * splits * bd, dtype=torch.float32, device=device)
+    bd, bg = block_d(D), max(16, triton.next_power_of_2(group))
+    # Partial states: every (slot, split, row) is written by the partial kernel, so plain empty buffers.
+    rows = n_kv * splits * bg
+    part_m = torch.empty(rows, dtype=torch.float32, device=device)
+    part_idx = torch.empty(rows, dtype=torch.int32, device=device)
+    part_l = torch.empty(rows, dtype=torch.float32, device=device)
+    part_acc = torch.empty(rows * bd, dtype=torch.float32, device=device)
     dummy = out
-    pairs_arg = pairs if pairs is not None else dummy
-    q2 = q[:, :, 0]  # [B, Hq, D] view
+    pairs_arg = kv_pairs if kv_pairs is not None else dummy
+    q2, o2 = q[:, :, 0], out[:, :, 0]  # [B, Hq, D] views
     with device_guard(q):
-        _decode_partial_kernel[(splits, n_active)](
+        _decode_partial_kernel[(splits, n_kv)](
             q2, k, v, key_padding_mask if key_padding_mask is not None else dummy, pairs_arg,
             part_m, part_idx, part_l, part_acc,
             *q2.stride(), *k.stride(), *v.stride(),
-            Hq, Hq // Hkv, N, keys_per_split, splits, float(sm_scale),
-            HEAD_DIM=D, BLOCK_N=bn, BLOCK_D=bd,
-            HAS_PAD=key_padding_mask is not None, HAS_PAIRS=pairs is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            Hkv, group, N, keys_per_split, splits, float(sm_scale),
+            HEAD_DIM=D, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd,
+            HAS_PAD=key_padding_mask is not None, HAS_PAIRS=kv_pairs is not None,
+            DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-        o2 = out[:, :, 0]
-        _decode_merge_kernel[(n_active,)](
-            pairs_arg, part_m, part_idx, part_l, part_acc, o2,
+        _decode_merge_kernel[(n_kv, group)](
+            pairs_arg, skip_heads if skip_heads is not None else dummy,
+            part_m, part_idx, part_l, part_acc, o2,
             lse if lse is not None else dummy, argmax if argmax is not None else dummy,
-            *o2.stride(), Hq, splits,
-            HEAD_DIM=D, BLOCK_D=bd, SPLITS=max(2, triton.next_power_of_2(splits)),
-            HAS_PAIRS=pairs is not None, WRITE_ARGMAX=argmax is not None, WRITE_LSE=lse is not None,
-            num_warps=4,
+            *o2.stride(), Hq, Hkv, group, splits,
+            HEAD_DIM=D, BLOCK_G=bg, BLOCK_D=bd, SPLITS=max(2, triton.next_power_of_2(splits)),
+            HAS_PAIRS=kv_pairs is not None, HAS_SKIP=skip_heads is not None,
+            WRITE_ARGMAX=argmax is not None, WRITE_LSE=lse is not None, num_warps=4,
         )  # fmt: skip
     return out, argmax, lse
 

@@ -402,8 +402,9 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
 
 
 def test_launch_grids_cover_only_enabled_heads():
-    """Work is proportional to the enabled heads: the grids enumerate enabled (batch, head) pairs (and,
-    for dK/dV, KV heads with at least one enabled query head), never the disabled ones."""
+    """Work is proportional to the enabled heads: the prefill, dQ and preprocess grids enumerate the
+    enabled (batch, head) pairs; the memory-bound decode and the dK/dV kernel enumerate KV heads with at
+    least one enabled query head (a fully disabled GQA group costs nothing)."""
     from retmask.kernels.triton_aot import record_launches
     from retmask.kernels.triton_bwd import attention_backward
 
@@ -423,12 +424,25 @@ def test_launch_grids_cover_only_enabled_heads():
     half = torch.zeros(B, Hq, dtype=torch.bool)
     half[:, 1::2] = True  # every other head: each KV group keeps 2 of its 4 heads
     g = grids(half)
-    for kernel in ("_fwd_kernel", "_decode_partial_kernel", "_bwd_preprocess_kernel", "_bwd_dq_kernel"):
+    for kernel in ("_fwd_kernel", "_bwd_preprocess_kernel", "_bwd_dq_kernel"):
         assert full[kernel][1] == B * Hq and g[kernel][1] == B * Hq // 2, kernel
         assert full[kernel][0] == g[kernel][0]
-    assert g["_decode_merge_kernel"] == (B * Hq // 2,)
-    assert g["_bwd_dkdv_kernel"][1] == full["_bwd_dkdv_kernel"][1] == B * Hkv
+    for kernel in ("_decode_partial_kernel", "_bwd_dkdv_kernel"):
+        assert g[kernel][1] == full[kernel][1] == B * Hkv, kernel
+    assert g["_decode_merge_kernel"] == (B * Hkv, Hq // Hkv)
     group_off = torch.zeros(B, Hq, dtype=torch.bool)
     group_off[0, :4] = True  # the whole first KV group of batch 0
-    assert grids(group_off)["_bwd_dkdv_kernel"][1] == B * Hkv - 1
+    g = grids(group_off)
+    for kernel in ("_decode_partial_kernel", "_bwd_dkdv_kernel"):
+        assert g[kernel][1] == B * Hkv - 1, kernel
+    assert g["_fwd_kernel"][1] == B * Hq - 4
     assert "_fwd_kernel" not in grids(torch.ones(B, Hq, dtype=torch.bool))  # nothing enabled: no launch
+
+
+def test_decode_large_group_mqa():
+    """20 query heads on one KV head: the decode tile holds the group as 32 (padded) rows."""
+    q, k, v = make_qkv(2, 20, 1, 1, 40, 16, seed=14)
+    skip = _random_skip(2, 20, seed=15)
+    skip[1] = True  # batch 1: the whole group disabled -> not launched
+    out, argmax = check_forward(q, k, v, skip=skip, pad=left_padding_mask(2, 40, [7, 0]))
+    assert (out[1] == 0).all() and (argmax[1] == -1).all()
