@@ -282,6 +282,7 @@ GRAD_CASES = [
     (2, 4, 1, 20, 47, 32, [5, 0], [[False, False, True, False], [False, False, False, False]]),  # MQA
     (2, 2, 1, 1, 40, 16, [0, 12], [[False, True], [False, False]]),  # decode forward, generic backward
     (1, 2, 1, 18, 30, 64, [30], None),  # every key padded: all gradients 0
+    (1, 2, 2, 20, 35, 96, [3], None),  # D padded 96 -> 128
 ]
 
 
@@ -446,3 +447,27 @@ def test_decode_large_group_mqa():
     skip[1] = True  # batch 1: the whole group disabled -> not launched
     out, argmax = check_forward(q, k, v, skip=skip, pad=left_padding_mask(2, 40, [7, 0]))
     assert (out[1] == 0).all() and (argmax[1] == -1).all()
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    N=st.integers(2, 50),
+    m_frac=st.floats(0.0, 1.0),
+    causal=st.booleans(),
+    pad=st.integers(0, 50),
+    seed=st.integers(0, 100),
+)
+def test_backward_hypothesis_shapes(kv_heads, group, N, m_frac, causal, pad, seed):
+    B, Hq, M = 2, kv_heads * group, max(1, round(m_frac * N))
+    q, k, v = make_qkv(B, Hq, kv_heads, M, N, 16, seed=seed)
+    kw = dict(
+        causal=causal, key_padding_mask=left_padding_mask(B, N, [min(pad, N), 0]),
+        skip_heads=_random_skip(B, Hq, seed=seed, p=0.3),
+    )  # fmt: skip
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed))
+    got = _grads("triton", q, k, v, grad_out, **kw)
+    ref = _grads("reference", q, k, v, grad_out, **kw)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32])
