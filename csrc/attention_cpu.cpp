@@ -374,7 +374,8 @@ const float* rows_fp32(const typename E::T* base, const int64_t* st, int64_t j0,
 }
 
 struct Plan {
-    int64_t g, bm, nblk;
+    int64_t g, nblk;
+    int64_t max_rows = 0;  // most tile rows of any item (scratch size)
     std::vector<uint8_t> blk_state;  // per batch, per key block: 0 none valid, 1 some, 2 all
     std::vector<Item> items;         // sorted by causal cost, largest first
 };
@@ -388,8 +389,6 @@ Plan make_plan(const Args& a) {
     const int BN = a.block_n;
     Plan plan;
     const int64_t g = plan.g = Hq / Hkv;
-    // Query rows per item: about block_m tile rows in total over the group's active heads.
-    const int64_t bm = plan.bm = std::max<int64_t>(1, a.block_m / g);
     // Skipped heads: zeros and -1, nothing else.
     if (a.skip) {
         for (int64_t b = 0; b < B; ++b)
@@ -423,6 +422,10 @@ Plan make_plan(const Args& a) {
             int64_t active = 0;
             for (int64_t h = hk * g; h < (hk + 1) * g; ++h) active += !(a.skip && a.skip[b * Hq + h]);
             if (!active) continue;
+            // About block_m tile rows per item over the group's *active* heads, so a partly skipped
+            // group still fills the vector lanes (64 rows = 4 full vectors for 1, 2 or 4 heads).
+            const int64_t bm = std::max<int64_t>(1, a.block_m / active);
+            plan.max_rows = std::max(plan.max_rows, active * std::min(bm, M));
             for (int64_t i0 = 0; i0 < M; i0 += bm) {
                 int64_t i1 = std::min(M, i0 + bm);
                 int64_t keys = a.causal ? N - M + i1 : N;
@@ -443,7 +446,7 @@ int run_rows(const Args& a, const Plan& plan) {
     T* out = static_cast<T*>(a.out);
     const int64_t Hq = a.Hq, M = a.M, N = a.N, D = a.D, T_ = a.T;
     const int BN = a.block_n;
-    const int64_t g = plan.g, bm = plan.bm, nblk = plan.nblk;
+    const int64_t g = plan.g, nblk = plan.nblk;
     const std::vector<uint8_t>& blk_state = plan.blk_state;
     const std::vector<Item>& items = plan.items;
     const int64_t n_items = static_cast<int64_t>(items.size());
@@ -452,7 +455,7 @@ int run_rows(const Args& a, const Plan& plan) {
     using namespace rowmajor;
 #pragma omp parallel
     {
-        const int max_rows = static_cast<int>(g * bm);
+        const int max_rows = static_cast<int>(plan.max_rows);
         float* Qt = aligned_floats(static_cast<size_t>(max_rows) * Dp);
         float* Ot = aligned_floats(static_cast<size_t>(max_rows) * Dp);
         float* S = aligned_floats(static_cast<size_t>(max_rows) * BN);
@@ -604,7 +607,7 @@ int run_lanes(const Args& a, const Plan& plan) {
     T* out = static_cast<T*>(a.out);
     const int64_t Hq = a.Hq, M = a.M, N = a.N, D = a.D, T_ = a.T;
     const int BN = a.block_n;
-    const int64_t g = plan.g, bm = plan.bm, nblk = plan.nblk;
+    const int64_t g = plan.g, nblk = plan.nblk;
     const std::vector<uint8_t>& blk_state = plan.blk_state;
     const std::vector<Item>& items = plan.items;
     const int64_t n_items = static_cast<int64_t>(items.size());
@@ -612,7 +615,7 @@ int run_lanes(const Args& a, const Plan& plan) {
     const int Di = static_cast<int>(D);
 #pragma omp parallel
     {
-        const int max_rp = static_cast<int>((g * bm + VL - 1) / VL * VL);
+        const int max_rp = static_cast<int>((plan.max_rows + VL - 1) / VL * VL);
         float* Qt = aligned_floats(static_cast<size_t>(D) * max_rp);
         float* Ot = aligned_floats(static_cast<size_t>(D) * max_rp);
         float* St = aligned_floats(static_cast<size_t>(BN) * max_rp);
@@ -761,8 +764,7 @@ int run_lanes(const Args& a, const Plan& plan) {
 template <class E>
 int run(const Args& a) {
     const Plan plan = make_plan<E>(a);
-    const int64_t max_rows = plan.g * std::min(plan.bm, a.M);
-    return max_rows >= VL ? run_lanes<E>(a, plan) : run_rows<E>(a, plan);
+    return plan.max_rows >= VL ? run_lanes<E>(a, plan) : run_rows<E>(a, plan);
 }
 
 }  // namespace

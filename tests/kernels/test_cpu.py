@@ -210,9 +210,10 @@ def test_public_entry_skip_masks(path, skip_shape, monkeypatch):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_ties_pick_smallest_index(path):
+@pytest.mark.parametrize("M", [1, 10])  # M = 1: the C++ kernel's row-major (decode) tile layout
+def test_ties_pick_smallest_index(path, M):
     """Duplicate keys give bit-identical logits: the argmax must be the first copy."""
-    B, Hq, Hkv, M, N, D = 1, 4, 2, 10, 200, 64
+    B, Hq, Hkv, N, D = 1, 4, 2, 200, 64
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=8)
     # Keys 3, 70 and 150 are identical (in different 64-key blocks); key 130 equals key 131 (same block).
     k[:, :, 70] = k[:, :, 3]
