@@ -57,7 +57,7 @@ def _model_shape(model: Any) -> list[int]:
 
 def load_for_export(model_spec: str | None) -> tuple[Any, Any, list[int]]:
     """Load the model to export (and its tokenizer when the loader gives one) and its ``[L, Hq]``."""
-    import retmask  # lazily: the model layer pulls in torch and transformers
+    import retmask  # the model layer (load_model, export_masked) belongs to the package root
 
     loaded = retmask.load_model(model_spec) if model_spec is not None else retmask.load_model()
     model, tokenizer = (loaded[0], loaded[1]) if isinstance(loaded, tuple) else (loaded, None)
