@@ -42,8 +42,9 @@ class ArgmaxCapture:
         return self.calls[-1]
 
     # -- called from the attention function ---------------------------------------------------------
-    def rows_for_call(self, q_len: int) -> tuple[int, torch.Tensor | None]:
-        """Kernel ``argmax_rows`` for a call with ``q_len`` query rows, and the rows to keep among them."""
+    def rows_for_call(self, q_len: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+        """Kernel ``argmax_rows`` for a call with ``q_len`` query rows, and the rows to keep among them
+        (int64 on ``device``, copied there once)."""
         if self._mask_select is None:
             return (q_len if self._rows is None else min(self._rows, q_len)), None
         if self._mask_len != q_len:
@@ -52,6 +53,8 @@ class ArgmaxCapture:
                 f"{q_len} query rows: the mask selects rows outside the sequence; pass a bool mask of length "
                 f"{q_len} or rows=<int> (the last rows of each call)"
             )
+        if self._mask_select.device != device:
+            self._mask_select = self._mask_select.to(device)
         return q_len - self._mask_first, self._mask_select
 
     def record(self, layer_idx: int, argmax: torch.Tensor) -> None:

@@ -104,7 +104,7 @@ def _key_padding_mask(
     return mask.to(device)
 
 
-def _skip_heads(module: torch.nn.Module, batch: int) -> torch.Tensor | None:
+def _skip_heads(module: torch.nn.Module, batch: int, device: torch.device) -> torch.Tensor | None:
     rows = getattr(module, "_retmask_rows", None)
     if rows is not None and rows != batch:
         raise ValueError(
@@ -113,7 +113,11 @@ def _skip_heads(module: torch.nn.Module, batch: int) -> torch.Tensor | None:
             "[L, Hq] mask) with retmask.set_head_mask. Note that generate() expands the batch for beam "
             "search / num_return_sequences"
         )
-    return getattr(module, "_retmask_skip", None)
+    skip = getattr(module, "_retmask_skip", None)
+    if skip is not None and skip.device != device:  # the model was moved after set_head_mask
+        skip = skip.to(device)
+        module._retmask_skip = skip
+    return skip
 
 
 def retmask_attention(
@@ -137,16 +141,16 @@ def retmask_attention(
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     B, _, S, _ = query.shape
     kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
-    skip = _skip_heads(module, B)
+    skip = _skip_heads(module, B, query.device)
     recorder = getattr(module, "_retmask_capture", None)
     if recorder is not None and recorder.active:
-        rows, select = recorder.rows_for_call(S)
+        rows, select = recorder.rows_for_call(S, query.device)
         out, argmax = kernel_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
             return_argmax=True, argmax_rows=rows,
         )  # fmt: skip
         if select is not None:
-            argmax = argmax.index_select(2, select.to(argmax.device))
+            argmax = argmax.index_select(2, select)
         recorder.record(module.layer_idx, argmax)
     else:
         out = kernel_attention(
