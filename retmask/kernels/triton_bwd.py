@@ -22,8 +22,10 @@ only enabled (batch, head) pairs, the dK/dV kernel skips disabled heads of its g
 whole group is disabled are not launched (their dK/dV are written as 0 on the host), as are the
 disabled heads' dQ rows.
 
-Causal loops start where they can contribute: key block ``[n0, n0 + BLOCK_N)`` is seen only by rows with
-``N - M + i >= n0``, and row block ``[m0, m0 + BLOCK_M)`` sees keys up to ``N - M + m0 + BLOCK_M - 1``.
+Loops start where they can contribute. Keys before a batch row's first valid key are padding: the dQ
+loop starts at that key's block, and dK/dV programs wholly before it only store zeros. Causal: key
+block ``[n0, n0 + BLOCK_N)`` is seen only by rows with ``N - M + i >= n0``, and row block
+``[m0, m0 + BLOCK_M)`` sees keys up to ``N - M + m0 + BLOCK_M - 1``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import active_pairs, block_d, bwd_config, device_guard, dot_precision, new_float
+from .triton_common import (
+    active_pairs,
+    block_d,
+    bwd_config,
+    device_guard,
+    dot_precision,
+    first_valid_keys,
+    new_float,
+)
 
 
 @triton.jit
@@ -69,7 +79,7 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, PadMask, Skip, KvPairs,
+    Q, K, V, DO, Lse, Delta, DK, DV, PadMask, KeyStart, Skip, KvPairs,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -115,6 +125,8 @@ def _bwd_dkdv_kernel(
         m_lo = (tl.maximum(start_n - (N - M), 0) // BLOCK_M) * BLOCK_M
     else:
         m_lo = 0
+    if HAS_PAD:  # a block wholly before the first valid key holds only padding: dK = dV = 0
+        m_lo = tl.where(start_n + BLOCK_N > tl.load(KeyStart + b), m_lo, M)
     for g in range(0, GROUP):
         h = kvh * GROUP + g
         enabled = True
@@ -163,7 +175,7 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, PadMask, Pairs,
+    Q, K, V, DO, Lse, Delta, DQ, PadMask, KeyStart, Pairs,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -208,7 +220,10 @@ def _bwd_dq_kernel(
         hi = tl.minimum(N, start_m + BLOCK_M + (N - M))
     else:
         hi = N
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_PAD:  # blocks before the first valid key hold only padding
+        lo = (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         n_ok = cols < N
         kv_mask = n_ok[:, None] & d_ok[None, :]
@@ -279,6 +294,8 @@ def attention_backward(
     delta = torch.empty((B, Hq, M), dtype=torch.float32, device=device)  # only enabled rows are read
     dummy = dq
     pad_arg = key_padding_mask if key_padding_mask is not None else dummy
+    key_start = first_valid_keys(key_padding_mask)
+    start_arg = key_start if key_start is not None else dummy
     precision = dot_precision(q.dtype)
     common = dict(HEAD_DIM=D, BLOCK_D=bd, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with device_guard(q):
@@ -288,7 +305,7 @@ def attention_backward(
             BLOCK_M=bm, HAS_PAIRS=pairs is not None, **common,
         )  # fmt: skip
         _bwd_dkdv_kernel[(triton.cdiv(N, bn), n_kv_active)](
-            q, k, v, grad_out, lse, delta, dk, dv, pad_arg,
+            q, k, v, grad_out, lse, delta, dk, dv, pad_arg, start_arg,
             skip_heads if skip_heads is not None else dummy, kv_pairs if kv_pairs is not None else dummy,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
             Hq, Hkv, group, M, N, float(sm_scale),
@@ -297,7 +314,7 @@ def attention_backward(
             **common,
         )  # fmt: skip
         _bwd_dq_kernel[(triton.cdiv(M, bm), n_active)](
-            q, k, v, grad_out, lse, delta, dq, pad_arg, pairs if pairs is not None else dummy,
+            q, k, v, grad_out, lse, delta, dq, pad_arg, start_arg, pairs if pairs is not None else dummy,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
             Hq, group, M, N, float(sm_scale),
             BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,

@@ -144,6 +144,17 @@ def active_pairs(skip: torch.Tensor | None, rows: int, cols: int) -> tuple[torch
     return pairs, int(pairs.numel())
 
 
+def first_valid_keys(key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """int32 [B]: index of each batch row's first valid key (0 if it has none), or None without a mask.
+
+    Kernels start their key loops at the block holding it: with left padding the blocks before it hold
+    only padding (skipping them is exact for any mask), and query rows inside the padding do no work.
+    """
+    if key_padding_mask is None:
+        return None
+    return key_padding_mask.to(torch.uint8).argmax(dim=1).to(torch.int32)  # argmax: first maximal index
+
+
 def poisoning() -> bool:
     return os.environ.get(POISON_ENV) == "1"
 

@@ -37,6 +37,7 @@ from .triton_common import (
     device_guard,
     dot_precision,
     fill_skipped,
+    first_valid_keys,
     interpreting,
     new_float,
     new_index,
@@ -47,7 +48,7 @@ from .triton_fwd import _fwd_block
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, PadMask, KvPairs, PartM, PartIdx, PartL, PartAcc,
+    Q, K, V, PadMask, KeyStart, KvPairs, PartM, PartIdx, PartL, PartAcc,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -84,6 +85,8 @@ def _decode_partial_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, N)
+    if HAS_PAD:  # blocks before the first valid key hold only padding (splits there do no work)
+        lo = tl.maximum(lo, (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N)
     full_hi = tl.maximum(lo, (hi // BLOCK_N) * BLOCK_N)  # whole blocks need no bounds mask
     for start_n in range(lo, full_hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
@@ -218,12 +221,14 @@ def decode_forward(
     part_idx = torch.empty(rows, dtype=torch.int32, device=device)
     part_l = torch.empty(rows, dtype=torch.float32, device=device)
     part_acc = torch.empty(rows * bd, dtype=torch.float32, device=device)
+    key_start = first_valid_keys(key_padding_mask)
     dummy = out
     pairs_arg = kv_pairs if kv_pairs is not None else dummy
     q2, o2 = q[:, :, 0], out[:, :, 0]  # [B, Hq, D] views
     with device_guard(q):
         _decode_partial_kernel[(splits, n_kv)](
-            q2, k, v, key_padding_mask if key_padding_mask is not None else dummy, pairs_arg,
+            q2, k, v, key_padding_mask if key_padding_mask is not None else dummy,
+            key_start if key_start is not None else dummy, pairs_arg,
             part_m, part_idx, part_l, part_acc,
             *q2.stride(), *k.stride(), *v.stride(),
             Hkv, group, N, keys_per_split, splits, float(sm_scale),

@@ -16,6 +16,9 @@ increasing key order, so among tied maxima the smallest key index wins, as with 
 
 Masking. Query row ``i`` sits at absolute position ``N - M + i``; causal rows see keys ``j <= N-M+i``;
 ``key_padding_mask`` (True = valid) removes keys for a whole batch row. Disallowed logits become -inf.
+With a mask the key loop starts at the block of the batch row's first valid key (computed on the host
+side by one small torch op): with left padding, leading padding blocks are never loaded, and query
+tiles that lie entirely in the padding do no work at all.
 The key loop is split in two: blocks below the first row's position (seen by every row of the tile,
 never past N) need no causal or bounds mask; the remaining blocks up to the last row's position get
 the full mask. A row that has no valid key keeps ``m = -inf, l = 0``: the kernel substitutes 0 for the
@@ -46,6 +49,7 @@ from .triton_common import (
     device_guard,
     dot_precision,
     fill_skipped,
+    first_valid_keys,
     fwd_config,
     new_float,
     new_index,
@@ -98,7 +102,7 @@ def _fwd_block(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Argmax, PadMask, Pairs,
+    Q, K, V, Out, Lse, Argmax, PadMask, KeyStart, Pairs,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -143,13 +147,16 @@ def _fwd_kernel(
     else:
         hi = N
         full_hi = (N // BLOCK_N) * BLOCK_N
-    for start_n in range(0, full_hi, BLOCK_N):
+    lo = 0
+    if HAS_PAD:  # blocks before the first valid key hold only padding
+        lo = (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N
+    for start_n in range(lo, full_hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
             acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
             stride_kn, stride_kd, stride_vn, stride_vd,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, TRACK_ARGMAX, DOT_PRECISION,
         )  # fmt: skip
-    for start_n in range(full_hi, hi, BLOCK_N):
+    for start_n in range(tl.maximum(lo, full_hi), hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
             acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
             stride_kn, stride_kd, stride_vn, stride_vd,
@@ -203,6 +210,7 @@ def attention_forward(
     if n_active == 0:
         return out, argmax, lse
 
+    key_start = first_valid_keys(key_padding_mask)
     dummy = out  # stands in for pointers whose use is compiled out
     n_blocks = triton.cdiv(M, bm)
     # Tiles [0, split) hold no argmax row: launch them without the argmax bookkeeping.
@@ -215,7 +223,7 @@ def attention_forward(
             _fwd_kernel[(hi - lo, n_active)](
                 q, k, v, out, lse if lse is not None else dummy, argmax if track else dummy,
                 key_padding_mask if key_padding_mask is not None else dummy,
-                pairs if pairs is not None else dummy,
+                key_start if key_start is not None else dummy, pairs if pairs is not None else dummy,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Hq // Hkv, M, N, float(sm_scale), M - argmax_rows, argmax_rows, lo,
                 HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(D),

@@ -471,3 +471,21 @@ def test_backward_hypothesis_shapes(kv_heads, group, N, m_frac, causal, pad, see
     ref = _grads("reference", q, k, v, grad_out, **kw)
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("M", [1, 30])
+def test_arbitrary_padding_mask_with_holes(M):
+    """Masks are not only left padding: a padded prefix (whole blocks skipped), holes and a padded tail."""
+    B, Hq, Hkv, N = 2, 2, 1, 60
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, 16, seed=40 + M)
+    pad = torch.rand(B, N, generator=torch.Generator().manual_seed(M)) < 0.7
+    pad[0, :35] = False  # batch 0: first valid key at >= 35 -> blocks 0..1 skipped
+    pad[1, -5:] = False
+    check_forward(q, k, v, pad=pad)
+    check_forward(q, k, v, pad=pad, causal=False)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    kw = dict(causal=True, key_padding_mask=pad)
+    for a, b in zip(
+        _grads("triton", q, k, v, grad_out, **kw), _grads("reference", q, k, v, grad_out, **kw), strict=True
+    ):
+        torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32])
