@@ -139,7 +139,7 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
 
-    # Keys [0, full_hi) are in range and visible to every row of the tile: no causal/bounds mask.
+    # Keys below full_hi are in range and visible to every row of the tile: no causal/bounds mask.
     first_pos = start_m * BLOCK_M + (N - M)
     if CAUSAL:
         hi = tl.minimum(N, first_pos + BLOCK_M)

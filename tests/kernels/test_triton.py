@@ -4,6 +4,9 @@ Every test poisons the kernels' output buffers (NaN / POISON_INDEX via RETMASK_T
 element a kernel forgets to write shows up as a mismatch. Shapes are tiny because the interpreter is
 slow; the interpreter tile config (BLOCK_M=32, BLOCK_N=16) still makes them span several ragged
 blocks. bf16 is not tested here: ``tl.dot`` on bf16 is wrong in the interpreter (triton#11584).
+What the interpreter cannot check, GPU code generation, is covered by compiling the recorded launches
+for sm_90 with ptxas (``test_kernels_compile_for_sm90_without_spills``); timing needs a real GPU
+(bench/bench_triton.py).
 """
 
 from __future__ import annotations
