@@ -15,12 +15,12 @@ def head_scores(copies: Sequence[np.ndarray], answer_lens: Sequence[int], shape:
     copies: one int [L, Hq] array per counted test (in the canonical test order).
     """
     num_layers, num_heads = shape
-    out: dict[str, list[float]] = {f"{l}-{h}": [] for l in range(num_layers) for h in range(num_heads)}
+    out: dict[str, list[float]] = {f"{layer}-{h}": [] for layer in range(num_layers) for h in range(num_heads)}
     for c, n in zip(copies, answer_lens, strict=True):
         c = np.asarray(c)
-        for l in range(num_layers):
+        for layer in range(num_layers):
             for h in range(num_heads):
-                out[f"{l}-{h}"].append(int(c[l, h]) / n)
+                out[f"{layer}-{h}"].append(int(c[layer, h]) / n)
     return out
 
 
@@ -28,15 +28,15 @@ def mean_matrix(scores: dict, shape: tuple[int, int]) -> np.ndarray:
     """float64 [L, Hq] mean score per head (0 for heads without counted tests)."""
     m = np.zeros(shape, dtype=np.float64)
     for key, vals in scores.items():
-        l, h = (int(x) for x in key.split("-"))
-        m[l, h] = float(np.mean(vals)) if len(vals) else 0.0
+        layer, h = (int(x) for x in key.split("-"))
+        m[layer, h] = float(np.mean(vals)) if len(vals) else 0.0
     return m
 
 
 def ranking(mean: np.ndarray) -> list[tuple[int, int]]:
     """Heads by decreasing mean score; ties by (layer, head) so the order is deterministic."""
-    flat = [(-float(mean[l, h]), l, h) for l in range(mean.shape[0]) for h in range(mean.shape[1])]
-    return [(l, h) for _, l, h in sorted(flat)]
+    flat = [(-float(mean[layer, h]), layer, h) for layer in range(mean.shape[0]) for h in range(mean.shape[1])]
+    return [(layer, h) for _, layer, h in sorted(flat)]
 
 
 def summarize(scores: dict, shape: tuple[int, int], top: int = 20) -> dict:
@@ -55,7 +55,7 @@ def summarize(scores: dict, shape: tuple[int, int], top: int = 20) -> dict:
     return {
         "counted_tests": counted,
         "num_heads": total,
-        "top": [{"head": f"{l}-{h}", "score": float(mean[l, h])} for l, h in order[:top]],
+        "top": [{"head": f"{layer}-{h}", "score": float(mean[layer, h])} for layer, h in order[:top]],
         "histogram": hist,
         "retrieval_heads_tau_0.1": int(np.sum(flat >= 0.1)),
         "retrieval_heads_tau_0.05": int(np.sum(flat >= 0.05)),

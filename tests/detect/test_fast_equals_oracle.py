@@ -1,0 +1,84 @@
+"""The fast path (prompt-lookup verification, fused-kernel argmax, KV-prefix reuse) gives exactly the
+step-by-step oracle's answers and per-head copy counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from retmask.detect import FastDetector, oracle_detect, stop_token_ids
+from retmask.detect.drafts import propose_draft
+from retmask.niah import build_tests, default_haystack_text, load_needles
+
+from .conftest import tiny_llama
+
+
+def tiny_prompts(seed: int = 0, vocab: int = 16):
+    """Prompts sharing long prefixes (like tests of one needle at several depths), needle span inside."""
+    rng = np.random.default_rng(seed)
+    hay = rng.integers(3, vocab, size=300)
+    needle = rng.integers(3, vocab, size=12)
+    out = []
+    for p in (0, 40, 150, 151, 260):
+        prompt = np.concatenate([[1], hay[:p], needle, hay[p : 200 + p // 2], [4, 5]])
+        out.append((prompt.astype(np.int64), (1 + p, 1 + p + 12)))
+    return out
+
+
+def random_draft(seed):
+    rng = np.random.default_rng(seed)
+
+    def draft(prompt, span, generated, max_len):
+        # mixes good drafts (prompt lookup) with garbage, to exercise partial acceptance and rejection
+        d = propose_draft(prompt, span, generated, max_len)
+        if rng.random() < 0.5:
+            d = rng.integers(3, 16, size=min(max_len, int(rng.integers(0, 8)))).tolist()
+        return d
+
+    return draft
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 4096])
+def test_tiny_random_llama_fast_equals_oracle(chunk):
+    model = tiny_llama()
+    stops = {2}
+    prompts = tiny_prompts()
+    for draft_fn in (propose_draft, random_draft(chunk)):
+        fast = FastDetector(model, stops, max_new_tokens=30, chunk=chunk, draft_fn=draft_fn)
+        total = 0
+        for prompt, span in prompts + prompts[::-1]:  # both orders: reuse in both directions
+            want = oracle_detect(model, prompt, span, stops, max_new_tokens=30, prefill_impl="retmask")
+            got = fast.run(prompt, span)
+            assert got.tokens == want.tokens
+            np.testing.assert_array_equal(got.copies, want.copies)
+            total += int(want.copies.sum())
+        assert total > 0, "the tiny model should copy sometimes, or this test proves nothing"
+
+
+def test_tiny_stops_after_stop_token_and_respects_budget():
+    model = tiny_llama()
+    prompt, span = tiny_prompts()[1]
+    free = oracle_detect(model, prompt, span, set(), max_new_tokens=12)
+    assert len(free.tokens) == 12
+    stop = free.tokens[5]
+    fast = FastDetector(model, {stop}, max_new_tokens=12).run(prompt, span)
+    first = free.tokens.index(stop)
+    assert fast.tokens == free.tokens[: first + 1]
+
+
+@pytest.mark.embedded
+def test_embedded_model_fast_equals_oracle(embedded):
+    model, tok = embedded
+    needles = load_needles()
+    tests = build_tests(tok, needles[:2], default_haystack_text(), [420, 700], [0, 50])
+    stops = stop_token_ids(tok, model)
+    fast = FastDetector(model, stops, chunk=128)
+    copied = 0
+    for t in tests[:3] + tests[-1:]:
+        want = oracle_detect(model, t.prompt_ids, t.span, stops)
+        got = fast.run(t.prompt_ids, t.span)
+        assert got.tokens == want.tokens
+        np.testing.assert_array_equal(got.copies, want.copies)
+        assert got.passes < len(got.tokens)  # verification accepted multi-token drafts
+        copied += int(want.copies.sum())
+    assert copied > 0

@@ -1,0 +1,135 @@
+"""End to end: the driver's outputs, resume after kill -9, determinism, clear errors before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from retmask.cli import main
+from retmask.detect import DetectConfig, run_detect
+
+GRID = ["--min-len", "350", "--max-len", "600", "--num-lengths", "2", "--num-depths", "2"]
+
+
+def _needles(tmp_path: Path, n: int = 2) -> Path:
+    from retmask.niah import DEFAULT_NEEDLES_PATH
+
+    path = tmp_path / "needles.jsonl"
+    path.write_text("\n".join(DEFAULT_NEEDLES_PATH.read_text().splitlines()[:n]) + "\n")
+    return path
+
+
+def _cfg(needles: Path) -> DetectConfig:
+    return DetectConfig(
+        needles=str(needles), min_len=350, max_len=600, num_lengths=2, num_depths=2, chunk=128
+    )
+
+
+@pytest.mark.embedded
+def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
+    model, tok = embedded
+    needles = _needles(tmp_path)
+    ref = run_detect(
+        _cfg(needles),
+        tmp_path / "ref" / "s.json",
+        model=model,
+        tokenizer=tok,
+        progress_bar=False,
+        log=lambda *a, **k: None,
+    )
+    assert ref.record["tests_counted"] >= 4
+    assert len(ref.scores) == 30 * 9 and all(
+        len(v) == ref.record["tests_counted"] for v in ref.scores.values()
+    )
+    # same settings, fresh run: same result (determinism)
+    again = run_detect(
+        _cfg(needles),
+        tmp_path / "again" / "s.json",
+        model=model,
+        tokenizer=tok,
+        progress_bar=False,
+        log=lambda *a, **k: None,
+    )
+    assert again.scores == ref.scores
+
+    out = tmp_path / "killed" / "s.json"
+    progress = out.with_name(out.name + ".progress.json")
+    cmd = [
+        sys.executable,
+        "-m",
+        "retmask",
+        "detect",
+        "--needles",
+        str(needles),
+        *GRID,
+        "--chunk",
+        "128",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if progress.exists() and len(json.loads(progress.read_text())["results"]) >= 2:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert progress.exists() and not out.exists(), "the run must be interrupted mid-way"
+    done_before = len(json.loads(progress.read_text())["results"])
+    assert 2 <= done_before < 8
+
+    resumed = run_detect(
+        _cfg(needles),
+        out,
+        resume=True,
+        model=model,
+        tokenizer=tok,
+        progress_bar=False,
+        log=lambda *a, **k: None,
+    )
+    assert json.loads(out.read_text()) == json.loads((tmp_path / "ref" / "s.json").read_text())
+    key = lambda r: [(t["key"], t["response"], t["rouge1_recall"]) for t in r.record["tests"]]  # noqa: E731
+    assert key(resumed) == key(ref)
+    record = json.loads(out.with_name("s.run.json").read_text())
+    assert record["grid"]["lengths"] == [350, 600] and record["tests_run"] == 8
+
+    # resuming with other settings is refused, naming the problem
+    other = _cfg(needles)
+    other.max_new_tokens = 20
+    with pytest.raises(ValueError, match="other settings"):
+        run_detect(
+            other, out, resume=True, model=model, tokenizer=tok, progress_bar=False, log=lambda *a, **k: None
+        )
+
+
+@pytest.mark.embedded
+def test_context_longer_than_model_fails_before_work(tmp_path, embedded, capsys):
+    model, tok = embedded
+    cfg = DetectConfig(protocol="wu2024")
+    with pytest.raises(ValueError, match="exceeds the model's maximum of 8192"):
+        run_detect(cfg, tmp_path / "s.json", model=model, tokenizer=tok, progress_bar=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"needle": "x"}\n')
+    assert main(["detect", "--needles", str(bad), "--out", str(tmp_path / "s.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:1" in err and "missing key" in err
+
+
+def test_cli_lists_detect():
+    out = subprocess.run(
+        [sys.executable, "-m", "retmask", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "detect" in out

@@ -1,0 +1,42 @@
+"""Scores JSON format, summary/histogram, the --until-stable rule, drafts, stop tokens."""
+
+import numpy as np
+
+from retmask.detect.drafts import propose_draft
+from retmask.detect.scores import StabilityTracker, head_scores, mean_matrix, summarize
+
+
+def test_head_scores_published_format():
+    c1 = np.array([[3, 0], [1, 0]])
+    c2 = np.array([[6, 0], [0, 0]])
+    s = head_scores([c1, c2], [6, 12], (2, 2))
+    assert list(s) == ["0-0", "0-1", "1-0", "1-1"]
+    assert s["0-0"] == [0.5, 0.5] and s["1-0"] == [1 / 6, 0.0] and s["0-1"] == [0.0, 0.0]
+    np.testing.assert_allclose(mean_matrix(s, (2, 2)), [[0.5, 0], [1 / 12, 0]])
+
+
+def test_summary_histogram_and_counts():
+    scores = {"0-0": [0.6], "0-1": [0.0], "1-0": [0.07], "1-1": [0.2]}
+    s = summarize(scores, (2, 2))
+    assert s["histogram"] == {"0": 0.25, "(0, 0.1)": 0.25, "[0.1, 0.5)": 0.25, ">= 0.5": 0.25}
+    assert s["retrieval_heads_tau_0.1"] == 2 and s["retrieval_heads_tau_0.05"] == 3
+    assert [t["head"] for t in s["top"][:2]] == ["0-0", "1-1"]
+
+
+def test_until_stable_counts_unchanged_tests():
+    tr = StabilityTracker((2, 2), patience=3, top_k=2)
+    assert not tr.update(np.array([[0.5, 0.0], [0.2, 0.0]]))
+    for _ in range(2):
+        assert not tr.update(np.array([[0.5, 0.0], [0.2, 0.0]]))
+    assert tr.update(np.array([[0.5, 0.0], [0.2, 0.0]]))
+    assert not tr.update(np.array([[0.0, 0.0], [0.0, 3.0]]))  # ranking changed: counter restarts
+
+
+def test_draft_prefers_the_needle_neighbourhood():
+    prompt = np.array([5, 6, 7, 8] + [1] * 100 + [5, 6, 9, 9, 9, 2], dtype=np.int64)
+    span = (106, 109)
+    assert propose_draft(prompt, span, [], 2) == [9, 9]  # nothing generated yet: the answer span
+    assert propose_draft(prompt, span, [5, 6], 3) == [9, 9, 9]  # "5 6" next to the needle, not at 0
+    assert propose_draft(prompt, (0, 3), [5, 6], 3) == [7, 8, 1]  # ... or next to another span
+    assert propose_draft(prompt, span, [4], 3) == []
+    assert propose_draft(prompt, span, [5], 0) == []
