@@ -18,9 +18,9 @@ contributions); the dQ kernel owns a block of query rows and loops over the keys
 Masking reproduces the forward exactly: disallowed keys (causal ``j > N - M + i``, padding, beyond N)
 and rows beyond M get ``P = 0``. A row with no valid key has ``lse = +inf``, so its ``P`` is 0 and its
 gradients are 0 with no NaN. Disabled heads contribute nothing: the dQ and preprocess grids enumerate
-only enabled (batch, head) pairs, the dK/dV kernel skips disabled heads of its group, and KV heads whose
-whole group is disabled are not launched (their dK/dV are written as 0 on the host), as are the
-disabled heads' dQ rows.
+enabled (batch, head) pairs, the dK/dV kernel skips disabled heads of its group, and KV heads whose
+whole group is disabled do no work. Their zero dQ / dK / dV are written with torch (exact grid mode)
+or by programs with empty loops (sync-free mode, see ``triton_fwd``).
 
 Loops start where they can contribute. Keys before a batch row's first valid key are padding: the dQ
 loop starts at that key's block, and dK/dV programs wholly before it only store zeros. Causal: key
@@ -79,7 +79,7 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, PadMask, KeyStart, Skip, KvPairs,
+    Q, K, V, DO, Lse, Delta, DK, DV, PadMask, KeyStart, Skip, KvPairs, NEnabled,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -127,6 +127,8 @@ def _bwd_dkdv_kernel(
         m_lo = 0
     if HAS_PAD:  # a block wholly before the first valid key holds only padding: dK = dV = 0
         m_lo = tl.where(start_n + BLOCK_N > tl.load(KeyStart + b), m_lo, M)
+    if HAS_PAIRS:  # sync-free grid: slots past the enabled count are fully disabled groups: dK = dV = 0
+        m_lo = tl.where(tl.program_id(1) < tl.load(NEnabled), m_lo, M)
     for g in range(0, GROUP):
         h = kvh * GROUP + g
         enabled = True
@@ -175,7 +177,7 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, PadMask, KeyStart, Pairs,
+    Q, K, V, DO, Lse, Delta, DQ, PadMask, KeyStart, Pairs, NEnabled,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -223,6 +225,8 @@ def _bwd_dq_kernel(
     lo = 0
     if HAS_PAD:  # blocks before the first valid key hold only padding
         lo = (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N
+    if HAS_PAIRS:  # sync-free grid: programs past the enabled count are disabled heads: dQ = 0
+        hi = tl.where(tl.program_id(1) < tl.load(NEnabled), hi, 0)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         n_ok = cols < N
@@ -281,14 +285,14 @@ def attention_backward(
     dq = new_float((B, Hq, M, D), q.dtype, device)
     dk = new_float((B, Hkv, N, D), k.dtype, device)
     dv = new_float((B, Hkv, N, D), v.dtype, device)
-    pairs, n_active = active_pairs(skip_heads, B, Hq)
+    plist = active_pairs(skip_heads, B, Hq)
     kv_skip = None if skip_heads is None else skip_heads.view(B, Hkv, group).all(-1)
-    kv_pairs, n_kv_active = active_pairs(kv_skip, B, Hkv)
-    if skip_heads is not None:
+    kv_plist = active_pairs(kv_skip, B, Hkv)  # KV heads with at least one enabled query head
+    if plist.host_fill:
         dq[skip_heads] = 0
         dk[kv_skip] = 0
         dv[kv_skip] = 0
-    if n_active == 0:
+    if plist.grid == 0:
         return dq, dk, dv
 
     delta = torch.empty((B, Hq, M), dtype=torch.float32, device=device)  # only enabled rows are read
@@ -298,27 +302,31 @@ def attention_backward(
     start_arg = key_start if key_start is not None else dummy
     precision = dot_precision(q.dtype)
     common = dict(HEAD_DIM=D, BLOCK_D=bd, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    pairs = plist.pairs if plist.pairs is not None else dummy
+    n_enabled = plist.n_enabled if plist.n_enabled is not None else dummy
+    kv_pairs = kv_plist.pairs if kv_plist.pairs is not None else dummy
+    kv_n_enabled = kv_plist.n_enabled if kv_plist.n_enabled is not None else dummy
     with device_guard(q):
-        _bwd_preprocess_kernel[(triton.cdiv(M, bm), n_active)](
-            out, grad_out, delta, pairs if pairs is not None else dummy,
+        _bwd_preprocess_kernel[(triton.cdiv(M, bm), plist.grid)](
+            out, grad_out, delta, pairs,
             *out.stride(), *grad_out.stride(), Hq, M,
-            BLOCK_M=bm, HAS_PAIRS=pairs is not None, **common,
+            BLOCK_M=bm, HAS_PAIRS=plist.pairs is not None, **common,
         )  # fmt: skip
-        _bwd_dkdv_kernel[(triton.cdiv(N, bn), n_kv_active)](
+        _bwd_dkdv_kernel[(triton.cdiv(N, bn), kv_plist.grid)](
             q, k, v, grad_out, lse, delta, dk, dv, pad_arg, start_arg,
-            skip_heads if skip_heads is not None else dummy, kv_pairs if kv_pairs is not None else dummy,
+            skip_heads if skip_heads is not None else dummy, kv_pairs, kv_n_enabled,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
             Hq, Hkv, group, M, N, float(sm_scale),
             BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
-            HAS_SKIP=skip_heads is not None, HAS_PAIRS=kv_pairs is not None, DOT_PRECISION=precision,
+            HAS_SKIP=skip_heads is not None, HAS_PAIRS=kv_plist.pairs is not None, DOT_PRECISION=precision,
             **common,
         )  # fmt: skip
-        _bwd_dq_kernel[(triton.cdiv(M, bm), n_active)](
-            q, k, v, grad_out, lse, delta, dq, pad_arg, start_arg, pairs if pairs is not None else dummy,
+        _bwd_dq_kernel[(triton.cdiv(M, bm), plist.grid)](
+            q, k, v, grad_out, lse, delta, dq, pad_arg, start_arg, pairs, n_enabled,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
             Hq, group, M, N, float(sm_scale),
             BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
-            HAS_PAIRS=pairs is not None, DOT_PRECISION=precision, **common,
+            HAS_PAIRS=plist.pairs is not None, DOT_PRECISION=precision, **common,
         )  # fmt: skip
     return dq, dk, dv
 

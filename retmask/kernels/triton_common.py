@@ -132,16 +132,49 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-def active_pairs(skip: torch.Tensor | None, rows: int, cols: int) -> tuple[torch.Tensor | None, int]:
-    """Flat indices ``b * cols + h`` of the enabled (batch, head) pairs as int32, and their count.
+SYNC_FREE_ENV = "RETMASK_TRITON_SYNC_FREE"
 
-    skip: bool [rows, cols] (True = disabled) or None (all enabled: returns None and the kernels use
-    the program id directly). The count sizes the launch grid, so this is the one host sync per call.
+
+def sync_free() -> bool:
+    """Grid mode for head skipping (env RETMASK_TRITON_SYNC_FREE=1 selects sync-free).
+
+    exact (default): the grid has one program per *enabled* pair; sizing it needs the enabled count on
+    the host, i.e. one device->host sync per call, and the disabled heads' fixed outputs are written by
+    torch indexing. sync-free: the grid has one program per pair, the pair list holds the enabled pairs
+    first, and programs past the enabled count only write the fixed outputs of a disabled pair (their
+    key loops are empty). No host sync (CUDA-graph capturable); the extra programs do no math.
     """
+    return os.environ.get(SYNC_FREE_ENV) == "1"
+
+
+@dataclass(frozen=True)
+class PairList:
+    """The (batch, head) pairs one grid axis visits.
+
+    pairs: int32 [grid] flat indices ``b * cols + h``, enabled pairs first (None: every pair, in order,
+    all enabled); n_enabled: int32 [1] on the device, the number of enabled pairs (programs with a
+    larger id handle disabled pairs); grid: programs on the axis; host_fill: the disabled pairs get no
+    program, so their fixed outputs must be written on the host (``fill_skipped``).
+    """
+
+    pairs: torch.Tensor | None
+    n_enabled: torch.Tensor | None
+    grid: int
+    host_fill: bool
+
+
+def active_pairs(skip: torch.Tensor | None, rows: int, cols: int) -> PairList:
+    """Pair list for ``skip``: bool [rows, cols] (True = disabled) or None (nothing disabled)."""
     if skip is None:
-        return None, rows * cols
-    pairs = (~skip).reshape(-1).nonzero().flatten().to(torch.int32)
-    return pairs, int(pairs.numel())
+        return PairList(None, None, rows * cols, host_fill=False)
+    flat = skip.reshape(-1)
+    n_enabled = (~flat).sum(dtype=torch.int32).reshape(1)
+    if sync_free():
+        # Stable sort on the disabled flag: enabled pairs first, each group in index order.
+        pairs = torch.argsort(flat.to(torch.uint8), stable=True).to(torch.int32)
+        return PairList(pairs, n_enabled, rows * cols, host_fill=False)
+    pairs = (~flat).nonzero().flatten().to(torch.int32)  # host sync: the count sizes the grid
+    return PairList(pairs, n_enabled, int(pairs.numel()), host_fill=True)
 
 
 def first_valid_keys(key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -184,8 +217,8 @@ def fill_skipped(
     argmax: torch.Tensor | None,
     lse: torch.Tensor | None,
 ) -> None:
-    """Write the fixed results of disabled heads, which no program visits: out 0, argmax -1, lse +inf
-    (+inf makes exp(s - lse) = 0, so a backward that read it would produce zero gradients).
+    """Write the fixed results of disabled heads when no program visits them (exact grid mode): out 0,
+    argmax -1, lse +inf (+inf makes exp(s - lse) = 0: a backward that read it gives zero gradients).
 
     skip: bool [B, Hq]; out: [B, Hq, M, D]; argmax: [B, Hq, T]; lse: [B, Hq, M]. Advanced indexing
     touches only the disabled heads' elements.

@@ -19,9 +19,9 @@ smallest within its range). Splits without a valid key (``m_s = -inf``) get weig
 empty the row is empty: out 0, argmax -1, lse +inf.
 
 Causality is trivially satisfied (the single row sits at position N - 1 and sees every key); padding
-still applies. Head skipping: only KV heads with at least one enabled query head are launched (a fully
-disabled group costs nothing, and its K/V is never read); disabled rows inside a launched group ride
-along in the tile for free but are never merged or stored.
+still applies. Head skipping: only KV heads with at least one enabled query head do work (a fully
+disabled group never reads its K/V; in the sync-free grid mode its programs run empty loops); disabled
+rows inside a working group ride along in the tile for free and the merge stores 0 / -1 / +inf for them.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from .triton_fwd import _fwd_block
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, PadMask, KeyStart, KvPairs, PartM, PartIdx, PartL, PartAcc,
+    Q, K, V, PadMask, KeyStart, KvPairs, NEnabled, PartM, PartIdx, PartL, PartAcc,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -87,6 +87,8 @@ def _decode_partial_kernel(
     hi = tl.minimum(lo + keys_per_split, N)
     if HAS_PAD:  # blocks before the first valid key hold only padding (splits there do no work)
         lo = tl.maximum(lo, (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N)
+    if HAS_PAIRS:  # sync-free grid: slots past the enabled count are fully disabled groups, no keys
+        hi = tl.where(slot < tl.load(NEnabled), hi, lo)
     full_hi = tl.maximum(lo, (hi // BLOCK_N) * BLOCK_N)  # whole blocks need no bounds mask
     for start_n in range(lo, full_hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
@@ -117,7 +119,7 @@ def _decode_merge_kernel(
     HAS_PAIRS: tl.constexpr, HAS_SKIP: tl.constexpr, WRITE_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """Program (KV slot, g): combine the num_splits partial states of query head kvh * GROUP + g
-    (SPLITS = num_splits padded to a power of two). Disabled heads store nothing."""
+    (SPLITS = num_splits padded to a power of two). A disabled head stores 0 / -1 / +inf."""
     slot = tl.program_id(0)
     g = tl.program_id(1)
     if HAS_PAIRS:
@@ -151,13 +153,14 @@ def _decode_merge_kernel(
     out = tl.sum(a_s * w[:, None], 0) / l_safe
     d_ok = offs_d < HEAD_DIM
     o_ptrs = Out + b * stride_ob + h * stride_oh + offs_d * stride_od
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok & enabled)
+    out = tl.where(enabled, out, 0.0)
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
     zero = tl.arange(0, 1)
     if WRITE_LSE:
         lse = tl.where(empty, float("inf"), (m + tl.log2(l_safe)) * 0.6931471805599453)
-        tl.store(Lse + pair + zero, tl.zeros([1], dtype=tl.float32) + lse, mask=enabled)
+        tl.store(Lse + pair + zero, tl.where(enabled, lse, float("inf")))
     if WRITE_ARGMAX:
-        tl.store(Argmax + pair + zero, tl.zeros([1], dtype=tl.int64) + idx.to(tl.int64), mask=enabled)
+        tl.store(Argmax + pair + zero, tl.where(enabled, idx.to(tl.int64), -1))
 
 
 def default_num_splits(n_programs: int, kv_len: int, block_n: int, device: torch.device) -> int:
@@ -205,10 +208,12 @@ def decode_forward(
     argmax = new_index((B, Hq, 1), device) if argmax_rows else None
     lse = new_float((B, Hq, 1), torch.float32, device) if return_lse else None
     kv_skip = None if skip_heads is None else skip_heads.view(B, Hkv, group).all(-1)
-    kv_pairs, n_kv = active_pairs(kv_skip, B, Hkv)
-    fill_skipped(skip_heads, out, argmax, lse)
-    if n_kv == 0:
+    plist = active_pairs(kv_skip, B, Hkv)  # KV heads with at least one enabled query head
+    if plist.host_fill:
+        fill_skipped(skip_heads, out, argmax, lse)
+    if plist.grid == 0:
         return out, argmax, lse
+    n_kv = plist.grid
 
     splits = num_splits or default_num_splits(n_kv, N, bn, device)
     splits = max(1, min(splits, triton.cdiv(N, bn)))
@@ -223,17 +228,18 @@ def decode_forward(
     part_acc = torch.empty(rows * bd, dtype=torch.float32, device=device)
     key_start = first_valid_keys(key_padding_mask)
     dummy = out
-    pairs_arg = kv_pairs if kv_pairs is not None else dummy
+    pairs_arg = plist.pairs if plist.pairs is not None else dummy
+    n_enabled_arg = plist.n_enabled if plist.n_enabled is not None else dummy
     q2, o2 = q[:, :, 0], out[:, :, 0]  # [B, Hq, D] views
     with device_guard(q):
         _decode_partial_kernel[(splits, n_kv)](
             q2, k, v, key_padding_mask if key_padding_mask is not None else dummy,
-            key_start if key_start is not None else dummy, pairs_arg,
+            key_start if key_start is not None else dummy, pairs_arg, n_enabled_arg,
             part_m, part_idx, part_l, part_acc,
             *q2.stride(), *k.stride(), *v.stride(),
             Hkv, group, N, keys_per_split, splits, float(sm_scale),
             HEAD_DIM=D, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd,
-            HAS_PAD=key_padding_mask is not None, HAS_PAIRS=kv_pairs is not None,
+            HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
             DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         _decode_merge_kernel[(n_kv, group)](
@@ -242,7 +248,7 @@ def decode_forward(
             lse if lse is not None else dummy, argmax if argmax is not None else dummy,
             *o2.stride(), Hq, Hkv, group, splits,
             HEAD_DIM=D, BLOCK_G=bg, BLOCK_D=bd, SPLITS=max(2, triton.next_power_of_2(splits)),
-            HAS_PAIRS=kv_pairs is not None, HAS_SKIP=skip_heads is not None,
+            HAS_PAIRS=plist.pairs is not None, HAS_SKIP=skip_heads is not None,
             WRITE_ARGMAX=argmax is not None, WRITE_LSE=lse is not None, num_warps=4,
         )  # fmt: skip
     return out, argmax, lse

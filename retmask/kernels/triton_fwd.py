@@ -25,9 +25,12 @@ the full mask. A row that has no valid key keeps ``m = -inf, l = 0``: the kernel
 reference point so ``-inf - -inf`` never appears, writes ``o = 0``, argmax ``-1`` and ``lse = +inf``
 (so ``exp(s - lse) = 0`` in the backward: zero gradients, no NaN).
 
-Head skipping. The grid's second axis enumerates only the *enabled* (batch, head) pairs: an int32 list
-built on the host from ``skip_heads`` is indexed with ``program_id(1)``. Work is proportional to the
-enabled heads; the disabled heads' outputs are written on the host (0 / -1 / +inf).
+Head skipping. The grid's second axis indexes an int32 list of (batch, head) pairs built from
+``skip_heads`` with ``program_id(1)``; work is proportional to the enabled heads. Default ("exact")
+grid: the list holds only the enabled pairs (its length, read on the host, sizes the grid) and the
+disabled heads' outputs are written with torch (0 / -1 / +inf). Sync-free grid
+(RETMASK_TRITON_SYNC_FREE=1): one program per pair, enabled pairs first; a program past the enabled
+count runs empty key loops, so its epilogue writes the disabled head's 0 / -1 / +inf, with no host sync.
 
 Argmax rows. Only the last T rows need an argmax. Query tiles that hold none of them are launched
 separately with the argmax bookkeeping compiled out, so teacher forcing (T ~ 50 of 50K rows) pays
@@ -102,7 +105,7 @@ def _fwd_block(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Argmax, PadMask, KeyStart, Pairs,
+    Q, K, V, Out, Lse, Argmax, PadMask, KeyStart, Pairs, NEnabled,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -150,6 +153,12 @@ def _fwd_kernel(
     lo = 0
     if HAS_PAD:  # blocks before the first valid key hold only padding
         lo = (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N
+    if HAS_PAIRS:
+        # Sync-free grids also hold programs for disabled pairs (ids past the enabled count): empty key
+        # loops, so the epilogue writes exactly a disabled head's outputs (0, argmax -1, lse +inf).
+        enabled = tl.program_id(1) < tl.load(NEnabled)
+        hi = tl.where(enabled, hi, 0)
+        full_hi = tl.where(enabled, full_hi, 0)
     for start_n in range(lo, full_hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
             acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
@@ -205,9 +214,10 @@ def attention_forward(
     out = new_float((B, Hq, M, D), q.dtype, device)
     argmax = new_index((B, Hq, argmax_rows), device) if argmax_rows else None
     lse = new_float((B, Hq, M), torch.float32, device) if return_lse else None
-    pairs, n_active = active_pairs(skip_heads, B, Hq)
-    fill_skipped(skip_heads, out, argmax, lse)
-    if n_active == 0:
+    plist = active_pairs(skip_heads, B, Hq)
+    if plist.host_fill:
+        fill_skipped(skip_heads, out, argmax, lse)
+    if plist.grid == 0:
         return out, argmax, lse
 
     key_start = first_valid_keys(key_padding_mask)
@@ -220,14 +230,16 @@ def attention_forward(
         for lo, hi, track in launches:
             if hi <= lo:
                 continue
-            _fwd_kernel[(hi - lo, n_active)](
+            _fwd_kernel[(hi - lo, plist.grid)](
                 q, k, v, out, lse if lse is not None else dummy, argmax if track else dummy,
                 key_padding_mask if key_padding_mask is not None else dummy,
-                key_start if key_start is not None else dummy, pairs if pairs is not None else dummy,
+                key_start if key_start is not None else dummy,
+                plist.pairs if plist.pairs is not None else dummy,
+                plist.n_enabled if plist.n_enabled is not None else dummy,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Hq // Hkv, M, N, float(sm_scale), M - argmax_rows, argmax_rows, lo,
                 HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(D),
-                CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=pairs is not None,
+                CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
                 TRACK_ARGMAX=track, WRITE_LSE=return_lse, DOT_PRECISION=dot_precision(q.dtype),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip

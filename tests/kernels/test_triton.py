@@ -11,14 +11,16 @@ for sm_90 with ptxas (``test_kernels_compile_for_sm90_without_spills``); timing 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from retmask.kernels import attention, reference_attention
 from retmask.kernels.reference import reference_logits
-from retmask.kernels.triton_common import POISON_ENV, POISON_INDEX, active_pairs
+from retmask.kernels.triton_common import POISON_ENV, POISON_INDEX, SYNC_FREE_ENV, active_pairs
 from retmask.kernels.triton_decode import decode_forward
 from retmask.kernels.triton_fwd import attention_forward
 
@@ -31,6 +33,15 @@ ARGMAX_ATOL = {torch.float32: 1e-4, torch.float16: 1e-3}
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
     monkeypatch.setenv(POISON_ENV, "1")
+    monkeypatch.delenv(SYNC_FREE_ENV, raising=False)
+
+
+@pytest.fixture(params=["exact", "sync_free"])
+def grid_mode(request, monkeypatch):
+    """Run a head-skipping test with both grid modes (see triton_common.sync_free)."""
+    if request.param == "sync_free":
+        monkeypatch.setenv(SYNC_FREE_ENV, "1")
+    return request.param
 
 
 def _random_skip(B: int, Hq: int, seed: int, p: float = 0.4) -> torch.Tensor:
@@ -117,7 +128,7 @@ def test_forward_matches_reference(shape, causal):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_forward_padding_skips_noncontiguous(dtype):
+def test_forward_padding_skips_noncontiguous(dtype, grid_mode):
     B, Hq, Hkv, M, N = 2, 4, 2, 40, 61
     q, k, v = make_qkv(B, Hq, Hkv, M, N, 32, dtype=dtype, seed=3, noncontiguous_q=True)
     assert not q.is_contiguous()
@@ -137,14 +148,14 @@ def test_forward_noncontiguous_kv_and_custom_scale():
     check_forward(q, k_t, v_t, sm_scale=0.7, pad=left_padding_mask(2, 50, [3, 0]), argmax_rows=7)
 
 
-def test_forward_all_heads_skipped():
+def test_forward_all_heads_skipped(grid_mode):
     q, k, v = make_qkv(2, 4, 2, 9, 30, 16, seed=5)
     skip = torch.ones(2, 4, dtype=torch.bool)
     out, argmax = check_forward(q, k, v, skip=skip)
     assert (out == 0).all() and (argmax == -1).all()
 
 
-def test_forward_one_dim_skip_mask_and_argmax_rows():
+def test_forward_one_dim_skip_mask_and_argmax_rows(grid_mode):
     q, k, v = make_qkv(2, 4, 1, 50, 67, 32, seed=6)
     # argmax_rows not aligned to a tile: the no-argmax launch and the argmax launch share a tile.
     check_forward(q, k, v, skip=torch.tensor([True, False, False, True]).expand(2, 4), argmax_rows=19)
@@ -190,7 +201,7 @@ def test_duplicate_keys_tie_across_blocks():
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_splits(splits, dtype):
+def test_decode_splits(splits, dtype, grid_mode):
     B, Hq, Hkv, N = 2, 4, 2, 70
     q, k, v = make_qkv(B, Hq, Hkv, 1, N, 32, dtype=dtype, seed=10 + splits, noncontiguous_q=True)
     pad = left_padding_mask(B, N, [0, 23])
@@ -212,7 +223,7 @@ def test_decode_ties_across_splits_and_empty_splits():
     assert (out[2] == 0).all()
 
 
-def test_decode_all_heads_skipped_and_no_argmax():
+def test_decode_all_heads_skipped_and_no_argmax(grid_mode):
     q, k, v = make_qkv(1, 2, 1, 1, 20, 16, seed=12)
     out, argmax, lse = decode_forward(
         q, k, v, key_padding_mask=None, skip_heads=torch.ones(1, 2, dtype=torch.bool), sm_scale=0.25,
@@ -234,14 +245,25 @@ def test_prefill_launcher_block_sizes():
         check_forward(q, k, v, pad=pad, argmax_rows=45, launcher=attention_forward, block_m=bm, block_n=bn)
 
 
-def test_active_pairs():
+def test_active_pairs(monkeypatch):
     skip = torch.tensor([[True, False, False], [False, True, True]])
-    pairs, n = active_pairs(skip, 2, 3)
-    assert n == 3 and pairs.dtype == torch.int32 and pairs.tolist() == [1, 2, 3]
-    assert active_pairs(None, 2, 3) == (None, 6)
+    exact = active_pairs(skip, 2, 3)
+    assert exact.grid == 3 and exact.host_fill and exact.pairs.dtype == torch.int32
+    assert exact.pairs.tolist() == [1, 2, 3] and exact.n_enabled.tolist() == [3]
+    monkeypatch.setenv(SYNC_FREE_ENV, "1")
+    free = active_pairs(skip, 2, 3)  # enabled pairs first, then the disabled ones, each in order
+    assert free.grid == 6 and not free.host_fill and free.pairs.tolist() == [1, 2, 3, 0, 4, 5]
+    assert free.n_enabled.tolist() == [3]
+    none = active_pairs(None, 2, 3)
+    assert none.pairs is None and none.grid == 6 and not none.host_fill
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     B=st.integers(1, 2),
     kv_heads=st.sampled_from([1, 2]),
@@ -253,7 +275,7 @@ def test_active_pairs():
     pad_frac=st.floats(0.0, 1.0),
     skip_seed=st.integers(0, 100),
 )
-def test_forward_hypothesis_shapes(B, kv_heads, group, N, m_frac, D, causal, pad_frac, skip_seed):
+def test_forward_hypothesis_shapes(B, kv_heads, group, N, m_frac, D, causal, pad_frac, skip_seed, grid_mode):
     M = max(1, round(m_frac * N))
     Hq = kv_heads * group
     q, k, v = make_qkv(B, Hq, kv_heads, M, N, D, seed=skip_seed)
@@ -291,7 +313,7 @@ GRAD_CASES = [
 
 @pytest.mark.parametrize("case", GRAD_CASES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_backward_matches_reference(case, causal):
+def test_backward_matches_reference(case, causal, grid_mode):
     B, Hq, Hkv, M, N, D, pads, skip = case
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=20 + M, noncontiguous_q=True)
     pad = None if pads is None else left_padding_mask(B, N, pads)
@@ -312,7 +334,7 @@ def test_backward_matches_reference(case, causal):
         assert (dq[0] == 0).all() and (dk[0] == 0).all() and (dv[0] == 0).all()
 
 
-def test_backward_fp16_noncontiguous_grad_out():
+def test_backward_fp16_noncontiguous_grad_out(grid_mode):
     B, Hq, Hkv, M, N, D = 2, 4, 2, 40, 40, 32
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float16, seed=30, noncontiguous_q=True)
     # transformers transposes the output: its gradient arrives as a [B, Hq, M, D] view of [B, M, Hq, D].
@@ -327,7 +349,7 @@ def test_backward_fp16_noncontiguous_grad_out():
         torch.testing.assert_close(a.float(), b, **GRAD_TOL[torch.float16])
 
 
-def test_backward_all_heads_skipped_and_tile_shapes():
+def test_backward_all_heads_skipped_and_tile_shapes(grid_mode):
     from retmask.kernels.triton_bwd import attention_backward
 
     q, k, v = make_qkv(1, 2, 1, 21, 37, 16, seed=31)
@@ -442,8 +464,20 @@ def test_launch_grids_cover_only_enabled_heads():
     assert g["_fwd_kernel"][1] == B * Hq - 4
     assert "_fwd_kernel" not in grids(torch.ones(B, Hq, dtype=torch.bool))  # nothing enabled: no launch
 
+    # Sync-free mode: one program per pair (disabled ones only write their fixed outputs), no host sync.
+    os.environ[SYNC_FREE_ENV] = "1"
+    try:
+        for skip in (half, torch.ones(B, Hq, dtype=torch.bool)):
+            g = grids(skip)
+            for kernel in ("_fwd_kernel", "_bwd_preprocess_kernel", "_bwd_dq_kernel"):
+                assert g[kernel][1] == B * Hq, kernel
+            for kernel in ("_decode_partial_kernel", "_bwd_dkdv_kernel"):
+                assert g[kernel][1] == B * Hkv, kernel
+    finally:
+        del os.environ[SYNC_FREE_ENV]
 
-def test_decode_large_group_mqa():
+
+def test_decode_large_group_mqa(grid_mode):
     """20 query heads on one KV head: the decode tile holds the group as 32 (padded) rows."""
     q, k, v = make_qkv(2, 20, 1, 1, 40, 16, seed=14)
     skip = _random_skip(2, 20, seed=15)
@@ -452,7 +486,12 @@ def test_decode_large_group_mqa():
     assert (out[1] == 0).all() and (argmax[1] == -1).all()
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     kv_heads=st.sampled_from([1, 2]),
     group=st.sampled_from([1, 3]),
@@ -462,7 +501,7 @@ def test_decode_large_group_mqa():
     pad=st.integers(0, 50),
     seed=st.integers(0, 100),
 )
-def test_backward_hypothesis_shapes(kv_heads, group, N, m_frac, causal, pad, seed):
+def test_backward_hypothesis_shapes(kv_heads, group, N, m_frac, causal, pad, seed, grid_mode):
     B, Hq, M = 2, kv_heads * group, max(1, round(m_frac * N))
     q, k, v = make_qkv(B, Hq, kv_heads, M, N, 16, seed=seed)
     kw = dict(
