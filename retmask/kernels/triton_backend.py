@@ -4,6 +4,12 @@ Dispatch only: ``triton_fwd`` (prefill forward with argmax and head skipping), `
 (M == 1, split over keys) and ``triton_bwd`` (FA2-style backward). Inputs arrive validated and
 normalised by ``attention()`` (see ``validation.py``): masks are contiguous bool, skip_heads is
 [B, Hq] or None, argmax_rows is in [0, M].
+
+Head skipping has two grid modes (``triton_common.sync_free``): by default the grids hold only the
+enabled heads, which costs one device->host sync per call to size them; with the environment variable
+RETMASK_TRITON_SYNC_FREE=1 there is no host sync (CUDA-graph capturable) and programs for disabled
+heads only write their fixed outputs. Debugging: RETMASK_TRITON_POISON=1 fills every output buffer
+with NaN / -12345 before the kernels run, so an unwritten element cannot pass unnoticed.
 """
 
 from __future__ import annotations
