@@ -142,7 +142,8 @@ def sync_free() -> bool:
     the host, i.e. one device->host sync per call, and the disabled heads' fixed outputs are written by
     torch indexing. sync-free: the grid has one program per pair, the pair list holds the enabled pairs
     first, and programs past the enabled count only write the fixed outputs of a disabled pair (their
-    key loops are empty). No host sync (CUDA-graph capturable); the extra programs do no math.
+    key loops are empty). No host sync (a prerequisite for CUDA-graph capture); the extra programs do
+    no math.
     """
     return os.environ.get(SYNC_FREE_ENV) == "1"
 
