@@ -7,9 +7,10 @@ normalised by ``attention()`` (see ``validation.py``): masks are contiguous bool
 
 Head skipping has two grid modes (``triton_common.sync_free``): by default the grids hold only the
 enabled heads, which costs one device->host sync per call to size them; with the environment variable
-RETMASK_TRITON_SYNC_FREE=1 there is no host sync (a prerequisite for CUDA-graph capture, not tested here) and programs for disabled
-heads only write their fixed outputs. Debugging: RETMASK_TRITON_POISON=1 fills every output buffer
-with NaN / -12345 before the kernels run, so an unwritten element cannot pass unnoticed.
+RETMASK_TRITON_SYNC_FREE=1 there is no host sync (a prerequisite for CUDA-graph capture, not tested
+here) and programs for disabled heads only write their fixed outputs. Debugging:
+RETMASK_TRITON_POISON=1 fills every output buffer with NaN / -12345 before the kernels run, so an
+unwritten element cannot pass unnoticed.
 """
 
 from __future__ import annotations
