@@ -38,6 +38,8 @@ almost nothing for it.
 
 Layout: q [B, Hq, M, D] with arbitrary strides; k, v [B, Hkv, N, D] with arbitrary strides (GQA: query
 head h reads KV head ``h // (Hq // Hkv)``); D is padded to BLOCK_D (a power of two) with masked loads.
+Batch and head offsets are int64; offsets inside one (batch, head) are int32, so ``M * stride_m`` and
+``N * stride_n`` must stay below 2^31 (e.g. M < 524K rows for a Llama query view [B, M, 32 * 128]).
 """
 
 from __future__ import annotations
