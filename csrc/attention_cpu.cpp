@@ -1,18 +1,19 @@
 // Fused flash-style CPU attention with per-row argmax of the logits and head skipping.
 //
 // One pass over the keys per tile of query rows: S = (scale*Q) K^T on a key block, online softmax
-// carrying the running max logit *and its key index* per row, O += P V. Memory is linear in N: a
-// thread holds one Q tile, one packed K^T / V block, one logit block and one O accumulator.
+// carrying the running max logit *and its key index* per row (strictly greater replaces, so ties keep
+// the smallest key index), O += P V. Memory is linear in N: a thread holds one Q tile, one logit block,
+// one O accumulator (and, for fp16/bf16 or strided K/V, one fp32 copy of the K/V block).
 //
 // Work items: (batch, kv head, block of query rows) with all *active* query heads of that kv group
-// stacked as tile rows (GQA/MQA share one packed K/V block; no repeat). Skipped heads create no rows,
-// so they cost nothing beyond writing their zeros / -1. Items are sorted by causal cost (largest
-// first) and handed out dynamically by OpenMP, which balances the causal triangle.
+// stacked as tile rows (GQA/MQA share one K/V block; no repeat). Skipped heads create no rows, so they
+// cost nothing beyond writing their zeros / -1. Items are sorted by causal cost (largest first) and
+// handed out dynamically by OpenMP, which balances the causal triangle.
 //
-// Two tile layouts (see the path comments below): rows in vector lanes for prefill, row-major for
-// decode-sized tiles. Exported with a plain C ABI (called through ctypes with data pointers and
-// element strides).
-// fp16/bf16 inputs are converted to fp32 while packing; all accumulation is fp32.
+// Two tile layouts: "lanes" (query rows in vector lanes; prefill, >= 16 rows per tile) and "rowmajor"
+// (keys in vector lanes, K^T/V packed per block; decode-sized tiles). Exported with a plain C ABI,
+// called through ctypes with data pointers and element strides. fp16/bf16 are converted to fp32 on
+// load; all accumulation is fp32.
 
 #include <algorithm>
 #include <cmath>
