@@ -5,7 +5,7 @@ Usage:  python bench/bench_triton.py [--model smollm2|llama] [--dtype bf16|fp16|
 
 Prefill (causal, M = N, batch 1) and decode (M = 1) for each length; the Triton backend with and
 without argmax (last ``--argmax-rows`` rows, the teacher-forcing case, and all rows), with half of the
-query heads skipped, SDPA (no argmax: the floor to approach) and eager softmax(QK^T)V + argmax (what
+query heads skipped (both grid modes), SDPA (no argmax: the floor to approach) and eager softmax(QK^T)V + argmax (what
 ``output_attentions=True`` costs today; skipped where its [Hq, N, N] fp32 logits would not fit).
 Prints a table and writes bench/results/attention_triton.md and attention_triton.png.
 Without a CUDA GPU it exits with a message and measures nothing (the interpreter is no benchmark).
@@ -14,6 +14,7 @@ Without a CUDA GPU it exits with a message and measures nothing (the interpreter
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,15 @@ def _bench_shape(attention, hq, hkv, d, m, n, dtype, argmax_rows, skip_half):
         "triton, half heads skipped": lambda: attention(q, k, v, backend="triton", skip_heads=skip_half),
         "sdpa": lambda: _sdpa(q, k, v),
     }
+
+    def sync_free_skip():
+        os.environ["RETMASK_TRITON_SYNC_FREE"] = "1"
+        try:
+            return attention(q, k, v, backend="triton", skip_heads=skip_half)
+        finally:
+            del os.environ["RETMASK_TRITON_SYNC_FREE"]
+
+    cases["triton, half heads skipped, sync-free grid"] = sync_free_skip
     if _eager_fits(hq, m, n):
         cases[f"eager+argmax(last {t_rows})"] = lambda: _eager(q, k, v, t_rows)
     for name, fn in cases.items():
