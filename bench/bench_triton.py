@@ -109,7 +109,7 @@ def main() -> int:
         for phase, m in (("prefill", n), ("decode", 1)):
             for name, ms in _bench_shape(attention, hq, hkv, d, m, n, dtype, args.argmax_rows, skip_half):
                 rows.append(dict(phase=phase, n=n, method=name, ms=ms))
-                print(f"{phase:8s} N={n:6d} {name:32s} {ms:9.3f} ms", flush=True)
+                print(f"{phase:8s} N={n:6d} {name:44s} {ms:9.3f} ms", flush=True)
             torch.cuda.empty_cache()
 
     RESULTS.mkdir(parents=True, exist_ok=True)
