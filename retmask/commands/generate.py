@@ -1,0 +1,85 @@
+"""``retmask generate``: RetMask preference pairs (chosen = original model, rejected = masked heads).
+
+See :mod:`retmask.contrastive` for the batching (per-row head masks on one model copy), the seeding
+guarantee and the resume protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from retmask.contrastive import GenerateError, SamplingConfig, generate_pairs, model_shape, stats_path
+from retmask.instructions import BUILTIN, InstructionError, load_instructions
+from retmask.selection import SelectionError, read_heads
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "generate",
+        help="sample chosen (original) and rejected (masked) responses: DPO preference pairs",
+        description=(
+            "For each instruction (first user turn, chat template), sample a chosen response from the model "
+            "and a rejected one with the heads of --heads masked, both in the same batches (per-row head "
+            "masks on one model copy); or, with --rejected-model, from a second model (the Smaller-Model "
+            "baseline). Writes TRL's conversational preference format (JSONL) and <out>.stats.json."
+        ),
+    )
+    p.add_argument("--instructions", default=BUILTIN,
+                   help="'builtin' (default), a .json/.jsonl/.parquet file, a save_to_disk folder or a datasets name")  # fmt: skip
+    p.add_argument("--column", help="column holding the instruction or chat (default: auto-detected)")
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--heads", type=Path, help="heads JSON from `retmask mask`: masked in the rejected rows")
+    who.add_argument("--rejected-model", help="model giving the rejected responses instead (no masks)")
+    p.add_argument("--out", type=Path, required=True, help="pairs JSONL to write")
+    p.add_argument("--model", help="policy model: hub id, folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6, as the paper)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="per response (default 512)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="an instruction longer than this (tokens) is an error (default 512)")  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=8, help="instructions per batch (2x rows; default 8)")
+    p.add_argument("--limit", type=int, help="use only the first N instructions")
+    p.add_argument("--seed", type=int, default=0, help="run seed; each response has its own derived seed")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same settings")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import retmask
+
+    try:
+        sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.seed)
+        if args.max_prompt_tokens <= 0:
+            raise GenerateError(f"--max-prompt-tokens must be positive, got {args.max_prompt_tokens}")
+        model, tokenizer = retmask.load_model(args.model)
+        heads = rejected_model = rejected_tokenizer = None
+        if args.heads is not None:
+            heads = read_heads(args.heads, model_shape=model_shape(model)).heads
+        else:
+            rejected_model, rejected_tokenizer = retmask.load_model(args.rejected_model)
+        instructions = load_instructions(
+            args.instructions, args.limit, column=args.column, tokenizer=tokenizer,
+            max_tokens=args.max_prompt_tokens,
+        )  # fmt: skip
+        fingerprint = {
+            "model": args.model or "embedded",
+            "rejected_model": args.rejected_model,
+            "instructions": str(args.instructions),
+            "column": args.column,
+        }
+        stats = generate_pairs(
+            instructions, model, tokenizer, args.out, sampling, heads=heads, rejected_model=rejected_model,
+            rejected_tokenizer=rejected_tokenizer, batch_size=args.batch_size, resume=args.resume,
+            fingerprint=fingerprint, progress_bar=not args.no_progress,
+        )  # fmt: skip
+    except (GenerateError, InstructionError, SelectionError) as e:
+        print(f"retmask generate: error: {e}", file=sys.stderr)
+        return 2
+    print(stats.table())
+    print(f"pairs -> {args.out}; statistics -> {stats_path(args.out)}")
+    return 0
