@@ -66,7 +66,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--patience", type=int, default=20, help="consecutive counted tests for --until-stable")
     p.add_argument(
-        "--chunk", type=int, default=512, help="prefill chunk (tokens) = granularity of KV-prefix reuse"
+        "--chunk", type=int, default=256, help="prefill chunk (tokens) = granularity of KV-prefix reuse"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -139,7 +139,7 @@ class FastDetector:
         model,
         stop_ids: Collection[int],
         max_new_tokens: int = 50,
-        chunk: int = 512,
+        chunk: int = 256,
         draft_fn: DraftFn = propose_draft,
     ):
         from retmask.hf.patch import require_retmask

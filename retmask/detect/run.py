@@ -48,7 +48,7 @@ class DetectConfig:
     num_lengths: int | None = None
     num_depths: int | None = None
     max_new_tokens: int = 50
-    chunk: int = 512  # prefill chunk = granularity of KV-prefix reuse
+    chunk: int = 256  # prefill chunk = granularity of KV-prefix reuse
     until_stable: bool = False
     patience: int = 20  # --until-stable: consecutive counted tests without change of the τ-set and top-10
     seed: int = 0

@@ -38,16 +38,24 @@ def random_draft(seed):
     return draft
 
 
-@pytest.mark.parametrize("chunk", [16, 64, 4096])
-def test_tiny_random_llama_fast_equals_oracle(chunk):
+@pytest.fixture(scope="module")
+def tiny_oracle():
     model = tiny_llama()
-    stops = {2}
     prompts = tiny_prompts()
+    want = [oracle_detect(model, p, s, {2}, max_new_tokens=30, prefill_impl="retmask") for p, s in prompts]
+    return model, prompts, want
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 4096])
+def test_tiny_random_llama_fast_equals_oracle(chunk, tiny_oracle):
+    model, prompts, oracle = tiny_oracle
+    stops = {2}
+    order = list(range(len(prompts)))
     for draft_fn in (propose_draft, random_draft(chunk)):
         fast = FastDetector(model, stops, max_new_tokens=30, chunk=chunk, draft_fn=draft_fn)
         total = 0
-        for prompt, span in prompts + prompts[::-1]:  # both orders: reuse in both directions
-            want = oracle_detect(model, prompt, span, stops, max_new_tokens=30, prefill_impl="retmask")
+        for i in order + order[::-1]:  # both orders: prefix reuse in both directions
+            (prompt, span), want = prompts[i], oracle[i]
             got = fast.run(prompt, span)
             assert got.tokens == want.tokens
             np.testing.assert_array_equal(got.copies, want.copies)
