@@ -26,6 +26,7 @@ from retmask.niah import (
 
 from .core import FastDetector, _layout
 from .scores import StabilityTracker, format_summary, head_scores, mean_matrix, summarize
+from .shard import dist_context, gather_results, shard
 from .stopping import stop_token_ids
 
 RECALL_THRESHOLD = 0.5  # a test counts when ROUGE-1 recall > 50% (reference: score * 100 > 50)
@@ -160,10 +161,11 @@ def run_tests(
     tracker: StabilityTracker | None = None,
     progress_bar: bool = True,
 ) -> dict[int, dict]:
-    """Run the tests not in ``done`` in prefix order; ``on_result(done)`` after each (progress writing)."""
+    """Run ``tests`` (already in prefix order) that are not in ``done``; ``on_result(done)`` after each
+    (progress writing). The bar counts this process's tests, done ones included."""
     from tqdm import tqdm
 
-    todo = [t for t in prefix_order(tests) if t.index not in done]
+    todo = [t for t in tests if t.index not in done]
     bar = tqdm(
         total=len(tests), initial=len(tests) - len(todo), desc="detect", unit="test", disable=not progress_bar
     )
@@ -224,8 +226,14 @@ def run_detect(
     check_context_limit(model, lengths, cfg.max_new_tokens)
     shape = _layout(model)
 
+    rank, world = dist_context()
+    if world > 1 and cfg.until_stable:
+        raise ValueError(
+            "--until-stable needs one process (the order of tests matters); drop it or run without torchrun"
+        )
     out = Path(out) if out is not None else None
-    progress_path = out.with_name(out.name + ".progress.json") if out is not None else None
+    suffix = ".progress.json" if world == 1 else f".progress.rank{rank}.json"
+    progress_path = out.with_name(out.name + suffix) if out is not None else None
     fingerprint = _fingerprint(cfg, model, needles, haystack_text, lengths, depths)
 
     t0 = time.perf_counter()
@@ -240,15 +248,17 @@ def run_detect(
     runnable = [t for t in tests if not t.skip_reason]
 
     done: dict[int, dict] = {}
-    if resume and progress_path is not None and progress_path.exists():
-        state = json.loads(progress_path.read_text())
+    # Progress of earlier runs, single- or multi-process (one file per rank).
+    for path in sorted(out.parent.glob(out.name + ".progress*.json")) if (resume and out is not None) else []:
+        state = json.loads(path.read_text())
         if state.get("version") != PROGRESS_VERSION or state.get("fingerprint") != fingerprint:
             raise ValueError(
-                f"--resume: {progress_path} was written by a run with other settings (model, needles, haystack, "
+                f"--resume: {path} was written by a run with other settings (model, needles, haystack, "
                 "grid or max-new-tokens differ); rerun with the same flags, or drop --resume to start over"
             )
-        done = {int(k): v for k, v in state["results"].items()}
-        log(f"resuming: {len(done)} of {len(runnable)} tests already done ({progress_path})", file=sys.stderr)
+        done.update({int(k): v for k, v in state["results"].items()})
+    if done:
+        log(f"resuming: {len(done)} of {len(runnable)} tests already done", file=sys.stderr)
 
     tracker = None
     if cfg.until_stable:
@@ -266,8 +276,10 @@ def run_detect(
 
     detector = FastDetector(model, stop_token_ids(tokenizer, model), cfg.max_new_tokens, cfg.chunk)
     t0 = time.perf_counter()
-    done = run_tests(detector, tokenizer, runnable, needles, done, save, tracker, progress_bar)
+    mine = shard([t for t in prefix_order(runnable) if t.index not in done], rank, world)
+    done = run_tests(detector, tokenizer, mine, needles, done, save, tracker, progress_bar and rank == 0)
     run_s = time.perf_counter() - t0
+    done = gather_results(done, world)
 
     counted = sorted((e for e in done.values() if e["counted"]), key=lambda e: e["index"])
     scores = head_scores(
@@ -310,6 +322,9 @@ def run_detect(
             for e in sorted(done.values(), key=lambda e: e["index"])
         ],
     }
+    record["processes"] = world
+    if rank != 0:  # rank 0 writes the outputs
+        return DetectResult(scores, summary, record, done)
     if out is not None:
         atomic_write_json(out, scores)
         atomic_write_json(out.with_name(out.stem + ".run.json"), record)

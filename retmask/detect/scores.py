@@ -15,7 +15,9 @@ def head_scores(copies: Sequence[np.ndarray], answer_lens: Sequence[int], shape:
     copies: one int [L, Hq] array per counted test (in the canonical test order).
     """
     num_layers, num_heads = shape
-    out: dict[str, list[float]] = {f"{layer}-{h}": [] for layer in range(num_layers) for h in range(num_heads)}
+    out: dict[str, list[float]] = {
+        f"{layer}-{h}": [] for layer in range(num_layers) for h in range(num_heads)
+    }
     for c, n in zip(copies, answer_lens, strict=True):
         c = np.asarray(c)
         for layer in range(num_layers):
@@ -35,7 +37,9 @@ def mean_matrix(scores: dict, shape: tuple[int, int]) -> np.ndarray:
 
 def ranking(mean: np.ndarray) -> list[tuple[int, int]]:
     """Heads by decreasing mean score; ties by (layer, head) so the order is deterministic."""
-    flat = [(-float(mean[layer, h]), layer, h) for layer in range(mean.shape[0]) for h in range(mean.shape[1])]
+    flat = [
+        (-float(mean[layer, h]), layer, h) for layer in range(mean.shape[0]) for h in range(mean.shape[1])
+    ]
     return [(layer, h) for _, layer, h in sorted(flat)]
 
 
