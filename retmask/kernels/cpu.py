@@ -21,8 +21,19 @@ import torch
 from . import cpu_blocked
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-BLOCK_M = 64  # tile rows per work item (query rows x active heads of one KV group)
 BLOCK_N = 64  # keys per block (multiple of 32)
+
+
+def default_block_m(N: int) -> int:
+    """Tile rows per work item (query rows x active heads of one KV group) for N keys.
+
+    Each item streams K/V of its KV head once, so more rows per item means fewer passes over K/V. Paired
+    A/B runs (bench/README.md, v4): 256 rows cut time 23-33% at N = 8K-16K, where a head's K/V (N*D*8
+    bytes: 4-16 MB) no longer stays in cache; at N <= 4K it costs 4-9% (more masked work on the causal
+    diagonal, coarser load balance), where 128 is as fast as 64 or faster.
+    """
+    return 256 if N >= 8192 else 128
+
 
 _I64x4 = ctypes.c_int64 * 4
 
@@ -75,7 +86,7 @@ def cpp_forward(
     argmax_rows: int,
     out: torch.Tensor | None = None,
     argmax: torch.Tensor | None = None,
-    block_m: int = BLOCK_M,
+    block_m: int | None = None,
     block_n: int = BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the fused C++ kernel.
@@ -84,7 +95,8 @@ def cpp_forward(
     skip_heads: bool [B, Hq]; all CPU tensors of one dtype (fp32/fp16/bf16).
     ``out`` ([B, Hq, M, D], q.dtype, any strides) and ``argmax`` (int64 [B, Hq, argmax_rows],
     contiguous) may be given by the caller; the kernel writes every element of both (tests pre-fill
-    them with NaN / sentinels to prove it). Returns (out, argmax or None).
+    them with NaN / sentinels to prove it). ``block_m``: tile rows per work item (default
+    ``default_block_m(N)``); ``block_n``: keys per block. Returns (out, argmax or None).
     """
     lib = _library()
     if lib is None:
@@ -110,7 +122,7 @@ def cpp_forward(
         kpm.data_ptr() if kpm is not None else None,
         skip.data_ptr() if skip is not None else None,
         B, Hq, Hkv, M, N, D, int(causal), float(sm_scale), argmax_rows,
-        block_m, block_n, torch.get_num_threads(),
+        block_m or default_block_m(N), block_n, torch.get_num_threads(),
     )  # fmt: skip
     if rc == 2:
         raise MemoryError("retmask CPU attention kernel could not allocate its scratch buffers")

@@ -180,6 +180,27 @@ def test_skip_heads_per_row(path):
     torch.testing.assert_close(out[0, 0], ref[0, 0], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("block_m", [1, 16, 64, 256])
+def test_cpp_tile_sizes(block_m):
+    """Tilings of the C++ kernel: rows per item from 1 (row-major tiles) to 256 (lanes, several vectors)."""
+    B, Hq, Hkv, M, N, D = 2, 6, 2, 150, 170, 64
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=block_m)
+    skip = torch.zeros(B, Hq, dtype=torch.bool)
+    skip[0, 1] = skip[1, 3:] = True
+    pad = left_padding_mask(B, N, [0, 40])
+    out = torch.full((B, Hq, M, D), POISON_FLOAT)
+    argmax = torch.full((B, Hq, M), POISON_INDEX, dtype=torch.int64)
+    cpu_backend.cpp_forward(
+        q, k, v, causal=True, sm_scale=D**-0.5, key_padding_mask=pad, skip_heads=skip, argmax_rows=M,
+        out=out, argmax=argmax, block_m=block_m,
+    )  # fmt: skip
+    ref_out, _ = reference_attention(q, k, v, key_padding_mask=pad, skip_heads=skip)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    assert_argmax_matches(
+        argmax, q, k, causal=True, sm_scale=D**-0.5, key_padding_mask=pad, skip_heads=skip, atol=ARGMAX_TOL
+    )
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_all_heads_skipped(path):
     q, k, v = make_qkv(2, 4, 2, 5, 40, 16, seed=6)
