@@ -76,10 +76,11 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, backend_name, causal, sm_scale, key_padding_mask, skip_heads, argmax_rows):
         module = _backend_module(backend_name)
-        has_backward = hasattr(module, "backward")
+        # The log-sum-exp is only kept for a hand-written backward, and only when a gradient is wanted.
+        need_lse = hasattr(module, "backward") and any(ctx.needs_input_grad[:3])
         out, argmax, lse = module.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-            skip_heads=skip_heads, argmax_rows=argmax_rows, return_lse=has_backward,
+            skip_heads=skip_heads, argmax_rows=argmax_rows, return_lse=need_lse,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, skip_heads)
         ctx.backend_name, ctx.causal, ctx.sm_scale = backend_name, causal, sm_scale
