@@ -1,0 +1,196 @@
+"""Issue 3 benchmark: generating original and head-masked completions, two models vs one batch.
+
+For RetMask training data every instruction needs a completion from the original model (chosen) and
+one from the head-masked model (rejected). Two ways to get both for a batch of 16 chat prompts, greedy:
+
+  (a) today: two generate() runs of batch 16 with SDPA attention, the original model, then a copy with
+      the masked heads' o_proj columns zeroed (copy time reported separately, not counted);
+  (b) retmask: one generate() run of batch 32 (every prompt twice) on retmask attention with a per-row
+      head mask: rows 16..31 have the heads masked (skipped by the kernel), rows 0..15 do not.
+
+Throughput = generated tokens (up to and including each row's EOS) / wall time. The runs are interleaved
+and repeated; the fastest repeat of each run is reported (the machine is shared: slower repeats measure
+other people's jobs), all times are in the JSON. The completions of (b) must be identical to those of (a). Writes bench/results/generate_masks.{md,json,png}.
+
+    flock /tmp/retmask-heavy.lock python bench/bench_generate_masks.py
+    python bench/bench_generate_masks.py --new-tokens 8 --out /tmp/gm     # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/common.py: machine description, tables)
+
+import retmask  # noqa: E402
+from retmask.instructions import load_instructions  # noqa: E402
+from retmask.masking import zero_heads_  # noqa: E402
+
+
+def chat_inputs(tok, prompts: list[str]) -> dict[str, torch.Tensor]:
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
+    return tok(texts, return_tensors="pt", padding=True)
+
+
+def random_heads(num_layers: int, num_heads: int, count: int, seed: int) -> list[tuple[int, int]]:
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randperm(num_layers * num_heads, generator=g)[:count].tolist()
+    return sorted((i // num_heads, i % num_heads) for i in flat)
+
+
+def completions(seqs: torch.Tensor, prompt_len: int, eos_id: int) -> list[list[int]]:
+    """Generated ids per row, cut after the first EOS (what a user keeps)."""
+    out = []
+    for row in seqs[:, prompt_len:].tolist():
+        out.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
+    return out
+
+
+def timed_generate(model, inputs, new_tokens: int, eos_id: int, pad_id: int) -> tuple[torch.Tensor, float]:
+    start = time.perf_counter()
+    with torch.no_grad():
+        seqs = model.generate(
+            **inputs, max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id
+        )
+    return seqs, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=16, help="chat prompts (default 16)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="max new tokens per completion (default 64)")
+    ap.add_argument("--heads", type=int, default=27, help="masked heads, seeded random (default 27 = 10%%)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats, fastest reported (default 3)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+
+    model, tok = retmask.load_model()  # retmask attention
+    tok.padding_side = "left"
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    L, Hq = model.config.num_hidden_layers, model.config.num_attention_heads
+    heads = random_heads(L, Hq, args.heads, args.seed)
+    prompts = [ins.prompt for ins in load_instructions(limit=args.batch)]
+    single = chat_inputs(tok, prompts)
+    double = chat_inputs(tok, prompts + prompts)  # same max length: identical padding per prompt
+    prompt_len = single["input_ids"].shape[1]
+
+    # (a) the usual way: SDPA, original model and an o_proj-zeroed copy.
+    original = copy.deepcopy(model)
+    original.set_attn_implementation("sdpa")
+    start = time.perf_counter()
+    zeroed = zero_heads_(copy.deepcopy(original), heads)
+    copy_s = time.perf_counter() - start
+    # (b) one model, per-row mask: the second half of the batch has the heads masked.
+    row_mask = torch.zeros(2 * args.batch, L, Hq, dtype=torch.bool)
+    for layer, head in heads:
+        row_mask[args.batch :, layer, head] = True
+
+    warm = {k: v[:2, -8:] for k, v in single.items()}
+    for m in (original, zeroed, model):  # warm-up: first-call overheads out of the timings
+        timed_generate(m, warm, 2, eos, pad)
+
+    orig_times, zero_times, b_times = [], [], []
+    for _ in range(args.repeats):
+        seq_orig, t1 = timed_generate(original, single, args.new_tokens, eos, pad)
+        with retmask.head_mask(model, row_mask):
+            seq_b, t3 = timed_generate(model, double, args.new_tokens, eos, pad)
+        seq_zero, t2 = timed_generate(zeroed, single, args.new_tokens, eos, pad)
+        orig_times.append(t1)
+        zero_times.append(t2)
+        b_times.append(t3)
+
+    want = completions(seq_orig, prompt_len, eos) + completions(seq_zero, prompt_len, eos)
+    got = completions(seq_b, prompt_len, eos)
+    identical = sum(w == g for w, g in zip(want, got, strict=True))
+    tokens = sum(len(c) for c in want)
+    masked_differs = sum(a != b for a, b in zip(want[: args.batch], want[args.batch :], strict=True))
+    a_s, b_s = min(orig_times) + min(zero_times), min(b_times)
+    result = {
+        "machine": common.machine_description(),
+        "model": "SmolLM2-135M-Instruct (embedded, fp32)",
+        "batch_prompts": args.batch,
+        "max_new_tokens": args.new_tokens,
+        "masked_heads": heads,
+        "generated_tokens": tokens,
+        "a_original_seconds": orig_times,
+        "a_zeroed_seconds": zero_times,
+        "b_seconds": b_times,
+        "a_best_seconds": a_s,
+        "b_best_seconds": b_s,
+        "a_tok_per_s": tokens / a_s,
+        "b_tok_per_s": tokens / b_s,
+        "speedup": a_s / b_s,
+        "zeroed_copy_seconds": copy_s,
+        "identical_completions": identical,
+        "completions": len(want),
+        "masked_completions_that_differ_from_original": masked_differs,
+    }
+    write_report(result, args.out)
+
+
+def _fmt(xs: list[float]) -> str:
+    return "[" + ", ".join(f"{x:.1f}" for x in xs) + "]"
+
+
+def write_report(r: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "generate_masks.json").write_text(json.dumps(r, indent=1))
+    rows = [
+        [f"(a) 2 runs x batch {r['batch_prompts']}, SDPA: original + zeroed copy",
+         common.fmt_seconds(r["a_best_seconds"]), f"{r['a_tok_per_s']:.1f}", "1.00x"],
+        [f"(b) 1 run x batch {2 * r['batch_prompts']}, retmask per-row head mask",
+         common.fmt_seconds(r["b_best_seconds"]), f"{r['b_tok_per_s']:.1f}", f"{r['speedup']:.2f}x"],
+    ]  # fmt: skip
+    table = common.markdown_table(["method", "time (fastest repeat)", "tokens/s", "speed-up"], rows)
+    m = r["machine"]
+    text = (
+        "# Generating original + head-masked completions (issue 3)\n\n"
+        f"{r['model']}; {r['batch_prompts']} chat prompts from the shipped instruction set; greedy, at most "
+        f"{r['max_new_tokens']} new tokens; {len(r['masked_heads'])} seeded random heads masked; "
+        f"{r['generated_tokens']} generated tokens (to EOS) per method. Machine: {m['cpu']}, "
+        f"{m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); shared with other jobs.\n\n"
+        f"{table}\n\n"
+        f"Identical completions (b) vs (a): {r['identical_completions']} / {r['completions']}. "
+        f"Masked completions that differ from the original: "
+        f"{r['masked_completions_that_differ_from_original']} / {r['batch_prompts']} (the mask is not a no-op). "
+        f"Making the zeroed copy for (a) took {r['zeroed_copy_seconds']:.2f} s more (not counted). "
+        f"All repeats (s): (a) original {_fmt(r['a_original_seconds'])}, zeroed {_fmt(r['a_zeroed_seconds'])}; "
+        f"(b) {_fmt(r['b_seconds'])}.\n"
+    )
+    (out / "generate_masks.md").write_text(text)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    labels = [f"(a) original + zeroed copy\n2 x batch {r['batch_prompts']}, SDPA",
+              f"(b) per-row head mask\n1 x batch {2 * r['batch_prompts']}, retmask"]  # fmt: skip
+    vals = [r["a_tok_per_s"], r["b_tok_per_s"]]
+    bars = ax.barh(labels, vals, color=["#999999", "#1f77b4"])
+    ax.bar_label(bars, labels=[f"{v:.0f} tok/s" for v in vals], padding=3)
+    ax.set_xlabel("generated tokens / s (higher is better)")
+    ax.set_xlim(0, max(vals) * 1.3)
+    ax.set_title(
+        f"SmolLM2-135M, greedy, {r['identical_completions']}/{r['completions']} identical", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(out / "generate_masks.png", dpi=120)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
