@@ -45,6 +45,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"prompt + response tokens (default {d.max_length}); longer responses are truncated")  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for memory")
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU only; CPU stays fp32)")
     p.add_argument(
         "--sft", action="store_true", help="SFT on the chosen responses only (the paper's baseline)"
     )
@@ -53,13 +54,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from retmask.train.dpo import train_dpo, train_sft
 
     cfg = TrainConfig(
         learning_rate=args.lr, min_lr_rate=args.min_lr_rate, warmup_ratio=args.warmup_ratio,
         weight_decay=args.weight_decay, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
         grad_accum=args.grad_accum, max_length=args.max_length, seed=args.seed,
-        gradient_checkpointing=args.gradient_checkpointing, beta=args.beta,
+        gradient_checkpointing=args.gradient_checkpointing, beta=args.beta, bf16=args.bf16,
     )  # fmt: skip
     try:
         for name in ("batch_size", "grad_accum", "max_length"):
@@ -67,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
                 raise PairsError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
         if not (0.0 <= cfg.warmup_ratio < 1.0) or not (0.0 <= cfg.min_lr_rate <= 1.0):
             raise PairsError("--warmup-ratio must be in [0, 1) and --min-lr-rate in [0, 1]")
+        if cfg.bf16 and not torch.cuda.is_available():
+            raise PairsError("--bf16 needs a GPU; on CPU training runs in fp32")
         fn = train_sft if args.sft else train_dpo
         result = fn(args.pairs, args.out, args.model, cfg)
     except PairsError as e:

@@ -41,6 +41,7 @@ class TrainConfig:
     logging_steps: int = 1
     gradient_checkpointing: bool = False  # TRL 1.16 turns it on by default (as activation_checkpointing); not needed for small models on CPU
     beta: float = 0.1  # DPO only
+    bf16: bool = False  # GPUs only; CPU training stays fp32
 
     def trainer_kwargs(self, output_dir: str, use_cpu: bool) -> dict[str, Any]:
         """Keyword arguments shared by ``DPOConfig`` and ``SFTConfig``."""
@@ -52,7 +53,7 @@ class TrainConfig:
             per_device_train_batch_size=self.batch_size, gradient_accumulation_steps=self.grad_accum,
             max_length=self.max_length, truncation_mode="keep_start", seed=self.seed,
             logging_steps=self.logging_steps, activation_checkpointing=self.gradient_checkpointing,
-            use_cpu=use_cpu, bf16=False, fp16=False, save_strategy="no", report_to=[],
+            use_cpu=use_cpu, bf16=self.bf16 and not use_cpu, fp16=False, save_strategy="no", report_to=[],
             dataloader_num_workers=0,
         )  # fmt: skip
 

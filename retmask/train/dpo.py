@@ -30,8 +30,12 @@ class TrainResult:
     lengths: LengthReport
 
 
-def _use_cpu(model: Any) -> bool:
-    return next(model.parameters()).device.type == "cpu"
+def _use_cpu() -> bool:
+    """Train on CPU when there is no GPU. Decided from the machine, not from the model: ``load_model``
+    returns CPU models and the Trainer (or accelerate, one GPU per process) moves them itself."""
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pairs, lengths: LengthReport,
@@ -78,7 +82,7 @@ def train_dpo(
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen", "rejected"), pairs.source)
     out = Path(out)
-    args = DPOConfig(**cfg.trainer_kwargs(str(out), _use_cpu(model)), beta=cfg.beta, loss_type=["sigmoid"])
+    args = DPOConfig(**cfg.trainer_kwargs(str(out), _use_cpu()), beta=cfg.beta, loss_type=["sigmoid"])
     model.train()
     trainer = DPOTrainer(
         model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(pairs.rows),
@@ -113,7 +117,7 @@ def train_sft(
     rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs.rows]
     out = Path(out)
     # prompt-completion rows: TRL computes the loss on the completion only (completion_only_loss)
-    args = SFTConfig(**cfg.trainer_kwargs(str(out), _use_cpu(model)), completion_only_loss=True)
+    args = SFTConfig(**cfg.trainer_kwargs(str(out), _use_cpu()), completion_only_loss=True)
     model.train()
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
