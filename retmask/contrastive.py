@@ -405,7 +405,7 @@ class PairWriter:
                     f"--resume: {self.out} has {size} bytes but {self.progress_file} records {self.progress.offset}; "
                     "the output was modified after the run; start a new file"
                 )
-            with self.out.open("r+b") as f:
+            with self.out.open("r+b" if self.out.exists() else "wb") as f:
                 f.truncate(self.progress.offset)  # drop lines of a batch whose progress was never written
         else:
             if self.out.exists() and self.out.stat().st_size > 0:

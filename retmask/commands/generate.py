@@ -80,6 +80,12 @@ def run(args: argparse.Namespace) -> int:
     except (GenerateError, InstructionError, SelectionError) as e:
         print(f"retmask generate: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # every finished batch is on disk (append-only JSONL + atomic progress file)
+        print(
+            "\nretmask generate: interrupted; continue with the same command plus --resume", file=sys.stderr
+        )
+        return 130
     print(stats.table())
     print(f"pairs -> {args.out}; statistics -> {stats_path(args.out)}")
     return 0

@@ -223,3 +223,22 @@ def test_cli_bad_inputs(case, match, tiny_dir, tmp_path, capsys):
     assert cli(argv) == 2
     assert match in capsys.readouterr().err
     assert not out.exists() or out.stat().st_size == 0
+
+
+def test_rejected_model_baseline(tiny, tiny_dir, tmp_path, tokenizer):
+    """--rejected-model (the Smaller-Model baseline): rejected rows come from the second model, unmasked."""
+    from .conftest import tiny_llama
+
+    model, tok = tiny
+    other_dir = tmp_path / "other"
+    tiny_llama(tokenizer, seed=1, init=0.02).save_pretrained(other_dir)
+    tokenizer.save_pretrained(other_dir)
+    other, other_tok = retmask.load_model(str(other_dir))
+    insts = instructions(2)
+    sampling = C.SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5)
+    pairs = C.contrast_batch(insts, model, tok, sampling, rejected_model=other, rejected_tokenizer=other_tok)
+    seeds = [C.row_seed(5, i.id, "rejected") for i in insts]
+    expected = run_rows(other, other_tok, [i.prompt for i in insts], seeds, sampling)
+    assert [(r.text, r.num_tokens) for _, r in pairs] == [(t, n) for t, n, _ in expected]
+    with pytest.raises(C.GenerateError, match="heads to mask"):
+        C.contrast_batch(insts, model, tok, sampling)
