@@ -294,7 +294,8 @@ class PairStats:
     """Table-12-style statistics of a pairs file (token counts with the policy model's tokenizer)."""
 
     pairs: int = 0
-    mean_prompt_tokens: float = 0.0
+    mean_prompt_tokens: float = 0.0  # chat-templated prompt
+    mean_instruction_tokens: float = 0.0  # the instruction text alone
     mean_chosen_tokens: float = 0.0
     mean_rejected_tokens: float = 0.0
     truncated_chosen: int = 0
@@ -308,7 +309,8 @@ class PairStats:
             ("pairs", f"{self.pairs}"),
             ("dropped (empty)", f"{self.dropped.get('empty', 0)}"),
             ("dropped (identical)", f"{self.dropped.get('identical', 0)}"),
-            ("mean input tokens", f"{self.mean_prompt_tokens:.1f}"),
+            ("mean input tokens (chat template)", f"{self.mean_prompt_tokens:.1f}"),
+            ("mean instruction tokens", f"{self.mean_instruction_tokens:.1f}"),
             ("mean output tokens (chosen)", f"{self.mean_chosen_tokens:.1f}"),
             ("mean output tokens (rejected)", f"{self.mean_rejected_tokens:.1f}"),
             (
@@ -325,11 +327,12 @@ def compute_stats(records: Sequence[dict[str, Any]], dropped: dict[str, int]) ->
     meta = [r["metadata"] for r in records]
 
     def mean(key: str) -> float:
-        return sum(m[key] for m in meta) / n if n else 0.0
+        return sum(m.get(key, 0) for m in meta) / n if n else 0.0
 
     return PairStats(
         pairs=n,
         mean_prompt_tokens=mean("prompt_tokens"),
+        mean_instruction_tokens=mean("instruction_tokens"),
         mean_chosen_tokens=mean("chosen_tokens"),
         mean_rejected_tokens=mean("rejected_tokens"),
         truncated_chosen=sum(not m["chosen_finished"] for m in meta),
@@ -514,19 +517,24 @@ def generate_pairs(
         )  # fmt: skip
         seconds = time.perf_counter() - start
         records, dropped = [], {"empty": 0, "identical": 0}
+        texts = [x.prompt for x in batch]
+        # input tokens as the model sees them (chat template, incl. any default system prompt) and bare
         prompt_lens = [
-            len(ids) for ids in tokenizer(chat_prompts(tokenizer, [x.prompt for x in batch]), add_special_tokens=False)["input_ids"]
-        ]  # fmt: skip
+            len(ids)
+            for ids in tokenizer(chat_prompts(tokenizer, texts), add_special_tokens=False)["input_ids"]
+        ]
+        bare_lens = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
         tokens = 0
-        for inst, (chosen, rejected), n_prompt in zip(batch, results, prompt_lens, strict=True):
+        for inst, (chosen, rejected), n_prompt, n_bare in zip(
+            batch, results, prompt_lens, bare_lens, strict=True
+        ):
             tokens += chosen.num_tokens + rejected.num_tokens
             reason = drop_reason(chosen, rejected)
             if reason is not None:
                 dropped[reason] += 1
                 continue
-            records.append(
-                pair_record(inst, chosen, rejected, n_prompt, {**meta_common, "seed": sampling.seed})
-            )
+            meta = {**meta_common, "seed": sampling.seed, "instruction_tokens": n_bare}
+            records.append(pair_record(inst, chosen, rejected, n_prompt, meta))
         writer.commit(records, [x.id for x in batch], dropped, seconds, tokens)
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{writer.progress.generated_tokens / max(writer.progress.seconds, 1e-9):.0f}")

@@ -31,7 +31,7 @@ def test_generate_then_dpo_on_embedded_model(tmp_path, capsys):
     for r in rows:
         assert r["chosen"][0]["content"] != r["rejected"][0]["content"]
         assert 0 < r["metadata"]["chosen_tokens"] <= 12 and r["metadata"]["prompt_tokens"] > 20
-    assert "mean input tokens" in capsys.readouterr().out
+    assert "mean instruction tokens" in capsys.readouterr().out
 
     out = tmp_path / "dpo"
     argv = ["train", "--pairs", str(pairs), "--out", str(out), "--max-steps", "2", "--batch-size", "2",
