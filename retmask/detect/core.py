@@ -141,6 +141,7 @@ class FastDetector:
         max_new_tokens: int = 50,
         chunk: int = 256,
         draft_fn: DraftFn = propose_draft,
+        max_draft: int = 64,
     ):
         from retmask.hf.patch import require_retmask
 
@@ -150,6 +151,7 @@ class FastDetector:
         self.max_new_tokens = max_new_tokens
         self.chunk = chunk
         self.draft_fn = draft_fn
+        self.max_draft = max_draft
         self.layout = _layout(model)
         self.cache = None
         self.cached = np.zeros(0, dtype=np.int64)  # token ids whose KV is in self.cache (whole chunks)
@@ -194,10 +196,14 @@ class FastDetector:
         tokens: list[int] = []
         x = int(prompt[-1])
         passes = 0
+        # Draft length cap: a rejected draft costs its rows for nothing, so after a rejection at position a
+        # the next draft is at most max(8, 2a) long; a fully accepted draft restores the maximum.
+        draft_cap = self.max_draft
         stopped = False
         while not stopped and len(tokens) < self.max_new_tokens:
             remaining = self.max_new_tokens - len(tokens)
-            draft = self.draft_fn(prompt, span, tokens, remaining - 1)[: remaining - 1]
+            limit = min(remaining - 1, draft_cap)
+            draft = self.draft_fn(prompt, span, tokens, limit)[:limit]
             inp = torch.tensor([[x, *draft]], dtype=torch.long, device=device)
             past = self.cache.get_seq_length()
             with capture_argmax(self.model, rows=inp.shape[1]) as cap:
@@ -208,6 +214,7 @@ class FastDetector:
             while accepted < len(draft) and draft[accepted] == greedy[accepted]:
                 accepted += 1
             new = greedy[: accepted + 1]
+            draft_cap = self.max_draft if accepted == len(draft) else max(8, 2 * accepted)
             for i, tok in enumerate(new):
                 if tok in self.stop_ids:
                     new = new[: i + 1]

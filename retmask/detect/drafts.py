@@ -48,4 +48,10 @@ def propose_draft(
             if pos >= 0:
                 begin = start + pos + n
                 return prompt[begin : begin + max_len].tolist()
+    # Small models often loop: the answer so far may predict its own continuation.
+    gen = seq[len(prompt) :]
+    for n in range(min(max_ngram, len(gen) - 1), 0, -1):
+        pos = _find(gen[:-1], gen[-n:])
+        if pos >= 0:
+            return gen[pos + n : pos + n + max_len].tolist()
     return []
