@@ -75,6 +75,41 @@ def scores_of(res, tests, shape):
     return mean_matrix(s, shape), len(counted)
 
 
+def long_context(length: int) -> None:
+    """`retmask detect` at ``length`` tokens on a tiny random Llama with a long context (the embedded
+    tokenizer): memory stays linear in the context because attention is never materialised."""
+    import resource
+
+    import transformers
+
+    from retmask.detect import DetectConfig, run_detect
+
+    _, tok = retmask.load_model()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=length + 1024, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="retmask").eval()
+    cfg = DetectConfig(min_len=length, max_len=length, num_lengths=1, num_depths=1, chunk=2048)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t0 = time.perf_counter()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_detect(cfg, Path(tmp) / "scores.json", model=model, tokenizer=tok, progress_bar=False)
+    dt = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    eager_gb = 4 * length * length * 4 / 2**30
+    line = (
+        f"retmask detect at {length} tokens ({res.record['tests_run']} tests: {len(load_needles())} needles at depth 0, tiny random "
+        f"Llama, max_position_embeddings {length + 1024}): {dt:.1f} s, peak RSS {peak:.0f} MB "
+        f"(before the run {before:.0f} MB); one eager attention matrix of one layer would be {eager_gb:.1f} GB."
+    )
+    print(line)
+    (RESULTS / "detect_long.md").write_text(line + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="1000,2000,3000,4000,5000")
@@ -82,8 +117,12 @@ def main() -> None:
     ap.add_argument("--needles", type=int, default=2, help="first N shipped needles")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--tag", default="detect")
+    ap.add_argument("--long", type=int, default=0, help="only the long-context memory check at this length")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.long:
+        long_context(args.long)
+        return
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
 
