@@ -3,6 +3,17 @@
 Importing this module registers ``attn_implementation="retmask"`` (attention + mask function) with
 transformers. See ``retmask.hf.interface`` for the attention function, ``retmask.hf.heads`` for runtime
 head masks, ``retmask.hf.capture`` for argmax capture and ``retmask.hf.patch`` for ``patch``.
+
+    model, tok = retmask.load_model()                       # embedded SmolLM2, attn "retmask"
+    with retmask.capture_argmax(model, rows=1) as cap:      # argmax of the last row of every call
+        model.generate(**batch, max_new_tokens=8)           # cap.calls: [L, B, Hq, 1] per step
+    with retmask.head_mask(model, [(3, 1), (7, 4)]):        # (layer, query head), skipped by the kernel
+        model.generate(**batch)                             # = the o_proj-zeroed checkpoint's output
+    retmask.export_masked(model, [(3, 1), (7, 4)], "out/")  # that checkpoint, for plain transformers
+
+Limits (each raises a clear error instead of computing something else): sliding-window / chunked
+attention, logit soft-capping, attention sinks, attention dropout in training, static KV caches, custom
+4D masks, packed sequences, ``output_attentions=True`` (use ``capture_argmax``).
 """
 
 from __future__ import annotations
