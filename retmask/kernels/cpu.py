@@ -134,13 +134,13 @@ def cpp_forward(
 def choose_path(M: int, N: int, argmax_rows: int) -> str:
     """Which CPU path is faster for this case: "cpp" (fused C++) or "blocked" (SDPA + torch argmax scan).
 
-    Measured (bench/results/attention_cpu.md, "CPU path comparison", each path timed interleaved with
-    SDPA on this 2-core machine): the fused kernel is faster in every case we measured, so it is always
-    chosen when built. Prefill with argmax on all rows: C++ ~0.5-0.7x SDPA vs blocked ~3-5x SDPA (the
-    blocked scan recomputes every logit, above the diagonal too). Argmax on the last 64 rows: C++ ~0.5-0.7x
-    SDPA vs blocked >= 1x (it *is* SDPA plus a scan). Decode (M = 1): C++ ~1x SDPA vs blocked ~2-10x
-    (the scan's per-block torch ops dominate). The blocked path stays as the fallback when
-    ``retmask._C`` is not built.
+    Measured (bench/results/attention_cpu.md, "CPU path comparison": each path timed interleaved with
+    SDPA on this 2-core machine, fp32, SmolLM2 and Llama-3.1-8B shapes): the fused kernel is faster in
+    every case, so it is always chosen when built. Prefill, argmax on all rows (2K-4K): C++ 0.42-0.55x
+    SDPA vs blocked 3.2-6.4x (the blocked scan recomputes every logit, above the diagonal too).
+    Argmax on the last 64 rows: C++ 0.41-0.53x vs blocked 1.04-1.17x (it *is* SDPA plus a scan).
+    Decode (M = 1, 2K-32K keys): C++ 0.47-1.51x vs blocked 1.29-2.56x. The blocked path stays as the
+    fallback when ``retmask._C`` is not built.
     """
     return "cpp"
 
