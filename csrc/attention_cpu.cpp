@@ -11,7 +11,7 @@
 // handed out dynamically by OpenMP, which balances the causal triangle.
 //
 // Two tile layouts: "lanes" (query rows in vector lanes; prefill, >= 16 rows per tile) and "rowmajor"
-// (keys in vector lanes, K^T/V packed per block; decode-sized tiles). Exported with a plain C ABI,
+// (dot products along D, rows in registers; decode-sized tiles). Exported with a plain C ABI,
 // called through ctypes with data pointers and element strides. fp16/bf16 are converted to fp32 on
 // load; all accumulation is fp32.
 
@@ -39,6 +39,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline vf vload(const float* p) { return *reinterpret_cast<const vf*>(p); }
 inline void vstore(float* p, vf x) { *reinterpret_cast<vf*>(p) = x; }
+inline vf vloadu(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline vf vbroadcast(float x) { return vf{} + x; }
 
 // exp(x) for x <= 0 (softmax arguments). Cephes-style: 2^n * p(r), |rel err| ~ 2e-7.
@@ -70,10 +71,13 @@ inline float hmax(vf x) {
     for (int i = 1; i < VL; ++i) m = std::max(m, x[i]);
     return m;
 }
-inline float hsum(vf x) {
-    float s = 0.f;
-    for (int i = 0; i < VL; ++i) s += x[i];
-    return s;
+inline float hsum(vf x) {  // fixed pairwise order: 16 -> 8 -> 4 -> 2 -> 1
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // ---- element types -------------------------------------------------------------------------------
@@ -229,37 +233,10 @@ void pv_block(const float* V, int64_t ldv, const float* P, int RP, float* Ot, in
 }
 
 // ---- row-major path (few rows per tile: decode) --------------------------------------------------
-// Rows in registers, keys in vector lanes: K^T [D][BN] and V [BN][Dp] are packed per block. Used when a
-// tile has fewer than 16 rows (decode, M = 1), where the lanes path below would leave lanes idle.
+// For tiles with fewer than 16 rows (decode, M = 1), where the lanes path would leave lanes idle:
+// logits as dot products along D (K read in place), then O += P V with rows in registers and head
+// dims in vector lanes (V packed [BN][Dp] per block).
 namespace rowmajor {
-// S[r][j] = sum_d Q[r][d] * Kt[d][j] for MR rows and all BN keys (BN % 32 == 0).
-// Q: [MR][ldq], Kt: [D][BN], S: [MR][BN]. Every key column is computed by the same FMA sequence, so
-// duplicate keys give bit-identical logits (ties resolve to the smallest index, as in torch).
-template <int MR>
-inline void qk_tile(const float* __restrict Q, int ldq, const float* __restrict Kt, float* __restrict S,
-                    int D, int BN) {
-    for (int j0 = 0; j0 < BN; j0 += 2 * VL) {
-        vf acc[MR][2];
-#pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = vf{};
-        const float* kp = Kt + j0;
-        for (int d = 0; d < D; ++d, kp += BN) {
-            vf k0 = vload(kp), k1 = vload(kp + VL);
-#pragma GCC unroll 16
-            for (int r = 0; r < MR; ++r) {
-                vf qv = vbroadcast(Q[r * ldq + d]);
-                acc[r][0] += qv * k0;
-                acc[r][1] += qv * k1;
-            }
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-            vstore(S + r * BN + j0, acc[r][0]);
-            vstore(S + r * BN + j0 + VL, acc[r][1]);
-        }
-    }
-}
-
 // O[r][d] += sum_j P[r][j] * V[j][d] for MR rows, NV*16 output columns starting at column d0.
 // P: [MR][BN], V: [BN][ldv], O: [MR][ldo]; only the first nj keys are read.
 template <int MR, int NV>
@@ -287,21 +264,7 @@ inline void pv_tile(const float* __restrict P, int BN, const float* __restrict V
         for (int c = 0; c < NV; ++c) vstore(O + r * ldo + c * VL, acc[r][c]);
 }
 
-constexpr int MR_QK = 8;  // 8 rows x 32 keys = 16 accumulators
 constexpr int MR_PV = 8;  // 8 rows x 32 columns = 16 accumulators
-
-template <int MR>
-void qk_rows(const float* Q, int ldq, const float* Kt, float* S, int D, int BN, int rows) {
-    if constexpr (MR > 0) {
-        if (rows >= MR) {
-            int r = 0;
-            for (; r + MR <= rows; r += MR) qk_tile<MR>(Q + r * ldq, ldq, Kt, S + r * BN, D, BN);
-            if (r < rows) qk_rows<MR - 1>(Q + r * ldq, ldq, Kt, S + r * BN, D, BN, rows - r);
-        } else {
-            qk_rows<MR - 1>(Q, ldq, Kt, S, D, BN, rows);
-        }
-    }
-}
 
 template <int MR>
 void pv_rows(const float* P, int BN, const float* V, int ldv, float* O, int ldo, int Dp, int nj, int rows) {
@@ -319,6 +282,28 @@ void pv_rows(const float* P, int BN, const float* V, int ldv, float* O, int ldo,
             pv_rows<MR - 1>(P, BN, V, ldv, O, ldo, Dp, nj, rows);
         }
     }
+}
+
+// S[r][j] = dot(Q[r], K[j]) for rows r < R and keys j < nj, vectorised along D (K rows read in place,
+// no transpose); S[r][nj..BN) = 0. Decode tiles have 1-15 rows, too few to amortise packing K^T.
+// Every logit is the same chain (16-lane FMAs, fixed-order lane sum, scalar tail), so duplicate keys
+// give bit-identical logits.
+inline void qk_dot(const float* __restrict Q, int ldq, int R, const float* __restrict K, int64_t ldk, int D,
+                   float* __restrict S, int BN, int nj) {
+    const int D16 = D / VL * VL;
+    for (int j = 0; j < nj; ++j) {
+        const float* kr = K + j * ldk;
+        for (int r = 0; r < R; ++r) {
+            const float* qr = Q + r * ldq;
+            vf acc = vf{};
+            for (int d = 0; d < D16; d += VL) acc += vload(qr + d) * vloadu(kr + d);
+            float s = hsum(acc);
+            for (int d = D16; d < D; ++d) s += qr[d] * kr[d];
+            S[r * BN + j] = s;
+        }
+    }
+    if (nj < BN)
+        for (int r = 0; r < R; ++r) std::memset(S + r * BN + nj, 0, sizeof(float) * (BN - nj));
 }
 
 }  // namespace rowmajor
@@ -460,13 +445,14 @@ int run_rows(const Args& a, const Plan& plan) {
         float* Qt = aligned_floats(static_cast<size_t>(max_rows) * Dp);
         float* Ot = aligned_floats(static_cast<size_t>(max_rows) * Dp);
         float* S = aligned_floats(static_cast<size_t>(max_rows) * BN);
-        float* Kt = aligned_floats(static_cast<size_t>(Dp) * BN);
+        const bool convert_k = !std::is_same_v<E, F32> || a.ks[3] != 1;
+        float* Kbuf = convert_k ? aligned_floats(static_cast<size_t>(BN) * D) : nullptr;
         float* Vp = aligned_floats(static_cast<size_t>(BN) * Dp);
         std::vector<float> m(max_rows), l(max_rows);
         std::vector<int64_t> am(max_rows), pos(max_rows), row_h(max_rows), row_i(max_rows);
         std::vector<uint8_t> want(max_rows);
         std::vector<float> kbias(BN);
-        if (!Qt || !Ot || !S || !Kt || !Vp) {
+        if (!Qt || !Ot || !S || (convert_k && !Kbuf) || !Vp) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -504,28 +490,21 @@ int run_rows(const Args& a, const Plan& plan) {
                 const uint8_t st = a.kpm ? blk_state[b * nblk + jb] : 2;
                 if (st == 0) continue;  // no valid key in this block (e.g. left padding)
                 const int nj = static_cast<int>(std::min<int64_t>(BN, key_end - j0));
-                // Pack K^T [D][BN] and V [BN][Dp] in fp32; columns / rows past nj are zero.
+                // K rows in fp32 (in place when possible); V packed [BN][Dp], rows past nj zero.
+                int64_t ldk;
+                const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, Kbuf, &ldk);
                 for (int j = 0; j < nj; ++j) {
-                    const T* kr = kb + (j0 + j) * a.ks[2];
                     const T* vr = vb + (j0 + j) * a.vs[2];
                     float* vp = Vp + static_cast<int64_t>(j) * Dp;
-                    if (a.ks[3] == 1) {
-                        for (int64_t d = 0; d < D; ++d) Kt[d * BN + j] = E::load(kr + d);
-                    } else {
-                        for (int64_t d = 0; d < D; ++d) Kt[d * BN + j] = E::load(kr + d * a.ks[3]);
-                    }
                     if (a.vs[3] == 1) {
                         for (int64_t d = 0; d < D; ++d) vp[d] = E::load(vr + d);
                     } else {
                         for (int64_t d = 0; d < D; ++d) vp[d] = E::load(vr + d * a.vs[3]);
                     }
                 }
-                if (nj < BN) {
-                    for (int64_t d = 0; d < D; ++d) std::memset(Kt + d * BN + nj, 0, sizeof(float) * (BN - nj));
-                    std::memset(Vp + static_cast<int64_t>(nj) * Dp, 0, sizeof(float) * (BN - nj) * Dp);
-                }
+                if (nj < BN) std::memset(Vp + static_cast<int64_t>(nj) * Dp, 0, sizeof(float) * (BN - nj) * Dp);
 
-                qk_rows<MR_QK>(Qt, Dp, Kt, S, static_cast<int>(D), BN, R);
+                qk_dot(Qt, Dp, R, Kr, ldk, static_cast<int>(D), S, BN, nj);
 
                 // Key validity bias for this block: 0 or -inf (padding, tail past key_end).
                 const bool need_bias = st == 1 || nj < BN;
@@ -593,7 +572,7 @@ int run_rows(const Args& a, const Plan& plan) {
         std::free(Qt);
         std::free(Ot);
         std::free(S);
-        std::free(Kt);
+        std::free(Kbuf);
         std::free(Vp);
     }
     return failed ? 2 : 0;
