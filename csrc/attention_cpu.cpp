@@ -362,6 +362,11 @@ const float* rows_fp32(const typename E::T* base, const int64_t* st, int64_t j0,
 struct Plan {
     int64_t g, nblk;
     int64_t max_rows = 0;  // most tile rows of any item (scratch size)
+    int64_t work = 0;      // sum over items of keys x rows x D (~ multiply-adds of QK^T)
+    // Below this the call runs on one thread: waking a second one costs more than it saves (and on a
+    // busy machine it can cost milliseconds: the scheduler must find it a core). ~0.1-0.2 ms of work.
+    static constexpr int64_t kParallelWork = int64_t(1) << 21;
+    bool parallel() const { return work >= kParallelWork && items.size() > 1; }
     std::vector<uint8_t> blk_state;  // per batch, per key block: 0 none valid, 1 some, 2 all
     std::vector<Item> items;         // sorted by causal cost, largest first
 };
@@ -419,6 +424,7 @@ Plan make_plan(const Args& a) {
             }
         }
     std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    for (const Item& it : items) plan.work += it.cost * D;
     return plan;
 }
 
@@ -439,7 +445,7 @@ int run_rows(const Args& a, const Plan& plan) {
     int failed = 0;
     const int Dp = static_cast<int>((D + VL - 1) / VL * VL);
     using namespace rowmajor;
-#pragma omp parallel
+#pragma omp parallel if (plan.parallel())
     {
         const int max_rows = static_cast<int>(plan.max_rows);
         float* Qt = aligned_floats(static_cast<size_t>(max_rows) * Dp);
@@ -593,7 +599,7 @@ int run_lanes(const Args& a, const Plan& plan) {
     const int64_t n_items = static_cast<int64_t>(items.size());
     int failed = 0;
     const int Di = static_cast<int>(D);
-#pragma omp parallel
+#pragma omp parallel if (plan.parallel())
     {
         const int max_rp = static_cast<int>((plan.max_rows + VL - 1) / VL * VL);
         float* Qt = aligned_floats(static_cast<size_t>(D) * max_rp);
