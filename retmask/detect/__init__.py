@@ -5,6 +5,7 @@ drafts.py   prompt-lookup drafts for the fast path's verification passes
 stopping.py newline / EOS stop tokens
 scores.py   per-head scores JSON, summary, sparsity histogram, the --until-stable rule
 run.py      the driver: grid, prefix-ordered execution, resume, run record
+shard.py    torchrun / accelerate multi-process sharding (gloo), merged = single-process result
 """
 
 from .core import FastDetector, TestOutcome, oracle_detect
