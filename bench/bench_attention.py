@@ -377,6 +377,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="output prefix (default bench/results/attention_cpu, "
                     "or /tmp/attention_cpu_quick with --quick)")  # fmt: skip
     ap.add_argument("--no-paths", action="store_true", help="skip the cpp-vs-blocked path comparison")
+    ap.add_argument("--paths-only", action="store_true", help="run only the cpp-vs-blocked path comparison")
     args = ap.parse_args()
 
     import os
@@ -403,7 +404,7 @@ def main() -> None:
 
     log("== main: eager vs SDPA vs ours (causal prefill, B=1, fp32) ==")
     eager_skipped = []
-    for model in args.models:
+    for model in [] if args.paths_only else args.models:
         Hq, Hkv, D = MODELS[model]
         for N in ns:
             for method in MAIN_METHODS:
@@ -419,7 +420,7 @@ def main() -> None:
     log("== head-skip sweep: ours, argmax on all rows ==")
     sweep = []
     sweep_cfgs = [("SmolLM2", 8192), ("Llama-3.1-8B", 4096)] if not args.quick else [("SmolLM2", 2048)]
-    for model, N in sweep_cfgs:
+    for model, N in [] if args.paths_only else sweep_cfgs:
         if model not in args.models or (args.max_n and N > args.max_n):
             continue
         sweep.append(runner.run(model, N, "ours_all", sweep=SKIP_FRACTIONS, kind="sweep"))
