@@ -139,8 +139,8 @@ def choose_path(M: int, N: int, argmax_rows: int) -> str:
     every case, so it is always chosen when built. Prefill, argmax on all rows (2K-4K): C++ 0.42-0.55x
     SDPA vs blocked 3.2-6.4x (the blocked scan recomputes every logit, above the diagonal too).
     Argmax on the last 64 rows: C++ 0.41-0.53x vs blocked 1.04-1.17x (it *is* SDPA plus a scan).
-    Decode (M = 1, 2K-32K keys): C++ 0.47-1.51x vs blocked 1.29-2.56x in that run; decode tiles got
-    1.7-3x faster afterwards (bench/README.md, v5/v6). The blocked path stays as the fallback when
+    Decode (M = 1, 2K-32K keys; bench/results/attention_cpu_paths.md, after the v5/v6 decode changes):
+    C++ 0.23-0.61x SDPA vs blocked 1.30-2.14x. The blocked path stays as the fallback when
     ``retmask._C`` is not built.
     """
     return "cpp"
