@@ -504,7 +504,8 @@ def main() -> None:
     (out_prefix.parent / (out_prefix.name + ".json")).write_text(
         json.dumps({"machine": machine, "results": runner.results}, indent=1)
     )
-    plot(runner.results, args.models, ns, out_prefix.with_suffix(".png"))
+    if any(r["kind"] == "main" for r in runner.results):
+        plot(runner.results, args.models, ns, out_prefix.with_suffix(".png"))
     print()
     print(common.text_table(headers, rows))
     print(f"\nwrote {md_path}, {out_prefix.with_suffix('.png')}, {out_prefix.name}.json")
