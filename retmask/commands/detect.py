@@ -68,6 +68,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk", type=int, default=256, help="prefill chunk (tokens) = granularity of KV-prefix reuse"
     )
+    p.add_argument(
+        "--prefill-impl",
+        default="retmask",
+        choices=["retmask", "sdpa"],
+        help="attention implementation for the prompt prefill (needs no argmax); answers use retmask",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -93,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         num_depths=args.num_depths,
         max_new_tokens=args.max_new_tokens,
         chunk=args.chunk,
+        prefill_impl=args.prefill_impl,
         until_stable=args.until_stable,
         patience=args.patience,
         seed=args.seed,

@@ -142,6 +142,7 @@ class FastDetector:
         chunk: int = 256,
         draft_fn: DraftFn = propose_draft,
         max_draft: int = 64,
+        prefill_impl: str = "retmask",
     ):
         from retmask.hf.patch import require_retmask
 
@@ -152,6 +153,7 @@ class FastDetector:
         self.chunk = chunk
         self.draft_fn = draft_fn
         self.max_draft = max_draft
+        self.prefill_impl = prefill_impl
         self.layout = _layout(model)
         self.cache = None
         self.cached = np.zeros(0, dtype=np.int64)  # token ids whose KV is in self.cache (whole chunks)
@@ -171,9 +173,13 @@ class FastDetector:
         else:
             _crop_to(self.cache, keep)
         ids = torch.as_tensor(prefix, dtype=torch.long, device=device)
-        for a in range(keep, len(prefix), self.chunk):
-            b = min(len(prefix), a - a % self.chunk + self.chunk)
-            self.model(input_ids=ids[None, a:b], past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        # The prefill needs no argmax: any attention implementation may compute it (``prefill_impl``).
+        with attn_implementation(self.model, self.prefill_impl):
+            for a in range(keep, len(prefix), self.chunk):
+                b = min(len(prefix), a - a % self.chunk + self.chunk)
+                self.model(
+                    input_ids=ids[None, a:b], past_key_values=self.cache, use_cache=True, logits_to_keep=1
+                )
         self.cached = prefix
         return len(prefix) - keep
 

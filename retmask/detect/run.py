@@ -50,6 +50,7 @@ class DetectConfig:
     num_depths: int | None = None
     max_new_tokens: int = 50
     chunk: int = 256  # prefill chunk = granularity of KV-prefix reuse
+    prefill_impl: str = "retmask"  # attention for the prefill (no argmax needed there): "retmask" or "sdpa"
     until_stable: bool = False
     patience: int = 20  # --until-stable: consecutive counted tests without change of the τ-set and top-10
     seed: int = 0
@@ -274,7 +275,9 @@ def run_detect(
                 progress_path, {"version": PROGRESS_VERSION, "fingerprint": fingerprint, "results": d}
             )
 
-    detector = FastDetector(model, stop_token_ids(tokenizer, model), cfg.max_new_tokens, cfg.chunk)
+    detector = FastDetector(
+        model, stop_token_ids(tokenizer, model), cfg.max_new_tokens, cfg.chunk, prefill_impl=cfg.prefill_impl
+    )
     t0 = time.perf_counter()
     mine = shard([t for t in prefix_order(runnable) if t.index not in done], rank, world)
     done = run_tests(detector, tokenizer, mine, needles, done, save, tracker, progress_bar and rank == 0)

@@ -63,6 +63,16 @@ def test_tiny_random_llama_fast_equals_oracle(chunk, tiny_oracle):
         assert total > 0, "the tiny model should copy sometimes, or this test proves nothing"
 
 
+def test_tiny_sdpa_prefill_equals_oracle(tiny_oracle):
+    model, prompts, oracle = tiny_oracle
+    fast = FastDetector(model, {2}, max_new_tokens=30, chunk=32, prefill_impl="sdpa")
+    for (prompt, span), want in zip(prompts, oracle, strict=True):
+        got = fast.run(prompt, span)
+        assert got.tokens == want.tokens
+        np.testing.assert_array_equal(got.copies, want.copies)
+    assert model.config._attn_implementation == "retmask"
+
+
 def test_tiny_stops_after_stop_token_and_respects_budget():
     model = tiny_llama()
     prompt, span = tiny_prompts()[1]
