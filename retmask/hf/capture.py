@@ -2,8 +2,8 @@
 
 Each forward call of the model inside the context appends one int64 tensor ``[L, B, Hq, T']`` to
 ``cap.calls``: for the selected query rows of that call, the absolute key position (in the KV sequence,
-cache and left padding included) with the largest attention logit; -1 for a masked head or a row
-without any valid key. The kernel computes it alongside the output (``return_argmax=True,
+cache and left padding included) with the largest attention logit; -1 for a masked head, a row
+without any valid key, or (per-batch-row selections) a slot beyond that batch row's selected rows. The kernel computes it alongside the output (``return_argmax=True,
 argmax_rows=T``); attention is never materialised and nothing is copied to the host.
 """
 
@@ -30,6 +30,13 @@ class ArgmaxCapture:
         self.calls: list[torch.Tensor] = []
         self.active = False  # True only between the model's forward pre-hook and post-hook
         self._rows, self._mask_first, self._mask_select, self._mask_len = _parse_rows(rows)
+        # Per-batch-row selection (bool [B, S]): the kernel computes rows [first, S) of every batch row and
+        # ``record`` gathers each batch row's own rows from them (int64 [B, T'], padded slots flagged).
+        self._row_index: torch.Tensor | None = None
+        self._row_pad: torch.Tensor | None = None
+        if self._mask_select is not None and self._mask_select.dim() == 2:
+            self._row_index, self._row_pad = self._mask_select, self._mask_select < 0
+            self._row_index = self._row_index.clamp_min(0)
         self._current: list[torch.Tensor | None] = []
         self._hooks: list = []
 
@@ -53,12 +60,27 @@ class ArgmaxCapture:
                 f"{q_len} query rows: the mask selects rows outside the sequence; pass a bool mask of length "
                 f"{q_len} or rows=<int> (the last rows of each call)"
             )
+        if self._row_index is not None:  # per-batch-row selection: gathered in ``record``
+            return q_len - self._mask_first, None
         if self._mask_select.device != device:
             self._mask_select = self._mask_select.to(device)
         return q_len - self._mask_first, self._mask_select
 
     def record(self, layer_idx: int, argmax: torch.Tensor) -> None:
-        """argmax: int64 [B, Hq, T'] of layer ``layer_idx`` for the current call."""
+        """argmax: int64 [B, Hq, T'] of layer ``layer_idx`` for the current call (for a per-batch-row
+        selection: [B, Hq, S - first], from which each batch row's own rows are gathered here)."""
+        if self._row_index is not None:
+            batch, heads = argmax.shape[0], argmax.shape[1]
+            if batch != self._row_index.shape[0]:
+                raise ValueError(
+                    f"capture_argmax rows mask is per batch row for batch size {self._row_index.shape[0]} but "
+                    f"this forward call has {batch} rows; pass a bool mask [{batch}, S] or a shared mask [S]"
+                )
+            if self._row_index.device != argmax.device:
+                self._row_index = self._row_index.to(argmax.device)
+                self._row_pad = self._row_pad.to(argmax.device)
+            index = self._row_index[:, None, :].expand(batch, heads, -1)  # [B, Hq, T']
+            argmax = argmax.gather(2, index).masked_fill(self._row_pad[:, None, :], -1)
         self._current[layer_idx] = argmax
 
     # -- hooks on the model ------------------------------------------------------------------------
@@ -100,16 +122,38 @@ class ArgmaxCapture:
         self.active = False
 
 
+def _parse_row_mask_per_batch(rows: torch.Tensor) -> tuple[None, int, torch.Tensor, int]:
+    """rows: bool [B, S] -> (None, first selected row over the batch, int64 [B, T'] selected rows of each
+    batch row relative to that first row, -1 in the slots past a row's count, S)."""
+    rows = rows.detach().cpu()
+    counts = rows.sum(1)
+    if bool((counts == 0).any()):
+        empty = (counts == 0).nonzero().flatten().tolist()
+        raise ValueError(
+            f"capture_argmax rows mask selects no row for batch rows {empty}; every batch row needs at least "
+            "one True entry"
+        )
+    first = int(rows.any(0).nonzero()[0])
+    width = int(counts.max())
+    index = torch.full((rows.shape[0], width), -1, dtype=torch.int64)
+    for b in range(rows.shape[0]):  # set-up time only, one host pass
+        sel = rows[b].nonzero().flatten() - first
+        index[b, : sel.numel()] = sel
+    return None, first, index, rows.shape[1]
+
+
 def _parse_rows(rows) -> tuple[int | None, int, torch.Tensor | None, int]:
     """-> (last-rows count or None = all rows, first selected row of a mask, selected rows of a mask
-    relative to that first row, mask length)."""
+    relative to that first row (int64 [T'] shared, or [B, T'] per batch row), mask length)."""
     if rows is None:
         return None, 0, None, 0
     if isinstance(rows, torch.Tensor) and rows.dtype == torch.bool:
+        if rows.dim() == 2:
+            return _parse_row_mask_per_batch(rows)
         if rows.dim() != 1:
             raise ValueError(
-                f"capture_argmax rows mask must be bool [S] (one entry per query row of each call), got "
-                f"shape {list(rows.shape)}"
+                f"capture_argmax rows mask must be bool [S] (one entry per query row of each call) or "
+                f"[B, S] (its own rows for every batch row), got shape {list(rows.shape)}"
             )
         select = rows.detach().cpu().nonzero().flatten()  # one host read, at set-up time
         if select.numel() == 0:
@@ -132,7 +176,9 @@ def capture_argmax(model: torch.nn.Module, rows: int | torch.Tensor | None = 1) 
     Args:
         model: a model on retmask attention (``retmask.patch`` / ``attn_implementation="retmask"``).
         rows: int T = the last T query rows of each call (T' = min(T, rows of that call)); a bool
-            tensor [S] = those rows (every call must then have S query rows); None = all rows.
+            tensor [S] = those rows (every call must then have S query rows); a bool tensor [B, S] = each
+            batch row its own rows (T' = the largest count; shorter rows are padded with -1, so with right
+            padding ``rows = attention_mask.bool()`` captures exactly the real tokens); None = all rows.
 
     Use as ``with retmask.capture_argmax(model, rows=T) as cap: model(...)``; then ``cap.calls`` holds
     one int64 tensor [L, B, Hq, T'] per forward call (``cap.last`` = newest), absolute key positions.

@@ -48,6 +48,43 @@ def test_capture_rows_clipped_and_mask():
     assert torch.equal(cap_sel.last, cap_all.last[..., rows])
 
 
+def test_capture_rows_per_batch_row_right_padded():
+    """A [B, S] rows mask selects each batch row's own rows: with right padding, the real tokens only."""
+    model = tiny_model("llama")
+    eager = with_attn(model, "eager")
+    ids, _ = random_batch(3, 7, seed=3)
+    lengths = [7, 4, 5]
+    mask = torch.zeros(3, 7, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+    rows = torch.zeros(3, 7, dtype=torch.bool)
+    rows[0, [2, 6]] = True  # 2 rows
+    rows[1, [1, 2, 3]] = True  # 3 rows (T' = 3), the widest
+    rows[2, [4]] = True  # 1 row
+    with retmask.capture_argmax(model, rows=rows) as cap, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    weights, _ = eager_attentions(eager, ids, mask)  # [L, B, Hq, S, N]
+    assert cap.last.shape == (2, 3, 4, 3)
+    for b in range(3):
+        sel = rows[b].nonzero().flatten()
+        got = cap.last[:, b, :, : sel.numel()]
+        assert_argmax_matches(got, weights[:, b][:, :, sel])
+        assert (cap.last[:, b, :, sel.numel() :] == -1).all()  # slots past this row's count
+        assert int(got.max()) < lengths[b]  # never a right-pad key
+
+
+def test_capture_rows_per_batch_row_errors():
+    model = tiny_model("llama")
+    ids, mask = random_batch(2, 5)
+    bad = torch.ones(2, 5, dtype=torch.bool)
+    bad[1] = False
+    with pytest.raises(ValueError, match="selects no row for batch rows \\[1\\]"):
+        retmask.capture_argmax(model, rows=bad)
+    with retmask.capture_argmax(model, rows=torch.ones(3, 5, dtype=torch.bool)), torch.no_grad():
+        with pytest.raises(ValueError, match="batch size 3"):
+            model(input_ids=ids, attention_mask=mask)
+
+
 def test_capture_decode_steps_and_chunk_against_cache(arch):
     model = tiny_model(arch)
     eager = with_attn(model, "eager")
