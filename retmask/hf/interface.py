@@ -8,6 +8,7 @@ from every attention layer of a model loaded with ``attn_implementation="retmask
   ``module._retmask_skip``:    None or bool [Hq] / [B, Hq] (True = query head switched off)
   ``module._retmask_rows``:    None or B, the batch size a per-row head mask was set for
   ``module._retmask_capture``: None or an ``ArgmaxRecorder`` collecting the per-layer argmax
+  ``module._retmask_tap``:     None or a ``retmask.hf.taps.QKTap`` recording the post-RoPE q / k (autograd kept)
 
 The mask function hands the kernel the 2D ``[B, K]`` padding mask (flash-attention style) or None and
 leaves causality to the kernel: a 4D mask would cost O(Q*K) memory per row.
@@ -142,6 +143,11 @@ def retmask_attention(
     B, _, S, _ = query.shape
     kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
     skip = _skip_heads(module, B, query.device)
+    tap = getattr(module, "_retmask_tap", None)
+    if (
+        tap is not None
+    ):  # the exact kernel inputs, not detached (MuDAF's contrastive loss trains through them)
+        tap.record(module.layer_idx, query, key, scaling)
     recorder = getattr(module, "_retmask_capture", None)
     if recorder is not None and recorder.active:
         rows, select = recorder.rows_for_call(S, query.device)

@@ -1,0 +1,92 @@
+"""tap_qk hands out the post-RoPE q / k exactly as recomputed from the layer weights, keeps autograd,
+and leaves the model's outputs unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from retmask.hf.taps import tap_qk
+
+from .conftest import random_batch, tiny_model
+
+
+def _by_hand(model, ids, mask, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, S, D], k [B, Hkv, S, D] of ``layer`` from its input hidden state, q_proj/k_proj and RoPE."""
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    block = model.model.layers[layer]
+    attn = block.self_attn
+    h = block.input_layernorm(out.hidden_states[layer])  # hidden_states[l] = input of layer l
+    B, S, _ = h.shape
+    D = attn.head_dim
+    q = attn.q_proj(h).view(B, S, -1, D).transpose(1, 2)
+    k = attn.k_proj(h).view(B, S, -1, D).transpose(1, 2)
+    positions = torch.arange(S)[None].expand(B, S)
+    cos, sin = model.model.rotary_emb(h, positions)
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+@torch.no_grad()
+def test_tap_equals_q_k_by_hand_and_outputs_unchanged():
+    model = tiny_model("llama")
+    ids, mask = random_batch(2, 10)
+    ref_logits = model(input_ids=ids, attention_mask=mask).logits
+    with tap_qk(model, layers=[0, 1]) as tap:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(logits, ref_logits)
+    for layer in (0, 1):
+        q, k = _by_hand(model, ids, mask, layer)
+        assert tap.q[layer].shape == (2, 4, 10, 16) and tap.k[layer].shape == (2, 2, 10, 16)
+        torch.testing.assert_close(tap.q[layer], q, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tap.k[layer], k, rtol=1e-5, atol=1e-5)
+        assert tap.scaling[layer] == pytest.approx(16**-0.5)
+    assert tap.num_kv_groups == 2
+    # Outside the context nothing is recorded or hooked.
+    assert all(m.self_attn._retmask_tap is None for m in model.model.layers)
+
+
+@torch.no_grad()
+def test_query_rows_select_last_and_per_batch_rows():
+    model = tiny_model("llama")
+    ids, mask = random_batch(3, 9)
+    with tap_qk(model, layers=[1]) as full:
+        model(input_ids=ids, attention_mask=mask)
+    q_all = full.q[1]
+    with tap_qk(model, layers=[1], query_rows=2) as last:
+        model(input_ids=ids, attention_mask=mask)
+    assert torch.equal(last.q[1], q_all[:, :, -2:])
+    rows = torch.tensor([3, 8, 0])
+    with tap_qk(model, layers=[1], query_rows=rows) as per_row:
+        model(input_ids=ids, attention_mask=mask)
+    assert per_row.q[1].shape == (3, 4, 1, 16)
+    for b, r in enumerate(rows.tolist()):
+        assert torch.equal(per_row.q[1][b, :, 0], q_all[b, :, r])
+    assert 0 not in per_row.q  # untapped layer
+
+
+def test_tap_keeps_autograd_into_projections():
+    model = tiny_model("llama")
+    ids, mask = random_batch(1, 8)
+    with tap_qk(model, layers=[1], query_rows=1) as tap:
+        model(input_ids=ids, attention_mask=mask)
+    attn = model.model.layers[1].self_attn
+    loss = tap.q[1][0, 3].sum() + tap.k[1][0, 0].sum()  # query head 3 (KV group 1), KV head 0
+    loss.backward()
+    gq, gk = attn.q_proj.weight.grad, attn.k_proj.weight.grad
+    assert gq[3 * 16 : 4 * 16].abs().sum() > 0 and gq[: 3 * 16].abs().sum() == 0
+    assert gk[:16].abs().sum() > 0 and gk[16:].abs().sum() == 0
+
+
+def test_bad_arguments_are_clear():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="not in 0..1"):
+        tap_qk(model, layers=[2])
+    with pytest.raises(ValueError, match="query_rows"):
+        tap_qk(model, query_rows=0)
+    ids, mask = random_batch(2, 5)
+    with pytest.raises(ValueError, match="outside"), tap_qk(model, query_rows=torch.tensor([1, 5])):
+        model(input_ids=ids, attention_mask=mask)
+    eager = tiny_model("llama", attn="eager")
+    with pytest.raises(ValueError, match="retmask attention"):
+        tap_qk(eager)
