@@ -1,0 +1,68 @@
+"""``retmask mdqa-score``: MuDAF's MDQA retrieval score of every head (mean F1, EM) on an MDQA JSONL file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from retmask.evaluate.mdqa_score import DEFAULT_EPSILON
+
+    p = subparsers.add_parser(
+        "mdqa-score",
+        help="MDQA retrieval score of every head (MuDAF): attention mass of the last prompt token per passage",
+        description=(
+            "For every head, the attention mass from the last prompt token on each passage (one softmax row, "
+            "from the tapped query and keys; no attention matrix), then F1 against the golden passages with "
+            "threshold ε and EM (top-|golden| passages by mass). Writes {'layer-head': [per-example F1]} "
+            "(the detection scores format, usable by `retmask mask` and `retmask mudaf-train --scores`), a "
+            "<out>.run.json record with per-head mean F1 / EM / golden mass, and optionally a heatmap."
+        ),
+    )
+    p.add_argument("--data", type=Path, required=True, help="MDQA JSONL (python -m retmask.mdqa writes one)")
+    p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--out", type=Path, required=True, help="scores JSON to write")
+    p.add_argument("--plot", type=Path, help="heatmap PNG of the mean F1 per head")
+    p.add_argument("--epsilon", type=float, default=DEFAULT_EPSILON,
+                   help=f"attended = mass > ε (default {DEFAULT_EPSILON}, the MuDAF reference code's value)")  # fmt: skip
+    p.add_argument("--limit", type=int, help="score only the first N examples")
+    p.add_argument("--batch-size", type=int, default=1, help="examples per forward call (default 1)")
+    p.add_argument("--max-length", type=int, help="token limit per prompt (default: the model's context)")
+    p.add_argument("--top", type=int, default=10, help="print the N best heads (default 10)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import retmask
+    from retmask.evaluate.mdqa_score import MDQAScoreConfig, score_mdqa, top_heads, write_scores
+    from retmask.mdqa import MDQAError, load_mdqa
+
+    try:
+        if args.limit is not None and args.limit < 1:
+            raise MDQAError(f"--limit must be >= 1, got {args.limit}")
+        cfg = MDQAScoreConfig(epsilon=args.epsilon, batch_size=args.batch_size, max_length=args.max_length)
+        cfg.check()
+        examples = load_mdqa(args.data, limit=args.limit)
+        model, tokenizer = retmask.load_model(args.model)
+        scores = score_mdqa(model, tokenizer, examples, cfg)
+        paths = write_scores(
+            scores,
+            args.out,
+            args.plot,
+            data=str(args.data),
+            model=args.model or "embedded SmolLM2-135M-Instruct",
+        )
+    except MDQAError as e:
+        print(f"retmask mdqa-score: error: {e}", file=sys.stderr)
+        return 2
+    n = len(scores.example_ids)
+    print(f"{n} examples, {scores.seconds:.1f} s ({scores.seconds / n:.2f} s/example), ε = {cfg.epsilon:g}")
+    print("top heads by MDQA retrieval score (mean F1, mean EM):")
+    for ly, h, f1, em in top_heads(scores, args.top):
+        print(f"  {ly}-{h}: F1 {f1:.3f}  EM {em:.3f}")
+    print(" ".join(f"{k} -> {v}" for k, v in paths.items()))
+    return 0
