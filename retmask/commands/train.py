@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from retmask.selection import SelectionError
 from retmask.train.config import TrainConfig
 from retmask.train.pairs import PairsError
 
@@ -49,6 +50,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--sft", action="store_true", help="SFT on the chosen responses only (the paper's baseline)"
     )
+    p.add_argument("--telemetry-every", type=int, metavar="N",
+                   help="every N optimizer steps (and at step 0 and the end) probe the retrieval score of the masked "
+                        "heads vs the other heads (logged as retrieval/*; telemetry.json/.png in --out)")  # fmt: skip
+    p.add_argument("--telemetry-heads", type=Path, metavar="FILE",
+                   help="masked heads for the telemetry (default: the heads recorded with the pairs by `retmask generate`)")  # fmt: skip
     p.set_defaults(func=run)
     return p
 
@@ -72,9 +78,17 @@ def run(args: argparse.Namespace) -> int:
             raise PairsError("--warmup-ratio must be in [0, 1) and --min-lr-rate in [0, 1]")
         if cfg.bf16 and not torch.cuda.is_available():
             raise PairsError("--bf16 needs a GPU; on CPU training runs in fp32")
+        callbacks = None
+        if args.telemetry_every is not None:
+            from retmask.train.telemetry import RetrievalTelemetry, heads_for_pairs
+
+            heads = heads_for_pairs(args.pairs, args.telemetry_heads)
+            callbacks = [RetrievalTelemetry(heads, args.telemetry_every)]
+        elif args.telemetry_heads is not None:
+            raise PairsError("--telemetry-heads needs --telemetry-every N")
         fn = train_sft if args.sft else train_dpo
-        result = fn(args.pairs, args.out, args.model, cfg)
-    except PairsError as e:
+        result = fn(args.pairs, args.out, args.model, cfg, callbacks=callbacks)
+    except (PairsError, SelectionError, ValueError) as e:
         print(f"retmask train: error: {e}", file=sys.stderr)
         return 2
     print(result.lengths.summary())
@@ -82,5 +96,7 @@ def run(args: argparse.Namespace) -> int:
         f"{'SFT' if args.sft else 'DPO'}: {result.steps} steps in {result.seconds:.1f} s "
         f"({result.seconds_per_step:.2f} s/step); final loss {result.losses[-1] if result.losses else float('nan'):.4f}"
     )
+    if args.telemetry_every is not None:
+        print(f"retrieval telemetry -> {args.out / 'telemetry.json'}, {args.out / 'telemetry.png'}")
     print(f"model -> {args.out}")
     return 0

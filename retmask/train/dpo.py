@@ -38,6 +38,13 @@ def _use_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def _bind(trainer: Any, callbacks: list | None) -> None:
+    """Give callbacks that log through the trainer (``RetrievalTelemetry.bind``) the trainer itself."""
+    for cb in callbacks or []:
+        if hasattr(cb, "bind"):
+            cb.bind(trainer)
+
+
 def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pairs, lengths: LengthReport,
             seconds: float, mode: str) -> TrainResult:  # fmt: skip
     """Save the trained model + tokenizer and a ``retmask_train.json`` summary in ``out``."""
@@ -50,6 +57,7 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
         "mode": mode, "pairs": pairs.source, "examples": len(pairs.rows), "steps": steps,
         "seconds": round(seconds, 2), "seconds_per_step": round(result.seconds_per_step, 3), "losses": losses,
         "config": asdict(cfg), "lengths": asdict(lengths),
+        "log_history": trainer.state.log_history,  # every logged entry (losses, rewards, retrieval/* telemetry)
     }  # fmt: skip
     (out / "retmask_train.json").write_text(json.dumps(summary, indent=1))
     return result
@@ -88,6 +96,7 @@ def train_dpo(
         model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(pairs.rows),
         processing_class=tokenizer, callbacks=callbacks,
     )  # fmt: skip
+    _bind(trainer, callbacks)
     start = time.perf_counter()
     trainer.train()
     return _finish(trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo")
@@ -123,6 +132,7 @@ def train_sft(
         model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
         callbacks=callbacks,
     )  # fmt: skip
+    _bind(trainer, callbacks)
     start = time.perf_counter()
     trainer.train()
     return _finish(trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "sft")
