@@ -143,6 +143,7 @@ class FastDetector:
         draft_fn: DraftFn = propose_draft,
         max_draft: int = 64,
         prefill_impl: str = "retmask",
+        count_copies: bool = True,
     ):
         from retmask.hf.patch import require_retmask
 
@@ -154,6 +155,8 @@ class FastDetector:
         self.draft_fn = draft_fn
         self.max_draft = max_draft
         self.prefill_impl = prefill_impl
+        # False: answers only (NIAH evaluation) -- no argmax capture, ``copies`` stays all zero.
+        self.count_copies = count_copies
         self.layout = _layout(model)
         self.cache = None
         self.cached = np.zeros(0, dtype=np.int64)  # token ids whose KV is in self.cache (whole chunks)
@@ -212,7 +215,12 @@ class FastDetector:
             draft = self.draft_fn(prompt, span, tokens, limit)[:limit]
             inp = torch.tensor([[x, *draft]], dtype=torch.long, device=device)
             past = self.cache.get_seq_length()
-            with capture_argmax(self.model, rows=inp.shape[1]) as cap:
+            capture = (
+                capture_argmax(self.model, rows=inp.shape[1])
+                if self.count_copies
+                else contextlib.nullcontext()
+            )
+            with capture as cap:
                 out = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True)
             passes += 1
             greedy = out.logits[0].argmax(-1).tolist()  # one host read per pass: the accepted length
@@ -227,11 +235,12 @@ class FastDetector:
                     stopped = True
                     break
             rows = len(new)
-            # Row r of this pass is the attention row of the token fed at decode step len(tokens) + r.
-            idx = cap.last[:, 0, :, :rows]  # int64 [L, Hq, rows], absolute key positions
-            ys = torch.tensor(new, dtype=torch.long, device=device)
-            hit = (idx >= s) & (idx < e) & (prompt_t[idx.clamp(0, n - 1)] == ys)
-            counts += hit.sum(-1)
+            if cap is not None:
+                # Row r of this pass is the attention row of the token fed at decode step len(tokens) + r.
+                idx = cap.last[:, 0, :, :rows]  # int64 [L, Hq, rows], absolute key positions
+                ys = torch.tensor(new, dtype=torch.long, device=device)
+                hit = (idx >= s) & (idx < e) & (prompt_t[idx.clamp(0, n - 1)] == ys)
+                counts += hit.sum(-1)
             tokens += new
             _crop_to(self.cache, past + rows)  # drop the KV of rejected draft tokens
             x = new[-1]

@@ -1,0 +1,290 @@
+"""Needle-in-a-Haystack evaluation: ROUGE-1 recall over a lengths × depths grid, optionally with heads masked.
+
+The tests are the detection protocol's (``retmask.niah.build_tests``: same context rule, prompt and
+needles); the answers come from the detection fast path (``FastDetector`` with ``count_copies=False``):
+prompt-lookup verification and KV-prefix reuse across tests in prefix order, which give exactly the plain
+step-by-step greedy answer (greedy, at most ``max_new_tokens``, stopping after a newline/EOS token). Masked
+heads are switched off with ``retmask.head_mask`` for the whole evaluation (prefill and decoding), which
+equals a checkpoint with their o_proj columns zeroed.
+
+The grid score of a (depth, length) cell is the mean ROUGE-1 recall (in [0, 1]) of the response against
+``real_needle`` over the needles; the overall score is the mean over every test run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retmask.niah import Needle, build_tests, load_haystack, load_needles, rouge1_recall
+
+RESULT_VERSION = 1
+ENTRY_KEYS = ("index", "key", "needle_index", "length", "depth", "response", "rouge1_recall")
+
+
+@dataclass
+class NiahResult:
+    """The outcome of one NIAH evaluation.
+
+    entries: one dict per test run, in the canonical grid order (needle, length, depth), with at least
+        ``ENTRY_KEYS``: ``rouge1_recall`` is a float in [0, 1].
+    lengths, depths: the grid axes (tokens, percent).
+    meta: model, masked heads (list of [layer, head]), grid, skipped tests, timings.
+    """
+
+    entries: list[dict]
+    lengths: list[int]
+    depths: list[int]
+    meta: dict = field(default_factory=dict)
+
+    def grid(self) -> np.ndarray:
+        """float64 [len(depths), len(lengths)]: mean recall over the needles of each cell (NaN if none)."""
+        total = np.zeros((len(self.depths), len(self.lengths)), dtype=np.float64)
+        count = np.zeros_like(total)
+        row = {d: i for i, d in enumerate(self.depths)}
+        col = {n: j for j, n in enumerate(self.lengths)}
+        for e in self.entries:
+            if e["depth"] not in row or e["length"] not in col:
+                raise ValueError(
+                    f"entry {e.get('key')} has length {e['length']} / depth {e['depth']} outside the grid "
+                    f"lengths {self.lengths} x depths {self.depths}; the result is corrupted"
+                )
+            i, j = row[e["depth"]], col[e["length"]]
+            total[i, j] += float(e["rouge1_recall"])
+            count[i, j] += 1
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+    @property
+    def mean(self) -> float:
+        """Mean recall over every test run (NaN when no test ran)."""
+        if not self.entries:
+            return float("nan")
+        return math.fsum(float(e["rouge1_recall"]) for e in self.entries) / len(self.entries)
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict (the grid and mean are included for readers; ``from_json`` recomputes them)."""
+        grid = [[None if math.isnan(v) else round(float(v), 6) for v in row] for row in self.grid()]
+        return {
+            "version": RESULT_VERSION,
+            "lengths": list(self.lengths),
+            "depths": list(self.depths),
+            "mean": None if math.isnan(self.mean) else self.mean,
+            "grid": grid,
+            "entries": self.entries,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> NiahResult:
+        if not isinstance(d, dict) or d.get("version") != RESULT_VERSION:
+            raise ValueError(
+                f"not a NIAH result of version {RESULT_VERSION} (got version {d.get('version') if isinstance(d, dict) else d!r}); "
+                "write it with NiahResult.to_json / `retmask niah --out`"
+            )
+        for k in ("lengths", "depths", "entries"):
+            if not isinstance(d.get(k), list):
+                raise ValueError(f"NIAH result: {k!r} must be a list")
+        for i, e in enumerate(d["entries"]):
+            missing = [k for k in ENTRY_KEYS if k not in e]
+            if missing:
+                raise ValueError(f"NIAH result: entry {i} lacks {missing}")
+        return cls(list(d["entries"]), list(d["lengths"]), list(d["depths"]), dict(d.get("meta") or {}))
+
+
+def _resolve_needles(needles) -> list[Needle]:
+    if needles is None or isinstance(needles, (str, Path)):
+        return load_needles(needles)
+    out = list(needles)
+    if not out or not all(isinstance(n, Needle) for n in out):
+        raise TypeError("needles must be None, a JSONL path or a non-empty list of retmask.niah.Needle")
+    return out
+
+
+def _resolve_heads(model, heads) -> torch.Tensor | None:
+    """bool [L, Hq] on the CPU, or None when nothing is masked."""
+    if heads is None:
+        return None
+    from retmask.hf.layers import head_layout
+    from retmask.masking import normalize_head_mask
+
+    if not isinstance(heads, torch.Tensor):
+        heads = list(heads)
+        if not heads:
+            return None
+    mask = normalize_head_mask(heads, *head_layout(model).shape, allow_per_row=False)
+    return mask if bool(mask.any()) else None
+
+
+@torch.no_grad()
+def evaluate_niah(
+    model,
+    tokenizer,
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[int],
+    needles=None,
+    haystack_text: str | None = None,
+    heads=None,
+    max_new_tokens: int = 50,
+    progress: bool = True,
+    desc: str = "niah",
+    chunk: int = 256,
+) -> NiahResult:
+    """Run the NIAH grid on ``model`` (retmask attention) with ``heads`` masked throughout.
+
+    Args:
+        lengths: context lengths in tokens (each > 200-token buffer + needle); depths: percent in [0, 100].
+        needles: None (the shipped set), a JSONL path, or a list of :class:`retmask.niah.Needle`.
+        haystack_text: None = the default prose haystack.
+        heads: None, a list of (layer, head) or a bool [L, Hq] tensor (True = masked).
+        chunk: prefill chunk = granularity of KV-prefix reuse (does not change the answers).
+
+    Tests whose context cannot be built (length too short for the buffer) are listed in
+    ``meta["skipped"]``; a needle answer the span rule cannot locate does not matter here (the span only
+    seeds the drafts), so those tests run.
+    """
+    from tqdm import tqdm
+
+    from retmask.detect.core import FastDetector, _layout
+    from retmask.detect.run import check_context_limit, prefix_order
+    from retmask.detect.stopping import stop_token_ids
+    from retmask.hf.heads import head_mask
+
+    lengths, depths = [int(x) for x in lengths], [int(x) for x in depths]
+    if not lengths or not depths:
+        raise ValueError(f"empty grid: lengths {lengths} x depths {depths}; give at least one of each")
+    if any(not 0 <= d <= 100 for d in depths):
+        raise ValueError(f"depths must be percentages in [0, 100], got {depths}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    needle_list = _resolve_needles(needles)
+    text = load_haystack(None) if haystack_text is None else haystack_text
+    mask = _resolve_heads(model, heads)
+    check_context_limit(model, lengths, max_new_tokens)
+
+    t0 = time.perf_counter()
+    tests = build_tests(tokenizer, needle_list, text, lengths, depths)
+    build_s = time.perf_counter() - t0
+    runnable = [t for t in tests if t.insertion >= 0]
+    skipped = [
+        {
+            "key": t.key,
+            "needle_index": t.needle_index,
+            "length": t.length,
+            "depth": t.depth,
+            "reason": t.skip_reason,
+        }
+        for t in tests
+        if t.insertion < 0
+    ]
+    # The mask changes the KV of every layer after the first masked one: a detector (and its carried
+    # cache) must never outlive one mask configuration, so each evaluation builds its own.
+    detector = FastDetector(
+        model,
+        stop_token_ids(tokenizer, model),
+        max_new_tokens,
+        chunk,
+        prefill_impl="retmask",
+        count_copies=False,
+    )
+    entries: dict[int, dict] = {}
+    prefill_s = decode_s = 0.0
+    t0 = time.perf_counter()
+    ctx = head_mask(model, mask) if mask is not None else contextlib.nullcontext()
+    with ctx, tqdm(total=len(runnable), desc=desc, unit="test", disable=not progress, leave=False) as bar:
+        for t in prefix_order(runnable):
+            # No span (answer not located by the span rule): the draft starts empty, the answer is the same.
+            out = detector.run(t.prompt_ids, t.span if t.span is not None else (0, 0))
+            response = tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
+            nd = needle_list[t.needle_index]
+            entries[t.index] = {
+                "index": t.index,
+                "key": t.key,
+                "needle_index": t.needle_index,
+                "length": t.length,
+                "depth": t.depth,
+                "response": response,
+                "rouge1_recall": rouge1_recall(nd.real_needle, response),
+                "prompt_tokens": int(len(t.prompt_ids)),
+                "tokens": out.tokens,
+            }
+            prefill_s += out.timings["prefill_s"]
+            decode_s += out.timings["decode_s"]
+            bar.update(1)
+    run_s = time.perf_counter() - t0
+    heads_list = [] if mask is None else [[int(a), int(b)] for a, b in mask.nonzero().tolist()]
+    meta = {
+        "model": str(getattr(model.config, "_name_or_path", "")),
+        "shape": list(_layout(model)),
+        "heads": heads_list,
+        "grid": {"lengths": lengths, "depths": depths, "needles": len(needle_list), "tests": len(tests)},
+        "needles": [n.to_dict() for n in needle_list],
+        "max_new_tokens": max_new_tokens,
+        "skipped": skipped,
+        "timings": {
+            "build_tests_s": round(build_s, 3),
+            "run_s": round(run_s, 3),
+            "prefill_s": round(prefill_s, 3),
+            "decode_s": round(decode_s, 3),
+        },
+    }
+    return NiahResult([entries[i] for i in sorted(entries)], lengths, depths, meta)
+
+
+def format_grid(result: NiahResult, digits: int = 2) -> str:
+    """The grid as a text table (rows = depth %, columns = context length) followed by the mean."""
+    grid = result.grid()
+    head = ["depth \\ len"] + [str(n) for n in result.lengths]
+    rows = [
+        [f"{d}%"] + ["-" if math.isnan(v) else f"{v:.{digits}f}" for v in grid[i]]
+        for i, d in enumerate(result.depths)
+    ]
+    width = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, width, strict=True)) for r in [head, *rows]]
+    lines.append(f"mean ROUGE-1 recall: {result.mean:.3f} over {len(result.entries)} tests")
+    return "\n".join(lines)
+
+
+def plot_niah(result: NiahResult, path: str | Path, title: str) -> None:
+    """The classic NIAH heatmap PNG: x = context length, y = needle depth (0% at the top), colour = score
+    (red 0 → green 1), the score printed in each cell; cells without tests are grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LinearSegmentedColormap
+
+    grid = result.grid()
+    cmap = LinearSegmentedColormap.from_list("niah", ["#F0496E", "#EBB839", "#0CD79F"]).with_extremes(
+        bad="#d0d0d0"
+    )
+    nl, nd = len(result.lengths), len(result.depths)
+    fig, ax = plt.subplots(figsize=(max(4.5, 0.7 * nl + 2.5), max(3.0, 0.45 * nd + 1.6)))
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+    for i in range(nd):
+        for j in range(nl):
+            if not math.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7, color="black")
+    ax.set_xticks(range(nl))
+    ax.set_xticklabels([str(n) for n in result.lengths], rotation=45 if nl > 8 else 0, fontsize=8)
+    ax.set_yticks(range(nd))
+    ax.set_yticklabels([f"{d}%" for d in result.depths], fontsize=8)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(
+        f"{title}\nmean ROUGE-1 recall {result.mean:.3f}" if title else f"mean {result.mean:.3f}", fontsize=9
+    )
+    fig.colorbar(im, ax=ax, label="ROUGE-1 recall")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
