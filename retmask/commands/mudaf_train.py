@@ -1,0 +1,130 @@
+"""``retmask mudaf-train``: MuDAF (L_CLM + λ·L_CON on selected heads) or the vanilla-SFT baseline on MDQA data."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from retmask.train.mudaf import MuDAFConfig
+    from retmask.train.mudaf_loss import SIMILARITIES
+
+    d = MuDAFConfig()
+    p = subparsers.add_parser(
+        "mudaf-train",
+        help="MuDAF contrastive head training on MDQA data (--vanilla-sft: the CLM-only baseline)",
+        description=(
+            "Loss L_CLM + λ·L_CON (MuDAF Eq. 8); L_CON = cross-entropy over passages of cos(q, k̄_p)/τ, q = the "
+            "last prompt token's post-RoPE query of the selected heads concatenated, k̄_p = the mean post-RoPE "
+            "key of passage p (a query head uses its KV group's keys), golden passage(s) positive (two golden "
+            "passages: one term each against the distractors, averaged). CLM on the answer tokens of the "
+            "paper's template. Heads from --heads, or sampled from MDQA scores with P(h) ∝ exp(R_h/τ_h). "
+            "AdamW, constant lr after optional warm-up, fp32; saves an HF checkpoint and mudaf_train.json."
+        ),
+    )
+    p.add_argument("--data", type=Path, required=True, help="MDQA training JSONL")
+    p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--out", type=Path, required=True, help="folder for the trained model")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--heads", type=Path, help="heads JSON (retmask mask / a list of [layer, head])")
+    src.add_argument("--scores", type=Path, help="MDQA scores JSON (retmask mdqa-score): sample the heads")
+    p.add_argument("--num-heads", type=int, default=8, help="heads to sample with --scores (default 8)")
+    p.add_argument(
+        "--head-temperature", type=float, default=0.05, help="sampling τ with --scores (default 0.05)"
+    )
+    p.add_argument(
+        "--vanilla-sft", action="store_true", help="λ = 0: CLM only (L_CON still logged if heads given)"
+    )
+    p.add_argument("--lambda", dest="lambda_con", type=float, default=d.lambda_con,
+                   help=f"λ in L_CLM + λ·L_CON (paper Eq. 8; default {d.lambda_con:g})")  # fmt: skip
+    p.add_argument("--alpha", type=float,
+                   help="use (1-α)·L_CLM + α·L_CON instead (the reference code's form; it used α = 0.3)")  # fmt: skip
+    p.add_argument(
+        "--temperature", type=float, default=d.temperature, help="L_CON temperature (default 0.05)"
+    )
+    p.add_argument("--similarity", choices=SIMILARITIES, default=d.similarity,
+                   help="concat: one cosine over all heads' vectors (the paper's choice); per-head: Eq. 7 summed")  # fmt: skip
+    p.add_argument(
+        "--lr", type=float, default=d.learning_rate, help=f"learning rate (default {d.learning_rate:g})"
+    )
+    p.add_argument("--steps", type=int, default=d.max_steps, help=f"optimizer steps (default {d.max_steps})")
+    p.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="examples per micro-batch (default 1)"
+    )
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step (default 1)")
+    p.add_argument(
+        "--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps (default 0)"
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (default 0)"
+    )
+    p.add_argument("--max-length", type=int, help="token limit per example (default: the model's context)")
+    p.add_argument("--limit", type=int, help="train on the first N examples only")
+    p.add_argument("--seed", type=int, default=d.seed, help="data order and head sampling seed (default 0)")
+    p.add_argument(
+        "--save-every", type=int, default=0, help="write <out>/resume.pt every N steps (default off)"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from <out>/resume.pt")
+    p.set_defaults(func=run)
+    return p
+
+
+def select(args: argparse.Namespace, model_shape: list[int]):
+    """The target heads (a HeadSelection) from --heads or --scores, or None."""
+    from retmask.selection import load_scores, mudaf_selection, read_heads
+
+    if args.heads is not None:
+        return read_heads(args.heads, model_shape)
+    if args.scores is not None:
+        return mudaf_selection(
+            load_scores(args.scores), n=args.num_heads, temperature=args.head_temperature, seed=args.seed,
+            model_shape=model_shape, source=str(args.scores),
+        )  # fmt: skip
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import retmask
+    from retmask.hf.layers import head_layout
+    from retmask.mdqa import MDQAError, load_mdqa
+    from retmask.selection import SelectionError, write_heads
+    from retmask.train.mudaf import MuDAFConfig, train_mudaf
+
+    try:
+        if args.limit is not None and args.limit < 1:
+            raise MDQAError(f"--limit must be >= 1, got {args.limit}")
+        if not args.vanilla_sft and args.heads is None and args.scores is None:
+            raise MDQAError("MuDAF needs target heads: --heads heads.json or --scores mdqa_scores.json")
+        examples = load_mdqa(args.data, limit=args.limit)
+        model, tokenizer = retmask.load_model(args.model)
+        selection = select(args, list(head_layout(model).shape))
+        cfg = MuDAFConfig(
+            heads=list(selection.heads) if selection else [], lambda_con=args.lambda_con, alpha=args.alpha,
+            vanilla_sft=args.vanilla_sft, temperature=args.temperature, similarity=args.similarity,
+            learning_rate=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+            max_steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
+            max_length=args.max_length, seed=args.seed, save_every=args.save_every,
+        )  # fmt: skip
+        cfg.check()
+        if selection is not None:
+            write_heads(selection, args.out / "heads.json")
+        result = train_mudaf(
+            model, tokenizer, examples, args.out, cfg, resume=args.resume,
+            extra_record={"data": str(args.data), "model": args.model or "embedded SmolLM2-135M-Instruct",
+                          "head_selection": selection.to_json() if selection else None},
+        )  # fmt: skip
+    except (MDQAError, SelectionError) as e:
+        print(f"retmask mudaf-train: error: {e}", file=sys.stderr)
+        return 2
+    last = result.log[-1]
+    con = f", L_CON {last['con']:.4f}" if "con" in last else ""
+    mode = (
+        "vanilla SFT" if cfg.vanilla_sft else f"MuDAF on heads {', '.join(f'{a}-{b}' for a, b in cfg.heads)}"
+    )
+    print(f"{mode}: {result.steps} steps in {result.seconds:.1f} s ({result.seconds_per_step:.2f} s/step); "
+          f"last step L_CLM {last['clm']:.4f}{con}")  # fmt: skip
+    print(f"model -> {args.out}")
+    return 0
