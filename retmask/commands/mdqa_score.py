@@ -31,6 +31,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="score only the first N examples")
     p.add_argument("--batch-size", type=int, default=1, help="examples per forward call (default 1)")
     p.add_argument("--max-length", type=int, help="token limit per prompt (default: the model's context)")
+    p.add_argument("--answers", action="store_true",
+                   help="also generate greedy answers and report answer accuracy (in the record)")  # fmt: skip
     p.add_argument("--top", type=int, default=10, help="print the N best heads (default 10)")
     p.set_defaults(func=run)
     return p
@@ -38,7 +40,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import retmask
-    from retmask.evaluate.mdqa_score import MDQAScoreConfig, score_mdqa, top_heads, write_scores
+    from retmask.evaluate.mdqa_score import (
+        MDQAScoreConfig,
+        answer_accuracy,
+        score_mdqa,
+        top_heads,
+        write_scores,
+    )
     from retmask.mdqa import MDQAError, load_mdqa
 
     try:
@@ -49,18 +57,17 @@ def run(args: argparse.Namespace) -> int:
         examples = load_mdqa(args.data, limit=args.limit)
         model, tokenizer = retmask.load_model(args.model)
         scores = score_mdqa(model, tokenizer, examples, cfg)
-        paths = write_scores(
-            scores,
-            args.out,
-            args.plot,
-            data=str(args.data),
-            model=args.model or "embedded SmolLM2-135M-Instruct",
-        )
+        extra = {"data": str(args.data), "model": args.model or "embedded SmolLM2-135M-Instruct"}
+        if args.answers:
+            extra["answers"] = answer_accuracy(model, tokenizer, examples, max_length=args.max_length)
+        paths = write_scores(scores, args.out, args.plot, **extra)
     except MDQAError as e:
         print(f"retmask mdqa-score: error: {e}", file=sys.stderr)
         return 2
     n = len(scores.example_ids)
     print(f"{n} examples, {scores.seconds:.1f} s ({scores.seconds / n:.2f} s/example), ε = {cfg.epsilon:g}")
+    if args.answers:
+        print(f"answer accuracy: {extra['answers']['accuracy']:.3f}")
     print("top heads by MDQA retrieval score (mean F1, mean EM):")
     for ly, h, f1, em in top_heads(scores, args.top):
         print(f"  {ly}-{h}: F1 {f1:.3f}  EM {em:.3f}")

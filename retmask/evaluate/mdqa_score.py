@@ -308,3 +308,47 @@ def top_heads(scores: MDQAScores, n: int = 10) -> list[tuple[int, int, float, fl
         ly, h = np.unravel_index(idx, f1.shape)
         out.append((int(ly), int(h), float(f1[ly, h]), float(em[ly, h])))
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Answer accuracy (greedy), a cheap check that training did not break the answers
+# --------------------------------------------------------------------------------------------------
+
+
+def _norm(text: str) -> str:
+    return " ".join("".join(c.lower() if c.isalnum() else " " for c in text).split())
+
+
+@torch.no_grad()
+def answer_accuracy(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    examples: Sequence[MDQAExample],
+    max_new_tokens: int = 12,
+    max_length: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Greedy answers to the prompts (the training template up to ``Answer:``); an answer is correct when
+    the normalised gold answer occurs in the normalised first line of the output.
+
+    Returns ``{"accuracy": float, "outputs": [{"id", "answer", "output", "correct"}]}``.
+    """
+    from tqdm.auto import tqdm
+
+    limit = max_length if max_length is not None else max_context(model)
+    items = prepare(examples, tokenizer, limit)
+    device = next(model.parameters()).device
+    eos = tokenizer.eos_token_id
+    rows = []
+    for it in tqdm(items, desc="answers", unit="ex", disable=not progress):
+        ids = torch.tensor([it.ids], device=device)
+        gen = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+        )  # fmt: skip
+        text = tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
+        first = text.strip().split("\n")[0]
+        gold = _norm(it.example.answer)
+        correct = bool(gold) and f" {gold} " in f" {_norm(first)} "
+        rows.append({"id": it.example.id, "answer": it.example.answer, "output": first, "correct": correct})
+    return {"accuracy": sum(r["correct"] for r in rows) / len(rows), "outputs": rows}
