@@ -1,4 +1,5 @@
-"""Multi-process detection: torchrun with 2 CPU processes (gloo) merges into the single-process result."""
+"""Multi-process detection: torchrun and accelerate launch with 2 CPU processes (gloo) merge into the
+single-process result."""
 
 from __future__ import annotations
 
@@ -28,8 +29,23 @@ def test_shards_partition_in_order():
         assert [t.index for p in parts for t in p] == list(range(6))
 
 
+def _launcher(name: str, threads: int) -> list[str]:
+    """Command prefix starting 2 local processes running ``python -m retmask``."""
+    if name == "torchrun":
+        torchrun = shutil.which("torchrun") or f"{sys.executable} -m torch.distributed.run"
+        return [*torchrun.split(), "--nproc_per_node", "2", "--master_port", "29533", "-m", "retmask"]
+    # `accelerate launch --cpu --num_processes 2` silently starts ONE process; --multi_gpu starts the
+    # processes through torch.distributed.run, which also works without GPUs (gloo).
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "29534", "--num_cpu_threads_per_process", str(threads), "-m", "retmask",
+    ]  # fmt: skip
+
+
 @pytest.mark.embedded
-def test_torchrun_two_processes_equals_single_process(tmp_path, embedded):
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_two_processes_equal_single_process(tmp_path, embedded, launcher):
     model, tok = embedded
     needles = _needles(tmp_path)
     single = run_detect(
@@ -41,11 +57,21 @@ def test_torchrun_two_processes_equals_single_process(tmp_path, embedded):
         log=lambda *a, **k: None,
     )
     out = tmp_path / "two" / "s.json"
-    torchrun = shutil.which("torchrun") or f"{sys.executable} -m torch.distributed.run"
-    cmd = [*torchrun.split(), "--nproc_per_node", "2", "--master_port", "29533", "-m", "retmask", "detect"]
-    cmd += ["--needles", str(needles), *GRID, "--chunk", "128", "--out", str(out), "--no-progress"]
+    threads = __import__("torch").get_num_threads()
+    cmd = [
+        *_launcher(launcher, threads),
+        "detect",
+        "--needles",
+        str(needles),
+        *GRID,
+        "--chunk",
+        "128",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     # Same threads per process as the single-process run, so every matmul has the same shape and split.
-    env = os.environ | {"OMP_NUM_THREADS": str(__import__("torch").get_num_threads())}
+    env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=600)
     assert json.loads(out.read_text()) == single.scores
     record = json.loads(out.with_name("s.run.json").read_text())
