@@ -33,6 +33,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, help="token limit per prompt (default: the model's context)")
     p.add_argument("--answers", action="store_true",
                    help="also generate greedy answers and report answer accuracy (in the record)")  # fmt: skip
+    p.add_argument("--masses", action="store_true",
+                   help="also write <out stem>.masses.npz: per-example, per-head passage masses (re-score at any ε)")  # fmt: skip
     p.add_argument("--top", type=int, default=10, help="print the N best heads (default 10)")
     p.set_defaults(func=run)
     return p
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         extra = {"data": str(args.data), "model": args.model or "embedded SmolLM2-135M-Instruct"}
         if args.answers:
             extra["answers"] = answer_accuracy(model, tokenizer, examples, max_length=args.max_length)
-        paths = write_scores(scores, args.out, args.plot, **extra)
+        paths = write_scores(scores, args.out, args.plot, masses=args.masses, **extra)
     except MDQAError as e:
         print(f"retmask mdqa-score: error: {e}", file=sys.stderr)
         return 2

@@ -62,6 +62,7 @@ class MDQAScores:
     config: MDQAScoreConfig
     seconds: float = 0.0
     prompt_tokens: list[int] = field(default_factory=list)
+    golden: list[list[int]] = field(default_factory=list)  # golden passage indices per example
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -274,18 +275,33 @@ def score_mdqa(
         config=cfg,
         seconds=seconds,
         prompt_tokens=[len(it.ids) for it in items],
+        golden=[list(it.example.golden_indices) for it in items],
     )
 
 
 def write_scores(
-    scores: MDQAScores, out: str | Path, plot: str | Path | None = None, **extra: Any
+    scores: MDQAScores,
+    out: str | Path,
+    plot: str | Path | None = None,
+    masses: bool = False,
+    **extra: Any,
 ) -> dict[str, Path]:
-    """Write ``out`` (scores JSON), ``<out stem>.run.json`` (record) and optionally a heatmap PNG."""
+    """Write ``out`` (scores JSON), ``<out stem>.run.json`` (record), optionally a heatmap PNG and, with
+    ``masses``, ``<out stem>.masses.npz`` (every example's float32 [L, Hq, P] masses and golden indices, to
+    re-score at another ε without the model)."""
     out = Path(out)
     atomic_write_json(out, scores.scores_json())
     record = out.with_name(out.stem + ".run.json")
     atomic_write_json(record, scores.record_json(**extra))
     paths = {"scores": out, "record": record}
+    if masses:
+        npz = out.with_name(out.stem + ".masses.npz")
+        tmp = npz.with_name(f".{npz.stem}.tmp.npz")
+        arrays = {f"masses_{i}": m for i, m in enumerate(scores.masses)}
+        golden = np.array([",".join(map(str, g)) for g in scores.golden])
+        np.savez_compressed(tmp, example_ids=np.array(scores.example_ids), golden=golden, **arrays)
+        tmp.replace(npz)
+        paths["masses"] = npz
     if plot is not None:
         from ..plotting import head_heatmap
 

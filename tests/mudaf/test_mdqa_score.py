@@ -89,7 +89,7 @@ def test_command_end_to_end(tmp_path, mdqa_examples, bpe_tokenizer, capsys):
     data = write_mdqa(mdqa_examples[:5], tmp_path / "mdqa.jsonl")
     out = tmp_path / "scores.json"
     rc = cli_main(["mdqa-score", "--data", str(data), "--model", str(folder), "--out", str(out),
-                   "--plot", str(tmp_path / "h.png"), "--batch-size", "2", "--epsilon", "0.2", "--answers"])  # fmt: skip
+                   "--plot", str(tmp_path / "h.png"), "--batch-size", "2", "--epsilon", "0.2", "--answers", "--masses"])  # fmt: skip
     assert rc == 0
     scores = load_scores(out)
     assert len(scores) == 8  # 2 layers x 4 heads
@@ -98,6 +98,9 @@ def test_command_end_to_end(tmp_path, mdqa_examples, bpe_tokenizer, capsys):
     for key, mean in record["mean_f1"].items():
         assert mean == pytest.approx(scores[tuple(int(x) for x in key.split("-"))], abs=1e-5)
     assert (tmp_path / "h.png").stat().st_size > 0
+    npz = np.load(tmp_path / "scores.masses.npz")
+    assert npz["masses_0"].shape == (2, 4, len(mdqa_examples[0].passages))
+    assert npz["golden"][0] == ",".join(map(str, mdqa_examples[0].golden_indices))
     answers = record["answers"]
     assert len(answers["outputs"]) == 5
     assert answers["accuracy"] == sum(r["correct"] for r in answers["outputs"]) / 5
