@@ -1,0 +1,79 @@
+"""``retmask eval``: compare models (e.g. before/after RetMask) on the synthetic long-context suite."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from retmask.evaluate.suite import DEFAULT_MAX_LEN, TASK_LABELS, EvalConfig
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    d = EvalConfig()
+    p = subparsers.add_parser(
+        "eval",
+        help="before/after comparison: NIAH grid, multi-needle recall, key-value retrieval, retrieval-score shift",
+        description=(
+            "Evaluate each --model (the first is the baseline of every change) on generated long-context tasks up "
+            "to --max-len tokens, and the retrieval scores of its heads on the NIAH tests; with --heads, the "
+            "mean score of those heads vs the other heads and its change. Writes report.md, eval.json and PNGs "
+            "to --out-dir. Per-model results are cached (resumable; shared with --cache-dir)."
+        ),
+    )
+    p.add_argument("--model", action="append", required=True,
+                   help="hub id, folder or .gguf; 'embedded' = the embedded SmolLM2 (repeat for each model)")  # fmt: skip
+    p.add_argument("--label", action="append", help="display name per --model (default: folder name)")
+    p.add_argument("--heads", action="append", type=Path, default=[],
+                   help="heads JSON (retmask mask) for the score shift; repeatable")  # fmt: skip
+    p.add_argument("--out-dir", type=Path, default=Path("runs/eval"), help="default runs/eval")
+    p.add_argument("--cache-dir", type=Path, help="per-model results cache (default OUT_DIR/models)")
+    p.add_argument("--min-len", type=int, default=d.min_len, help=f"default {d.min_len}")
+    p.add_argument("--max-len", type=int,
+                   help=f"longest context (default: min({DEFAULT_MAX_LEN}, the model's maximum))")  # fmt: skip
+    p.add_argument("--num-lengths", type=int, default=d.num_lengths, help=f"default {d.num_lengths}")
+    p.add_argument(
+        "--num-depths", type=int, default=d.num_depths, help=f"NIAH depths (default {d.num_depths})"
+    )
+    p.add_argument("--niah-needles", type=int, default=d.niah_needles, help=f"default {d.niah_needles}")
+    p.add_argument(
+        "--mn-needles", type=int, default=d.mn_needles, help=f"multi-needle needles (default {d.mn_needles})"
+    )
+    p.add_argument(
+        "--kv-depths", type=int, nargs="+", default=d.kv_depths, help="key-value query positions, %%"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help=f"default {d.max_new_tokens}")
+    p.add_argument("--tasks", nargs="+", choices=list(TASK_LABELS), default=d.tasks)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the generated tasks")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    return EvalConfig(
+        min_len=args.min_len, max_len=args.max_len, num_lengths=args.num_lengths, num_depths=args.num_depths,
+        niah_needles=args.niah_needles, mn_needles=args.mn_needles, kv_depths=list(args.kv_depths),
+        max_new_tokens=args.max_new_tokens, seed=args.seed, tasks=list(args.tasks),
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from retmask.evaluate.suite import run_suite
+    from retmask.selection import SelectionError
+
+    try:
+        data = run_suite(
+            args.model, args.out_dir, config_from_args(args), labels=args.label, heads_files=args.heads,
+            cache_dir=args.cache_dir, progress=not args.no_progress,
+            command="retmask " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None,
+        )  # fmt: skip
+    except (ValueError, SelectionError) as e:
+        print(f"retmask eval: error: {e}", file=sys.stderr)
+        return 2
+    for r in data["models"]:
+        scores = "  ".join(f"{k}={v:.3f}" for k, v in r["tasks"].items())
+        print(f"{r['label']}: {scores}")
+    return 0
