@@ -60,7 +60,8 @@ def main() -> int:
     p.add_argument("--select-n", type=int, default=48)
     p.add_argument("--eval-n", type=int, default=48)
     p.add_argument("--distractors", type=int, default=7)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--epsilon", type=float, default=0.05, help="F1 threshold of every mdqa-score call")
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--lr", type=float, default=5e-5)
@@ -81,8 +82,9 @@ def main() -> int:
         sh([py, "-m", "retmask.mdqa", "--n", str(n), "--seed", str(seed), "--distractors", str(args.distractors),
             "--out", str(f)], f, log)  # fmt: skip
     sh(["retmask", "mdqa-score", "--data", str(w / "select.jsonl"), "--out", str(w / "select_scores.json"),
-        "--plot", str(w / "select_scores.png")], w / "select_scores.run.json", log)  # fmt: skip
-    sh(["retmask", "mdqa-score", "--data", str(w / "eval.jsonl"), "--out", str(w / "eval_base.json"), "--answers"],
+        "--plot", str(w / "select_scores.png"), "--epsilon", str(args.epsilon), "--masses"], w / "select_scores.run.json", log)  # fmt: skip
+    sh(["retmask", "mdqa-score", "--data", str(w / "eval.jsonl"), "--out", str(w / "eval_base.json"), "--answers",
+        "--epsilon", str(args.epsilon), "--masses"],
        w / "eval_base.run.json", log)  # fmt: skip
     common = ["--data", str(w / "train.jsonl"), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
               "--lr", str(args.lr), "--seed", str(args.seed), "--warmup-steps", str(args.warmup_steps)]  # fmt: skip
@@ -92,7 +94,7 @@ def main() -> int:
         "--out", str(w / "sft")], w / "sft" / "mudaf_train.json", log)  # fmt: skip
     for name in ("mudaf", "sft"):
         sh(["retmask", "mdqa-score", "--model", str(w / name), "--data", str(w / "eval.jsonl"),
-            "--out", str(w / f"eval_{name}.json"), "--answers"], w / f"eval_{name}.run.json", log)  # fmt: skip
+            "--out", str(w / f"eval_{name}.json"), "--answers", "--epsilon", str(args.epsilon), "--masses"], w / f"eval_{name}.run.json", log)  # fmt: skip
 
     # ---- summary -------------------------------------------------------------------------------------
     heads = json.loads((w / "mudaf" / "heads.json").read_text())
@@ -144,6 +146,7 @@ def main() -> int:
             }
             for name, rec in train.items()
         },  # fmt: skip
+        "selection_epsilon_sweep": epsilon_sweep(w / "select_scores.masses.npz"),
         "eval_prompt_tokens_mean": round(float(np.mean(runs["base"]["prompt_tokens"])), 1),
         "commands": log,
     }
@@ -164,6 +167,28 @@ def main() -> int:
               f"{r['base_golden_mass']:.3f} | {r['sft_golden_mass']:.3f} | {r['mudaf_golden_mass']:.3f} | "
               f"#{r['base_rank']} → #{r['sft_rank']} / #{r['mudaf_rank']} |")  # fmt: skip
     return 0
+
+
+def epsilon_sweep(npz_path: Path, eps=(0.05, 0.08, 0.1, 0.15, 0.2, 0.3)) -> list[dict]:
+    """F1 spread over heads on the selection set at several ε (from the saved masses, no model): why ε
+    was lowered from the reference code's 0.3 for this model."""
+    import torch
+
+    from retmask.evaluate.mdqa_score import f1_em
+
+    z = np.load(npz_path)
+    masses = [torch.from_numpy(z[f"masses_{i}"]) for i in range(len(z["example_ids"]))]
+    golden = [[int(x) for x in g.split(",")] for g in z["golden"]]
+    out = []
+    for e in eps:
+        f1 = np.stack([f1_em(m, g, e)[0].numpy() for m, g in zip(masses, golden, strict=True)]).mean(0)
+        top = np.argsort(-f1, axis=None, kind="stable")[:5]
+        H = f1.shape[1]
+        out.append({
+            "epsilon": e, "max_f1": round(float(f1.max()), 3), "heads_f1_ge_0.2": int((f1 >= 0.2).sum()),
+            "top5": [f"{i // H}-{i % H} ({f1.flat[i]:.3f})" for i in top],
+        })  # fmt: skip
+    return out
 
 
 def plot(per_head: list[dict], summary: dict, path: Path) -> None:
