@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import retmask
 from retmask.detect import stop_token_ids
 from retmask.evaluate.niah import NiahResult, evaluate_niah, format_grid, plot_niah
 from retmask.masking import zero_heads_
@@ -40,8 +41,6 @@ def runs(tiny, tokenizer):
 
 @pytest.mark.parametrize("which", ["plain", "masked"])
 def test_answers_equal_step_by_step_greedy(which, runs, tiny, tokenizer):
-    import retmask
-
     res = runs[which]
     tests = build_tests(tokenizer, _needles(), default_haystack_text(), LENGTHS, DEPTHS)
     assert len(res.entries) == len(tests) == 12
@@ -154,3 +153,8 @@ def test_embedded_model_finds_needles_and_top_heads_matter(embedded):
     heads = [(layer, h) for layer in (17, 18, 20, 23) for h in range(9)]
     masked = evaluate_niah(model, tok, heads=heads, **kw)
     assert masked.mean < plain.mean
+    # the fast path's masked answer is plain greedy decoding's on the real model too
+    t = build_tests(tok, kw["needles"], default_haystack_text(), kw["lengths"], kw["depths"])[3]
+    with retmask.head_mask(model, heads):
+        want = greedy_reference(model, t.prompt_ids, stop_token_ids(tok, model), 30)
+    assert masked.entries[t.index]["tokens"] == want
