@@ -1,0 +1,107 @@
+"""``retmask pipeline``: detect → mask → generate → train → eval in one run directory, resumable."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from retmask.pipeline import STAGES, VARIANTS, PipelineConfig
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    d = PipelineConfig()
+    p = subparsers.add_parser(
+        "pipeline",
+        help="detect -> mask -> generate -> train -> eval, every artefact in one run dir; resumable stages",
+        description=(
+            "The whole RetMask recipe. Each stage is skipped when run_dir/pipeline.json records it done with the "
+            "same settings and inputs; an interrupted stage resumes (detect, generate, eval) or restarts (train). "
+            "Defaults: the embedded SmolLM2 finishes in well under an hour on 2 CPU cores."
+        ),
+    )
+    p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/pipeline"), help="default runs/pipeline")
+    p.add_argument("--baseline", choices=VARIANTS, default=d.baseline,
+                   help="heads masked for the rejected responses: retrieval heads (retmask, default) or a baseline")  # fmt: skip
+    p.add_argument("--scores", help="reuse this retrieval-scores JSON (skips the detection)")
+    p.add_argument("--stop-after", choices=STAGES, help="stop after this stage (run again to continue)")
+    g = p.add_argument_group("detect")
+    g.add_argument(
+        "--protocol", default=d.protocol, help="detection grid preset (default: default, 96 tests)"
+    )
+    g.add_argument("--detect-min-len", type=int)
+    g.add_argument("--detect-max-len", type=int)
+    g.add_argument("--detect-lengths", type=int)
+    g.add_argument("--detect-depths", type=int)
+    g = p.add_argument_group("mask")
+    sel = g.add_mutually_exclusive_group()
+    sel.add_argument("--threshold", type=float, help="retrieval heads: score >= τ (default 0.1)")
+    sel.add_argument("--top-k", type=int, help="retrieval heads: the K best")
+    g.add_argument("--mask-seed", type=int, default=d.mask_seed, help="seed of the baselines' draw")
+    g = p.add_argument_group("generate")
+    g.add_argument("--instructions", default=d.instructions, help="'builtin' or a file / datasets name")
+    g.add_argument("--num-instructions", type=int, default=d.num_instructions,
+                   help=f"stratified subset size (default {d.num_instructions})")  # fmt: skip
+    g.add_argument("--temperature", type=float, default=d.temperature)
+    g.add_argument("--gen-max-new-tokens", type=int, default=d.gen_max_new_tokens)
+    g.add_argument("--gen-batch-size", type=int, default=d.gen_batch_size)
+    g.add_argument("--gen-seed", type=int, default=d.gen_seed)
+    g = p.add_argument_group("train")
+    g.add_argument("--lr", type=float, default=d.lr, help=f"peak lr (default {d.lr:g}, the paper's)")
+    g.add_argument("--epochs", type=float, default=d.epochs)
+    g.add_argument("--max-steps", type=int, default=d.max_steps)
+    g.add_argument("--batch-size", type=int, default=d.batch_size)
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum)
+    g.add_argument("--max-length", type=int, default=d.max_length)
+    g.add_argument("--beta", type=float, default=d.beta)
+    g.add_argument(
+        "--telemetry-every", type=int, default=d.telemetry_every, help="0 = no retrieval telemetry"
+    )
+    g = p.add_argument_group("eval")
+    g.add_argument("--eval-min-len", type=int, default=d.eval_min_len)
+    g.add_argument("--eval-max-len", type=int, help="default min(4000, the model's maximum)")
+    g.add_argument("--eval-lengths", type=int, default=d.eval_lengths)
+    g.add_argument("--eval-depths", type=int, default=d.eval_depths)
+    g.add_argument("--eval-needles", type=int, default=d.eval_needles)
+    g.add_argument("--eval-tasks", nargs="+", default=d.eval_tasks, choices=["niah", "multi_needle", "kv"])
+    g.add_argument("--eval-cache", help="per-model eval cache shared between runs (the original model once)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from retmask.contrastive import GenerateError
+    from retmask.instructions import InstructionError
+    from retmask.pipeline import PipelineError, run_pipeline
+    from retmask.selection import SelectionError
+    from retmask.train.pairs import PairsError
+
+    threshold = args.threshold if args.threshold is not None else (None if args.top_k is not None else 0.1)
+    cfg = PipelineConfig(
+        model=args.model, baseline=args.baseline, scores=args.scores, protocol=args.protocol,
+        detect_min_len=args.detect_min_len, detect_max_len=args.detect_max_len, detect_lengths=args.detect_lengths,
+        detect_depths=args.detect_depths, threshold=threshold, top_k=args.top_k, mask_seed=args.mask_seed,
+        instructions=args.instructions, num_instructions=args.num_instructions, temperature=args.temperature,
+        gen_max_new_tokens=args.gen_max_new_tokens, gen_batch_size=args.gen_batch_size, gen_seed=args.gen_seed,
+        lr=args.lr, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, max_length=args.max_length, beta=args.beta, telemetry_every=args.telemetry_every,
+        eval_min_len=args.eval_min_len, eval_max_len=args.eval_max_len, eval_lengths=args.eval_lengths,
+        eval_depths=args.eval_depths, eval_needles=args.eval_needles, eval_cache=args.eval_cache,
+        eval_tasks=list(args.eval_tasks),
+    )  # fmt: skip
+    try:
+        state = run_pipeline(cfg, args.run_dir, stop_after=args.stop_after, progress=not args.no_progress)
+    except (PipelineError, SelectionError, GenerateError, InstructionError, PairsError, ValueError) as e:
+        print(f"retmask pipeline: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nretmask pipeline: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    times = ", ".join(
+        f"{k} {v.get('seconds', 0):.0f} s" for k, v in state["stages"].items() if "seconds" in v
+    )
+    print(f"pipeline -> {args.run_dir} ({times})")
+    return 0
