@@ -32,7 +32,9 @@ class Probe:
     needles: list[Needle]
     lengths: list[int]
     depths: list[int]
-    skipped: list[str] = field(default_factory=list)  # keys of tests that cannot run (too short, no span)
+    skipped: list[str] = field(
+        default_factory=list
+    )  # 'key: reason' of tests that cannot run (too short, no span)
 
     @property
     def keys(self) -> list[str]:
@@ -60,7 +62,7 @@ def build_probe(
     if not runnable:
         reasons = sorted({t.skip_reason or "" for t in tests})
         raise ValueError(f"no runnable probe test for lengths {list(lengths)}: {reasons}; use longer lengths")
-    skipped = [t.key for t in tests if t.skip_reason]
+    skipped = [f"{t.key}: {t.skip_reason}" for t in tests if t.skip_reason]
     return Probe(prefix_order(runnable), needles, list(lengths), list(depths), skipped)
 
 
