@@ -27,7 +27,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="scores JSON to write")
     p.add_argument("--plot", type=Path, help="heatmap PNG of the mean F1 per head")
     p.add_argument("--epsilon", type=float, default=DEFAULT_EPSILON,
-                   help=f"attended = mass > ε (default {DEFAULT_EPSILON}, the MuDAF reference code's value)")  # fmt: skip
+                   help=f"attended = mass > ε (default {DEFAULT_EPSILON}, the MuDAF reference code's value; small models "
+                        "spread their mass thinner: SmolLM2-135M with 8 passages needs ~0.05, see "
+                        "bench/results/mudaf_smollm2.md)")  # fmt: skip
     p.add_argument("--limit", type=int, help="score only the first N examples")
     p.add_argument("--batch-size", type=int, default=1, help="examples per forward call (default 1)")
     p.add_argument("--max-length", type=int, help="token limit per prompt (default: the model's context)")
