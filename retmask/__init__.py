@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from . import kernels
 from .attention import capture_argmax, clear_head_mask, head_mask, patch, set_head_mask
+from .hf.taps import tap_qk
 from .masking import export_masked
 from .models import default_model_path, load_model
 
@@ -22,4 +23,5 @@ __all__ = [
     "load_model",
     "patch",
     "set_head_mask",
+    "tap_qk",
 ]
