@@ -363,7 +363,7 @@ def plot_ablation(result: AblationResult, path: str | Path, title: str = "") -> 
     ax.set_ylabel("NIAH score (mean ROUGE-1 recall)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper right")
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
