@@ -6,10 +6,10 @@ import argparse
 import sys
 from typing import Any
 
+from .niah import add_grid_args, add_model_args
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from retmask.niah.grid import PROTOCOLS
-
     p = subparsers.add_parser(
         "detect",
         help="detect retrieval heads (Needle-in-a-Haystack retrieval score of Wu et al. 2024)",
@@ -21,37 +21,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument(
-        "--model",
-        default=None,
-        help="hub id, HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)",
-    )
-    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (or a path)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument(
-        "--needles", default=None, help="needles JSONL {needle, question, real_needle} (default: shipped set)"
-    )
-    p.add_argument(
-        "--haystack", default=None, help="haystack text file or directory of *.txt (default: shipped prose)"
-    )
-    p.add_argument(
-        "--protocol",
-        default="default",
-        choices=sorted(PROTOCOLS),
-        help="grid preset: " + "; ".join(f"{k}: {v.description}" for k, v in PROTOCOLS.items()),
-    )
-    p.add_argument(
-        "--min-len", type=int, default=None, help="shortest context (tokens); overrides the protocol"
-    )
-    p.add_argument(
-        "--max-len", type=int, default=None, help="longest context (tokens); overrides the protocol"
-    )
-    p.add_argument("--num-lengths", type=int, default=None, help="number of lengths; overrides the protocol")
-    p.add_argument(
-        "--num-depths", type=int, default=None, help="number of depths in [0, 100]; overrides the protocol"
-    )
-    p.add_argument("--max-new-tokens", type=int, default=50)
+    add_model_args(p)
+    add_grid_args(p, needle_subset=False)
     p.add_argument(
         "--out", default="runs/detect/scores.json", help="scores JSON (run record: <stem>.run.json)"
     )

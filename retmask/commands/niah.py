@@ -1,7 +1,8 @@
 """``retmask niah``: Needle-in-a-Haystack accuracy grid (ROUGE-1 recall, lengths × depths), optionally with
 heads masked (top-K by retrieval score, K random, or a heads file); JSON + classic heatmap PNG.
 
-The grid and model flags are shared with ``retmask ablate`` (``add_model_args``, ``add_grid_args``).
+The grid and model flags are shared with ``retmask ablate`` and ``retmask detect`` (``add_model_args``,
+``add_grid_args``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
 
 
-def add_grid_args(p: argparse.ArgumentParser, *, num_needles: int | None = None) -> None:
+def add_grid_args(
+    p: argparse.ArgumentParser, *, num_needles: int | None = None, needle_subset: bool = True
+) -> None:
+    """Grid, needles and haystack flags; ``needle_subset=False`` leaves out ``--num-needles`` (detection
+    always uses the whole needles file, as the published script does)."""
     from retmask.niah.grid import PROTOCOLS
 
     p.add_argument(
@@ -41,13 +46,14 @@ def add_grid_args(p: argparse.ArgumentParser, *, num_needles: int | None = None)
     p.add_argument(
         "--needles", default=None, help="needles JSONL {needle, question, real_needle} (default: shipped)"
     )
-    p.add_argument(
-        "--num-needles",
-        type=int,
-        default=num_needles,
-        help="use only the first N needles of the file"
-        + ("" if num_needles is None else f" (default {num_needles})"),
-    )
+    if needle_subset:
+        p.add_argument(
+            "--num-needles",
+            type=int,
+            default=num_needles,
+            help="use only the first N needles of the file"
+            + ("" if num_needles is None else f" (default {num_needles})"),
+        )
     p.add_argument(
         "--haystack", default=None, help="haystack text file or directory of *.txt (default: shipped)"
     )
