@@ -23,6 +23,11 @@ VARIANTS = [  # (run dir name, label, description)
     ("non-retrieval", "Non-Retrieval-Mask", "as many random non-retrieval heads masked"),
     ("random", "Random-Mask", "as many random heads (any) masked"),
     ("retmask-lr2e-5", "RetMask, lr 2e-5 (deviation)", "same pairs as RetMask, peak lr 40x the paper's 5e-7"),
+    (
+        "random-lr2e-5",
+        "Random-Mask, lr 2e-5 (deviation)",
+        "same pairs as Random-Mask, peak lr 40x the paper's",
+    ),
 ]
 
 
