@@ -3,8 +3,10 @@
 Reference style = what the published script does: prefill (SDPA here, flash-attention there), then one
 decoding step at a time with eager attention and ``output_attentions=True``, and a per-layer, per-head
 top-1 check on the host (``retmask.detect.oracle_detect``). Fast = ``retmask.detect.FastDetector`` (fused
-kernel argmax captured during prompt-lookup verification, chunk-aligned KV-prefix reuse across tests in
-prefix order, device-side copy counting). Both run on the embedded SmolLM2-135M-Instruct, on a subsample
+kernel argmax captured during prompt-lookup verification with drafts from the model's earlier answers to
+the same needle, chunk-aligned KV-prefix reuse across tests in prefix order, in-place KV cache,
+device-side copy counting); the same path without the earlier-answer drafts runs too (``--no-history-side``
+skips it), to measure what they bring. Both run on the embedded SmolLM2-135M-Instruct, on a subsample
 of the RetMask 0-5K grid.
 
 Writes bench/results/detect.md (table + agreement), detect.json and detect.png.
@@ -28,7 +30,7 @@ from common import machine_description, markdown_table  # noqa: E402
 
 import retmask  # noqa: E402
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: E402
-from retmask.detect.run import RECALL_THRESHOLD, prefix_order  # noqa: E402
+from retmask.detect.run import RECALL_THRESHOLD, earlier_answers, prefix_order  # noqa: E402
 from retmask.detect.scores import head_scores, mean_matrix, ranking  # noqa: E402
 from retmask.niah import build_tests, default_haystack_text, load_needles, rouge1_recall  # noqa: E402
 
@@ -50,8 +52,9 @@ reference's sum of n for depths spread evenly in [0, 100].
 """
 
 
-def run_side(name, tests, runner, tok, needles):
-    out = {}
+def run_side(name, tests, runner, tok, needles, out=None):
+    """Run ``runner(t)`` on every test in order; results into ``out`` (returned) as they come."""
+    out = {} if out is None else out
     for t in tests:
         t0 = time.perf_counter()
         o = runner(t)
@@ -122,6 +125,11 @@ def main() -> None:
     ap.add_argument("--tag", default="detect")
     ap.add_argument("--long", type=int, default=0, help="only the long-context memory check at this length")
     ap.add_argument(
+        "--no-history-side",
+        action="store_true",
+        help="skip the extra fast run without earlier-answer drafts (the draft-history ablation)",
+    )
+    ap.add_argument(
         "--reference-logits",
         choices=["all", "last"],
         default="all",
@@ -144,10 +152,19 @@ def main() -> None:
     stops = stop_token_ids(tok, model)
     shape = (model.config.num_hidden_layers, model.config.num_attention_heads)
 
+    ordered = prefix_order(tests)
     fast = FastDetector(model, stops, chunk=args.chunk)
+    fast_res: dict = {}
+    history_of = earlier_answers(ordered, fast_res)  # what `retmask detect` does (draft_history on)
     t0 = time.perf_counter()
-    fast_res = run_side("fast", prefix_order(tests), lambda t: fast.run(t.prompt_ids, t.span), tok, needles)
+    run_side("fast", ordered, lambda t: fast.run(t.prompt_ids, t.span, history_of(t)), tok, needles, fast_res)
     fast_total = time.perf_counter() - t0
+    nohist_res, nohist_total = None, None
+    if not args.no_history_side:
+        fast.reset()
+        t0 = time.perf_counter()
+        nohist_res = run_side("no-hist", ordered, lambda t: fast.run(t.prompt_ids, t.span), tok, needles)
+        nohist_total = time.perf_counter() - t0
     t0 = time.perf_counter()
     ref_res = run_side(
         "reference",
@@ -171,6 +188,18 @@ def main() -> None:
     set_fast = {tuple(x) for x in np.argwhere(fast_mean >= 0.1).tolist()}
     same_tokens = sum(ref_res[t.index]["tokens"] == fast_res[t.index]["tokens"] for t in tests)
     same_copies = sum(np.array_equal(ref_res[t.index]["copies"], fast_res[t.index]["copies"]) for t in tests)
+    nohist_line = ""
+    if nohist_res is not None:
+        nh_tokens = sum(ref_res[t.index]["tokens"] == nohist_res[t.index]["tokens"] for t in tests)
+        nh_copies = sum(
+            np.array_equal(ref_res[t.index]["copies"], nohist_res[t.index]["copies"]) for t in tests
+        )
+        nohist_line = (
+            f"Without the earlier-answer drafts (same run, same path otherwise): {nohist_total:.1f} s, "
+            f"{ref_total / nohist_total:.1f}x the reference; identical answers {nh_tokens}/{len(tests)}, "
+            f"identical copy counts {nh_copies}/{len(tests)}. The drafts from earlier answers make the fast "
+            f"side {nohist_total / fast_total:.2f}x faster."
+        )
 
     rows, per_len = [], {}
     for L in lengths:
@@ -193,6 +222,7 @@ def main() -> None:
         "speedup": ref_total / fast_total,
         "counted_tests": {"reference": ref_n, "fast": fast_n},
         "reference_prompt_logits": args.reference_logits,
+        "fast_without_draft_history_total_s": nohist_total,
         "phases": {
             side: {
                 "prefill_tokens": sum(r["prefill_tokens"] for r in res.values()),
@@ -200,7 +230,12 @@ def main() -> None:
                 "decode_s": sum(r["decode_s"] for r in res.values()),
                 "passes": sum(r["passes"] for r in res.values()),
             }
-            for side, res in (("reference", ref_res), ("fast", fast_res))
+            for side, res in (
+                ("reference", ref_res),
+                ("fast", fast_res),
+                ("fast, no draft history", nohist_res),
+            )
+            if res is not None
         },
         "identical_answers": f"{same_tokens}/{len(tests)}",
         "identical_copy_counts": f"{same_copies}/{len(tests)}",
@@ -245,6 +280,8 @@ def main() -> None:
         f"{same_copies}/{len(tests)}; Spearman over heads {rho:.4f}; top-10 overlap {overlap}/10; "
         f"τ=0.1 sets equal: {set_ref == set_fast} ({len(set_ref)} heads).",
     ]
+    if nohist_line:
+        md += ["", nohist_line]
     md += ["", ON_PAPER]
     (RESULTS / f"{args.tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

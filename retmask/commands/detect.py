@@ -45,6 +45,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=["retmask", "sdpa"],
         help="attention implementation for the prompt prefill (needs no argmax); answers use retmask",
     )
+    p.add_argument(
+        "--no-draft-history",
+        dest="draft_history",
+        action="store_false",
+        help="drafts do not reuse the model's earlier answers to the same needle (slower; answers are the "
+        "same either way) and processes shard single tests instead of whole needles",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         chunk=args.chunk,
         prefill_impl=args.prefill_impl,
+        draft_history=args.draft_history,
         until_stable=args.until_stable,
         patience=args.patience,
         seed=args.seed,

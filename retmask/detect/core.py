@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .drafts import propose_draft
+from .kv_cache import growing_cache
 
-DraftFn = Callable[[np.ndarray, tuple[int, int], list[int], int], list[int]]
+# (prompt int64 [n], needle span, tokens generated so far, max draft length, earlier answers) -> draft
+DraftFn = Callable[[np.ndarray, tuple[int, int], list[int], int, Sequence[list[int]]], list[int]]
 
 
 @dataclass
@@ -139,7 +141,9 @@ class FastDetector:
     * Greedy answer by prompt-lookup verification: feed ``[x, d_1..d_k]``, accept the longest draft prefix
       equal to the greedy tokens plus one; the argmax of the accepted rows is captured in the same pass by
       the fused kernel (``retmask.capture_argmax``) and checked against the tokens on the device; counts
-      accumulate in an [L, Hq] tensor read once per test.
+      accumulate in an [L, Hq] tensor read once per test. ``run(..., history=...)`` lets the drafts reuse
+      the model's earlier answers to the same needle.
+    * The cache appends in place (``kv_cache.GrowingLayer``): no copy of the whole cache per pass.
     """
 
     def __init__(
@@ -181,7 +185,7 @@ class FastDetector:
         device = self.model.device
         keep = (_lcp(self.cached, prefix) // self.chunk) * self.chunk
         if self.cache is None:
-            self.cache = _new_cache(self.model)
+            self.cache = growing_cache(self.model)
             keep = 0
         else:
             _crop_to(self.cache, keep)
@@ -197,7 +201,15 @@ class FastDetector:
         return len(prefix) - keep
 
     @torch.no_grad()
-    def run(self, prompt_ids: np.ndarray | list[int], span: tuple[int, int]) -> TestOutcome:
+    def run(
+        self,
+        prompt_ids: np.ndarray | list[int],
+        span: tuple[int, int],
+        history: Sequence[list[int]] = (),
+    ) -> TestOutcome:
+        """One test. ``history``: the model's earlier answers (token lists, oldest first) to the same
+        needle, used only for drafts (the answer is the greedy one whatever they are). A test's result
+        depends only on its prompt and ``history`` (not on the cache's previous contents)."""
         from retmask.hf.capture import capture_argmax
 
         prompt = np.asarray(prompt_ids, dtype=np.int64)
@@ -225,7 +237,7 @@ class FastDetector:
         while not stopped and len(tokens) < self.max_new_tokens:
             remaining = self.max_new_tokens - len(tokens)
             limit = min(remaining - 1, draft_cap)
-            draft = self.draft_fn(prompt, span, tokens, limit)[:limit]
+            draft = self.draft_fn(prompt, span, tokens, limit, history)[:limit]
             inp = torch.tensor([[x, *draft]], dtype=torch.long, device=device)
             past = self.cache.get_seq_length()
             capture = (

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,9 @@ class DetectConfig:
     max_new_tokens: int = 50
     chunk: int = 256  # prefill chunk = granularity of KV-prefix reuse
     prefill_impl: str = "retmask"  # attention for the prefill (no argmax needed there): "retmask" or "sdpa"
+    # Drafts may reuse the model's earlier answers to the same needle (speed only: answers stay greedy).
+    # Processes then shard whole needles, so every test sees the same earlier answers in any launch.
+    draft_history: bool = True
     until_stable: bool = False
     patience: int = 20  # --until-stable: consecutive counted tests without change of the τ-set and top-10
     seed: int = 0
@@ -128,6 +132,7 @@ def _fingerprint(cfg: DetectConfig, model, needles, haystack_text: str, lengths,
         "depths": depths,
         "max_new_tokens": cfg.max_new_tokens,
         "chunk": cfg.chunk,
+        "draft_history": cfg.draft_history,
     }
 
 
@@ -135,6 +140,30 @@ def prefix_order(tests: list[NiahTest]) -> list[NiahTest]:
     """Tests sorted by their prompt ids, lexicographically: neighbours share the longest prefixes, so the
     carried KV cache computes every distinct prefix (trie node) about once."""
     return sorted(tests, key=lambda t: (t.prompt_ids.astype(">u4").tobytes(), t.index))
+
+
+HistoryFn = Callable[[NiahTest], list[list[int]]]
+
+
+def earlier_answers(ordered: list[NiahTest], done: dict[int, dict]) -> HistoryFn:
+    """``history_of(t)``: the answers (token lists) of the tests of ``t``'s needle that come before ``t`` in
+    ``ordered`` (the prefix order of all runnable tests), read from ``done`` when asked.
+
+    Tests run in that order and processes get whole needles (``shard(..., by_needle=True)``), so when a
+    test runs, every earlier test of its needle is done -- in this process or in the run being resumed --
+    and the history, hence every verification pass's shape, is the same for any process count or resume
+    point. (A missing earlier answer would only shorten the history: the answer stays the greedy one.)"""
+    seen: dict[int, list[int]] = {}  # needle -> indices of its tests so far in ``ordered``
+    before: dict[int, list[int]] = {}  # test index -> indices of the earlier tests of its needle
+    for t in ordered:
+        earlier = seen.setdefault(t.needle_index, [])
+        before[t.index] = list(earlier)
+        earlier.append(t.index)
+
+    def history_of(t: NiahTest) -> list[list[int]]:
+        return [done[i]["tokens"] for i in before.get(t.index, []) if i in done]
+
+    return history_of
 
 
 def _test_entry(t: NiahTest, needles) -> dict:
@@ -161,9 +190,11 @@ def run_tests(
     on_result=None,
     tracker: StabilityTracker | None = None,
     progress_bar: bool = True,
+    history_of: HistoryFn | None = None,
 ) -> dict[int, dict]:
     """Run ``tests`` (already in prefix order) that are not in ``done``; ``on_result(done)`` after each
-    (progress writing). The bar counts this process's tests, done ones included."""
+    (progress writing); ``history_of(t)``: earlier answers for the drafts (``earlier_answers``). The bar
+    counts this process's tests, done ones included."""
     from tqdm import tqdm
 
     todo = [t for t in tests if t.index not in done]
@@ -174,7 +205,7 @@ def run_tests(
         if tracker is not None and tracker.stable:
             break
         nd = needles[t.needle_index]
-        out = detector.run(t.prompt_ids, t.span)
+        out = detector.run(t.prompt_ids, t.span, history_of(t) if history_of is not None else ())
         response = tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
         recall = rouge1_recall(nd.real_needle, response)
         counted = recall > RECALL_THRESHOLD
@@ -279,8 +310,19 @@ def run_detect(
         model, stop_token_ids(tokenizer, model), cfg.max_new_tokens, cfg.chunk, prefill_impl=cfg.prefill_impl
     )
     t0 = time.perf_counter()
-    mine = shard([t for t in prefix_order(runnable) if t.index not in done], rank, world)
-    done = run_tests(detector, tokenizer, mine, needles, done, save, tracker, progress_bar and rank == 0)
+    ordered = prefix_order(runnable)
+    mine = shard([t for t in ordered if t.index not in done], rank, world, by_needle=cfg.draft_history)
+    if world > 1 and cfg.draft_history and rank == 0 and world > len({t.needle_index for t in runnable}):
+        log(
+            f"{world} processes but only {len({t.needle_index for t in runnable})} needles: with draft "
+            "history on, processes get whole needles and some will idle; pass --no-draft-history to shard "
+            "single tests instead",
+            file=sys.stderr,
+        )
+    history_of = earlier_answers(ordered, done) if cfg.draft_history else None
+    done = run_tests(
+        detector, tokenizer, mine, needles, done, save, tracker, progress_bar and rank == 0, history_of
+    )
     run_s = time.perf_counter() - t0
     done = gather_results(done, world)
 

@@ -1,9 +1,10 @@
 """Multi-process detection (``torchrun --nproc_per_node N -m retmask detect ...``, gloo on CPUs).
 
 Each process runs a contiguous block of the prefix-ordered tests (neighbours share prefixes, so blocks
-keep the KV reuse); results are gathered and rank 0 writes the outputs. A test's result does not depend on
-which tests ran before it in the same process (chunk-aligned prefix reuse, see ``FastDetector``), so the
-merged result equals the single-process one.
+keep the KV reuse) or, when drafts reuse earlier answers to the same needle, whole needles (so each test
+sees the same earlier answers as in one process); results are gathered and rank 0 writes the outputs. A
+test's result does not depend on which tests ran before it in the same process (chunk-aligned prefix
+reuse, see ``FastDetector``), so the merged result equals the single-process one.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ def dist_context() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def shard(tests: Sequence[NiahTest], rank: int, world: int) -> list[NiahTest]:
-    """Contiguous block ``rank`` of ``world`` blocks with about equal total prompt length."""
+def shard(tests: Sequence[NiahTest], rank: int, world: int, by_needle: bool = False) -> list[NiahTest]:
+    """This process's tests, in the given order: contiguous block ``rank`` of ``world`` blocks with about
+    equal total prompt length, or (``by_needle``) the tests of the needles given to ``rank``."""
     if world <= 1:
         return list(tests)
+    if by_needle:
+        return _shard_needles(tests, rank, world)
     total = sum(len(t.prompt_ids) for t in tests)
     lo, hi = total * rank / world, total * (rank + 1) / world
     out, acc = [], 0
@@ -39,6 +43,21 @@ def shard(tests: Sequence[NiahTest], rank: int, world: int) -> list[NiahTest]:
             out.append(t)
         acc += len(t.prompt_ids)
     return out
+
+
+def _shard_needles(tests: Sequence[NiahTest], rank: int, world: int) -> list[NiahTest]:
+    """Whole needles per process: largest total prompt length first, each to the least loaded process
+    (ties: lowest needle index, lowest rank), so every process computes the same assignment."""
+    load: dict[int, int] = {}
+    for t in tests:
+        load[t.needle_index] = load.get(t.needle_index, 0) + len(t.prompt_ids)
+    ranks = [0] * world
+    owner: dict[int, int] = {}
+    for needle in sorted(load, key=lambda n: (-load[n], n)):
+        target = min(range(world), key=lambda r: (ranks[r], r))
+        owner[needle] = target
+        ranks[target] += load[needle]
+    return [t for t in tests if owner[t.needle_index] == rank]
 
 
 def gather_results(done: dict[int, dict], world: int) -> dict[int, dict]:

@@ -200,9 +200,12 @@ def evaluate_niah(
     t0 = time.perf_counter()
     ctx = head_mask(model, mask) if mask is not None else contextlib.nullcontext()
     with ctx, tqdm(total=len(runnable), desc=desc, unit="test", disable=not progress, leave=False) as bar:
+        answers: dict[int, list[list[int]]] = {}  # needle -> earlier answers, drafts for its next tests
         for t in prefix_order(runnable):
             # No span (answer not located by the span rule): the draft starts empty, the answer is the same.
-            out = detector.run(t.prompt_ids, t.span if t.span is not None else (0, 0))
+            history = answers.setdefault(t.needle_index, [])
+            out = detector.run(t.prompt_ids, t.span if t.span is not None else (0, 0), history)
+            history.append(out.tokens)
             response = tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
             nd = needle_list[t.needle_index]
             entries[t.index] = {

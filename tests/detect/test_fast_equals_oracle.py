@@ -28,9 +28,9 @@ def tiny_prompts(seed: int = 0, vocab: int = 16):
 def random_draft(seed):
     rng = np.random.default_rng(seed)
 
-    def draft(prompt, span, generated, max_len):
+    def draft(prompt, span, generated, max_len, history):
         # mixes good drafts (prompt lookup) with garbage, to exercise partial acceptance and rejection
-        d = propose_draft(prompt, span, generated, max_len)
+        d = propose_draft(prompt, span, generated, max_len, history)
         if rng.random() < 0.5:
             d = rng.integers(3, 16, size=min(max_len, int(rng.integers(0, 8)))).tolist()
         return d
@@ -61,6 +61,25 @@ def test_tiny_random_llama_fast_equals_oracle(chunk, tiny_oracle):
             np.testing.assert_array_equal(got.copies, want.copies)
             total += int(want.copies.sum())
         assert total > 0, "the tiny model should copy sometimes, or this test proves nothing"
+
+
+def test_tiny_history_drafts_equal_oracle(tiny_oracle):
+    """Earlier answers only change the drafts: exact, partial, foreign or garbage histories all give the
+    oracle's answers and copy counts; the test's own answer as history needs one pass."""
+    model, prompts, oracle = tiny_oracle
+    rng = np.random.default_rng(3)
+    fast = FastDetector(model, {2}, max_new_tokens=30, chunk=64)
+    garbage = [rng.integers(3, 16, size=25).tolist() for _ in range(3)]
+    for k, ((prompt, span), want) in enumerate(zip(prompts, oracle, strict=True)):
+        own = want.tokens
+        half = own[: len(own) // 2] + rng.integers(3, 16, size=10).tolist()
+        others = [w.tokens for j, w in enumerate(oracle) if j != k]
+        for history in ([own], [half], [half, own, half], others, garbage, garbage + [own]):
+            got = fast.run(prompt, span, history)
+            assert got.tokens == want.tokens
+            np.testing.assert_array_equal(got.copies, want.copies)
+            if history == [own]:
+                assert got.passes == 1
 
 
 def test_tiny_sdpa_prefill_equals_oracle(tiny_oracle):

@@ -97,7 +97,8 @@ def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
         log=lambda *a, **k: None,
     )
     assert json.loads(out.read_text()) == json.loads((tmp_path / "ref" / "s.json").read_text())
-    key = lambda r: [(t["key"], t["response"], t["rouge1_recall"]) for t in r.record["tests"]]  # noqa: E731
+    # passes too: the resumed tests drafted from the same earlier answers as in the uninterrupted run
+    key = lambda r: [(t["key"], t["response"], t["rouge1_recall"], t["passes"]) for t in r.record["tests"]]  # noqa: E731
     assert key(resumed) == key(ref)
     record = json.loads(out.with_name("s.run.json").read_text())
     assert record["grid"]["lengths"] == [350, 600] and record["tests_run"] == 8
@@ -109,6 +110,25 @@ def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
         run_detect(
             other, out, resume=True, model=model, tokenizer=tok, progress_bar=False, log=lambda *a, **k: None
         )
+
+
+@pytest.mark.embedded
+def test_draft_history_changes_speed_not_results(tmp_path, embedded):
+    model, tok = embedded
+    needles = _needles(tmp_path)
+    runs = {}
+    for history in (True, False):
+        cfg = _cfg(needles)
+        cfg.draft_history = history
+        runs[history] = run_detect(
+            cfg, tmp_path / str(history) / "s.json", model=model, tokenizer=tok, progress_bar=False,
+            log=lambda *a, **k: None,
+        )  # fmt: skip
+    assert runs[True].scores == runs[False].scores
+    tests = {h: runs[h].record["tests"] for h in runs}
+    assert [t["tokens"] for t in tests[True]] == [t["tokens"] for t in tests[False]]
+    passes = {h: sum(t["passes"] for t in tests[h]) for h in tests}
+    assert passes[True] < passes[False], passes
 
 
 @pytest.mark.embedded

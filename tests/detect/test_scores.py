@@ -40,3 +40,28 @@ def test_draft_prefers_the_needle_neighbourhood():
     assert propose_draft(prompt, (0, 3), [5, 6], 3) == [7, 8, 1]  # ... or next to another span
     assert propose_draft(prompt, span, [4], 3) == []
     assert propose_draft(prompt, span, [5], 0) == []
+
+
+def test_draft_continues_the_most_common_earlier_answer():
+    prompt = np.array([5, 6, 7, 8] + [1] * 100 + [5, 6, 9, 9, 9, 2], dtype=np.int64)
+    span = (106, 109)
+    history = [[5, 6, 11, 12, 2], [5, 6, 13, 2], [5, 6, 11, 12, 2], [4, 4, 2]]
+    # earlier answers beat the needle span, even before anything is generated: the model's own habit
+    assert propose_draft(prompt, span, [], 9, history) == [5, 6, 11, 12, 2]
+    assert propose_draft(prompt, span, [5, 6], 9, history) == [11, 12, 2]  # 2 votes against 1
+    assert propose_draft(prompt, span, [5, 6, 13], 9, history) == [2]
+    assert propose_draft(prompt, span, [5, 6], 2, history) == [11, 12]  # max_len still caps the draft
+    # no earlier answer starts with the tokens so far: their suffix n-gram in an earlier answer
+    assert propose_draft(prompt, span, [7, 4, 4], 9, history) == [2]
+    # ... and nothing there either: the prompt lookup as before
+    assert propose_draft(prompt, span, [8, 8, 9], 3, history) == [9, 9, 2]
+    # ties in votes: the longer continuation, then the most recent answer
+    assert propose_draft(prompt, span, [5], 9, [[5, 3, 2], [5, 3, 3, 2]]) == [3, 3, 2]
+    assert propose_draft(prompt, span, [5], 9, [[5, 3, 2], [5, 4, 2]]) == [4, 2]
+    assert propose_draft(prompt, span, [5], 9, [[5]]) == [
+        6,
+        9,
+        9,
+        9,
+        2,
+    ]  # an answer equal to the prefix: no vote

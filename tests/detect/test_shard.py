@@ -29,6 +29,25 @@ def test_shards_partition_in_order():
         assert [t.index for p in parts for t in p] == list(range(6))
 
 
+def test_needle_shards_keep_needles_whole_in_order_and_balanced():
+    sizes = {0: [50, 50], 1: [300], 2: [40, 40, 40], 3: [10]}  # prompt lengths per needle
+    tests, i = [], 0
+    for needle, lengths in sizes.items():
+        for n in lengths:
+            tests.append(NiahTest(i, needle, 0, 0, 0, np.zeros(n, np.int64), (0, 1), [1]))
+            i += 1
+    tests = tests[::-1]  # any given order is kept within a process
+    for world in (1, 2, 3, 5):
+        parts = [shard(tests, r, world, by_needle=True) for r in range(world)]
+        assert sorted(t.index for p in parts for t in p) == list(range(len(tests)))
+        for p in parts:
+            assert [t.index for t in p] == [t.index for t in tests if t in p]
+        owners = [{r for r, p in enumerate(parts) if any(t.needle_index == n for t in p)} for n in sizes]
+        assert all(len(o) == 1 for o in owners)
+    two = [shard(tests, r, 2, by_needle=True) for r in range(2)]
+    assert {t.needle_index for t in two[0]} == {1} and {t.needle_index for t in two[1]} == {0, 2, 3}
+
+
 def _launcher(name: str, threads: int) -> list[str]:
     """Command prefix starting 2 local processes running ``python -m retmask``."""
     if name == "torchrun":
