@@ -52,27 +52,25 @@ reference's sum of n for depths spread evenly in [0, 100].
 """
 
 
-def run_side(name, tests, runner, tok, needles, out=None):
-    """Run ``runner(t)`` on every test in order; results into ``out`` (returned) as they come."""
-    out = {} if out is None else out
-    for t in tests:
-        t0 = time.perf_counter()
-        o = runner(t)
-        dt = time.perf_counter() - t0
-        resp = tok.decode(o.tokens, skip_special_tokens=True).strip()
-        rec = rouge1_recall(needles[t.needle_index].real_needle, resp)
-        out[t.index] = {
-            "seconds": dt,
-            "tokens": o.tokens,
-            "copies": o.copies,
-            "recall": rec,
-            "passes": o.passes,
-            "prefill_tokens": o.prefill_tokens,
-            "prefill_s": o.timings.get("prefill_s", 0.0),
-            "decode_s": o.timings.get("decode_s", 0.0),
-        }
-        print(f"{name:>9} {t.key:>14} {dt:7.2f}s passes {o.passes:2d} recall {rec:.2f}", flush=True)
-    return out
+def run_one(name, t, runner, tok, needles, out) -> float:
+    """Run ``runner(t)``, store its outcome in ``out[t.index]``; returns the seconds it took."""
+    t0 = time.perf_counter()
+    o = runner(t)
+    dt = time.perf_counter() - t0
+    resp = tok.decode(o.tokens, skip_special_tokens=True).strip()
+    rec = rouge1_recall(needles[t.needle_index].real_needle, resp)
+    out[t.index] = {
+        "seconds": dt,
+        "tokens": o.tokens,
+        "copies": o.copies,
+        "recall": rec,
+        "passes": o.passes,
+        "prefill_tokens": o.prefill_tokens,
+        "prefill_s": o.timings.get("prefill_s", 0.0),
+        "decode_s": o.timings.get("decode_s", 0.0),
+    }
+    print(f"{name:>9} {t.key:>14} {dt:7.2f}s passes {o.passes:2d} recall {rec:.2f}", flush=True)
+    return dt
 
 
 def scores_of(res, tests, shape):
@@ -153,29 +151,35 @@ def main() -> None:
     shape = (model.config.num_hidden_layers, model.config.num_attention_heads)
 
     ordered = prefix_order(tests)
-    fast = FastDetector(model, stops, chunk=args.chunk)
     fast_res: dict = {}
+    nohist_res: dict | None = None if args.no_history_side else {}
+    ref_res: dict = {}
     history_of = earlier_answers(ordered, fast_res)  # what `retmask detect` does (draft_history on)
-    t0 = time.perf_counter()
-    run_side("fast", ordered, lambda t: fast.run(t.prompt_ids, t.span, history_of(t)), tok, needles, fast_res)
-    fast_total = time.perf_counter() - t0
-    nohist_res, nohist_total = None, None
-    if not args.no_history_side:
-        fast.reset()
-        t0 = time.perf_counter()
-        nohist_res = run_side("no-hist", ordered, lambda t: fast.run(t.prompt_ids, t.span), tok, needles)
-        nohist_total = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ref_res = run_side(
-        "reference",
-        tests,
-        lambda t: oracle_detect(
-            model, t.prompt_ids, t.span, stops, prompt_logits=args.reference_logits == "all"
+    fast = FastDetector(model, stops, chunk=args.chunk)
+    nohist = FastDetector(model, stops, chunk=args.chunk)  # its own cache, same prefixes in the same order
+    sides = {
+        "fast": (lambda t: fast.run(t.prompt_ids, t.span, history_of(t)), fast_res),
+        "no-hist": (lambda t: nohist.run(t.prompt_ids, t.span), nohist_res),
+        "reference": (
+            lambda t: oracle_detect(
+                model, t.prompt_ids, t.span, stops, prompt_logits=args.reference_logits == "all"
+            ),
+            ref_res,
         ),
-        tok,
-        needles,
-    )
-    ref_total = time.perf_counter() - t0
+    }
+    sides = {name: side for name, side in sides.items() if side[1] is not None}
+    # Untimed warm-up of both code paths (allocator, thread pool, first-call costs).
+    warm = min(tests, key=lambda t: len(t.prompt_ids))
+    FastDetector(model, stops, chunk=args.chunk).run(warm.prompt_ids, warm.span)
+    oracle_detect(model, warm.prompt_ids, warm.span, stops, max_new_tokens=4)
+    # Interleaved, test by test: every side meets the same machine load (this host is shared and its
+    # speed drifts by ~10% over minutes), so the ratios are paired. The fast sides keep prefix order.
+    totals = dict.fromkeys(sides, 0.0)
+    for t in ordered:
+        for name, (runner, res) in sides.items():
+            totals[name] += run_one(name, t, runner, tok, needles, res)
+    fast_total, ref_total = totals["fast"], totals["reference"]
+    nohist_total = totals.get("no-hist")
 
     from scipy.stats import spearmanr
 
@@ -256,9 +260,10 @@ def main() -> None:
             else "computing the logits of the last position only (stricter than the published script)"
         )
         + ", then per-step eager decoding with output_attentions and a per-head host check. Fast: `retmask "
-        "detect`'s path (tests in prefix order). Per-length times are attributed to the test that ran; in "
-        "prefix order a shared prefix is charged to the first test that needs it, so only the total is a "
-        "fair comparison.",
+        "detect`'s path (tests in prefix order, drafts from earlier answers to the same needle). The sides "
+        "run interleaved test by test after an untimed warm-up, so they share the machine's load; times are "
+        "sums of per-test times. Per-length times are attributed to the test that ran; in prefix order a "
+        "shared prefix is charged to the first test that needs it, so only the total is a fair comparison.",
         "",
         markdown_table(["length", "tests", "reference s", "retmask s", "speed-up"], rows),
         "",
