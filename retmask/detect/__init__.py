@@ -1,11 +1,12 @@
 """Retrieval-head detection (Wu et al. 2024 retrieval score; DESIGN.md §1).
 
 core.py     per-test copy counting: the step-by-step oracle and the fast path (proven equal by tests)
-drafts.py   prompt-lookup drafts for the fast path's verification passes
+drafts.py   drafts for the fast path's verification passes: earlier answers to the needle, prompt lookup
+kv_cache.py a KV cache that appends in place (no copy of the whole cache per pass)
 stopping.py newline / EOS stop tokens
 scores.py   per-head scores JSON, summary, sparsity histogram, the --until-stable rule
-run.py      the driver: grid, prefix-ordered execution, resume, run record
-shard.py    torchrun / accelerate multi-process sharding (gloo), merged = single-process result
+run.py      the driver: grid, prefix-ordered execution, earlier answers per needle, resume, run record
+shard.py    torchrun / accelerate multi-process sharding (gloo; whole needles), merged = single-process result
 """
 
 from .core import FastDetector, TestOutcome, oracle_detect
