@@ -357,7 +357,9 @@ def plot_ablation(result: AblationResult, path: str | Path, title: str = "") -> 
     if rnd:
         k, m, s = (np.asarray(x, dtype=float) for x in zip(*rnd, strict=True))
         n = max((r["random_n"] for r in rows), default=0)
-        ax.plot(k, m, "s-", color="#1f77b4", label=f"K random heads masked (mean ± std, {n} seeds)")
+        pool = "non-retrieval heads" if result.meta.get("random_from") == "non-retrieval" else "heads"
+        label = f"K random {pool} masked (mean ± std, {n} seeds)"
+        ax.plot(k, m, "s-", color="#1f77b4", label=label)
         ax.fill_between(k, m - s, m + s, color="#1f77b4", alpha=0.2)
     ax.set_xlabel("K (heads masked)")
     ax.set_ylabel("NIAH score (mean ROUGE-1 recall)")
