@@ -175,61 +175,50 @@ constexpr int NJ_QK = 6;  // 6 keys x 4 row vectors = 24 accumulators (of 32 zmm
 constexpr int ND_PV = 6;  // 6 head dims x 4 row vectors = 24 accumulators
 constexpr int RV_MAX = 4;
 
-// All keys [0, nj) x row vectors [c0, c0 + RV) of the logit block.
-template <int RV>
-void qk_cols(const float* K, int64_t ldk, const float* Qt, int RP, float* St, int D, int nj) {
-    int j = 0;
-    for (; j + NJ_QK <= nj; j += NJ_QK) qk_tile<NJ_QK, RV>(K + j * ldk, ldk, Qt, RP, St + j * RP, D);
-    const float* k = K + j * ldk;
-    float* s = St + j * RP;
-    switch (nj - j) {
-        case 5: qk_tile<5, RV>(k, ldk, Qt, RP, s, D); break;
-        case 4: qk_tile<4, RV>(k, ldk, Qt, RP, s, D); break;
-        case 3: qk_tile<3, RV>(k, ldk, Qt, RP, s, D); break;
-        case 2: qk_tile<2, RV>(k, ldk, Qt, RP, s, D); break;
-        case 1: qk_tile<1, RV>(k, ldk, Qt, RP, s, D); break;
-        default: break;
+// Forced inlining keeps the dispatch helpers and their lambdas out of the generated code: the loops
+// below compile to what hand-written switch statements give (checked with bench/bench_kernel_ab.py).
+#define RETMASK_INLINE inline __attribute__((always_inline))
+#define RETMASK_LAMBDA_INLINE __attribute__((always_inline))
+
+// f(std::integral_constant<int, n>{}) for a runtime n in [1, N] (nothing for n outside): turns the
+// remainder of a tile loop into a template argument, so tails get their own unrolled micro-kernel.
+template <int N, class F>
+RETMASK_INLINE void with_width(int n, F&& f) {
+    if constexpr (N >= 1) {
+        if (n == N) {
+            f(std::integral_constant<int, N>{});
+            return;
+        }
+        with_width<N - 1>(n, f);
     }
 }
 
+// f(width, start) over [0, n): full tiles of T, then one narrower tile for the remainder.
+template <int T, class F>
+RETMASK_INLINE void tiles(int n, F&& f) {
+    int i = 0;
+    for (; i + T <= n; i += T) f(std::integral_constant<int, T>{}, i);
+    with_width<T - 1>(n - i, [&](auto w) RETMASK_LAMBDA_INLINE { f(w, i); });
+}
+
+// Logits of keys [0, nj) for all RP rows: tiles of NJ_QK keys x RV_MAX row vectors.
 void qk_block(const float* K, int64_t ldk, const float* Qt, int RP, float* St, int D, int nj) {
-    const int nv = RP / VL;
-    int c = 0;
-    for (; c + RV_MAX <= nv; c += RV_MAX) qk_cols<RV_MAX>(K, ldk, Qt + c * VL, RP, St + c * VL, D, nj);
-    switch (nv - c) {
-        case 3: qk_cols<3>(K, ldk, Qt + c * VL, RP, St + c * VL, D, nj); break;
-        case 2: qk_cols<2>(K, ldk, Qt + c * VL, RP, St + c * VL, D, nj); break;
-        case 1: qk_cols<1>(K, ldk, Qt + c * VL, RP, St + c * VL, D, nj); break;
-        default: break;
-    }
+    tiles<RV_MAX>(RP / VL, [&](auto rv, int c) RETMASK_LAMBDA_INLINE {
+        tiles<NJ_QK>(nj, [&](auto w, int j) RETMASK_LAMBDA_INLINE {
+            qk_tile<decltype(w)::value, decltype(rv)::value>(K + j * ldk, ldk, Qt + c * VL, RP,
+                                                             St + j * RP + c * VL, D);
+        });
+    });
 }
 
-template <int RV>
-void pv_cols(const float* V, int64_t ldv, const float* P, int RP, float* Ot, int D, int nj) {
-    int d = 0;
-    for (; d + ND_PV <= D; d += ND_PV) pv_tile<ND_PV, RV>(V + d, ldv, P, RP, Ot + d * RP, nj);
-    const float* v = V + d;
-    float* o = Ot + d * RP;
-    switch (D - d) {
-        case 5: pv_tile<5, RV>(v, ldv, P, RP, o, nj); break;
-        case 4: pv_tile<4, RV>(v, ldv, P, RP, o, nj); break;
-        case 3: pv_tile<3, RV>(v, ldv, P, RP, o, nj); break;
-        case 2: pv_tile<2, RV>(v, ldv, P, RP, o, nj); break;
-        case 1: pv_tile<1, RV>(v, ldv, P, RP, o, nj); break;
-        default: break;
-    }
-}
-
+// O += P V for all RP rows: tiles of ND_PV head dims x RV_MAX row vectors.
 void pv_block(const float* V, int64_t ldv, const float* P, int RP, float* Ot, int D, int nj) {
-    const int nv = RP / VL;
-    int c = 0;
-    for (; c + RV_MAX <= nv; c += RV_MAX) pv_cols<RV_MAX>(V, ldv, P + c * VL, RP, Ot + c * VL, D, nj);
-    switch (nv - c) {
-        case 3: pv_cols<3>(V, ldv, P + c * VL, RP, Ot + c * VL, D, nj); break;
-        case 2: pv_cols<2>(V, ldv, P + c * VL, RP, Ot + c * VL, D, nj); break;
-        case 1: pv_cols<1>(V, ldv, P + c * VL, RP, Ot + c * VL, D, nj); break;
-        default: break;
-    }
+    tiles<RV_MAX>(RP / VL, [&](auto rv, int c) RETMASK_LAMBDA_INLINE {
+        tiles<ND_PV>(D, [&](auto w, int d) RETMASK_LAMBDA_INLINE {
+            pv_tile<decltype(w)::value, decltype(rv)::value>(V + d, ldv, P + c * VL, RP,
+                                                             Ot + d * RP + c * VL, nj);
+        });
+    });
 }
 
 // ---- row-major path (few rows per tile: decode) --------------------------------------------------

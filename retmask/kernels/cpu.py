@@ -52,8 +52,7 @@ def _library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        lib = ctypes.CDLL(spec.origin)
-        fn = lib.retmask_attention_fwd_cpu
+        return bind_library(ctypes.CDLL(spec.origin))
     except (OSError, AttributeError) as err:
         warnings.warn(
             f"retmask._C at {spec.origin} could not be loaded ({err}); falling back to the blocked-torch "
@@ -62,6 +61,12 @@ def _library() -> ctypes.CDLL | None:
             stacklevel=3,
         )
         return None
+
+
+def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the C signature of ``retmask_attention_fwd_cpu`` on a loaded build of the kernel (also used
+    by ``bench/bench_kernel_ab.py`` to load a second build)."""
+    fn = lib.retmask_attention_fwd_cpu
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, p, p, p, p, p, p, p, p, p, p, p]
