@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .drafts import propose_draft
-from .kv_cache import growing_cache
+from .kv_cache import growing_cache, reserve
 
 # (prompt int64 [n], needle span, tokens generated so far, max draft length, earlier answers) -> draft
 DraftFn = Callable[[np.ndarray, tuple[int, int], list[int], int, Sequence[list[int]]], list[int]]
@@ -189,6 +189,9 @@ class FastDetector:
             keep = 0
         else:
             _crop_to(self.cache, keep)
+        # The longest this test can make the cache: its prompt and every decoded token (a pass feeds at
+        # most the remaining budget). Buffers are allocated at that size, never by doubling.
+        reserve(self.cache, len(prefix) + 1 + self.max_new_tokens)
         ids = torch.as_tensor(prefix, dtype=torch.long, device=device)
         # The prefill needs no argmax: any attention implementation may compute it (``prefill_impl``).
         with attn_implementation(self.model, self.prefill_impl):

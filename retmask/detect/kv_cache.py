@@ -3,9 +3,13 @@
 transformers' ``DynamicLayer.update`` appends with ``torch.cat``, which copies the whole cache on every
 forward call: at 5K tokens of SmolLM2 that is 2 x 30 x 3 x 5000 x 64 x 4 B = 230 MB read and written per
 pass, as much memory traffic as the pass's own weights. ``GrowingLayer`` keeps the keys and values in a
-buffer with spare capacity (doubling when full, so appends cost amortised O(new tokens)) and hands out
-views of the filled part; ``crop`` only moves the end. The fused kernel takes any row stride, so the
-views cost no copy there either.
+buffer with spare capacity and hands out views of the filled part; ``crop`` only moves the end. The
+fused kernel takes any row stride, so the views cost no copy there either.
+
+Capacity: when the caller knows how long the cache can get (``reserve``: the detector sets prompt length +
+max new tokens before each test), a buffer is allocated at exactly that size, so the cache never holds
+more than the longest test needs (a 50K-token detection must not pay for doubling). Without a hint it
+doubles when full, so appends cost amortised O(new tokens).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ class GrowingLayer(DynamicLayer):
     """One layer's keys and values: ``keys``/``values`` are views ``[B, Hkv, length, D]`` of buffers
     ``[B, Hkv, capacity, D]``."""
 
+    capacity_hint: int = 0  # positions the cache may reach (0 = unknown: grow by doubling)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self._key_buffer: torch.Tensor | None = None
@@ -34,7 +40,9 @@ class GrowingLayer(DynamicLayer):
         capacity = 0 if self._key_buffer is None else self._key_buffer.shape[-2]
         if needed <= capacity:
             return
-        capacity = max(MIN_CAPACITY, 2 * capacity, needed)
+        capacity = (
+            max(needed, self.capacity_hint) if self.capacity_hint else max(MIN_CAPACITY, 2 * capacity, needed)
+        )
         key_buffer = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
         value_buffer = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
         if self._length:
@@ -74,6 +82,14 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer = self._value_buffer = None
         self._length = 0
         super().reset()
+
+
+def reserve(cache: DynamicCache, positions: int) -> None:
+    """Tell ``cache``'s growing layers that it may reach ``positions`` tokens: the next buffer they
+    allocate has exactly that capacity (an existing larger buffer is kept)."""
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):
+            layer.capacity_hint = positions
 
 
 def growing_cache(model) -> DynamicCache:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from retmask.detect.kv_cache import GrowingLayer, growing_cache
+from retmask.detect.kv_cache import GrowingLayer, growing_cache, reserve
 
 from .conftest import tiny_llama
 
@@ -67,3 +67,33 @@ def test_growing_layer_views_crop_and_reset():
     assert layer.get_seq_length() == 0
     layer.reset()
     assert layer.get_seq_length() == 0 and not layer.is_initialized
+
+
+def test_reserve_allocates_exactly_the_hint_and_never_doubles():
+    cache = growing_cache(tiny_llama(vocab=50))
+    reserve(cache, 1000)
+    layer = cache.layers[0]
+    k = torch.randn(1, 2, 300, 16)
+    layer.update(k, k)
+    assert layer._key_buffer.shape[-2] == 1000
+    more = torch.randn(1, 2, 700, 16)
+    layer.update(more, more)  # fills it exactly: no new buffer
+    assert layer._key_buffer.shape[-2] == 1000 and layer.get_seq_length() == 1000
+    reserve(cache, 1500)
+    layer.update(k[..., :1, :], k[..., :1, :])  # past the old capacity: the new hint, not 2 x 1000
+    assert layer._key_buffer.shape[-2] == 1500
+
+
+def test_fast_detector_cache_holds_no_more_than_the_longest_test_needs():
+    from retmask.detect import FastDetector
+
+    from .test_fast_equals_oracle import tiny_prompts
+
+    model = tiny_llama()
+    fast = FastDetector(model, {2}, max_new_tokens=30, chunk=64)
+    longest = 0
+    for prompt, span in tiny_prompts():
+        fast.run(prompt, span)
+        longest = max(longest, len(prompt) + 30)
+        for layer in fast.cache.layers:
+            assert layer._key_buffer.shape[-2] <= longest
