@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces bench/results/ablate_smollm2.{md,json,png}, ablate_smollm2_nonret.{json,png} (random heads
-# drawn only from heads scoring < 0.1), ablate_smollm2_single_heads.json and niah_smollm2.{json,png} on
+# drawn only from heads scoring < 0.1), ablate_smollm2.each.{json,md} (single heads masked alone) and niah_smollm2.{json,png} on
 # the embedded SmolLM2-135M-Instruct with the committed detection scores.
 #
 # The ablation runs in slices of $SLICE (default 2) mask configurations (`--limit N --resume`), each slice under the heavy-job
@@ -22,27 +22,12 @@ cp "$OUT/ablate_smollm2.json" "$OUT/ablate_smollm2.png" bench/results/
 # The same curve with the random heads drawn only from non-retrieval heads (mean score < 0.1).
 run "${ABLATE[@]}" --prefix ablate_smollm2_nonret --random-from non-retrieval --resume | tail -8  # last --prefix wins
 cp "$OUT/ablate_smollm2_nonret.json" "$OUT/ablate_smollm2_nonret.png" bench/results/
-# Single non-retrieval heads of the draw that collapsed (random-k5-s2 of the non-retrieval curve).
-run python - <<'PY'
-import json, statistics, sys
-import torch
-import retmask
-from retmask.evaluate.niah import evaluate_niah
-from retmask.niah import default_haystack_text, load_needles
-torch.set_num_threads(2)
-model, tok = retmask.load_model()
-out = {}
-for head in [(1, 5), (26, 3), (26, 6), (29, 1), (29, 3)]:
-    r = evaluate_niah(model, tok, lengths=[500, 1250, 2000], depths=[0, 50, 100], needles=load_needles()[:3],
-                      haystack_text=default_haystack_text(), heads=[head], progress=False)
-    out[f"{head[0]}-{head[1]}"] = {
-        "mean": statistics.fmean(e["rouge1_recall"] for e in r.entries),
-        "exact": sum(e["rouge1_recall"] == 1 for e in r.entries),
-        "examples": [e["response"] for e in r.entries[:3]],
-    }
-    print(head, round(out[f"{head[0]}-{head[1]}"]["mean"], 3))
-json.dump(out, open("bench/results/ablate_smollm2_single_heads.json", "w"), indent=1)
-PY
+# Single non-retrieval heads of the draw that collapsed (random-k5-s2 of the non-retrieval curve), each
+# masked alone.
+run retmask ablate --each 1-5,26-3,26-6,29-1,29-3 --scores bench/results/smollm2_scores.json \
+    --min-len 500 --max-len 2000 --num-lengths 3 --num-depths 3 --num-needles 3 \
+    --out-dir "$OUT" --prefix ablate_smollm2 --no-progress --resume
+cp "$OUT/ablate_smollm2.each.json" "$OUT/ablate_smollm2.each.md" bench/results/
 # Heatmap of the unmasked model (5 lengths in 500-4000 x 4 depths x the first 2 needles).
 run retmask niah --min-len 500 --max-len 4000 --num-lengths 5 --num-depths 4 --num-needles 2 --no-progress \
     --out bench/results/niah_smollm2.json --plot bench/results/niah_smollm2.png \

@@ -2,7 +2,8 @@
 
 Writes ``<out-dir>/<prefix>.json`` (curve + every configuration's grid and answers), ``<prefix>.md`` (table)
 and ``<prefix>.png`` (line plot); each configuration is saved atomically under ``<prefix>.configs/`` as it
-completes, so ``--resume`` continues an interrupted run.
+completes, so ``--resume`` continues an interrupted run. ``--each HEADS`` instead masks each listed head
+alone (``<prefix>.each.{json,md}``): is a head safe to remove?
 """
 
 from __future__ import annotations
@@ -30,7 +31,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--scores", type=Path, required=True, help="retrieval-scores JSON (`retmask detect`)")
+    p.add_argument(
+        "--scores",
+        type=Path,
+        default=None,
+        help="retrieval-scores JSON (`retmask detect`); needed unless --each",
+    )
+    p.add_argument(
+        "--each",
+        default=None,
+        metavar="HEADS",
+        help="instead of the K curve, mask each of these heads alone ('1-5,26-3') and compare with no mask",
+    )
     p.add_argument("--k", default="0,5,10,20,40", help="comma-separated numbers of heads to mask")
     p.add_argument("--seeds", type=int, default=3, help="random-head draws per K")
     p.add_argument("--seed", type=int, default=0, help="first seed (draws use seed, seed+1, ...)")
@@ -70,7 +82,13 @@ def run(args: argparse.Namespace) -> int:
     from retmask.selection import SelectionError, load_scores
 
     t0 = time.perf_counter()
+    if args.each is not None:
+        return _run_each(args, t0)
     try:
+        if args.scores is None:
+            raise AblationError(
+                "--scores is required (the retrieval scores of `retmask detect`), unless --each"
+            )
         if args.resume and args.overwrite:
             raise AblationError("--resume and --overwrite exclude each other; pick one")
         if args.limit is not None and args.limit < 1:
@@ -105,4 +123,48 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"done in {time.perf_counter() - t0:.0f} s; outputs -> {args.out_dir}/{args.prefix}.{{json,md,png}}"
     )
+    return 0
+
+
+def _run_each(args: argparse.Namespace, t0: float) -> int:
+    import time
+
+    from retmask.detect.core import _layout
+    from retmask.evaluate.single_heads import sweep_single_heads, sweep_table
+    from retmask.niah import load_haystack
+    from retmask.niah.haystack import HaystackError
+    from retmask.niah.needles import NeedleFileError
+    from retmask.selection import SelectionError, load_scores, parse_heads_arg
+
+    out = args.out_dir / f"{args.prefix}.each.json"
+    try:
+        heads = parse_heads_arg(args.each)
+        scores = load_scores(args.scores) if args.scores is not None else None
+        lengths, depths = grid_from_args(args)
+        needles = needles_from_args(args)
+        haystack = load_haystack(args.haystack)
+        model, tok, name = load_from_args(args)
+        L, H = _layout(model)
+        bad = [f"{a}-{b}" for a, b in heads if not (0 <= a < L and 0 <= b < H)]
+        if bad:
+            raise SelectionError(
+                f"--each: heads {', '.join(bad)} do not exist in {name} ({L} layers x {H} heads)"
+            )
+        if args.overwrite and out.exists():
+            out.unlink()
+        sweep = sweep_single_heads(
+            model, tok, heads, lengths=lengths, depths=depths, needles=needles, haystack_text=haystack,
+            scores=scores, max_new_tokens=args.max_new_tokens, out=out, resume=args.resume,
+            progress=not args.no_progress, model_name=name, log=lambda msg: print(msg, file=sys.stderr),
+        )  # fmt: skip
+    except (ValueError, NeedleFileError, HaystackError, SelectionError) as err:
+        print(f"retmask ablate: error: {err}", file=sys.stderr)
+        return 2
+    table = sweep_table(sweep)
+    out.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
+    print(
+        f"{name}: each head masked alone; grid lengths {lengths} x depths {depths} x {len(needles)} needles"
+    )
+    print(table)
+    print(f"done in {time.perf_counter() - t0:.0f} s; outputs -> {out} and {out.with_suffix('.md')}")
     return 0

@@ -173,3 +173,57 @@ def test_embedded_ablation_top_heads_hurt_more_than_random(tmp_path):
     rows = {r["k"]: r for r in json.loads((out / "ablate.json").read_text())["rows"]}
     assert rows[0]["top"] > 0.6
     assert rows[10]["top"] < rows[10]["random_mean"]
+
+
+def test_each_head_alone_equals_direct_evaluations_and_resumes(tiny, tokenizer, tiny_dir, tmp_path, capsys):
+    from retmask.evaluate.single_heads import sweep_single_heads, sweep_table
+    from retmask.niah import default_haystack_text
+
+    needles = load_needles()[:1]
+    kw = dict(needles=needles, haystack_text=default_haystack_text(), progress=False, log=lambda *a: None)
+    heads = [(1, 2), (0, 0)]
+    out = tmp_path / "each.json"
+    sweep = sweep_single_heads(tiny, tokenizer, heads, scores=SCORES, out=out, **GRID, **kw)
+    base = evaluate_niah(tiny, tokenizer, needles=needles, progress=False, **GRID)
+    assert sweep["baseline"]["mean"] == base.mean
+    for row, head in zip(sweep["heads"], heads, strict=True):
+        direct = evaluate_niah(tiny, tokenizer, needles=needles, heads=[head], progress=False, **GRID)
+        assert row["head"] == list(head) and row["mean"] == direct.mean
+        assert row["drop"] == pytest.approx(base.mean - direct.mean) and row["score"] == SCORES[head]
+    base_answers = [e["response"] for e in base.entries[:3]]
+    assert any(r["examples"] != base_answers for r in sweep["heads"]), "a masked head must change answers"
+    assert "| none |" in sweep_table(sweep) and "| 1-2 |" in sweep_table(sweep)
+    with pytest.raises(ValueError, match="--resume"):
+        sweep_single_heads(tiny, tokenizer, heads, out=out, **GRID, **kw)
+    with pytest.raises(ValueError, match="other settings"):
+        sweep_single_heads(
+            tiny, tokenizer, heads, out=out, resume=True, **{**GRID, "max_new_tokens": 3}, **kw
+        )
+    # resume with one more head: only that one runs
+    calls = []
+    real = sweep_single_heads.__globals__["evaluate_niah"]
+    sweep_single_heads.__globals__["evaluate_niah"] = lambda *a, **k: (
+        calls.append(k["heads"]) or real(*a, **k)
+    )
+    try:
+        more = sweep_single_heads(tiny, tokenizer, [*heads, (1, 3)], out=out, resume=True, **GRID, **kw)
+    finally:
+        sweep_single_heads.__globals__["evaluate_niah"] = real
+    assert calls == [[(1, 3)]] and [r["name"] for r in more["heads"]] == ["1-2", "0-0", "1-3"]
+
+    grid = ["--min-len", "300", "--max-len", "300", "--num-lengths", "1", "--num-depths", "2",
+            "--num-needles", "1", "--max-new-tokens", "6", "--no-progress"]  # fmt: skip
+    cli_out = tmp_path / "cli"
+    assert (
+        main(["ablate", "--model", str(tiny_dir), "--each", "1-2,0-0", *grid, "--out-dir", str(cli_out)]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert (
+        "| 1-2 |" in printed
+        and (cli_out / "ablate.each.json").exists()
+        and (cli_out / "ablate.each.md").exists()
+    )
+    assert main(["ablate", "--model", str(tiny_dir), "--each", "1-9", *grid, "--out-dir", str(cli_out)]) == 2
+    assert "do not exist" in capsys.readouterr().err
+    assert main(["ablate", "--model", str(tiny_dir), *grid]) == 2
+    assert "--scores is required" in capsys.readouterr().err
