@@ -312,9 +312,10 @@ def run_detect(
     t0 = time.perf_counter()
     ordered = prefix_order(runnable)
     mine = shard([t for t in ordered if t.index not in done], rank, world, by_needle=cfg.draft_history)
-    if world > 1 and cfg.draft_history and rank == 0 and world > len({t.needle_index for t in runnable}):
+    n_needles = len({t.needle_index for t in runnable})
+    if world > 1 and cfg.draft_history and rank == 0 and world > n_needles:
         log(
-            f"{world} processes but only {len({t.needle_index for t in runnable})} needles: with draft "
+            f"{world} processes but only {n_needles} needles: with draft "
             "history on, processes get whole needles and some will idle; pass --no-draft-history to shard "
             "single tests instead",
             file=sys.stderr,

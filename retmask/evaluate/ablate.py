@@ -26,7 +26,7 @@ from retmask.selection import (
     select_top_k,
 )
 
-from .niah import NiahResult, evaluate_niah
+from .niah import NiahResult, evaluate_niah, grid_fingerprint
 
 RANDOM_POOLS = ("all", "non-retrieval")
 NON_RETRIEVAL_TAU = 0.1  # random-from "non-retrieval": heads with a mean retrieval score below this
@@ -254,15 +254,9 @@ def run_ablation(
         load_needles(needles) if needles is None or isinstance(needles, (str, Path)) else list(needles)
     )
     text = load_haystack(None) if haystack_text is None else haystack_text
-    fingerprint = {
-        "model": model_name or str(getattr(model.config, "_name_or_path", "")),
+    fingerprint = grid_fingerprint(model, model_name, lengths, depths, needle_list, text, max_new_tokens) | {
         "shape": list(shape),
         "scores_sha256": scores_digest(full),
-        "lengths": [int(x) for x in lengths],
-        "depths": [int(x) for x in depths],
-        "needles": [n.to_dict() for n in needle_list],
-        "haystack_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-        "max_new_tokens": max_new_tokens,
         "random_from": random_from,
     }
 

@@ -124,6 +124,28 @@ def _resolve_heads(model, heads) -> torch.Tensor | None:
 
 
 @torch.no_grad()
+def grid_fingerprint(
+    model,
+    model_name: str | None,
+    lengths,
+    depths,
+    needles: Sequence[Needle],
+    haystack_text: str,
+    max_new_tokens: int,
+) -> dict:
+    """Everything besides the mask that determines an :func:`evaluate_niah` result (for resume checks)."""
+    import hashlib
+
+    return {
+        "model": model_name or str(getattr(model.config, "_name_or_path", "")),
+        "lengths": [int(x) for x in lengths],
+        "depths": [int(x) for x in depths],
+        "needles": [n.to_dict() for n in needles],
+        "haystack_sha256": hashlib.sha256(haystack_text.encode("utf-8")).hexdigest(),
+        "max_new_tokens": max_new_tokens,
+    }
+
+
 def evaluate_niah(
     model,
     tokenizer,

@@ -8,14 +8,13 @@ atomically as soon as it completes (``resume=True`` skips the finished ones of t
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from retmask.selection import Head
 
-from .niah import NiahResult, evaluate_niah
+from .niah import NiahResult, evaluate_niah, grid_fingerprint
 
 SWEEP_VERSION = 1
 
@@ -47,14 +46,7 @@ def sweep_single_heads(
     "mean", "exact", "drop", "examples"}, ...]}`` with heads in the given order; ``drop`` = baseline mean -
     masked mean; ``score`` = the head's mean retrieval score when ``scores`` is given.
     """
-    fingerprint = {
-        "model": model_name or str(getattr(model.config, "_name_or_path", "")),
-        "lengths": [int(x) for x in lengths],
-        "depths": [int(x) for x in depths],
-        "needles": [n.to_dict() for n in needles],
-        "haystack_sha256": hashlib.sha256(haystack_text.encode("utf-8")).hexdigest(),
-        "max_new_tokens": max_new_tokens,
-    }
+    fingerprint = grid_fingerprint(model, model_name, lengths, depths, needles, haystack_text, max_new_tokens)
     out = Path(out) if out is not None else None
     state: dict = {"version": SWEEP_VERSION, "meta": fingerprint, "baseline": None, "heads": {}}
     if out is not None and out.exists():
