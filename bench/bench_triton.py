@@ -94,7 +94,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(
             "bench_triton.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured. "
-            "See bench/triton_roofline.md for the estimated H100 numbers.",
+            "See docs/triton_roofline.md for the estimated H100 numbers.",
             file=sys.stderr,
         )
         return 1

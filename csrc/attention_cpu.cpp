@@ -11,9 +11,14 @@
 // handed out dynamically by OpenMP, which balances the causal triangle.
 //
 // Two tile layouts: "lanes" (query rows in vector lanes; prefill, >= 16 rows per tile) and "rowmajor"
-// (dot products along D, rows in registers; decode-sized tiles). Exported with a plain C ABI,
-// called through ctypes with data pointers and element strides. fp16/bf16 are converted to fp32 on
+// (dot products along D, rows in registers; decode-sized tiles). fp16/bf16 are converted to fp32 on
 // load; all accumulation is fp32.
+//
+// Entry point: retmask::attention_fwd_cpu (attention_cpu.h), called by the pybind11 binding in module.cpp
+// with data pointers and element strides. It reports bad arguments and failed allocations as C++
+// exceptions thrown outside any OpenMP region; nothing inside a parallel region allocates or throws.
+
+#include "attention_cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +26,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -317,11 +325,59 @@ struct Item {
     int64_t cost;
 };
 
-inline float* aligned_floats(size_t n) {
-    size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;
-    void* p = std::aligned_alloc(64, bytes ? bytes : 64);
-    if (p) std::memset(p, 0, bytes);
-    return static_cast<float*>(p);
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// ---- scratch memory ------------------------------------------------------------------------------
+// All scratch of a call is one 64-byte aligned block allocated *before* the parallel region, so that a
+// failed allocation throws std::bad_alloc to the caller (an exception inside an OpenMP region ends the
+// process). The block holds one equal slice per thread; each thread zero-fills its own slice (first
+// touch, as when every thread allocated its own buffers) and carves its arrays out of it.
+class Scratch {
+  public:
+    Scratch(size_t slice_bytes, int slices)
+        : slice_(static_cast<size_t>(round_up(std::max<int64_t>(static_cast<int64_t>(slice_bytes), 64), 64))) {
+        p_ = static_cast<char*>(std::aligned_alloc(64, slice_ * static_cast<size_t>(slices)));
+        if (!p_) throw std::bad_alloc();
+    }
+    ~Scratch() { std::free(p_); }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+    // Slice t (t < slices), zero-filled first.
+    char* zeroed_slice(int t) const {
+        char* s = p_ + slice_ * static_cast<size_t>(t);
+        std::memset(s, 0, slice_);
+        return s;
+    }
+
+  private:
+    size_t slice_;
+    char* p_;
+};
+
+// Consecutive 64-byte aligned arrays in one slice. Constructed without a base it only adds up their
+// sizes (null pointers), which sizes the slice for the real carving.
+class Carve {
+  public:
+    explicit Carve(char* base = nullptr) : base_(base) {}
+    template <class T>
+    T* take(int64_t n) {
+        T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+        used_ += round_up(n * static_cast<int64_t>(sizeof(T)), 64);
+        return p;
+    }
+    size_t bytes() const { return used_; }
+
+  private:
+    char* base_;
+    size_t used_ = 0;
+};
+
+inline int thread_num() {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
 }
 
 // K or V rows [j0, j0 + nj) of one (batch, kv head) as fp32 rows: the input itself when it already is
@@ -417,372 +473,385 @@ Plan make_plan(const Args& a) {
     return plan;
 }
 
+// ---- the part both tile layouts share -----------------------------------------------------------------
+
+// One work item as its tile sees it: rows r < R are query row row_i[r] of head row_h[r] (the active heads
+// of the kv group, each with the item's query rows); keys [0, key_end) can be valid for some row, and
+// keys up to min_pos are in the past of every row.
+struct Tile {
+    int64_t b, hk;
+    int R;
+    const int64_t *row_h, *row_i;
+    int64_t min_pos, key_end;
+};
+
+// Runs body(bufs, tile) over the work items on `threads` OpenMP threads (dynamic schedule, largest items
+// first). carve(Carve&) lays out the per-thread arrays of a tile layout and returns them as `bufs`; the
+// scratch for every thread is allocated here, before the region (std::bad_alloc to the caller).
+template <class Carver, class Body>
+RETMASK_INLINE void for_each_item(const Args& a, const Plan& plan, int threads, Carver&& carve, Body&& body) {
+    const int64_t rows = round_up(plan.max_rows, VL);
+    Carve sizing;
+    carve(sizing);
+    sizing.take<int64_t>(rows);
+    sizing.take<int64_t>(rows);
+    const Scratch scratch(sizing.bytes(), threads);
+    const int64_t n_items = static_cast<int64_t>(plan.items.size());
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        Carve c(scratch.zeroed_slice(thread_num()));
+        const auto bufs = carve(c);
+        int64_t* row_h = c.take<int64_t>(rows);
+        int64_t* row_i = c.take<int64_t>(rows);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; ++it) {
+            const Item& w = plan.items[it];
+            int R = 0;
+            for (int64_t h = w.hkv * plan.g; h < (w.hkv + 1) * plan.g; ++h) {
+                if (a.skip && a.skip[w.b * a.Hq + h]) continue;
+                for (int64_t i = w.i0; i < w.i1; ++i, ++R) {
+                    row_h[R] = h;
+                    row_i[R] = i;
+                }
+            }
+            const int64_t min_pos = a.N - a.M + w.i0, max_pos = a.N - a.M + w.i1 - 1;
+            body(bufs, Tile{w.b, w.hkv, R, row_h, row_i, min_pos, a.causal ? max_pos + 1 : a.N});
+        }
+    }
+}
+
+// f(j0, nj, state) for the key blocks [j0, j0 + nj) below key_end that hold a valid key of batch b;
+// state: 1 = some keys valid, 2 = all (no key padding mask: 2).
+template <class F>
+RETMASK_INLINE void for_each_key_block(const Args& a, const Plan& plan, int64_t b, int64_t key_end, F&& f) {
+    const int BN = a.block_n;
+    for (int64_t j0 = 0; j0 < key_end; j0 += BN) {
+        const uint8_t st = a.kpm ? plan.blk_state[b * plan.nblk + j0 / BN] : 2;
+        if (st == 0) continue;  // no valid key in this block (e.g. left padding)
+        f(j0, static_cast<int>(std::min<int64_t>(BN, key_end - j0)), st);
+    }
+}
+
+// dst[d * step] = scale * q[b, h, i, d] in fp32.
+template <class E>
+RETMASK_INLINE void load_q_row(const Args& a, int64_t b, int64_t h, int64_t i, float* dst, int64_t step) {
+    const typename E::T* qp = static_cast<const typename E::T*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+    for (int64_t d = 0; d < a.D; ++d) dst[d * step] = E::load(qp + d * a.qs[3]) * a.scale;
+}
+
+// Normalise and write out one tile row: out[b, h, i, d] = o[d * step] / l, and its argmax if wanted.
+// Rows that never saw a valid key (l == 0) give 0 and -1.
+template <class E>
+RETMASK_INLINE void store_row(const Args& a, int64_t b, int64_t h, int64_t i, const float* o, int64_t step,
+                              float l, bool want, int64_t am) {
+    typename E::T* op = static_cast<typename E::T*>(a.out) + b * a.os[0] + h * a.os[1] + i * a.os[2];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t d = 0; d < a.D; ++d) E::store(op + d * a.os[3], o[d * step] * inv);
+    if (want) a.argmax[(b * a.Hq + h) * a.T + (i - (a.M - a.T))] = l > 0.f ? am : -1;
+}
+
+// ---- row-major tiles (decode) ------------------------------------------------------------------------
 
 template <class E>
-int run_rows(const Args& a, const Plan& plan) {
+void run_rows(const Args& a, const Plan& plan, int threads) {
     using T = typename E::T;
-    const T* q = static_cast<const T*>(a.q);
-    const T* k = static_cast<const T*>(a.k);
-    const T* v = static_cast<const T*>(a.v);
-    T* out = static_cast<T*>(a.out);
-    const int64_t Hq = a.Hq, M = a.M, N = a.N, D = a.D, T_ = a.T;
-    const int BN = a.block_n;
-    const int64_t g = plan.g, nblk = plan.nblk;
-    const std::vector<uint8_t>& blk_state = plan.blk_state;
-    const std::vector<Item>& items = plan.items;
-    const int64_t n_items = static_cast<int64_t>(items.size());
-    int failed = 0;
-    const int Dp = static_cast<int>((D + VL - 1) / VL * VL);
     using namespace rowmajor;
-#pragma omp parallel if (plan.parallel())
-    {
-        const int max_rows = static_cast<int>(plan.max_rows);
-        float* Qt = aligned_floats(static_cast<size_t>(max_rows) * Dp);
-        float* Ot = aligned_floats(static_cast<size_t>(max_rows) * Dp);
-        float* S = aligned_floats(static_cast<size_t>(max_rows) * BN);
-        const bool convert_k = !std::is_same_v<E, F32> || a.ks[3] != 1;
-        float* Kbuf = convert_k ? aligned_floats(static_cast<size_t>(BN) * D) : nullptr;
-        float* Vp = aligned_floats(static_cast<size_t>(BN) * Dp);
-        std::vector<float> m(max_rows), l(max_rows);
-        std::vector<int64_t> am(max_rows), pos(max_rows), row_h(max_rows), row_i(max_rows);
-        std::vector<uint8_t> want(max_rows);
-        std::vector<float> kbias(BN);
-        if (!Qt || !Ot || !S || (convert_k && !Kbuf) || !Vp) {
-#pragma omp atomic write
-            failed = 1;
-        }
-
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < n_items; ++it) {
-            if (failed) continue;
-            const Item& w = items[it];
-            const int64_t b = w.b, hk = w.hkv;
-            // Tile rows: active heads of this kv group x query rows [i0, i1).
-            int R = 0;
-            for (int64_t h = hk * g; h < (hk + 1) * g; ++h) {
-                if (a.skip && a.skip[b * Hq + h]) continue;
-                for (int64_t i = w.i0; i < w.i1; ++i, ++R) {
-                    row_h[R] = h;
-                    row_i[R] = i;
-                    pos[R] = N - M + i;
-                    want[R] = a.argmax && T_ && i >= M - T_;
-                    const T* qp = q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
-                    float* qt = Qt + static_cast<int64_t>(R) * Dp;
-                    for (int64_t d = 0; d < D; ++d) qt[d] = E::load(qp + d * a.qs[3]) * a.scale;
-                    m[R] = NEG_INF;
-                    l[R] = 0.f;
-                    am[R] = -1;
-                    std::memset(Ot + static_cast<int64_t>(R) * Dp, 0, sizeof(float) * Dp);
-                }
-            }
-            const int64_t min_pos = N - M + w.i0, max_pos = N - M + w.i1 - 1;
-            const int64_t key_end = a.causal ? max_pos + 1 : N;
-            const T* kb = k + b * a.ks[0] + hk * a.ks[1];
-            const T* vb = v + b * a.vs[0] + hk * a.vs[1];
-
-            for (int64_t j0 = 0; j0 < key_end; j0 += BN) {
-                const int64_t jb = j0 / BN;
-                const uint8_t st = a.kpm ? blk_state[b * nblk + jb] : 2;
-                if (st == 0) continue;  // no valid key in this block (e.g. left padding)
-                const int nj = static_cast<int>(std::min<int64_t>(BN, key_end - j0));
-                // K rows in fp32 (in place when possible); V packed [BN][Dp], rows past nj zero.
-                int64_t ldk;
-                const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, Kbuf, &ldk);
-                for (int j = 0; j < nj; ++j) {
-                    const T* vr = vb + (j0 + j) * a.vs[2];
-                    float* vp = Vp + static_cast<int64_t>(j) * Dp;
-                    if (a.vs[3] == 1) {
-                        for (int64_t d = 0; d < D; ++d) vp[d] = E::load(vr + d);
-                    } else {
-                        for (int64_t d = 0; d < D; ++d) vp[d] = E::load(vr + d * a.vs[3]);
-                    }
-                }
-                if (nj < BN) std::memset(Vp + static_cast<int64_t>(nj) * Dp, 0, sizeof(float) * (BN - nj) * Dp);
-
-                qk_dot(Qt, Dp, R, Kr, ldk, static_cast<int>(D), S, BN, nj);
-
-                // Key validity bias for this block: 0 or -inf (padding, tail past key_end).
-                const bool need_bias = st == 1 || nj < BN;
-                if (need_bias)
-                    for (int j = 0; j < BN; ++j)
-                        kbias[j] = (j < nj && (!a.kpm || a.kpm[b * N + j0 + j])) ? 0.f : NEG_INF;
-                const bool diag = a.causal && j0 + BN - 1 > min_pos;
-
-                for (int r = 0; r < R; ++r) {
-                    float* s = S + static_cast<int64_t>(r) * BN;
-                    if (need_bias)
-                        for (int j = 0; j < BN; j += VL) vstore(s + j, vload(s + j) + vload(kbias.data() + j));
-                    if (diag) {
-                        const int64_t lim = pos[r] - j0;  // keys j > lim are in the future
-                        for (int64_t j = std::max<int64_t>(0, lim + 1); j < BN; ++j) s[j] = NEG_INF;
-                    }
-                    vf mx = vload(s);
-                    for (int j = VL; j < BN; j += VL) {
-                        vf x = vload(s + j);
-                        mx = x > mx ? x : mx;
-                    }
-                    const float bmax = hmax(mx);
-                    float* o = Ot + static_cast<int64_t>(r) * Dp;
-                    if (bmax == NEG_INF) {  // nothing valid for this row in this block
-                        std::memset(s, 0, sizeof(float) * BN);
-                        continue;
-                    }
-                    if (bmax > m[r]) {  // strictly greater: earlier blocks win ties
-                        if (want[r]) {
-                            int j = 0;
-                            while (s[j] != bmax) ++j;
-                            am[r] = j0 + j;
-                        }
-                        if (m[r] != NEG_INF) {
-                            const float alpha = std::exp(m[r] - bmax);
-                            l[r] *= alpha;
-                            const vf av = vbroadcast(alpha);
-                            for (int d = 0; d < Dp; d += VL) vstore(o + d, vload(o + d) * av);
-                        }
-                        m[r] = bmax;
-                    }
-                    const vf mv = vbroadcast(m[r]);
-                    vf sum = vf{};
-                    for (int j = 0; j < BN; j += VL) {
-                        vf p = vexp(vload(s + j) - mv);
-                        vstore(s + j, p);
-                        sum += p;
-                    }
-                    l[r] += hsum(sum);
-                }
-
-                pv_rows<MR_PV>(S, BN, Vp, Dp, Ot, Dp, Dp, nj, R);
-            }
-
-            // Normalise and write out; rows that never saw a valid key give 0 and -1.
-            for (int r = 0; r < R; ++r) {
-                const int64_t h = row_h[r], i = row_i[r];
-                T* op = out + b * a.os[0] + h * a.os[1] + i * a.os[2];
-                const float* o = Ot + static_cast<int64_t>(r) * Dp;
-                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-                for (int64_t d = 0; d < D; ++d) E::store(op + d * a.os[3], o[d] * inv);
-                if (want[r]) a.argmax[(b * Hq + h) * T_ + (i - (M - T_))] = l[r] > 0.f ? am[r] : -1;
-            }
-        }
-        std::free(Qt);
-        std::free(Ot);
-        std::free(S);
-        std::free(Kbuf);
-        std::free(Vp);
-    }
-    return failed ? 2 : 0;
-}
-
-template <class E>
-int run_lanes(const Args& a, const Plan& plan) {
-    using T = typename E::T;
-    const T* q = static_cast<const T*>(a.q);
     const T* k = static_cast<const T*>(a.k);
     const T* v = static_cast<const T*>(a.v);
-    T* out = static_cast<T*>(a.out);
-    const int64_t Hq = a.Hq, M = a.M, N = a.N, D = a.D, T_ = a.T;
+    const int64_t M = a.M, N = a.N, D = a.D, T_ = a.T;
     const int BN = a.block_n;
-    const int64_t g = plan.g, nblk = plan.nblk;
-    const std::vector<uint8_t>& blk_state = plan.blk_state;
-    const std::vector<Item>& items = plan.items;
-    const int64_t n_items = static_cast<int64_t>(items.size());
-    int failed = 0;
-    const int Di = static_cast<int>(D);
-#pragma omp parallel if (plan.parallel())
-    {
-        const int max_rp = static_cast<int>((plan.max_rows + VL - 1) / VL * VL);
-        float* Qt = aligned_floats(static_cast<size_t>(D) * max_rp);
-        float* Ot = aligned_floats(static_cast<size_t>(D) * max_rp);
-        float* St = aligned_floats(static_cast<size_t>(BN) * max_rp);
-        float* m = aligned_floats(max_rp);
-        float* l = aligned_floats(max_rp);
-        int32_t* am = reinterpret_cast<int32_t*>(aligned_floats(max_rp));
-        int32_t* pos = reinterpret_cast<int32_t*>(aligned_floats(max_rp));
-        int32_t* want = reinterpret_cast<int32_t*>(aligned_floats(max_rp));
-        const bool convert = !std::is_same_v<E, F32> || a.ks[3] != 1 || a.vs[3] != 1;
-        float* Kbuf = convert ? aligned_floats(static_cast<size_t>(BN) * D) : nullptr;
-        float* Vbuf = convert ? aligned_floats(static_cast<size_t>(BN) * D) : nullptr;
-        std::vector<int64_t> row_h(max_rp), row_i(max_rp);
-        if (!Qt || !Ot || !St || !m || !l || !am || !pos || !want || (convert && (!Kbuf || !Vbuf))) {
-#pragma omp atomic write
-            failed = 1;
+    const int Dp = static_cast<int>(round_up(D, VL));
+    const int64_t max_rows = plan.max_rows;
+    const bool convert_k = !std::is_same_v<E, F32> || a.ks[3] != 1;
+    struct Bufs {
+        float *Qt, *Ot, *S, *Kbuf, *Vp, *m, *l, *kbias;
+        int64_t *am, *pos;
+        uint8_t* want;
+    };
+    const auto carve = [&](Carve& c) RETMASK_LAMBDA_INLINE {
+        return Bufs{c.take<float>(max_rows * Dp), c.take<float>(max_rows * Dp), c.take<float>(max_rows * BN),
+                    c.take<float>(convert_k ? BN * D : 0), c.take<float>(BN * Dp), c.take<float>(max_rows),
+                    c.take<float>(max_rows), c.take<float>(BN), c.take<int64_t>(max_rows),
+                    c.take<int64_t>(max_rows), c.take<uint8_t>(max_rows)};
+    };
+    for_each_item(a, plan, threads, carve, [&](const Bufs& buf, const Tile& t) RETMASK_LAMBDA_INLINE {
+        float *const Qt = buf.Qt, *const Ot = buf.Ot, *const S = buf.S, *const Vp = buf.Vp;
+        float *const m = buf.m, *const l = buf.l, *const kbias = buf.kbias;
+        int64_t *const am = buf.am, *const pos = buf.pos;
+        uint8_t* const want = buf.want;
+        const int64_t b = t.b;
+        const int R = t.R;
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = t.row_i[r];
+            pos[r] = N - M + i;
+            want[r] = a.argmax && T_ && i >= M - T_;
+            load_q_row<E>(a, b, t.row_h[r], i, Qt + static_cast<int64_t>(r) * Dp, 1);
+            m[r] = NEG_INF;
+            l[r] = 0.f;
+            am[r] = -1;
+            std::memset(Ot + static_cast<int64_t>(r) * Dp, 0, sizeof(float) * Dp);
         }
+        const T* kb = k + b * a.ks[0] + t.hk * a.ks[1];
+        const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
 
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < n_items; ++it) {
-            if (failed) continue;
-            const Item& w = items[it];
-            const int64_t b = w.b, hk = w.hkv;
-            // Tile rows: active heads of this kv group x query rows [i0, i1), padded to RP rows.
-            int R = 0;
-            for (int64_t h = hk * g; h < (hk + 1) * g; ++h) {
-                if (a.skip && a.skip[b * Hq + h]) continue;
-                for (int64_t i = w.i0; i < w.i1; ++i, ++R) {
-                    row_h[R] = h;
-                    row_i[R] = i;
-                }
-            }
-            const int RP = (R + VL - 1) / VL * VL;
-            for (int r = 0; r < RP; ++r) {
-                const bool real = r < R;
-                pos[r] = real ? static_cast<int32_t>(N - M + row_i[r]) : -1;  // padding rows see nothing
-                want[r] = real && a.argmax && T_ && row_i[r] >= M - T_ ? -1 : 0;
-                m[r] = NEG_INF;
-                l[r] = 0.f;
-                am[r] = -1;
-                if (real) {
-                    const T* qp = q + b * a.qs[0] + row_h[r] * a.qs[1] + row_i[r] * a.qs[2];
-                    for (int64_t d = 0; d < D; ++d) Qt[d * RP + r] = E::load(qp + d * a.qs[3]) * a.scale;
+        for_each_key_block(a, plan, b, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
+            // K rows in fp32 (in place when possible); V packed [BN][Dp], rows past nj zero.
+            int64_t ldk;
+            const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk);
+            for (int j = 0; j < nj; ++j) {
+                const T* vr = vb + (j0 + j) * a.vs[2];
+                float* vp = Vp + static_cast<int64_t>(j) * Dp;
+                if (a.vs[3] == 1) {
+                    for (int64_t d = 0; d < D; ++d) vp[d] = E::load(vr + d);
                 } else {
-                    for (int64_t d = 0; d < D; ++d) Qt[d * RP + r] = 0.f;
+                    for (int64_t d = 0; d < D; ++d) vp[d] = E::load(vr + d * a.vs[3]);
                 }
             }
-            std::memset(Ot, 0, sizeof(float) * D * RP);
-            const int64_t min_pos = N - M + w.i0, max_pos = N - M + w.i1 - 1;
-            const int64_t key_end = a.causal ? max_pos + 1 : N;
-            const T* kb = k + b * a.ks[0] + hk * a.ks[1];
-            const T* vb = v + b * a.vs[0] + hk * a.vs[1];
-            const int NV = RP / VL;
+            if (nj < BN) std::memset(Vp + static_cast<int64_t>(nj) * Dp, 0, sizeof(float) * (BN - nj) * Dp);
 
-            for (int64_t j0 = 0; j0 < key_end; j0 += BN) {
-                const uint8_t st = a.kpm ? blk_state[b * nblk + j0 / BN] : 2;
-                if (st == 0) continue;  // no valid key in this block (e.g. left padding)
-                const int nj = static_cast<int>(std::min<int64_t>(BN, key_end - j0));
-                int64_t ldk, ldv;
-                const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, Kbuf, &ldk);
-                const float* Vr = rows_fp32<E>(vb, a.vs, j0, nj, D, Vbuf, &ldv);
+            qk_dot(Qt, Dp, R, Kr, ldk, static_cast<int>(D), S, BN, nj);
 
-                qk_block(Kr, ldk, Qt, RP, St, Di, nj);
+            // Key validity bias for this block: 0 or -inf (padding, tail past key_end).
+            const bool need_bias = st == 1 || nj < BN;
+            if (need_bias)
+                for (int j = 0; j < BN; ++j)
+                    kbias[j] = (j < nj && (!a.kpm || a.kpm[b * N + j0 + j])) ? 0.f : NEG_INF;
+            const bool diag = a.causal && j0 + BN - 1 > t.min_pos;
 
-                // Masks: padded keys -> -inf rows; future keys (causal) -> -inf per lane.
-                if (st == 1)
-                    for (int j = 0; j < nj; ++j)
-                        if (!a.kpm[b * N + j0 + j])
-                            for (int c = 0; c < NV; ++c) vstore(St + j * RP + c * VL, vbroadcast(NEG_INF));
-                if (a.causal && j0 + nj - 1 > min_pos) {
-                    for (int j = static_cast<int>(std::max<int64_t>(0, min_pos + 1 - j0)); j < nj; ++j) {
-                        const int32_t key = static_cast<int32_t>(j0 + j);
-                        for (int c = 0; c < NV; ++c) {
-                            const vi p = *reinterpret_cast<const vi*>(pos + c * VL);
-                            float* s = St + j * RP + c * VL;
-                            vstore(s, p < key ? vbroadcast(NEG_INF) : vload(s));
-                        }
-                    }
-                }
-
-                for (int c = 0; c < NV; ++c) {
-                    const int off = c * VL;
-                    vf bmax = vload(St + off);
-                    for (int j = 1; j < nj; ++j) {
-                        const vf x = vload(St + j * RP + off);
-                        bmax = x > bmax ? x : bmax;
-                    }
-                    const vf mold = vload(m + off);
-                    const vi better = bmax > mold;  // strictly: earlier blocks win ties
-                    const vi wantv = *reinterpret_cast<const vi*>(want + off);
-                    bool any_arg = false;
-                    for (int t = 0; t < VL; ++t) any_arg |= (better[t] & wantv[t]) != 0;
-                    if (any_arg) {  // first key in the block reaching the block max, per lane
-                        vi idx = vi{} + nj;
-                        for (int j = nj - 1; j >= 0; --j) idx = vload(St + j * RP + off) == bmax ? vi{} + j : idx;
-                        vi amv = *reinterpret_cast<const vi*>(am + off);
-                        amv = (better & wantv) ? idx + static_cast<int32_t>(j0) : amv;
-                        *reinterpret_cast<vi*>(am + off) = amv;
-                    }
-                    const vf mnew = better ? bmax : mold;
-                    // exp(-inf - -inf) would be NaN: rows with nothing valid so far subtract 0 instead.
-                    const vf msafe = mnew == vbroadcast(NEG_INF) ? vf{} : mnew;
-                    const vf alpha = vexp(mold - msafe);
-                    vstore(m + off, mnew);
-                    vf sum = vf{};
-                    for (int j = 0; j < nj; ++j) {
-                        float* s = St + j * RP + off;
-                        const vf p = vexp(vload(s) - msafe);
-                        vstore(s, p);
-                        sum += p;
-                    }
-                    vstore(l + off, vload(l + off) * alpha + sum);
-                    bool changed = false;
-                    for (int t = 0; t < VL; ++t) changed |= better[t] != 0;
-                    if (changed) {
-                        for (int64_t d = 0; d < D; ++d) vstore(Ot + d * RP + off, vload(Ot + d * RP + off) * alpha);
-                    }
-                }
-
-                pv_block(Vr, ldv, St, RP, Ot, Di, nj);
-            }
-
-            // Normalise and write out; rows that never saw a valid key give 0 and -1.
             for (int r = 0; r < R; ++r) {
-                const int64_t h = row_h[r], i = row_i[r];
-                T* op = out + b * a.os[0] + h * a.os[1] + i * a.os[2];
-                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-                for (int64_t d = 0; d < D; ++d) E::store(op + d * a.os[3], Ot[d * RP + r] * inv);
-                if (want[r]) a.argmax[(b * Hq + h) * T_ + (i - (M - T_))] = l[r] > 0.f ? am[r] : -1;
+                float* s = S + static_cast<int64_t>(r) * BN;
+                if (need_bias)
+                    for (int j = 0; j < BN; j += VL) vstore(s + j, vload(s + j) + vload(kbias + j));
+                if (diag) {
+                    const int64_t lim = pos[r] - j0;  // keys j > lim are in the future
+                    for (int64_t j = std::max<int64_t>(0, lim + 1); j < BN; ++j) s[j] = NEG_INF;
+                }
+                vf mx = vload(s);
+                for (int j = VL; j < BN; j += VL) {
+                    vf x = vload(s + j);
+                    mx = x > mx ? x : mx;
+                }
+                const float bmax = hmax(mx);
+                float* o = Ot + static_cast<int64_t>(r) * Dp;
+                if (bmax == NEG_INF) {  // nothing valid for this row in this block
+                    std::memset(s, 0, sizeof(float) * BN);
+                    continue;
+                }
+                if (bmax > m[r]) {  // strictly greater: earlier blocks win ties
+                    if (want[r]) {
+                        int j = 0;
+                        while (s[j] != bmax) ++j;
+                        am[r] = j0 + j;
+                    }
+                    if (m[r] != NEG_INF) {
+                        const float alpha = std::exp(m[r] - bmax);
+                        l[r] *= alpha;
+                        const vf av = vbroadcast(alpha);
+                        for (int d = 0; d < Dp; d += VL) vstore(o + d, vload(o + d) * av);
+                    }
+                    m[r] = bmax;
+                }
+                const vf mv = vbroadcast(m[r]);
+                vf sum = vf{};
+                for (int j = 0; j < BN; j += VL) {
+                    vf p = vexp(vload(s + j) - mv);
+                    vstore(s + j, p);
+                    sum += p;
+                }
+                l[r] += hsum(sum);
             }
-        }
-        std::free(Qt);
-        std::free(Ot);
-        std::free(St);
-        std::free(m);
-        std::free(l);
-        std::free(am);
-        std::free(pos);
-        std::free(want);
-        std::free(Kbuf);
-        std::free(Vbuf);
-    }
-    return failed ? 2 : 0;
+
+            pv_rows<MR_PV>(S, BN, Vp, Dp, Ot, Dp, Dp, nj, R);
+        });
+
+        for (int r = 0; r < R; ++r)
+            store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + static_cast<int64_t>(r) * Dp, 1, l[r], want[r], am[r]);
+    });
 }
 
-// Lanes path when a tile fills at least one 16-row vector, row-major path otherwise (decode).
+// ---- lanes tiles (prefill) ---------------------------------------------------------------------------
+
 template <class E>
-int run(const Args& a) {
+void run_lanes(const Args& a, const Plan& plan, int threads) {
+    using T = typename E::T;
+    const T* k = static_cast<const T*>(a.k);
+    const T* v = static_cast<const T*>(a.v);
+    const int64_t M = a.M, N = a.N, D = a.D, T_ = a.T;
+    const int BN = a.block_n;
+    const int Di = static_cast<int>(D);
+    const int64_t max_rp = round_up(plan.max_rows, VL);
+    const bool convert = !std::is_same_v<E, F32> || a.ks[3] != 1 || a.vs[3] != 1;
+    struct Bufs {
+        float *Qt, *Ot, *St, *m, *l;
+        int32_t *am, *pos, *want;
+        float *Kbuf, *Vbuf;
+    };
+    const auto carve = [&](Carve& c) RETMASK_LAMBDA_INLINE {
+        return Bufs{c.take<float>(D * max_rp),     c.take<float>(D * max_rp), c.take<float>(BN * max_rp),
+                    c.take<float>(max_rp),         c.take<float>(max_rp),     c.take<int32_t>(max_rp),
+                    c.take<int32_t>(max_rp),       c.take<int32_t>(max_rp),   c.take<float>(convert ? BN * D : 0),
+                    c.take<float>(convert ? BN * D : 0)};
+    };
+    for_each_item(a, plan, threads, carve, [&](const Bufs& buf, const Tile& t) RETMASK_LAMBDA_INLINE {
+        float *const Qt = buf.Qt, *const Ot = buf.Ot, *const St = buf.St, *const m = buf.m, *const l = buf.l;
+        int32_t *const am = buf.am, *const pos = buf.pos, *const want = buf.want;
+        const int64_t b = t.b;
+        const int R = t.R;
+        // Tile rows padded to RP (a multiple of 16): padding rows see no key and hold zeros.
+        const int RP = (R + VL - 1) / VL * VL;
+        for (int r = 0; r < RP; ++r) {
+            const bool real = r < R;
+            pos[r] = real ? static_cast<int32_t>(N - M + t.row_i[r]) : -1;  // padding rows see nothing
+            want[r] = real && a.argmax && T_ && t.row_i[r] >= M - T_ ? -1 : 0;
+            m[r] = NEG_INF;
+            l[r] = 0.f;
+            am[r] = -1;
+            if (real) {
+                load_q_row<E>(a, b, t.row_h[r], t.row_i[r], Qt + r, RP);
+            } else {
+                for (int64_t d = 0; d < D; ++d) Qt[d * RP + r] = 0.f;
+            }
+        }
+        std::memset(Ot, 0, sizeof(float) * D * RP);
+        const T* kb = k + b * a.ks[0] + t.hk * a.ks[1];
+        const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
+        const int NV = RP / VL;
+        const int64_t min_pos = t.min_pos;
+
+        for_each_key_block(a, plan, b, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
+            int64_t ldk, ldv;
+            const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk);
+            const float* Vr = rows_fp32<E>(vb, a.vs, j0, nj, D, buf.Vbuf, &ldv);
+
+            qk_block(Kr, ldk, Qt, RP, St, Di, nj);
+
+            // Masks: padded keys -> -inf rows; future keys (causal) -> -inf per lane.
+            if (st == 1)
+                for (int j = 0; j < nj; ++j)
+                    if (!a.kpm[b * N + j0 + j])
+                        for (int c = 0; c < NV; ++c) vstore(St + j * RP + c * VL, vbroadcast(NEG_INF));
+            if (a.causal && j0 + nj - 1 > min_pos) {
+                for (int j = static_cast<int>(std::max<int64_t>(0, min_pos + 1 - j0)); j < nj; ++j) {
+                    const int32_t key = static_cast<int32_t>(j0 + j);
+                    for (int c = 0; c < NV; ++c) {
+                        const vi p = *reinterpret_cast<const vi*>(pos + c * VL);
+                        float* s = St + j * RP + c * VL;
+                        vstore(s, p < key ? vbroadcast(NEG_INF) : vload(s));
+                    }
+                }
+            }
+
+            for (int c = 0; c < NV; ++c) {
+                const int off = c * VL;
+                vf bmax = vload(St + off);
+                for (int j = 1; j < nj; ++j) {
+                    const vf x = vload(St + j * RP + off);
+                    bmax = x > bmax ? x : bmax;
+                }
+                const vf mold = vload(m + off);
+                const vi better = bmax > mold;  // strictly: earlier blocks win ties
+                const vi wantv = *reinterpret_cast<const vi*>(want + off);
+                bool any_arg = false;
+                for (int u = 0; u < VL; ++u) any_arg |= (better[u] & wantv[u]) != 0;
+                if (any_arg) {  // first key in the block reaching the block max, per lane
+                    vi idx = vi{} + nj;
+                    for (int j = nj - 1; j >= 0; --j) idx = vload(St + j * RP + off) == bmax ? vi{} + j : idx;
+                    vi amv = *reinterpret_cast<const vi*>(am + off);
+                    amv = (better & wantv) ? idx + static_cast<int32_t>(j0) : amv;
+                    *reinterpret_cast<vi*>(am + off) = amv;
+                }
+                const vf mnew = better ? bmax : mold;
+                // exp(-inf - -inf) would be NaN: rows with nothing valid so far subtract 0 instead.
+                const vf msafe = mnew == vbroadcast(NEG_INF) ? vf{} : mnew;
+                const vf alpha = vexp(mold - msafe);
+                vstore(m + off, mnew);
+                vf sum = vf{};
+                for (int j = 0; j < nj; ++j) {
+                    float* s = St + j * RP + off;
+                    const vf p = vexp(vload(s) - msafe);
+                    vstore(s, p);
+                    sum += p;
+                }
+                vstore(l + off, vload(l + off) * alpha + sum);
+                bool changed = false;
+                for (int u = 0; u < VL; ++u) changed |= better[u] != 0;
+                if (changed) {
+                    for (int64_t d = 0; d < D; ++d) vstore(Ot + d * RP + off, vload(Ot + d * RP + off) * alpha);
+                }
+            }
+
+            pv_block(Vr, ldv, St, RP, Ot, Di, nj);
+        });
+
+        for (int r = 0; r < R; ++r)
+            store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + r, RP, l[r], want[r] != 0, am[r]);
+    });
+}
+
+// Lanes path when a tile fills at least one 16-row vector, row-major path otherwise (decode). Calls too
+// small to split run on the calling thread; others on `threads` threads, at most one per work item.
+template <class E>
+void run(const Args& a, int threads) {
     const Plan plan = make_plan<E>(a);
-    return plan.max_rows >= VL ? run_lanes<E>(a, plan) : run_rows<E>(a, plan);
+    threads = plan.parallel() ? static_cast<int>(std::min<int64_t>(threads, plan.items.size())) : 1;
+    if (plan.max_rows >= VL)
+        run_lanes<E>(a, plan, threads);
+    else
+        run_rows<E>(a, plan, threads);
+}
+
+[[noreturn]] void bad(const char* field, const std::string& what) {
+    throw std::invalid_argument(std::string(field) + ": " + what);
+}
+
+std::string str(int64_t x) { return std::to_string(x); }
+
+void check(const retmask::AttentionFwdArgs& p) {
+    using retmask::DType;
+    if (p.dtype != DType::Float32 && p.dtype != DType::Float16 && p.dtype != DType::BFloat16)
+        bad("dtype", "code " + str(static_cast<int>(p.dtype)) + " is not float32 (0), float16 (1) or bfloat16 (2)");
+    if (p.B < 0) bad("B", "batch size " + str(p.B) + " < 0");
+    if (p.Hq <= 0) bad("Hq", str(p.Hq) + " query heads, need at least 1");
+    if (p.Hkv <= 0 || p.Hq % p.Hkv)
+        bad("Hkv", str(p.Hkv) + " key/value heads do not divide Hq = " + str(p.Hq) + " query heads");
+    if (p.N < 0 || p.N >= (int64_t(1) << 31)) bad("N", str(p.N) + " keys, need 0 <= N < 2^31");
+    if (p.M < 0 || p.M > p.N)
+        bad("M", str(p.M) + " query rows for N = " + str(p.N) + " keys (need 0 <= M <= N: the queries are the last M positions)");
+    if (p.D <= 0) bad("D", "head dim " + str(p.D) + ", need at least 1");
+    if (p.argmax_rows < 0 || p.argmax_rows > p.M)
+        bad("argmax_rows", str(p.argmax_rows) + " is not in [0, M = " + str(p.M) + "]");
+    if (p.block_m <= 0) bad("block_m", str(p.block_m) + " rows per work item, need at least 1");
+    if (p.block_n <= 0 || p.block_n % 32) bad("block_n", str(p.block_n) + " keys per block, need a positive multiple of 32");
+    if (p.B > 0 && p.M > 0) {  // pointers the kernel reads or writes
+        if (!p.q) bad("q", "null data pointer");
+        if (!p.k) bad("k", "null data pointer");
+        if (!p.v) bad("v", "null data pointer");
+        if (!p.out) bad("out", "null data pointer");
+        if (p.argmax_rows > 0 && !p.argmax) bad("argmax", "null data pointer with argmax_rows = " + str(p.argmax_rows));
+    }
 }
 
 }  // namespace
 
-extern "C" {
+namespace retmask {
 
-// Returns 0 on success, 1 for bad arguments, 2 if scratch memory could not be allocated.
-// dtype: 0 = float32, 1 = float16, 2 = bfloat16 (q, k, v and out share it).
-// Strides are in elements, [4] each for q [B,Hq,M,D], k/v [B,Hkv,N,D], out [B,Hq,M,D].
-// argmax: int64 [B,Hq,T] contiguous (T = argmax_rows > 0) or null; key_padding_mask: uint8 [B,N]
-// contiguous, 1 = valid, or null; skip_heads: uint8 [B,Hq] contiguous, 1 = skipped, or null.
-// block_m: tile rows per work item (summed over the active heads of a kv group); block_n: keys per
-// block, multiple of 32. num_threads <= 0 keeps the OpenMP default.
-int retmask_attention_fwd_cpu(int dtype, const void* q, const int64_t* q_strides, const void* k,
-                              const int64_t* k_strides, const void* v, const int64_t* v_strides, void* out,
-                              const int64_t* out_strides, int64_t* argmax, const uint8_t* key_padding_mask,
-                              const uint8_t* skip_heads, int64_t B, int64_t Hq, int64_t Hkv, int64_t M,
-                              int64_t N, int64_t D, int causal, float sm_scale, int64_t argmax_rows,
-                              int block_m, int block_n, int num_threads) {
-    if (B < 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv || M < 0 || M > N || D <= 0 || argmax_rows < 0 ||
-        argmax_rows > M || N >= (int64_t(1) << 31) || block_m <= 0 || block_n <= 0 || block_n % 32)
-        return 1;
-    if (argmax_rows > 0 && !argmax) return 1;
-    Args a{q, k, v, q_strides, k_strides, v_strides, out_strides, out, argmax, key_padding_mask, skip_heads,
-           B, Hq, Hkv, M, N, D, argmax_rows, causal != 0, sm_scale, block_m, block_n};
-    if (B == 0 || M == 0) return 0;
+void attention_fwd_cpu(const AttentionFwdArgs& p) {
+    check(p);
+    if (p.B == 0 || p.M == 0) return;
+    const Args a{p.q,   p.k,  p.v,  p.q_strides.data(), p.k_strides.data(), p.v_strides.data(), p.out_strides.data(),
+                 p.out, p.argmax, p.key_padding_mask, p.skip_heads, p.B, p.Hq, p.Hkv, p.M, p.N, p.D, p.argmax_rows,
+                 p.causal, p.sm_scale, p.block_m, p.block_n};
+    int threads = p.num_threads;
 #ifdef _OPENMP
-    int saved = omp_get_max_threads();
-    if (num_threads > 0) omp_set_num_threads(num_threads);
+    if (threads <= 0) threads = omp_get_max_threads();
 #else
-    (void)num_threads;
+    threads = 1;
 #endif
-    int rc = 1;
-    switch (dtype) {
-        case 0: rc = run<F32>(a); break;
-        case 1: rc = run<F16>(a); break;
-        case 2: rc = run<BF16>(a); break;
-        default: rc = 1;
+    switch (p.dtype) {
+        case DType::Float32: run<F32>(a, threads); break;
+        case DType::Float16: run<F16>(a, threads); break;
+        default: run<BF16>(a, threads); break;
     }
-#ifdef _OPENMP
-    if (num_threads > 0) omp_set_num_threads(saved);
-#endif
-    return rc;
 }
 
-}  // extern "C"
+}  // namespace retmask

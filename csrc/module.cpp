@@ -1,9 +1,178 @@
-// Python module shell for retmask._C. The kernels themselves export a C ABI (see attention_cpu.cpp)
-// and are called through ctypes, so this module defines no Python methods.
-#include <Python.h>
+// retmask._C: the pybind11 binding of the fused CPU attention kernel (attention_cpu.h).
+//
+// No torch headers: tensors arrive as (data pointer, dtype code, shape, strides) tuples of plain integers,
+// so the module builds against any torch (or none) and never links libtorch. The binding checks what the
+// kernel relies on and raises ValueError naming the bad argument (wrong dtype code, mismatched shapes,
+// non-contiguous argmax / masks; the kernel adds its own checks on sizes and tile settings), MemoryError if
+// the kernel's scratch cannot be allocated, TypeError (from pybind11) for arguments of the wrong type or
+// number. The compute runs without the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
-static struct PyModuleDef retmask_c_module = {
-    PyModuleDef_HEAD_INIT, "_C", "retmask fused CPU kernels (C ABI, loaded via ctypes)", -1, nullptr,
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "attention_cpu.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using retmask::DType;
+
+// A tensor as Python passes it: (data_ptr(), dtype code, shape, stride()), strides in elements.
+using TensorArg = std::tuple<std::uintptr_t, int, std::vector<int64_t>, std::vector<int64_t>>;
+
+const char* dtype_name(int code) {
+    switch (code) {
+        case static_cast<int>(DType::Float32): return "float32";
+        case static_cast<int>(DType::Float16): return "float16";
+        case static_cast<int>(DType::BFloat16): return "bfloat16";
+        case static_cast<int>(DType::Int64): return "int64";
+        case static_cast<int>(DType::Bool): return "bool";
+        default: return nullptr;
+    }
+}
+
+std::string dtype_str(int code) {
+    const char* n = dtype_name(code);
+    return n ? n : "unknown dtype code " + std::to_string(code);
+}
+
+std::string dims_str(const std::vector<int64_t>& v) {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+    return s + "]";
+}
+
+[[noreturn]] void bad(const char* name, const std::string& what) {
+    throw std::invalid_argument(std::string(name) + ": " + what);
+}
+
+struct Tensor {
+    const char* name;
+    std::uintptr_t ptr;
+    int dtype;
+    const std::vector<int64_t>& shape;
+    const std::vector<int64_t>& strides;
 };
 
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&retmask_c_module); }
+// Unpacks a tensor argument and checks its rank and, for expect >= 0, its dtype code.
+Tensor unpack(const char* name, const TensorArg& t, size_t ndim, int expect) {
+    Tensor x{name, std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
+    if (x.shape.size() != ndim)
+        bad(name, "expected " + std::to_string(ndim) + " dims, got shape " + dims_str(x.shape));
+    if (x.strides.size() != ndim)
+        bad(name, "expected " + std::to_string(ndim) + " strides, got " + dims_str(x.strides));
+    if (expect >= 0 && x.dtype != expect)
+        bad(name, "dtype " + dtype_str(x.dtype) + ", expected " + dtype_str(expect));
+    return x;
+}
+
+void expect_shape(const Tensor& x, const std::vector<int64_t>& want, const char* what) {
+    if (x.shape != want) bad(x.name, "shape " + dims_str(x.shape) + ", expected " + what + " = " + dims_str(want));
+}
+
+// Row-major contiguous (strides of size-1 dims do not matter, as in torch).
+void expect_contiguous(const Tensor& x) {
+    int64_t expected = 1;
+    for (size_t i = x.shape.size(); i-- > 0;) {
+        if (x.shape[i] != 1 && x.strides[i] != expected)
+            bad(x.name, "must be contiguous, got strides " + dims_str(x.strides) + " for shape " + dims_str(x.shape));
+        expected *= x.shape[i];
+    }
+}
+
+std::array<int64_t, 4> strides4(const Tensor& x) {
+    return {x.strides[0], x.strides[1], x.strides[2], x.strides[3]};
+}
+
+void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorArg& v_arg, const TensorArg& out_arg,
+                   const std::optional<TensorArg>& argmax_arg, const std::optional<TensorArg>& kpm_arg,
+                   const std::optional<TensorArg>& skip_arg, bool causal, float sm_scale, int block_m, int block_n,
+                   int num_threads) {
+    const Tensor q = unpack("q", q_arg, 4, -1);
+    if (q.dtype != static_cast<int>(DType::Float32) && q.dtype != static_cast<int>(DType::Float16) &&
+        q.dtype != static_cast<int>(DType::BFloat16))
+        bad("q", "dtype " + dtype_str(q.dtype) + ", expected float32, float16 or bfloat16");
+    const Tensor k = unpack("k", k_arg, 4, q.dtype);
+    const Tensor v = unpack("v", v_arg, 4, q.dtype);
+    const Tensor out = unpack("out", out_arg, 4, q.dtype);
+    const int64_t B = q.shape[0], Hq = q.shape[1], M = q.shape[2], D = q.shape[3];
+    const int64_t Hkv = k.shape[1], N = k.shape[2];
+    expect_shape(k, {B, Hkv, N, D}, "[B, Hkv, N, D] with B and D of q");
+    expect_shape(v, k.shape, "the shape of k");
+    expect_shape(out, q.shape, "the shape of q");
+
+    retmask::AttentionFwdArgs a;
+    a.dtype = static_cast<DType>(q.dtype);
+    a.q = reinterpret_cast<const void*>(q.ptr);
+    a.k = reinterpret_cast<const void*>(k.ptr);
+    a.v = reinterpret_cast<const void*>(v.ptr);
+    a.out = reinterpret_cast<void*>(out.ptr);
+    a.q_strides = strides4(q);
+    a.k_strides = strides4(k);
+    a.v_strides = strides4(v);
+    a.out_strides = strides4(out);
+    if (argmax_arg) {
+        const Tensor am = unpack("argmax", *argmax_arg, 3, static_cast<int>(DType::Int64));
+        if (am.shape[0] != B || am.shape[1] != Hq)
+            bad("argmax", "shape " + dims_str(am.shape) + ", expected [B, Hq, argmax_rows] = [" + std::to_string(B) +
+                              ", " + std::to_string(Hq) + ", T]");
+        expect_contiguous(am);
+        a.argmax_rows = am.shape[2];  // the kernel checks 0 <= T <= M
+        if (a.argmax_rows > 0) a.argmax = reinterpret_cast<int64_t*>(am.ptr);
+    }
+    if (kpm_arg) {
+        const Tensor kpm = unpack("key_padding_mask", *kpm_arg, 2, static_cast<int>(DType::Bool));
+        expect_shape(kpm, {B, N}, "[B, N]");
+        expect_contiguous(kpm);
+        a.key_padding_mask = reinterpret_cast<const uint8_t*>(kpm.ptr);
+    }
+    if (skip_arg) {
+        const Tensor skip = unpack("skip_heads", *skip_arg, 2, static_cast<int>(DType::Bool));
+        expect_shape(skip, {B, Hq}, "[B, Hq]");
+        expect_contiguous(skip);
+        a.skip_heads = reinterpret_cast<const uint8_t*>(skip.ptr);
+    }
+    a.B = B;
+    a.Hq = Hq;
+    a.Hkv = Hkv;
+    a.M = M;
+    a.N = N;
+    a.D = D;
+    a.causal = causal;
+    a.sm_scale = sm_scale;
+    a.block_m = block_m;
+    a.block_n = block_n;
+    a.num_threads = num_threads;
+
+    py::gil_scoped_release no_gil;
+    retmask::attention_fwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "retmask fused CPU attention kernel (C++/OpenMP, no torch headers)";
+    py::dict codes;
+    for (int c = 0; c <= static_cast<int>(DType::Bool); ++c) codes[dtype_name(c)] = c;
+    m.attr("DTYPE_CODES") = codes;
+    m.def("attention_fwd", &attention_fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+          py::arg("argmax").none(true), py::arg("key_padding_mask").none(true), py::arg("skip_heads").none(true),
+          py::arg("causal"), py::arg("sm_scale"), py::arg("block_m"), py::arg("block_n"), py::arg("num_threads"),
+          R"doc(Fused attention forward with per-row argmax of the logits and head skipping.
+
+Tensors are (data_ptr, dtype code, shape, strides) tuples (codes: DTYPE_CODES; strides in elements):
+q [B, Hq, M, D] and out (same shape) of float32 / float16 / bfloat16, any strides; k, v [B, Hkv, N, D]
+of q's dtype, any strides; argmax int64 [B, Hq, T] contiguous or None: the argmax of the logits of the
+last T query rows (-1 where a row has no valid key); key_padding_mask bool [B, N] contiguous (True = valid)
+or None; skip_heads bool [B, Hq] contiguous (True = skipped: zeros and -1) or None. Writes every element
+of out and argmax. block_m: tile rows per work item; block_n: keys per block (multiple of 32);
+num_threads: OpenMP threads for calls large enough to split (<= 0: the OpenMP default).
+Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
+}

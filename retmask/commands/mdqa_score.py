@@ -7,9 +7,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from retmask.commands.argtypes import positive_int, unit_float
+from retmask.commands.common import reports_errors
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from retmask.evaluate.mdqa_score import DEFAULT_EPSILON
+    from retmask.methods.mudaf.config import DEFAULT_EPSILON
 
     p = subparsers.add_parser(
         "mdqa-score",
@@ -22,36 +25,58 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "<out>.run.json record with per-head mean F1 / EM / golden mass, and optionally a heatmap."
         ),
     )
-    p.add_argument("--data", type=Path, required=True, help="MDQA JSONL (python -m retmask.mdqa writes one)")
+    p.add_argument(
+        "--data",
+        type=Path,
+        required=True,
+        help="MDQA JSONL (python -m retmask.methods.mudaf.mdqa writes one)",
+    )
     p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--out", type=Path, required=True, help="scores JSON to write")
     p.add_argument("--plot", type=Path, help="heatmap PNG of the mean F1 per head")
-    p.add_argument("--epsilon", type=float, default=DEFAULT_EPSILON,
+    p.add_argument("--epsilon", type=unit_float, default=DEFAULT_EPSILON,
                    help=f"attended = mass > ε (default {DEFAULT_EPSILON}, the MuDAF reference code's value; small models "
                         "spread their mass thinner: SmolLM2-135M with 8 passages needs ~0.05, see "
                         "bench/results/mudaf_smollm2.md)")  # fmt: skip
-    p.add_argument("--limit", type=int, help="score only the first N examples")
-    p.add_argument("--batch-size", type=int, default=1, help="examples per forward call (default 1)")
-    p.add_argument("--max-length", type=int, help="token limit per prompt (default: the model's context)")
+    p.add_argument("--limit", type=positive_int, help="score only the first N examples")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="examples per forward call (default 1)")
+    p.add_argument(
+        "--max-length", type=positive_int, help="token limit per prompt (default: the model's context)"
+    )
     p.add_argument("--answers", action="store_true",
                    help="also generate greedy answers and report answer accuracy (in the record)")  # fmt: skip
     p.add_argument("--masses", action="store_true",
                    help="also write <out stem>.masses.npz: per-example, per-head passage masses (re-score at any ε)")  # fmt: skip
-    p.add_argument("--top", type=int, default=10, help="print the N best heads (default 10)")
+    p.add_argument("--top", type=positive_int, default=10, help="print the N best heads (default 10)")
     p.set_defaults(func=run)
     return p
 
 
+@reports_errors(interrupt_hint=None)
 def run(args: argparse.Namespace) -> int:
+    from retmask.runfiles import RunLock, check_writable
+
+    check_writable(args.out, what="--out")
+    for path, what in (
+        (args.plot, "--plot"),
+        (args.out.with_name(args.out.stem + ".run.json"), "run record"),
+    ):
+        if path is not None:
+            check_writable(path, what=what)
+    with RunLock(args.out):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import retmask
-    from retmask.evaluate.mdqa_score import (
+    from retmask.methods.mudaf.mdqa import MDQAError, load_mdqa
+    from retmask.methods.mudaf.score import (
         MDQAScoreConfig,
         answer_accuracy,
         score_mdqa,
         top_heads,
         write_scores,
     )
-    from retmask.mdqa import MDQAError, load_mdqa
 
     try:
         if args.limit is not None and args.limit < 1:

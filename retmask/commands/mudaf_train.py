@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from retmask.commands.argtypes import nonneg_float, nonneg_int, positive_float, positive_int, unit_float
+from retmask.commands.common import reports_errors
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from retmask.train.mudaf import MuDAFConfig
-    from retmask.train.mudaf_loss import SIMILARITIES
+    from retmask.methods.mudaf.config import SIMILARITIES, MuDAFConfig
 
     d = MuDAFConfig()
     p = subparsers.add_parser(
@@ -31,50 +33,69 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--heads", type=Path, help="heads JSON (retmask mask / a list of [layer, head])")
     src.add_argument("--scores", type=Path, help="MDQA scores JSON (retmask mdqa-score): sample the heads")
-    p.add_argument("--num-heads", type=int, default=8, help="heads to sample with --scores (default 8)")
     p.add_argument(
-        "--head-temperature", type=float, default=0.05, help="sampling τ with --scores (default 0.05)"
+        "--num-heads", type=positive_int, default=8, help="heads to sample with --scores (default 8)"
+    )
+    p.add_argument(
+        "--head-temperature",
+        type=positive_float,
+        default=0.05,
+        help="sampling τ with --scores (default 0.05)",
     )
     p.add_argument(
         "--vanilla-sft", action="store_true", help="λ = 0: CLM only (L_CON still logged if heads given)"
     )
-    p.add_argument("--lambda", dest="lambda_con", type=float, default=d.lambda_con,
+    p.add_argument("--lambda", dest="lambda_con", type=nonneg_float, default=d.lambda_con,
                    help=f"λ in L_CLM + λ·L_CON (paper Eq. 8; default {d.lambda_con:g})")  # fmt: skip
-    p.add_argument("--alpha", type=float,
+    p.add_argument("--alpha", type=unit_float,
                    help="use (1-α)·L_CLM + α·L_CON instead (the reference code's form; it used α = 0.3)")  # fmt: skip
     p.add_argument(
-        "--temperature", type=float, default=d.temperature, help="L_CON temperature (default 0.05)"
+        "--temperature", type=positive_float, default=d.temperature, help="L_CON temperature (default 0.05)"
     )
     p.add_argument("--similarity", choices=SIMILARITIES, default=d.similarity,
                    help="concat: one cosine over all heads' vectors (the paper's choice); per-head: Eq. 7 summed")  # fmt: skip
     p.add_argument(
-        "--lr", type=float, default=d.learning_rate, help=f"learning rate (default {d.learning_rate:g})"
-    )
-    p.add_argument("--steps", type=int, default=d.max_steps, help=f"optimizer steps (default {d.max_steps})")
-    p.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help="examples per micro-batch (default 1)"
-    )
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step (default 1)")
-    p.add_argument(
-        "--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps (default 0)"
+        "--lr",
+        type=positive_float,
+        default=d.learning_rate,
+        help=f"learning rate (default {d.learning_rate:g})",
     )
     p.add_argument(
-        "--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (default 0)"
+        "--steps", type=positive_int, default=d.max_steps, help=f"optimizer steps (default {d.max_steps})"
     )
-    p.add_argument("--max-length", type=int, help="token limit per example (default: the model's context)")
-    p.add_argument("--limit", type=int, help="train on the first N examples only")
-    p.add_argument("--seed", type=int, default=d.seed, help="data order and head sampling seed (default 0)")
     p.add_argument(
-        "--save-every", type=int, default=0, help="write <out>/resume.pt every N steps (default off)"
+        "--batch-size", type=positive_int, default=d.batch_size, help="examples per micro-batch (default 1)"
+    )
+    p.add_argument(
+        "--grad-accum", type=positive_int, default=d.grad_accum, help="micro-batches per step (default 1)"
+    )
+    p.add_argument(
+        "--warmup-steps", type=nonneg_int, default=d.warmup_steps, help="linear warm-up steps (default 0)"
+    )
+    p.add_argument(
+        "--weight-decay", type=nonneg_float, default=d.weight_decay, help="AdamW weight decay (default 0)"
+    )
+    p.add_argument(
+        "--max-length", type=positive_int, help="token limit per example (default: the model's context)"
+    )
+    p.add_argument("--limit", type=positive_int, help="train on the first N examples only")
+    p.add_argument(
+        "--seed", type=nonneg_int, default=d.seed, help="data order and head sampling seed (default 0)"
+    )
+    p.add_argument(
+        "--save-every", type=nonneg_int, default=0, help="write <out>/resume.pt every N steps (default off)"
     )
     p.add_argument("--resume", action="store_true", help="continue from <out>/resume.pt")
+    p.add_argument(
+        "--overwrite", action="store_true", help="start over, replacing an earlier run's checkpoint in --out"
+    )
     p.set_defaults(func=run)
     return p
 
 
 def select(args: argparse.Namespace, model_shape: list[int]):
     """The target heads (a HeadSelection) from --heads or --scores, or None."""
-    from retmask.selection import load_scores, mudaf_selection, read_heads
+    from retmask.heads.selection import load_scores, mudaf_selection, read_heads
 
     if args.heads is not None:
         return read_heads(args.heads, model_shape)
@@ -86,12 +107,30 @@ def select(args: argparse.Namespace, model_shape: list[int]):
     return None
 
 
+@reports_errors(
+    interrupt_hint="continue with the same command plus --resume (from the last <out>/resume.pt; "
+    "written every --save-every N steps)"
+)
 def run(args: argparse.Namespace) -> int:
+    from retmask.runfiles import RunLock, check_fresh_or_resume, check_writable
+
+    check_writable(args.out, what="--out", directory=True)
+    check_fresh_or_resume([], resume=args.resume, overwrite=args.overwrite)  # not both
+    with RunLock(args.out):
+        # the folder's own files only (never the whole folder: it may hold other things)
+        earlier = [args.out / name for name in ("resume.pt", "mudaf_train.json")]
+        check_fresh_or_resume(
+            earlier, resume=args.resume, overwrite=args.overwrite, what="an earlier training"
+        )
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import retmask
+    from retmask.heads.selection import SelectionError, write_heads
     from retmask.hf.layers import head_layout
-    from retmask.mdqa import MDQAError, load_mdqa
-    from retmask.selection import SelectionError, write_heads
-    from retmask.train.mudaf import MuDAFConfig, train_mudaf
+    from retmask.methods.mudaf.mdqa import MDQAError, load_mdqa
+    from retmask.methods.mudaf.train import MuDAFConfig, train_mudaf
 
     try:
         if args.limit is not None and args.limit < 1:

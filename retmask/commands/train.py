@@ -7,9 +7,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.selection import SelectionError
-from retmask.train.config import TrainConfig
-from retmask.train.pairs import PairsError
+from retmask.commands.argtypes import (
+    float_range,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    steps_or_off,
+    unit_float,
+)
+from retmask.commands.common import reports_errors
+from retmask.heads.selection import SelectionError
+from retmask.methods.retmask.pairs import PairsError
+from retmask.methods.retmask.train_config import TrainConfig
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -20,49 +30,63 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "TRL DPOTrainer (sigmoid loss), policy loaded with attn_implementation='retmask', reference = a "
             "frozen copy of the original model. Defaults follow the RetMask paper: AdamW (0.9, 0.95), weight "
-            "decay 0.1, lr 5e-7 with 10%% linear warm-up then cosine to 5e-8, beta 0.1, 2 epochs. Prompts that "
+            "decay 0.1, lr 5e-7 with 10% linear warm-up then cosine to 5e-8, beta 0.1, 2 epochs. Prompts that "
             "alone reach --max-length are an error (TRL 1.16 would drop them silently)."
         ),
     )
     p.add_argument("--pairs", type=Path, required=True, help="pairs JSONL from `retmask generate`")
     p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--out", type=Path, required=True, help="folder for the trained model")
-    p.add_argument("--beta", type=float, default=d.beta, help=f"DPO beta (default {d.beta})")
+    p.add_argument("--beta", type=positive_float, default=d.beta, help=f"DPO beta (default {d.beta})")
     p.add_argument(
-        "--lr", type=float, default=d.learning_rate, help=f"peak learning rate (default {d.learning_rate})"
+        "--lr",
+        type=positive_float,
+        default=d.learning_rate,
+        help=f"peak learning rate (default {d.learning_rate})",
     )
     p.add_argument(
-        "--min-lr-rate", type=float, default=d.min_lr_rate, help="final lr / peak lr (default 0.1)"
+        "--min-lr-rate", type=unit_float, default=d.min_lr_rate, help="final lr / peak lr (default 0.1)"
     )
-    p.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio, help="default 0.1")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="default 0.1")
-    p.add_argument("--epochs", type=float, default=d.epochs, help=f"default {d.epochs:g}")
-    p.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after N optimizer steps")
     p.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help=f"per device (default {d.batch_size})"
+        "--warmup-ratio", type=float_range(0.0, 1.0, hi_open=True), default=d.warmup_ratio, help="default 0.1"
     )
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help=f"default {d.grad_accum}")
-    p.add_argument("--max-length", type=int, default=d.max_length,
+    p.add_argument("--weight-decay", type=nonneg_float, default=d.weight_decay, help="default 0.1")
+    p.add_argument("--epochs", type=positive_float, default=d.epochs, help=f"default {d.epochs:g}")
+    p.add_argument("--max-steps", type=steps_or_off, default=d.max_steps,
+                   help="stop after N optimizer steps (default -1: --epochs decides)")  # fmt: skip
+    p.add_argument(
+        "--batch-size", type=positive_int, default=d.batch_size, help=f"per device (default {d.batch_size})"
+    )
+    p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum, help=f"default {d.grad_accum}")
+    p.add_argument("--max-length", type=positive_int, default=d.max_length,
                    help=f"prompt + response tokens (default {d.max_length}); longer responses are truncated")  # fmt: skip
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=nonneg_int, default=d.seed)
     p.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for memory")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU only; CPU stays fp32)")
     p.add_argument(
         "--sft", action="store_true", help="SFT on the chosen responses only (the paper's baseline)"
     )
-    p.add_argument("--telemetry-every", type=int, metavar="N",
+    p.add_argument("--telemetry-every", type=positive_int, metavar="N",
                    help="every N optimizer steps (and at step 0 and the end) probe the retrieval score of the masked "
                         "heads vs the other heads (logged as retrieval/*; telemetry.json/.png in --out)")  # fmt: skip
     p.add_argument("--telemetry-heads", type=Path, metavar="FILE",
                    help="masked heads for the telemetry (default: the heads recorded with the pairs by `retmask generate`)")  # fmt: skip
+    p.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="train on the pairs of an unfinished `retmask generate` run (refused by default)",
+    )
     p.set_defaults(func=run)
     return p
 
 
+@reports_errors(interrupt_hint="nothing resumable was written (training restarts from the beginning)")
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from retmask.train.dpo import train_dpo, train_sft
+    from retmask.methods.retmask.dpo import train_dpo, train_sft
+    from retmask.methods.retmask.pair_file import unfinished_generation
+    from retmask.runfiles import RunLock, check_writable
 
     cfg = TrainConfig(
         learning_rate=args.lr, min_lr_rate=args.min_lr_rate, warmup_ratio=args.warmup_ratio,
@@ -78,16 +102,26 @@ def run(args: argparse.Namespace) -> int:
             raise PairsError("--warmup-ratio must be in [0, 1) and --min-lr-rate in [0, 1]")
         if cfg.bf16 and not torch.cuda.is_available():
             raise PairsError("--bf16 needs a GPU; on CPU training runs in fp32")
+        unfinished = unfinished_generation(args.pairs)
+        if unfinished and not args.allow_incomplete:
+            raise PairsError(f"{unfinished}, or pass --allow-incomplete to train on it as it is")
+        if unfinished:
+            print(
+                f"retmask train: warning: {unfinished}; training on it anyway (--allow-incomplete)",
+                file=sys.stderr,
+            )
+        check_writable(args.out, what="--out", directory=True)
         callbacks = None
         if args.telemetry_every is not None:
-            from retmask.train.telemetry import RetrievalTelemetry, heads_for_pairs
+            from retmask.methods.retmask.telemetry import RetrievalTelemetry, heads_for_pairs
 
             heads = heads_for_pairs(args.pairs, args.telemetry_heads)
             callbacks = [RetrievalTelemetry(heads, args.telemetry_every)]
         elif args.telemetry_heads is not None:
             raise PairsError("--telemetry-heads needs --telemetry-every N")
         fn = train_sft if args.sft else train_dpo
-        result = fn(args.pairs, args.out, args.model, cfg, callbacks=callbacks)
+        with RunLock(args.out):
+            result = fn(args.pairs, args.out, args.model, cfg, callbacks=callbacks)
     except (PairsError, SelectionError, ValueError) as e:
         print(f"retmask train: error: {e}", file=sys.stderr)
         return 2

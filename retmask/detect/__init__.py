@@ -1,18 +1,19 @@
-"""Retrieval-head detection (Wu et al. 2024 retrieval score; DESIGN.md §1).
+"""Retrieval-head detection (Wu et al. 2024 retrieval score).
 
 core.py     per-test copy counting: the step-by-step oracle and the fast path (proven equal by tests)
 drafts.py   drafts for the fast path's verification passes: earlier answers to the needle, prompt lookup
 kv_cache.py a KV cache that appends in place (no copy of the whole cache per pass)
 stopping.py newline / EOS stop tokens
 scores.py   per-head scores JSON, summary, sparsity histogram, the --until-stable rule
-run.py      the driver: grid, prefix-ordered execution, earlier answers per needle, resume, run record
+answers.py  the answer loop shared with NIAH evaluation: prefix order, earlier answers per needle
+run.py      the driver: grid, tests, resume, scores, run record
 shard.py    torchrun / accelerate multi-process sharding (gloo; whole needles), merged = single-process result
 """
 
-from .core import FastDetector, TestOutcome, oracle_detect
-from .run import DetectConfig, DetectResult, run_detect
-from .scores import head_scores, summarize
-from .stopping import stop_token_ids
+from retmask.detect.core import FastDetector, TestOutcome, oracle_detect
+from retmask.detect.run import DetectConfig, DetectResult, run_detect
+from retmask.detect.scores import head_scores, summarize
+from retmask.detect.stopping import stop_token_ids
 
 __all__ = [
     "DetectConfig",

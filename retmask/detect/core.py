@@ -3,12 +3,13 @@
 Both return, for one prompt, the greedy answer and ``copies`` [L, Hq]: for every layer and query head the
 number of decoding steps t at which the head's most attended key ``j`` (attention row of the token fed at
 step t) lies in the needle span and ``prompt[j]`` equals the token ``y_t`` produced at that step
-(DESIGN.md §1 step 6). Decoding: greedy, at most ``max_new_tokens``, stopping after a stop token.
+(Wu et al.'s copy rule). Decoding: greedy, at most ``max_new_tokens``, stopping after a stop token.
 """
 
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -16,8 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .drafts import propose_draft
-from .kv_cache import growing_cache, reserve
+from retmask.detect.drafts import propose_draft
+from retmask.detect.kv_cache import growing_cache, reserve
+from retmask.heads import model_shape
+from retmask.hf.capture import capture_argmax
+from retmask.hf.patch import require_retmask
 
 # (prompt int64 [n], needle span, tokens generated so far, max draft length, earlier answers) -> draft
 DraftFn = Callable[[np.ndarray, tuple[int, int], list[int], int, Sequence[list[int]]], list[int]]
@@ -48,11 +52,6 @@ def attn_implementation(model, name: str) -> Iterator[None]:
         model.set_attn_implementation(old)
 
 
-def _layout(model) -> tuple[int, int]:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return cfg.num_hidden_layers, cfg.num_attention_heads
-
-
 def _new_cache(model):
     from transformers import DynamicCache
 
@@ -79,7 +78,7 @@ def oracle_detect(
     the results are the same, only the cost differs (the benchmark's faithful baseline)."""
     prompt = torch.as_tensor(np.asarray(prompt_ids), dtype=torch.long)
     device = model.device
-    num_layers, num_heads = _layout(model)
+    num_layers, num_heads = model_shape(model)
     s, e = span
     copies = np.zeros((num_layers, num_heads), dtype=np.int64)
     t0 = time.perf_counter()
@@ -158,9 +157,11 @@ class FastDetector:
         count_copies: bool = True,
         min_draft: int = 8,
     ):
-        from retmask.hf.patch import require_retmask
 
         require_retmask(model, "retmask detect's fast path")
+        for name, value in (("chunk", chunk), ("max_new_tokens", max_new_tokens)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.model = model
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.max_new_tokens = max_new_tokens
@@ -171,7 +172,7 @@ class FastDetector:
         self.prefill_impl = prefill_impl
         # False: answers only (NIAH evaluation) -- no argmax capture, ``copies`` stays all zero.
         self.count_copies = count_copies
-        self.layout = _layout(model)
+        self.layout = model_shape(model)
         self.cache = None
         self.cached = np.zeros(0, dtype=np.int64)  # token ids whose KV is in self.cache (whole chunks)
 
@@ -213,7 +214,6 @@ class FastDetector:
         """One test. ``history``: the model's earlier answers (token lists, oldest first) to the same
         needle, used only for drafts (the answer is the greedy one whatever they are). A test's result
         depends only on its prompt and ``history`` (not on the cache's previous contents)."""
-        from retmask.hf.capture import capture_argmax
 
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         n = len(prompt)

@@ -3,35 +3,47 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import os
+import itertools
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
+from retmask.detect.answers import HistoryFn, answer_tests, earlier_answers, prefix_order
+from retmask.detect.core import FastDetector
+from retmask.detect.scores import StabilityTracker, format_summary, head_scores, mean_matrix, summarize
+from retmask.detect.shard import dist_context, gather_results, shard
+from retmask.detect.stopping import stop_token_ids
+from retmask.errors import UsageError
+from retmask.heads import model_shape
+from retmask.hf.loading import load_model, max_context, parse_dtype
 from retmask.niah import (
-    PROTOCOLS,
     NiahTest,
     build_tests,
-    depth_grid,
-    length_grid,
     load_haystack,
     load_needles,
-    rouge1_recall,
+    resolve_grid,
 )
-
-from .core import FastDetector, _layout
-from .scores import StabilityTracker, format_summary, head_scores, mean_matrix, summarize
-from .shard import dist_context, gather_results, shard
-from .stopping import stop_token_ids
+from retmask.plotting import head_heatmap
+from retmask.runfiles import (
+    RunLock,
+    atomic_write_json,
+    check_fresh_or_resume,
+    check_same_settings,
+    check_writable,
+    read_json,
+)
 
 RECALL_THRESHOLD = 0.5  # a test counts when ROUGE-1 recall > 50% (reference: score * 100 > 50)
 PROGRESS_VERSION = 1
+
+
+class DetectError(UsageError):
+    """A detection that cannot give scores (no test counted), with the counts and what to change."""
 
 
 @dataclass
@@ -60,16 +72,10 @@ class DetectConfig:
     seed: int = 0
 
     def grid(self) -> tuple[list[int], list[int]]:
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"unknown protocol {self.protocol!r}; choose one of {sorted(PROTOCOLS)}")
-        p = PROTOCOLS[self.protocol]
-        lo = p.min_len if self.min_len is None else self.min_len
-        hi = p.max_len if self.max_len is None else self.max_len
-        nl = p.num_lengths if self.num_lengths is None else self.num_lengths
-        nd = p.num_depths if self.num_depths is None else self.num_depths
-        if nl < 1 or nd < 1 or hi < lo:
-            raise ValueError(f"empty grid: lengths {lo}..{hi} x {nl}, depths x {nd}; check the grid flags")
-        return length_grid(lo, hi, nl), depth_grid(nd)
+        return resolve_grid(
+            self.protocol, min_len=self.min_len, max_len=self.max_len,
+            num_lengths=self.num_lengths, num_depths=self.num_depths,
+        )  # fmt: skip
 
 
 @dataclass
@@ -78,23 +84,6 @@ class DetectResult:
     summary: dict
     record: dict
     results: dict[int, dict] = field(default_factory=dict)  # per test index
-
-
-def _dtype(name: str) -> torch.dtype:
-    table = {
-        "float32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-        "float64": torch.float64,
-    }
-    if name not in table:
-        raise ValueError(f"--dtype must be one of {sorted(table)}, got {name!r}")
-    return table[name]
-
-
-def max_context(model) -> int | None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(cfg, "max_position_embeddings", None)
 
 
 def check_context_limit(model, lengths: list[int], max_new_tokens: int) -> None:
@@ -106,18 +95,6 @@ def check_context_limit(model, lengths: list[int], max_new_tokens: int) -> None:
             f"{limit} tokens (max_position_embeddings); lower --max-len to at most {limit - max_new_tokens} "
             "or use a long-context model"
         )
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    """Write JSON so that a crash (kill -9) leaves either the old or the new file, never a torn one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fingerprint(cfg: DetectConfig, model, needles, haystack_text: str, lengths, depths) -> dict:
@@ -136,36 +113,6 @@ def _fingerprint(cfg: DetectConfig, model, needles, haystack_text: str, lengths,
     }
 
 
-def prefix_order(tests: list[NiahTest]) -> list[NiahTest]:
-    """Tests sorted by their prompt ids, lexicographically: neighbours share the longest prefixes, so the
-    carried KV cache computes every distinct prefix (trie node) about once."""
-    return sorted(tests, key=lambda t: (t.prompt_ids.astype(">u4").tobytes(), t.index))
-
-
-HistoryFn = Callable[[NiahTest], list[list[int]]]
-
-
-def earlier_answers(ordered: list[NiahTest], done: dict[int, dict]) -> HistoryFn:
-    """``history_of(t)``: the answers (token lists) of the tests of ``t``'s needle that come before ``t`` in
-    ``ordered`` (the prefix order of all runnable tests), read from ``done`` when asked.
-
-    Tests run in that order and processes get whole needles (``shard(..., by_needle=True)``), so when a
-    test runs, every earlier test of its needle is done -- in this process or in the run being resumed --
-    and the history, hence every verification pass's shape, is the same for any process count or resume
-    point. (A missing earlier answer would only shorten the history: the answer stays the greedy one.)"""
-    seen: dict[int, list[int]] = {}  # needle -> indices of its tests so far in ``ordered``
-    before: dict[int, list[int]] = {}  # test index -> indices of the earlier tests of its needle
-    for t in ordered:
-        earlier = seen.setdefault(t.needle_index, [])
-        before[t.index] = list(earlier)
-        earlier.append(t.index)
-
-    def history_of(t: NiahTest) -> list[list[int]]:
-        return [done[i]["tokens"] for i in before.get(t.index, []) if i in done]
-
-    return history_of
-
-
 def _test_entry(t: NiahTest, needles) -> dict:
     return {
         "index": t.index,
@@ -181,6 +128,46 @@ def _test_entry(t: NiahTest, needles) -> dict:
     }
 
 
+class DetectEta:
+    """Time left in a detection. Tests run in prefix order, so a test computes only the part of its prompt
+    past the (chunk-aligned) prefix it shares with the previous test: the first test pays a whole prefill,
+    most later ones a fraction. Left = (prompt tokens still to compute) x (prefill seconds per token so far)
+    + (tests left) x (mean decode seconds so far). A per-test average would be several times too high at the
+    start. (``--until-stable`` may stop before the end.)"""
+
+    def __init__(self, todo: list[NiahTest], chunk: int):
+        self.estimate: dict[int, int] = {}
+        prev = None
+        for t in todo:
+            prefix = np.asarray(t.prompt_ids[:-1])
+            keep = 0
+            if prev is not None:
+                m = min(len(prev), len(prefix))
+                diff = np.flatnonzero(prev[:m] != prefix[:m])
+                keep = ((int(diff[0]) if diff.size else m) // chunk) * chunk
+            self.estimate[t.index] = len(prefix) - keep
+            prev = prefix
+        self.tokens_left = sum(self.estimate.values())
+        self.tests_left = len(todo)
+        self.prefill_tokens = self.prefill_s = self.decode_s = 0.0
+        self.tests = 0
+
+    def update(self, test: NiahTest, outcome) -> None:
+        self.tokens_left -= self.estimate.get(test.index, 0)
+        self.tests_left -= 1
+        self.tests += 1
+        self.prefill_tokens += outcome.prefill_tokens
+        self.prefill_s += outcome.timings.get("prefill_s", 0.0)
+        self.decode_s += outcome.timings.get("decode_s", 0.0)
+
+    def seconds(self) -> float | None:
+        """Estimated seconds left (None before the first test)."""
+        if not self.tests:
+            return None
+        per_token = self.prefill_s / max(self.prefill_tokens, 1.0)
+        return max(0.0, self.tokens_left) * per_token + self.tests_left * self.decode_s / self.tests
+
+
 def run_tests(
     detector: FastDetector,
     tokenizer,
@@ -194,41 +181,175 @@ def run_tests(
 ) -> dict[int, dict]:
     """Run ``tests`` (already in prefix order) that are not in ``done``; ``on_result(done)`` after each
     (progress writing); ``history_of(t)``: earlier answers for the drafts (``earlier_answers``). The bar
-    counts this process's tests, done ones included."""
-    from tqdm import tqdm
-
+    counts this process's tests, done ones included; ``passed_filter`` = tests whose answer passed the
+    ROUGE-1 filter so far (only those are counted in the scores); ``eta`` = :class:`DetectEta`."""
     todo = [t for t in tests if t.index not in done]
     bar = tqdm(
-        total=len(tests), initial=len(tests) - len(todo), desc="detect", unit="test", disable=not progress_bar
-    )
-    for t in todo:
-        if tracker is not None and tracker.stable:
-            break
-        nd = needles[t.needle_index]
-        out = detector.run(t.prompt_ids, t.span, history_of(t) if history_of is not None else ())
-        response = tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
-        recall = rouge1_recall(nd.real_needle, response)
-        counted = recall > RECALL_THRESHOLD
-        entry = _test_entry(t, needles) | {
+        total=len(tests), initial=len(tests) - len(todo), desc="detect", unit="test", disable=not progress_bar,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tests [{elapsed}{postfix}]",
+    )  # fmt: skip
+    eta = DetectEta(todo, detector.chunk)
+    # Lazy: the stability check runs before each next test is answered.
+    unstable = itertools.takewhile(lambda _: tracker is None or not tracker.stable, todo)
+    for ans in answer_tests(detector, tokenizer, unstable, needles, history_of):
+        t, out = ans.test, ans.outcome
+        counted = ans.recall > RECALL_THRESHOLD
+        done[t.index] = _test_entry(t, needles) | {
             "order": len(done),
-            "response": response,
+            "response": ans.response,
             "tokens": out.tokens,
-            "rouge1_recall": recall,
+            "rouge1_recall": ans.recall,
             "counted": counted,
             "copies": out.copies.astype(int).tolist(),
             "passes": out.passes,
             "prefill_tokens_computed": out.prefill_tokens,
             **{k: round(v, 4) for k, v in out.timings.items()},
         }
-        done[t.index] = entry
         if tracker is not None and counted:
             tracker.update(out.copies / len(t.answer_ids))
         if on_result is not None:
             on_result(done)
+        eta.update(t, out)
+        left = eta.seconds()
+        bar.set_postfix_str(
+            (f"eta {tqdm.format_interval(left)}, " if left is not None and eta.tests_left else "")
+            + f"passed_filter={sum(e['counted'] for e in done.values())}, L={t.length}, d={t.depth}",
+            refresh=False,
+        )
         bar.update(1)
-        bar.set_postfix(counted=sum(e["counted"] for e in done.values()), L=t.length, d=t.depth)
     bar.close()
     return done
+
+
+def _resumed_results(out: Path, fingerprint: dict) -> dict[int, dict]:
+    """Finished tests of earlier runs on ``out``, single- or multi-process (one progress file per rank);
+    refuses progress written with other settings."""
+    done: dict[int, dict] = {}
+    for path in sorted(out.parent.glob(out.name + ".progress*.json")):
+        state = read_json(path, what="detect progress file", fix="delete it to start over")
+        check_same_settings(
+            {"version": state.get("version"), **(state.get("fingerprint") or {})},
+            {"version": PROGRESS_VERSION, **fingerprint},
+            path=path,
+        )
+        done.update({int(k): v for k, v in state["results"].items()})
+    return done
+
+
+def _stability_tracker(
+    cfg: DetectConfig, shape: tuple[int, int], runnable: list[NiahTest], done: dict[int, dict]
+) -> StabilityTracker | None:
+    """``--until-stable``: a tracker with the resumed tests replayed in their processing order."""
+    if not cfg.until_stable:
+        return None
+    tracker = StabilityTracker(shape, patience=cfg.patience)
+    by_index = {t.index: t for t in runnable}
+    for e in sorted(done.values(), key=lambda e: e["order"]):
+        if e["counted"]:
+            tracker.update(np.asarray(e["copies"]) / len(by_index[e["index"]].answer_ids))
+    return tracker
+
+
+def _run_record(
+    cfg: DetectConfig,
+    fingerprint: dict,
+    shape: tuple[int, int],
+    tests: list[NiahTest],
+    done: dict[int, dict],
+    summary: dict,
+    tracker: StabilityTracker | None,
+    timings: dict[str, float],
+) -> dict:
+    """The run record (``<out stem>.run.json``): settings, grid, skipped tests, summary, timings and every
+    test's response and recall (the per-head copies are in the scores file)."""
+    return {
+        "config": asdict(cfg),
+        "model": fingerprint["model"],
+        "model_name_or_path": fingerprint["model_name_or_path"],
+        "layers": shape[0],
+        "query_heads": shape[1],
+        "protocol": cfg.protocol,
+        "grid": {
+            "lengths": fingerprint["lengths"],
+            "depths": fingerprint["depths"],
+            "needles": len(fingerprint["needles"]),
+            "tests": len(tests),
+        },
+        "needles": fingerprint["needles"],
+        "haystack_sha256": fingerprint["haystack_sha256"],
+        "skipped": [
+            {
+                "key": t.key,
+                "length": t.length,
+                "depth": t.depth,
+                "needle_index": t.needle_index,
+                "reason": t.skip_reason,
+            }
+            for t in tests
+            if t.skip_reason
+        ],  # fmt: skip
+        "tests_run": len(done),
+        "tests_counted": sum(bool(e["counted"]) for e in done.values()),
+        "until_stable": None
+        if tracker is None
+        else {"stable": tracker.stable, "patience": tracker.patience, "counted_tests_used": tracker.count},
+        "summary": summary,
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+        "tests": [
+            {k: v for k, v in e.items() if k != "copies"}
+            for e in sorted(done.values(), key=lambda e: e["index"])
+        ],
+    }
+
+
+def record_path(out: Path) -> Path:
+    """``<out stem>.run.json``: the run record next to the scores file."""
+    return out.with_name(out.stem + ".run.json")
+
+
+def progress_path(out: Path, rank: int = 0, world: int = 1) -> Path:
+    """``<out>.progress.json`` (one process) or ``<out>.progress.rank<N>.json`` (process N of several)."""
+    return out.with_name(out.name + (".progress.json" if world == 1 else f".progress.rank{rank}.json"))
+
+
+def _progress_files(out: Path) -> list[Path]:
+    """The progress files of an unfinished run on ``out`` (one per process); a finished run deletes them."""
+    return sorted(out.parent.glob(out.name + ".progress*.json"))
+
+
+def _earlier_run_files(out: Path) -> list[Path]:
+    """What an earlier detection on ``out`` left: scores, run record, progress of any process count."""
+    return [out, record_path(out), *sorted(out.parent.glob(out.name + ".progress*.json"))]
+
+
+def _nothing_counted(
+    tests: list[NiahTest], runnable: list[NiahTest], done: dict[int, dict], record: str
+) -> str:
+    """Why a detection has no counted test, with the counts and what to change."""
+    if not runnable:
+        short = [t for t in tests if t.insertion < 0]
+        parts = []
+        if short:
+            parts.append(
+                f"{len(short)} with a context too short for the needle and its buffer (e.g. {short[-1].skip_reason})"
+            )
+        if len(short) < len(tests):
+            parts.append(
+                f"{len(tests) - len(short)} whose needle answer is not found in the prompt (span rule)"
+            )
+        return (
+            f"no test could run: all {len(tests)} tests were skipped: {'; '.join(parts)}; raise "
+            "--min-len/--max-len or check --needles"
+        )
+    best = max((e["rouge1_recall"] for e in done.values()), default=0.0)
+    skipped = len(tests) - len(runnable)
+    return (
+        f"no test counted: none of the {len(done)} answers passed the ROUGE-1 filter (recall > "
+        f"{RECALL_THRESHOLD}; best recall {best:.2f})"
+        + (f", and {skipped} of {len(tests)} tests were skipped" if skipped else "")
+        + f"; the model does not retrieve the needles at lengths {sorted({t.length for t in runnable})}: try "
+        f"shorter contexts (--max-len), more --max-new-tokens, or another model (answers: {record})"
+    )
 
 
 def run_detect(
@@ -237,35 +358,68 @@ def run_detect(
     *,
     plot: str | Path | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     model=None,
     tokenizer=None,
     progress_bar: bool = True,
     log=print,
 ) -> DetectResult:
     """Run a detection end to end. Writes ``out`` (scores JSON), ``<out stem>.run.json`` (run record),
-    ``<out>.progress.json`` (progress, atomically after each test) and ``plot`` (heatmap PNG) if given."""
+    ``<out>.progress.json`` (progress, atomically after each test; deleted when the run completes, so only
+    an unfinished run leaves one) and ``plot`` (heatmap PNG) if given.
+
+    Before any work: the outputs must be writable; files of an earlier run on ``out`` are continued
+    (``resume``), deleted (``overwrite``) or refused; one process at a time writes ``out`` (a lock; with
+    several processes, rank 0 holds the one on ``out`` and every other rank one on its progress file). A
+    detection in which no test counted raises :class:`DetectError` (the run record is still written)."""
+    if out is None:
+        return _run_detect(cfg, None, plot, resume, model, tokenizer, progress_bar, log)
+    out = Path(out)
+    for path, what in ((out, "scores file"), (record_path(out), "run record")):
+        check_writable(path, what=what)
+    if plot is not None:
+        check_writable(plot, what="plot")
+    if resume and overwrite:
+        check_fresh_or_resume([], resume=resume, overwrite=overwrite)
+    rank, world = dist_context()
+    with RunLock(out if rank == 0 else progress_path(out, rank, world)):
+        if resume and out.exists() and record_path(out).exists() and not _progress_files(out):
+            raise DetectError(
+                f"the detection on {out} already finished ({out.name} and {record_path(out).name} exist, no "
+                "progress file): nothing to resume; pass --overwrite to run it again"
+            )
+        check_fresh_or_resume(
+            _earlier_run_files(out), resume=resume, overwrite=overwrite, remove=rank == 0,
+            what=f"an earlier detection on {out.name}",
+        )  # fmt: skip
+        if world > 1:
+            import torch.distributed as dist
+
+            # every rank has checked (and rank 0, with --overwrite, removed) the earlier files before any
+            # rank writes progress: a fast rank 0 must not make a slow rank see "an earlier run"
+            dist.barrier()
+        return _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log)
+
+
+def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> DetectResult:
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     lengths, depths = cfg.grid()
     needles = load_needles(cfg.needles)
     haystack_text = load_haystack(cfg.haystack)
     if model is None:
-        from retmask.models import load_model
-
         model, tokenizer = load_model(
-            cfg.model, gguf_file=cfg.gguf_file, dtype=_dtype(cfg.dtype), device=cfg.device
+            cfg.model, gguf_file=cfg.gguf_file, dtype=parse_dtype(cfg.dtype), device=cfg.device
         )
     check_context_limit(model, lengths, cfg.max_new_tokens)
-    shape = _layout(model)
+    shape = model_shape(model)
 
     rank, world = dist_context()
     if world > 1 and cfg.until_stable:
         raise ValueError(
             "--until-stable needs one process (the order of tests matters); drop it or run without torchrun"
         )
-    out = Path(out) if out is not None else None
-    suffix = ".progress.json" if world == 1 else f".progress.rank{rank}.json"
-    progress_path = out.with_name(out.name + suffix) if out is not None else None
+    progress_file = progress_path(out, rank, world) if out is not None else None
     fingerprint = _fingerprint(cfg, model, needles, haystack_text, lengths, depths)
 
     t0 = time.perf_counter()
@@ -279,31 +433,15 @@ def run_detect(
         )
     runnable = [t for t in tests if not t.skip_reason]
 
-    done: dict[int, dict] = {}
-    # Progress of earlier runs, single- or multi-process (one file per rank).
-    for path in sorted(out.parent.glob(out.name + ".progress*.json")) if (resume and out is not None) else []:
-        state = json.loads(path.read_text())
-        if state.get("version") != PROGRESS_VERSION or state.get("fingerprint") != fingerprint:
-            raise ValueError(
-                f"--resume: {path} was written by a run with other settings (model, needles, haystack, "
-                "grid or max-new-tokens differ); rerun with the same flags, or drop --resume to start over"
-            )
-        done.update({int(k): v for k, v in state["results"].items()})
+    done = _resumed_results(out, fingerprint) if (resume and out is not None) else {}
     if done:
         log(f"resuming: {len(done)} of {len(runnable)} tests already done", file=sys.stderr)
-
-    tracker = None
-    if cfg.until_stable:
-        tracker = StabilityTracker(shape, patience=cfg.patience)
-        by_index = {t.index: t for t in runnable}
-        for e in sorted(done.values(), key=lambda e: e["order"]):  # replay in processing order
-            if e["counted"]:
-                tracker.update(np.asarray(e["copies"]) / len(by_index[e["index"]].answer_ids))
+    tracker = _stability_tracker(cfg, shape, runnable, done)
 
     def save(d):
-        if progress_path is not None:
+        if progress_file is not None:
             atomic_write_json(
-                progress_path, {"version": PROGRESS_VERSION, "fingerprint": fingerprint, "results": d}
+                progress_file, {"version": PROGRESS_VERSION, "fingerprint": fingerprint, "results": d}
             )
 
     detector = FastDetector(
@@ -332,55 +470,27 @@ def run_detect(
         [np.asarray(e["copies"]) for e in counted], [e["answer_tokens"] for e in counted], shape
     )
     summary = summarize(scores, shape)
-    record = {
-        "config": asdict(cfg),
-        "model": fingerprint["model"],
-        "model_name_or_path": fingerprint["model_name_or_path"],
-        "layers": shape[0],
-        "query_heads": shape[1],
-        "protocol": cfg.protocol,
-        "grid": {"lengths": lengths, "depths": depths, "needles": len(needles), "tests": len(tests)},
-        "needles": [n.to_dict() for n in needles],
-        "haystack_sha256": fingerprint["haystack_sha256"],
-        "skipped": [
-            {
-                "key": t.key,
-                "length": t.length,
-                "depth": t.depth,
-                "needle_index": t.needle_index,
-                "reason": t.skip_reason,
-            }
-            for t in skipped
-        ],
-        "tests_run": len(done),
-        "tests_counted": len(counted),
-        "until_stable": None
-        if tracker is None
-        else {"stable": tracker.stable, "patience": tracker.patience, "counted_tests_used": tracker.count},
-        "summary": summary,
-        "timings": {
-            "build_tests_s": round(build_s, 3),
-            "tests_s": round(run_s, 3),
-            "total_s": round(time.perf_counter() - t_start, 3),
-        },
-        "tests": [
-            {k: v for k, v in e.items() if k != "copies"}
-            for e in sorted(done.values(), key=lambda e: e["index"])
-        ],
-    }
+    timings = {"build_tests_s": build_s, "tests_s": run_s, "total_s": time.perf_counter() - t_start}
+    record = _run_record(cfg, fingerprint, shape, tests, done, summary, tracker, timings)
     record["processes"] = world
+    if not counted:
+        if rank == 0 and out is not None:
+            atomic_write_json(record_path(out), record)  # the answers show why nothing counted
+        raise DetectError(
+            _nothing_counted(tests, runnable, done, str(record_path(out)) if out else "the run record")
+        )
     if rank != 0:  # rank 0 writes the outputs
         return DetectResult(scores, summary, record, done)
     if out is not None:
         atomic_write_json(out, scores)
-        atomic_write_json(out.with_name(out.stem + ".run.json"), record)
+        atomic_write_json(record_path(out), record)
+        for path in out.parent.glob(out.name + ".progress*.json"):  # every process's: the run is complete
+            path.unlink(missing_ok=True)
     if plot is not None:
-        from retmask.plotting import head_heatmap
-
         head_heatmap(
             mean_matrix(scores, shape),
             plot,
             title=f"retrieval scores: {fingerprint['model']} ({len(counted)} tests)",
         )
-    log(format_summary(summary))
+    log(format_summary(summary, total_tests=len(done)))
     return DetectResult(scores, summary, record, done)

@@ -66,8 +66,15 @@ def summarize(scores: dict, shape: tuple[int, int], top: int = 20) -> dict:
     }
 
 
-def format_summary(summary: dict, top: int = 10) -> str:
-    lines = [f"counted tests: {summary['counted_tests']}   heads: {summary['num_heads']}"]
+def format_summary(summary: dict, top: int = 10, total_tests: int | None = None) -> str:
+    """The console summary; ``total_tests``: how many tests were answered (the first line then reads
+    "51 of 96 tests passed the ROUGE-1 filter (counted)")."""
+    counted = summary["counted_tests"]
+    of = f" of {total_tests}" if total_tests is not None else ""
+    lines = [
+        f"{counted}{of} tests passed the ROUGE-1 filter (counted: only they score heads)   "
+        f"heads: {summary['num_heads']}"
+    ]
     lines.append("top heads (layer-head: mean score):")
     lines += [f"  {t['head']:>7}: {t['score']:.3f}" for t in summary["top"][:top]]
     lines.append("sparsity: " + "   ".join(f"{k}: {100 * v:.1f}%" for k, v in summary["histogram"].items()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def stop_token_ids(tokenizer, model=None) -> frozenset[int]:
-    """Ids that end the answer *after* being generated (DESIGN.md §1 step 5).
+    """Ids that end the answer *after* being generated (newline tokens and EOS).
 
     The reference stops on its tokenizer's newline token (``<0x0A>``); byte-level BPE vocabularies also
     have merged tokens such as ``"\\n\\n"`` or ``".\\n"``, so every token whose decoded text contains a newline

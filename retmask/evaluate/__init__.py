@@ -2,7 +2,9 @@
 
 niah.py       Needle-in-a-Haystack accuracy grid (ROUGE-1 recall per length × depth), heatmap
 ablate.py     top-K retrieval heads masked vs K random heads (Wu et al. Fig. 7)
+single_heads.py  each listed head masked alone against no mask (is a head safe to remove?)
+shift.py      retrieval-score probe: mean score of a head set vs the other heads
 synthetic.py  generated long-context tasks (multi-needle recall, key–value retrieval)
-suite.py      `retmask eval`: before/after comparison of models, markdown report + PNGs
-mdqa_score.py multi-document QA retrieval scores of heads (MuDAF)
+suite.py      `retmask eval`: before/after comparison of models (per-model cache)
+report.py     its markdown report and PNGs
 """

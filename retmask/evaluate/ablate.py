@@ -17,7 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retmask.selection import (
+from retmask.evaluate.niah import NiahResult, evaluate_niah, grid_fingerprint
+from retmask.heads import model_shape
+from retmask.heads.selection import (
     Head,
     SelectionError,
     complete_scores,
@@ -25,8 +27,9 @@ from retmask.selection import (
     sample_random,
     select_top_k,
 )
-
-from .niah import NiahResult, evaluate_niah, grid_fingerprint
+from retmask.niah import load_haystack, load_needles
+from retmask.plotting import pyplot, save_figure
+from retmask.runfiles import atomic_write_json, check_same_settings, read_json
 
 RANDOM_POOLS = ("all", "non-retrieval")
 NON_RETRIEVAL_TAU = 0.1  # random-from "non-retrieval": heads with a mean retrieval score below this
@@ -200,12 +203,6 @@ class AblationResult:
         return {"version": SUMMARY_VERSION, "meta": self.meta, "rows": self.rows(), "configs": configs}
 
 
-def _atomic_write(path: Path, obj) -> None:
-    from retmask.detect.run import atomic_write_json
-
-    atomic_write_json(path, obj)
-
-
 def run_ablation(
     model,
     tokenizer,
@@ -231,15 +228,12 @@ def run_ablation(
 ) -> AblationResult:
     """Run every configuration of :func:`plan` (skipping finished ones with ``resume``) and return the curve.
 
-    scores: ``{(layer, head): mean retrieval score}`` (``retmask.selection.load_scores``); heads the
+    scores: ``{(layer, head): mean retrieval score}`` (``retmask.heads.selection.load_scores``); heads the
     model does not have -> error; heads absent from it count as 0.
     """
     from tqdm import tqdm
 
-    from retmask.detect.core import _layout
-    from retmask.niah import load_haystack, load_needles
-
-    shape = _layout(model)
+    shape = model_shape(model)
     try:
         full = complete_scores(scores, shape)
     except SelectionError as err:
@@ -270,16 +264,16 @@ def run_ablation(
                 "run, --overwrite to start over, or another --out-dir"
             )
         for path in existing if resume else []:
-            saved = json.loads(path.read_text(encoding="utf-8"))
+            saved = read_json(path, what="ablation result", fix="delete it to recompute that configuration")
             name = saved.get("name")
-            if (
-                saved.get("fingerprint") != fingerprint
-                or name not in heads
-                or saved.get("heads") != [list(h) for h in heads[name]]
-            ):
+            fix = "rerun with the same flags, or --overwrite"
+            check_same_settings(
+                saved.get("fingerprint"), fingerprint, path=path, fix=fix, error=AblationError
+            )
+            if name not in heads or saved.get("heads") != [list(h) for h in heads[name]]:
                 raise AblationError(
-                    f"--resume: {path} was written with other settings (model, scores, grid, needles, haystack, "
-                    "max-new-tokens, random pool or seeds differ); rerun with the same flags, or --overwrite"
+                    f"--resume: {path} was written by a run with other settings (its masked heads differ: "
+                    f"random pool or seeds changed); {fix}"
                 )
             results[name] = NiahResult.from_json(saved["result"])
         if results:
@@ -301,7 +295,7 @@ def run_ablation(
         )  # fmt: skip
         results[c.name] = res
         if cdir is not None:
-            _atomic_write(
+            atomic_write_json(
                 cdir / f"{c.name}.json",
                 {
                     "name": c.name,
@@ -328,42 +322,46 @@ def run_ablation(
     out = AblationResult(configs, results, heads, meta)
     if out_dir is not None:
         out_dir = Path(out_dir)
-        _atomic_write(out_dir / f"{prefix}.json", out.to_json())
+        atomic_write_json(out_dir / f"{prefix}.json", out.to_json())
         (out_dir / f"{prefix}.md").write_text(out.table() + "\n", encoding="utf-8")
     return out
 
 
 def plot_ablation(result: AblationResult, path: str | Path, title: str = "") -> None:
-    """Line plot: x = K heads masked, y = NIAH score; top-K retrieval heads vs K random heads (mean, band =
-    ± std over seeds)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Line plot: x = K heads masked, y = NIAH score; top-K retrieval heads vs K random heads (mean over the
+    seeds, band = their min-max: the observed range, which stays inside the score's [0, 1], where mean ± std
+    would not). The legend sits below the axes, clear of the curves and the band."""
+    plt = pyplot()
     import numpy as np
 
     rows = [r for r in result.rows() if r["top"] is not None or r["random_mean"] is not None]
-    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    fig, ax = plt.subplots(figsize=(5.6, 4.4))
     top = [(r["k"], r["top"]) for r in rows if r["top"] is not None]
-    rnd = [(r["k"], r["random_mean"], r["random_std"]) for r in rows if r["random_mean"] is not None]
+    rnd = [
+        (
+            r["k"],
+            r["random_mean"],
+            min(r["random_values"] or [r["random_mean"]]),
+            max(r["random_values"] or [r["random_mean"]]),
+        )
+        for r in rows
+        if r["random_mean"] is not None
+    ]
     if top:
         ax.plot(*zip(*top, strict=True), "o-", color="#d62728", label="top-K retrieval heads masked")
     if rnd:
-        k, m, s = (np.asarray(x, dtype=float) for x in zip(*rnd, strict=True))
+        k, m, lo, hi = (np.asarray(x, dtype=float) for x in zip(*rnd, strict=True))
         n = max((r["random_n"] for r in rows), default=0)
         pool = "non-retrieval heads" if result.meta.get("random_from") == "non-retrieval" else "heads"
-        label = f"K random {pool} masked (mean ± std, {n} seeds)"
+        label = f"K random {pool} masked (mean; band: min-max of {n} seeds)"
         ax.plot(k, m, "s-", color="#1f77b4", label=label)
-        ax.fill_between(k, m - s, m + s, color="#1f77b4", alpha=0.2)
+        ax.fill_between(k, lo, hi, color="#1f77b4", alpha=0.2)
     ax.set_xlabel("K (heads masked)")
     ax.set_ylabel("NIAH score (mean ROUGE-1 recall)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize=9, wrap=True)  # each line wrapped to the figure's room
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -23,7 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from retmask.niah import Needle, build_tests, load_haystack, load_needles, rouge1_recall
+from retmask.detect.answers import answer_tests, earlier_answers, prefix_order
+from retmask.detect.core import FastDetector
+from retmask.detect.run import check_context_limit
+from retmask.detect.stopping import stop_token_ids
+from retmask.heads import model_shape, normalize_head_mask
+from retmask.hf.heads import head_mask
+from retmask.hf.layers import head_layout
+from retmask.niah import Needle, build_tests, load_haystack, load_needles
+from retmask.plotting import niah_cmap, pyplot, save_figure
 
 RESULT_VERSION = 1
 ENTRY_KEYS = ("index", "key", "needle_index", "length", "depth", "response", "rouge1_recall")
@@ -112,8 +120,6 @@ def _resolve_heads(model, heads) -> torch.Tensor | None:
     """bool [L, Hq] on the CPU, or None when nothing is masked."""
     if heads is None:
         return None
-    from retmask.hf.layers import head_layout
-    from retmask.masking import normalize_head_mask
 
     if not isinstance(heads, torch.Tensor):
         heads = list(heads)
@@ -175,11 +181,6 @@ def evaluate_niah(
     """
     from tqdm import tqdm
 
-    from retmask.detect.core import FastDetector, _layout
-    from retmask.detect.run import check_context_limit, prefix_order
-    from retmask.detect.stopping import stop_token_ids
-    from retmask.hf.heads import head_mask
-
     lengths, depths = [int(x) for x in lengths], [int(x) for x in depths]
     if not lengths or not depths:
         raise ValueError(f"empty grid: lengths {lengths} x depths {depths}; give at least one of each")
@@ -222,33 +223,28 @@ def evaluate_niah(
     t0 = time.perf_counter()
     ctx = head_mask(model, mask) if mask is not None else contextlib.nullcontext()
     with ctx, tqdm(total=len(runnable), desc=desc, unit="test", disable=not progress, leave=False) as bar:
-        answers: dict[int, list[list[int]]] = {}  # needle -> earlier answers, drafts for its next tests
-        for t in prefix_order(runnable):
-            # No span (answer not located by the span rule): the draft starts empty, the answer is the same.
-            history = answers.setdefault(t.needle_index, [])
-            out = detector.run(t.prompt_ids, t.span if t.span is not None else (0, 0), history)
-            history.append(out.tokens)
-            response = tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
-            nd = needle_list[t.needle_index]
+        ordered = prefix_order(runnable)
+        for ans in answer_tests(detector, tokenizer, ordered, needle_list, earlier_answers(ordered, entries)):
+            t = ans.test
             entries[t.index] = {
                 "index": t.index,
                 "key": t.key,
                 "needle_index": t.needle_index,
                 "length": t.length,
                 "depth": t.depth,
-                "response": response,
-                "rouge1_recall": rouge1_recall(nd.real_needle, response),
+                "response": ans.response,
+                "rouge1_recall": ans.recall,
                 "prompt_tokens": int(len(t.prompt_ids)),
-                "tokens": out.tokens,
+                "tokens": ans.outcome.tokens,
             }
-            prefill_s += out.timings["prefill_s"]
-            decode_s += out.timings["decode_s"]
+            prefill_s += ans.outcome.timings["prefill_s"]
+            decode_s += ans.outcome.timings["decode_s"]
             bar.update(1)
     run_s = time.perf_counter() - t0
     heads_list = [] if mask is None else [[int(a), int(b)] for a, b in mask.nonzero().tolist()]
     meta = {
         "model": str(getattr(model.config, "_name_or_path", "")),
-        "shape": list(_layout(model)),
+        "shape": list(model_shape(model)),
         "heads": heads_list,
         "grid": {"lengths": lengths, "depths": depths, "needles": len(needle_list), "tests": len(tests)},
         "needles": [n.to_dict() for n in needle_list],
@@ -278,19 +274,13 @@ def format_grid(result: NiahResult, digits: int = 2) -> str:
     return "\n".join(lines)
 
 
-def plot_niah(result: NiahResult, path: str | Path, title: str) -> None:
+def plot_niah(result: NiahResult, path: str | Path, title: str, subtitle: str | None = None) -> None:
     """The classic NIAH heatmap PNG: x = context length, y = needle depth (0% at the top), colour = score
-    (red 0 → green 1), the score printed in each cell; cells without tests are grey."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LinearSegmentedColormap
-
+    (red 0 → green 1), the score printed in each cell; cells without tests are grey. ``title`` (short: the
+    model), then ``subtitle`` (e.g. the mask) and the mean, each wrapped to the figure's width."""
+    plt = pyplot()
     grid = result.grid()
-    cmap = LinearSegmentedColormap.from_list("niah", ["#F0496E", "#EBB839", "#0CD79F"]).with_extremes(
-        bad="#d0d0d0"
-    )
+    cmap = niah_cmap()
     nl, nd = len(result.lengths), len(result.depths)
     fig, ax = plt.subplots(figsize=(max(4.5, 0.7 * nl + 2.5), max(3.0, 0.45 * nd + 1.6)))
     im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
@@ -304,12 +294,9 @@ def plot_niah(result: NiahResult, path: str | Path, title: str) -> None:
     ax.set_yticklabels([f"{d}%" for d in result.depths], fontsize=8)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth")
-    ax.set_title(
-        f"{title}\nmean ROUGE-1 recall {result.mean:.3f}" if title else f"mean {result.mean:.3f}", fontsize=9
-    )
+    mean = f"mean ROUGE-1 recall {result.mean:.3f}"
+    # wrap=True: matplotlib wraps each line to the room the figure leaves around the centred title
+    ax.set_title("\n".join(x for x in (title, subtitle, mean) if x), fontsize=9, wrap=True)
     fig.colorbar(im, ax=ax, label="ROUGE-1 recall")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

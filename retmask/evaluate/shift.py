@@ -4,7 +4,7 @@ The probe is an ordinary detection run (Wu et al. score, ``retmask.detect``): th
 (``retmask.niah.build_tests``), the same fast path (``FastDetector``: greedy answer + argmax capture in one
 pass, prefix-ordered tests sharing KV prefixes), the same ROUGE-1 > 0.5 filter and the same per-head score
 (copies / answer tokens, averaged over the counted tests). Only the grid is small, so it can run during
-training (``retmask.train.telemetry``) and once per model in ``retmask eval``.
+training (``retmask.methods.retmask.telemetry``) and once per model in ``retmask eval``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from retmask.detect.core import FastDetector, _layout
-from retmask.detect.run import prefix_order, run_tests
+from retmask.detect.answers import prefix_order
+from retmask.detect.core import FastDetector
+from retmask.detect.run import run_tests
 from retmask.detect.scores import head_scores, mean_matrix
+from retmask.detect.stopping import stop_token_ids
+from retmask.heads import Head, heads_to_mask, model_shape
 from retmask.niah import Needle, NiahTest, build_tests, load_haystack, load_needles
-
-Head = tuple[int, int]
 
 
 @dataclass
@@ -99,15 +100,13 @@ def probe_scores(
     per-head scores. A fresh detector (= fresh KV cache) each call: weights may have changed in between."""
     import time
 
-    from retmask.detect.stopping import stop_token_ids
-
     start = time.perf_counter()
     stops = stop_ids if stop_ids is not None else stop_token_ids(tokenizer, model)
     detector = FastDetector(model, stops, max_new_tokens)
     done = run_tests(detector, tokenizer, probe.tests, probe.needles, {}, progress_bar=progress)
     entries = sorted(done.values(), key=lambda e: e["index"])
     counted = [e for e in entries if e["counted"]]
-    shape = _layout(model)
+    shape = model_shape(model)
     scores = head_scores(
         [np.asarray(e["copies"]) for e in counted], [e["answer_tokens"] for e in counted], shape
     )
@@ -116,15 +115,7 @@ def probe_scores(
 
 def head_set_mask(heads: Sequence[Head], shape: Sequence[int]) -> np.ndarray:
     """bool [L, Hq], True at ``heads``; a head outside ``shape`` is an error naming it."""
-    mask = np.zeros(tuple(shape), dtype=bool)
-    for layer, h in heads:
-        if not (0 <= layer < shape[0] and 0 <= h < shape[1]):
-            raise ValueError(
-                f"head [{layer}, {h}] does not exist in a model with [L, Hq] = {list(shape)}; the heads file "
-                "was made for another model"
-            )
-        mask[layer, h] = True
-    return mask
+    return heads_to_mask(heads, shape).numpy()
 
 
 def split_means(mean: np.ndarray, heads: Sequence[Head]) -> tuple[float, float]:

@@ -8,13 +8,12 @@ atomically as soon as it completes (``resume=True`` skips the finished ones of t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from retmask.selection import Head
-
-from .niah import NiahResult, evaluate_niah, grid_fingerprint
+from retmask.evaluate.niah import NiahResult, evaluate_niah, grid_fingerprint
+from retmask.heads.selection import Head
+from retmask.runfiles import atomic_write_json, check_same_settings, read_json
 
 SWEEP_VERSION = 1
 
@@ -50,14 +49,15 @@ def sweep_single_heads(
     out = Path(out) if out is not None else None
     state: dict = {"version": SWEEP_VERSION, "meta": fingerprint, "baseline": None, "heads": {}}
     if out is not None and out.exists():
-        saved = json.loads(out.read_text(encoding="utf-8"))
         if not resume:
             raise ValueError(f"{out} exists; pass --resume to continue that sweep or choose another --out")
-        if saved.get("version") != SWEEP_VERSION or saved.get("meta") != fingerprint:
-            raise ValueError(
-                f"--resume: {out} was written with other settings (model, grid, needles, haystack or "
-                "max-new-tokens differ); rerun with the same flags or choose another --out"
-            )
+        saved = read_json(out, what="single-head sweep", fix="choose another --out")
+        check_same_settings(
+            {"version": saved.get("version"), **(saved.get("meta") or {})},
+            {"version": SWEEP_VERSION, **fingerprint},
+            path=out,
+            fix="rerun with the same flags or choose another --out",
+        )
         state["baseline"] = saved["baseline"]
         state["heads"] = {r["name"]: r for r in saved["heads"]}
         log(
@@ -72,8 +72,6 @@ def sweep_single_heads(
 
     def save() -> None:
         if out is not None:
-            from retmask.detect.run import atomic_write_json
-
             atomic_write_json(out, _summary(state, heads))
 
     if state["baseline"] is None:
@@ -109,16 +107,17 @@ def _summary(state: dict, heads: Sequence[Head]) -> dict:
 
 
 def sweep_table(sweep: dict) -> str:
-    """Markdown table, the largest drop first."""
+    """Markdown table, the largest drop first; drop = NIAH without a mask - NIAH with the head masked (a
+    plain signed number: positive = the head mattered, negative = masking it helped)."""
     base = sweep["baseline"]
     lines = [
-        "| head masked alone | retrieval score | NIAH | drop | exact answers |",
+        "| head masked alone | retrieval score | NIAH | drop (= none - masked) | exact answers |",
         "|---|---|---|---|---|",
         f"| none | - | {base['mean']:.3f} | - | {base['exact']}/{base['tests']} |",
     ]
     for r in sorted(sweep["heads"], key=lambda r: -r["drop"]):
         score = "-" if r["score"] is None else f"{r['score']:.3f}"
         lines.append(
-            f"| {r['name']} | {score} | {r['mean']:.3f} | {r['drop']:+.3f} | {r['exact']}/{base['tests']} |"
+            f"| {r['name']} | {score} | {r['mean']:.3f} | {round(r['drop'], 3) + 0.0:.3f} | {r['exact']}/{base['tests']} |"
         )
     return "\n".join(lines)

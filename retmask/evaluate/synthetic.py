@@ -31,6 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from retmask.detect.core import FastDetector
+from retmask.detect.stopping import stop_token_ids
+from retmask.hf.heads import head_mask
 from retmask.niah import (
     build_prompt_ids,
     find_needle_span,
@@ -284,10 +287,6 @@ def run_items(
     """Greedy answers to ``items`` (prefix-ordered: questions on one context share its KV prefix), scored.
     ``heads``: None or heads to mask during the run (list of (layer, head) / bool [L, Hq])."""
     from tqdm import tqdm
-
-    from retmask.detect.core import FastDetector
-    from retmask.detect.stopping import stop_token_ids
-    from retmask.hf.heads import head_mask
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

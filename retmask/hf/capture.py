@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .layers import head_layout
-from .patch import require_retmask
+from retmask.hf.layers import head_layout
+from retmask.hf.patch import require_retmask
 
 
 class ArgmaxCapture:

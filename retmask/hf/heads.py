@@ -11,9 +11,9 @@ from contextlib import contextmanager
 
 import torch
 
-from ..masking import HeadSpec, normalize_head_mask
-from .layers import head_layout
-from .patch import require_retmask
+from retmask.heads.mask import HeadSpec, normalize_head_mask
+from retmask.hf.layers import head_layout
+from retmask.hf.patch import require_retmask
 
 
 def _device(module: torch.nn.Module) -> torch.device:

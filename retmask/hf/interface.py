@@ -27,7 +27,7 @@ from transformers.masking_utils import (
     flash_attention_mask,
 )
 
-from ..kernels import attention as kernel_attention
+from retmask.kernels import attention as kernel_attention
 
 NAME = "retmask"
 
@@ -182,11 +182,20 @@ def retmask_mask(
     """
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
         model = _model_name(kwargs.get("config"))
-        raise _unsupported(
-            model,
+        feature = (
             "an attention pattern other than plain causal/bidirectional (sliding-window or chunked attention, "
-            "packed sequences without an attention_mask, or a custom mask overlay)",
+            "packed sequences without an attention_mask, or a custom mask overlay)"
         )
+        if attention_mask is None:
+            # Under torch.compile / torch.export transformers cannot test whether position_ids pack several
+            # sequences (data-dependent), so without an attention_mask and a KV cache it always wraps the
+            # mask function for packing, even after a graph break (the test ran in the traced part).
+            feature += (
+                "; under torch.compile / torch.export this includes every call without an attention_mask and "
+                "without a KV cache (transformers cannot rule out packed position_ids while tracing): pass "
+                "attention_mask (e.g. torch.ones_like(input_ids)) or use_cache=True"
+            )
+        raise _unsupported(model, feature)
     if isinstance(q_offset, torch.Tensor) or kv_offset != 0 or q_offset + q_length != kv_length:
         # The kernel places query row i at key position kv_length - q_length + i; static caches (keys
         # padded to a maximum length) and offset caches break that alignment.
@@ -196,6 +205,10 @@ def retmask_mask(
             f"q_length={q_length}, kv_length={kv_length}, kv_offset={kv_offset}; e.g. a static/compileable cache); "
             "use the default DynamicCache",
         )
+    if attention_mask is not None and torch.compiler.is_compiling():
+        # flash_attention_mask drops an all-valid mask after a data-dependent `mask.all()` (a graph break);
+        # the kernel gives the same output with the all-valid mask kept.
+        return attention_mask[:, -kv_length:]
     return flash_attention_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
     )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .interface import NAME
-from .layers import head_layout
+from retmask.hf.interface import NAME
+from retmask.hf.layers import head_layout
 
 TESTED = "Llama, Qwen2, Qwen3, Mistral (sliding_window=None), OLMo-2, SmolLM2"
 

@@ -22,8 +22,8 @@ from collections.abc import Iterable
 
 import torch
 
-from .layers import head_layout
-from .patch import require_retmask
+from retmask.hf.layers import head_layout
+from retmask.hf.patch import require_retmask
 
 
 class QKTap:

@@ -1,9 +1,10 @@
 """CPU backend of ``retmask.kernels.attention``: the fused C++ kernel, or the blocked-torch path.
 
-``cpp_forward`` calls ``retmask_attention_fwd_cpu`` from ``retmask._C`` (csrc/attention_cpu.cpp) through
-ctypes with tensor data pointers and element strides; ctypes releases the GIL for the call. If the
-extension is missing (e.g. a source checkout that was never built) a warning is issued once and
-``forward`` falls back to ``cpu_blocked``.
+``cpp_forward`` calls ``attention_fwd`` of ``retmask._C``: the pybind11 binding (csrc/module.cpp) of the
+C++/OpenMP kernel (csrc/attention_cpu.cpp). Each tensor goes over as (data pointer, dtype code, shape,
+strides); the binding checks them against each other (ValueError naming the bad argument) and releases
+the GIL for the compute. If the extension is missing (e.g. a source checkout that was never built) or
+stale (built before the binding), a warning is issued once and ``forward`` falls back to ``cpu_blocked``.
 
 ``forward`` picks the faster path per case, by measurement (bench/results/attention_cpu.md): see
 ``choose_path`` (today: the C++ kernel whenever it is built).
@@ -11,16 +12,20 @@ extension is missing (e.g. a source checkout that was never built) a warning is 
 
 from __future__ import annotations
 
-import ctypes
+import hashlib
+import importlib
 import importlib.util
+import os
 import warnings
+from dataclasses import dataclass
 from functools import lru_cache
+from types import ModuleType
+from typing import Any
 
 import torch
 
 from . import cpu_blocked
 
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 BLOCK_N = 64  # keys per block (multiple of 32)
 
 
@@ -28,19 +33,24 @@ def default_block_m(N: int) -> int:
     """Tile rows per work item (query rows x active heads of one KV group) for N keys.
 
     Each item streams K/V of its KV head once, so more rows per item means fewer passes over K/V. Paired
-    A/B runs (bench/README.md, v4): 256 rows cut time 23-33% at N = 8K-16K, where a head's K/V (N*D*8
+    A/B runs (docs/kernel_optimisation.md, v4): 256 rows cut time 23-33% at N = 8K-16K, where a head's K/V (N*D*8
     bytes: 4-16 MB) no longer stays in cache; at N <= 4K it costs 4-9% (more masked work on the causal
     diagonal, coarser load balance), where 128 is as fast as 64 or faster.
     """
     return 256 if N >= 8192 else 128
 
 
-_I64x4 = ctypes.c_int64 * 4
+@dataclass(frozen=True)
+class KernelLibrary:
+    """A loaded build of ``retmask._C``: the module and its dtype codes by torch dtype."""
+
+    module: ModuleType
+    codes: dict[torch.dtype, int]
 
 
 @lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    """The loaded ``retmask._C`` shared object, or None (with one warning) when it is not built."""
+def _library() -> KernelLibrary | None:
+    """The built ``retmask._C``, or None (with one warning) when it is not built or cannot be used."""
     spec = importlib.util.find_spec("retmask._C")
     if spec is None or spec.origin is None:
         warnings.warn(
@@ -52,8 +62,8 @@ def _library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        return bind_library(ctypes.CDLL(spec.origin))
-    except (OSError, AttributeError) as err:
+        return bind_library(importlib.import_module("retmask._C"))
+    except (ImportError, AttributeError) as err:
         warnings.warn(
             f"retmask._C at {spec.origin} could not be loaded ({err}); falling back to the blocked-torch "
             "CPU path. Rebuild it with `pip install --no-build-isolation -e .`.",
@@ -63,20 +73,48 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
-def bind_library(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the C signature of ``retmask_attention_fwd_cpu`` on a loaded build of the kernel (also used
-    by ``bench/bench_kernel_ab.py`` to load a second build)."""
-    fn = lib.retmask_attention_fwd_cpu
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, p, p, p, p, p, p, p, p, p, p, p]
-    fn.argtypes += [i64] * 6 + [ctypes.c_int, ctypes.c_float, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    return lib
+def load_library(path: str | os.PathLike[str]) -> KernelLibrary:
+    """Load the build of ``retmask._C`` at ``path`` (a shared object, e.g. a copy of an older build) as a
+    module of its own, beside the installed one: ``bench/bench_kernel_ab.py`` times two builds this way.
+
+    Each path gets a module name of its own, ``_retmask_build_<hash>._C`` (the last part must stay ``_C``:
+    the init function is ``PyInit__C``): pybind11 3 caches initialised modules by name, so a second build
+    loaded as ``retmask._C`` would silently be the first one again.
+    """
+    path = os.path.realpath(os.fspath(path))
+    name = f"_retmask_build_{hashlib.sha1(path.encode()).hexdigest()[:12]}._C"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if os.path.realpath(module.__file__ or "") != path:
+        raise ImportError(f"loading {path} gave the module of {module.__file__}")
+    return bind_library(module)
+
+
+def bind_library(lib: ModuleType | str | os.PathLike[str] | Any) -> KernelLibrary:
+    """A loaded ``retmask._C`` module ready for ``cpp_forward``. Also takes the path of a build, or a
+    ``ctypes.CDLL`` of one (what ``bench/bench_kernel_ab.py`` passes), and loads it with ``load_library``.
+    Raises AttributeError for a build without the pybind11 binding (one from before it: rebuild)."""
+    if not isinstance(lib, ModuleType):
+        return load_library(getattr(lib, "_name", lib))
+    lib.attention_fwd  # noqa: B018 (AttributeError for a stale build)
+    codes = {getattr(torch, name): code for name, code in lib.DTYPE_CODES.items()}
+    return KernelLibrary(lib, codes)
 
 
 def cpp_available() -> bool:
     """Whether the fused C++ kernel is built and loadable."""
     return _library() is not None
+
+
+def _tensor_arg(name: str, t: torch.Tensor, codes: dict[torch.dtype, int]) -> tuple:
+    """A tensor as the binding takes it: (data pointer, dtype code, shape, strides in elements)."""
+    code = codes.get(t.dtype)
+    if code is None:
+        raise ValueError(f"{name}: dtype {t.dtype} is not supported by the C++ kernel")
+    return (t.data_ptr(), code, t.shape, t.stride())
 
 
 def cpp_forward(
@@ -102,38 +140,33 @@ def cpp_forward(
     contiguous) may be given by the caller; the kernel writes every element of both (tests pre-fill
     them with NaN / sentinels to prove it). ``block_m``: tile rows per work item (default
     ``default_block_m(N)``); ``block_n``: keys per block. Returns (out, argmax or None).
+    Raises ValueError (from the binding, naming the argument) for inconsistent tensors or settings.
     """
     lib = _library()
     if lib is None:
         raise RuntimeError("retmask._C is not built; see the warning above")
-    B, Hq, M, D = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
+    codes = lib.codes
     if out is None:
-        out = torch.empty(B, Hq, M, D, dtype=q.dtype)
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"out must be {list(q.shape)} {q.dtype}, got {list(out.shape)} {out.dtype}")
-    if argmax_rows and argmax is None:
-        argmax = torch.empty(B, Hq, argmax_rows, dtype=torch.int64)
-    if argmax_rows and (argmax.shape != (B, Hq, argmax_rows) or not argmax.is_contiguous()):
-        raise ValueError(f"argmax must be a contiguous int64 [{B}, {Hq}, {argmax_rows}] tensor")
-    # bool tensors are one byte per element: pass them as uint8 arrays.
+        out = torch.empty(q.shape, dtype=q.dtype)
+    if not argmax_rows:
+        argmax = None
+    elif argmax is None:
+        argmax = torch.empty(q.shape[0], q.shape[1], argmax_rows, dtype=torch.int64)
+    elif argmax.shape[-1:] != (argmax_rows,):
+        raise ValueError(f"argmax: shape {list(argmax.shape)}, expected [B, Hq, argmax_rows = {argmax_rows}]")
+    # Masks are one byte per element (bool); the binding wants them contiguous.
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
     skip = skip_heads.contiguous() if skip_heads is not None else None
-    rc = lib.retmask_attention_fwd_cpu(
-        _DTYPE_CODES[q.dtype],
-        q.data_ptr(), _I64x4(*q.stride()), k.data_ptr(), _I64x4(*k.stride()),
-        v.data_ptr(), _I64x4(*v.stride()), out.data_ptr(), _I64x4(*out.stride()),
-        argmax.data_ptr() if argmax_rows else None,
-        kpm.data_ptr() if kpm is not None else None,
-        skip.data_ptr() if skip is not None else None,
-        B, Hq, Hkv, M, N, D, int(causal), float(sm_scale), argmax_rows,
-        block_m or default_block_m(N), block_n, torch.get_num_threads(),
+    lib.module.attention_fwd(
+        _tensor_arg("q", q, codes), _tensor_arg("k", k, codes), _tensor_arg("v", v, codes),
+        _tensor_arg("out", out, codes),
+        _tensor_arg("argmax", argmax, codes) if argmax is not None else None,
+        _tensor_arg("key_padding_mask", kpm, codes) if kpm is not None else None,
+        _tensor_arg("skip_heads", skip, codes) if skip is not None else None,
+        bool(causal), float(sm_scale), block_m or default_block_m(k.shape[2]), block_n,
+        torch.get_num_threads(),
     )  # fmt: skip
-    if rc == 2:
-        raise MemoryError("retmask CPU attention kernel could not allocate its scratch buffers")
-    if rc != 0:
-        raise RuntimeError(f"retmask CPU attention kernel rejected its arguments (code {rc})")
-    return out, (argmax if argmax_rows else None)
+    return out, argmax
 
 
 def choose_path(M: int, N: int, argmax_rows: int) -> str:

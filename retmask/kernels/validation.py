@@ -91,12 +91,17 @@ def check_key_padding_mask(
     """Return ``key_padding_mask`` as a contiguous ``bool [B, N]`` (True = valid key), or None."""
     if mask is None:
         return None
-    expected = f"[{shape.batch}, {shape.kv_len}]"
+    # The expected shape is formatted only inside the error branches: formatting it eagerly would make
+    # torch.compile specialise on B and N (a recompile per batch size and per decode step).
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         got = _shape(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"key_padding_mask must be a bool tensor of shape [B, N] = {expected}, got {got}")
+        raise ValueError(
+            f"key_padding_mask must be a bool tensor of shape [B, N] = [{shape.batch}, {shape.kv_len}], got {got}"
+        )
     if tuple(mask.shape) != (shape.batch, shape.kv_len):
-        raise ValueError(f"key_padding_mask must have shape [B, N] = {expected}, got {_shape(mask)}")
+        raise ValueError(
+            f"key_padding_mask must have shape [B, N] = [{shape.batch}, {shape.kv_len}], got {_shape(mask)}"
+        )
     if mask.device != device:
         raise ValueError(f"key_padding_mask is on {mask.device} but q is on {device}")
     if mask.dtype != torch.bool:

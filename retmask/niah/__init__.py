@@ -1,4 +1,4 @@
-"""Needle-in-a-Haystack building blocks (Wu et al. 2024; DESIGN.md §1), tokenizer-level and model-free.
+"""Needle-in-a-Haystack building blocks (Wu et al. 2024), tokenizer-level and model-free.
 
 haystack.py  default haystack text and haystack files      needles.py  needles JSONL
 context.py   context construction (buffer, walk back)      prompt.py   chat / base prompt
@@ -6,13 +6,21 @@ span.py      needle span rule                              rouge.py    ROUGE-1 r
 grid.py      protocols (lengths × depths × needles) and the list of tests
 """
 
-from .context import build_context_ids, period_token_ids
-from .grid import PROTOCOLS, NiahTest, Protocol, build_tests, depth_grid, length_grid
-from .haystack import default_haystack_text, haystack_token_ids, load_haystack
-from .needles import DEFAULT_NEEDLES_PATH, Needle, NeedleFileError, load_needles
-from .prompt import build_prompt_ids, is_chat_tokenizer
-from .rouge import rouge1_recall
-from .span import find_needle_span
+from retmask.niah.context import build_context_ids, period_token_ids
+from retmask.niah.grid import (
+    PROTOCOLS,
+    NiahTest,
+    Protocol,
+    build_tests,
+    depth_grid,
+    length_grid,
+    resolve_grid,
+)
+from retmask.niah.haystack import default_haystack_text, haystack_token_ids, load_haystack
+from retmask.niah.needles import DEFAULT_NEEDLES_PATH, Needle, NeedleFileError, load_needles
+from retmask.niah.prompt import build_prompt_ids, is_chat_tokenizer
+from retmask.niah.rouge import rouge1_recall
+from retmask.niah.span import find_needle_span
 
 __all__ = [
     "DEFAULT_NEEDLES_PATH",
@@ -33,5 +41,6 @@ __all__ = [
     "load_haystack",
     "load_needles",
     "period_token_ids",
+    "resolve_grid",
     "rouge1_recall",
 ]

@@ -1,4 +1,5 @@
-"""Context construction exactly as the reference detection script (DESIGN.md §1 steps 1-2)."""
+"""Context construction exactly as the reference detection script: keep ``L - 200 - |needle|`` haystack
+tokens and insert the needle after the sentence end at or before the depth."""
 
 from __future__ import annotations
 

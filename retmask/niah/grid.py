@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
+from retmask.niah.context import DEFAULT_BUFFER, build_context_ids, period_token_ids
+from retmask.niah.haystack import haystack_token_ids
+from retmask.niah.needles import Needle
+from retmask.niah.prompt import build_prompt_ids
+from retmask.niah.span import find_needle_span
 
-from .context import DEFAULT_BUFFER, build_context_ids, period_token_ids
-from .haystack import haystack_token_ids
-from .needles import Needle
-from .prompt import build_prompt_ids
-from .span import find_needle_span
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy is imported inside the functions: the command line reads PROTOCOLS for its help text.
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,36 @@ PROTOCOLS: dict[str, Protocol] = {
 }
 
 
+def resolve_grid(
+    protocol: str = "default",
+    *,
+    min_len: int | None = None,
+    max_len: int | None = None,
+    num_lengths: int | None = None,
+    num_depths: int | None = None,
+) -> tuple[list[int], list[int]]:
+    """(lengths, depths) of ``protocol`` with any of its four numbers overridden."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; choose one of {sorted(PROTOCOLS)}")
+    p = PROTOCOLS[protocol]
+    lo = p.min_len if min_len is None else min_len
+    hi = p.max_len if max_len is None else max_len
+    nl = p.num_lengths if num_lengths is None else num_lengths
+    nd = p.num_depths if num_depths is None else num_depths
+    if nl < 1 or nd < 1 or hi < lo:
+        raise ValueError(f"empty grid: lengths {lo}..{hi} x {nl}, depths x {nd}; check the grid flags")
+    return length_grid(lo, hi, nl), depth_grid(nd)
+
+
 def length_grid(min_len: int, max_len: int, num: int) -> list[int]:
+    import numpy as np
+
     return [int(x) for x in np.round(np.linspace(min_len, max_len, num=num, endpoint=True)).astype(int)]
 
 
 def depth_grid(num: int) -> list[int]:
+    import numpy as np
+
     return [int(x) for x in np.round(np.linspace(0, 100, num=num, endpoint=True)).astype(int)]
 
 
@@ -76,6 +105,8 @@ def build_tests(
     buffer: int = DEFAULT_BUFFER,
 ) -> list[NiahTest]:
     """All tests in the canonical order: for each needle, each length, each depth (the reference's loops)."""
+    import numpy as np
+
     hay = haystack_token_ids(tokenizer, haystack_text, max(lengths))
     periods = period_token_ids(tokenizer)
     tests: list[NiahTest] = []

@@ -6,7 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_NEEDLES_PATH = Path(__file__).resolve().parent.parent / "data" / "needles.jsonl"
+from retmask.data import data_path
+
+DEFAULT_NEEDLES_PATH = data_path("needles.jsonl")
 REQUIRED_KEYS = ("needle", "question", "real_needle")
 
 

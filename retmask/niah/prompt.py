@@ -1,4 +1,4 @@
-"""The NIAH prompt (DESIGN.md §1 step 3), identical to the reference script's two templates."""
+"""The NIAH prompt, identical to the reference script's two templates."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ROUGE-1 recall of a response against the answer (the test filter, DESIGN.md §1 step 7)."""
+"""ROUGE-1 recall of a response against the answer (a test counts when it is > 0.5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Needle span rule (DESIGN.md §1 step 4, the reference's ``find_needle_idx``)."""
+"""Needle span rule: the first window of the prompt whose token-id set covers > 90% of the answer's token
+ids (the reference script's ``find_needle_idx``)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ import pytest
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids
 from retmask.detect.drafts import propose_draft
 from retmask.niah import build_tests, default_haystack_text, load_needles
-
-from .conftest import tiny_llama
+from tests.tiny import tiny_llama
 
 
 def tiny_prompts(seed: int = 0, vocab: int = 16):

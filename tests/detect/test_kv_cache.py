@@ -7,8 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from retmask.detect.kv_cache import GrowingLayer, growing_cache, reserve
-
-from .conftest import tiny_llama
+from tests.tiny import tiny_llama
 
 
 def _poison_spare_capacity(cache) -> None:

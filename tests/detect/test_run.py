@@ -87,6 +87,14 @@ def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
     done_before = len(json.loads(progress.read_text())["results"])
     assert 2 <= done_before < 8
 
+    # resuming with other settings is refused, naming the problem
+    other = _cfg(needles)
+    other.max_new_tokens = 20
+    with pytest.raises(ValueError, match="other settings"):
+        run_detect(
+            other, out, resume=True, model=model, tokenizer=tok, progress_bar=False, log=lambda *a, **k: None
+        )
+
     resumed = run_detect(
         _cfg(needles),
         out,
@@ -103,13 +111,13 @@ def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
     record = json.loads(out.with_name("s.run.json").read_text())
     assert record["grid"]["lengths"] == [350, 600] and record["tests_run"] == 8
 
-    # resuming with other settings is refused, naming the problem
-    other = _cfg(needles)
-    other.max_new_tokens = 20
-    with pytest.raises(ValueError, match="other settings"):
+    # the finished run deleted its progress file; resuming it again says there is nothing to resume
+    assert not progress.exists()
+    with pytest.raises(ValueError, match="already finished"):
         run_detect(
-            other, out, resume=True, model=model, tokenizer=tok, progress_bar=False, log=lambda *a, **k: None
-        )
+            _cfg(needles), out, resume=True, model=model, tokenizer=tok, progress_bar=False,
+            log=lambda *a, **k: None,
+        )  # fmt: skip
 
 
 @pytest.mark.embedded

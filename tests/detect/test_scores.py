@@ -1,9 +1,10 @@
 """Scores JSON format, summary/histogram, the --until-stable rule, drafts, stop tokens."""
 
 import numpy as np
+import pytest
 
 from retmask.detect.drafts import propose_draft
-from retmask.detect.scores import StabilityTracker, head_scores, mean_matrix, summarize
+from retmask.detect.scores import StabilityTracker, format_summary, head_scores, mean_matrix, summarize
 
 
 def test_head_scores_published_format():
@@ -21,6 +22,33 @@ def test_summary_histogram_and_counts():
     assert s["histogram"] == {"0": 0.25, "(0, 0.1)": 0.25, "[0.1, 0.5)": 0.25, ">= 0.5": 0.25}
     assert s["retrieval_heads_tau_0.1"] == 2 and s["retrieval_heads_tau_0.05"] == 3
     assert [t["head"] for t in s["top"][:2]] == ["0-0", "1-1"]
+
+
+def test_summary_says_how_many_tests_passed_the_filter():
+    s = summarize({"0-0": [0.6, 0.2], "0-1": [0.0, 0.0]}, (1, 2))
+    first = format_summary(s, total_tests=5).splitlines()[0]
+    assert first.startswith("2 of 5 tests passed the ROUGE-1 filter (counted")
+    assert format_summary(s).splitlines()[0].startswith("2 tests passed the ROUGE-1 filter")
+
+
+def test_eta_counts_prompt_tokens_left_not_tests():
+    """Tests in prefix order share prefixes: the first pays its whole prefill, the next only what differs
+    past the shared chunk-aligned prefix; the ETA scales the tokens left by the measured rate."""
+    from types import SimpleNamespace
+
+    from retmask.detect.run import DetectEta
+
+    def test(i, ids):
+        return SimpleNamespace(index=i, prompt_ids=np.asarray(ids + [9]))
+
+    base = list(range(100, 400))  # 300 tokens
+    tests = [test(0, base), test(1, base[:256] + [1] * 44), test(2, base[:130] + [2] * 170)]
+    eta = DetectEta(tests, chunk=128)
+    assert eta.estimate == {0: 300, 1: 300 - 256, 2: 300 - 128}
+    assert eta.seconds() is None
+    eta.update(tests[0], SimpleNamespace(prefill_tokens=300, timings={"prefill_s": 3.0, "decode_s": 1.0}))
+    # 44 + 172 tokens left at 0.01 s/token, 2 tests x 1 s decode; a per-test rate would say 2 x 4 s
+    assert eta.seconds() == pytest.approx(216 * 0.01 + 2 * 1.0)
 
 
 def test_until_stable_counts_unchanged_tests():

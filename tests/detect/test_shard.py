@@ -95,7 +95,5 @@ def test_two_processes_equal_single_process(tmp_path, embedded, launcher):
     assert json.loads(out.read_text()) == single.scores
     record = json.loads(out.with_name("s.run.json").read_text())
     assert record["processes"] == 2 and record["tests_run"] == 8
-    assert sorted(p.name for p in out.parent.glob("s.json.progress*.json")) == [
-        "s.json.progress.rank0.json",
-        "s.json.progress.rank1.json",
-    ]
+    # Each rank kept its own progress file during the run; rank 0 removes them all once the run is complete.
+    assert sorted(p.name for p in out.parent.glob("s.json.progress*.json")) == []

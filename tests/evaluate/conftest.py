@@ -8,6 +8,7 @@ import torch
 import transformers
 
 import retmask
+from tests.tiny import tiny_llama_for
 
 
 @pytest.fixture(scope="session")
@@ -16,22 +17,9 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(retmask.default_model_path())
 
 
-def tiny_llama(tokenizer, seed: int = 0, init: float = 0.2) -> transformers.PreTrainedModel:
-    """2 layers, 4 query heads over 2 KV heads, head dim 16, SmolLM2's vocabulary; a large init range keeps
-    logits well separated so float rounding (chunked vs one-token passes) decides no argmax."""
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-        initializer_range=init, pad_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
-    )  # fmt: skip
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="retmask").eval()
-
-
 @pytest.fixture(scope="session")
 def tiny(tokenizer):
-    return tiny_llama(tokenizer)
+    return tiny_llama_for(tokenizer)
 
 
 @torch.no_grad()
@@ -48,9 +36,3 @@ def greedy_reference(model, prompt_ids, stop_ids, max_new_tokens: int) -> list[i
         if y in stop_ids or len(tokens) >= max_new_tokens:
             return tokens
         out = model(input_ids=torch.tensor([[y]]), past_key_values=cache, use_cache=True)
-
-
-@pytest.fixture(scope="session")
-def embedded():
-    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct on retmask attention."""
-    return retmask.load_model()

@@ -223,7 +223,10 @@ def test_each_head_alone_equals_direct_evaluations_and_resumes(tiny, tokenizer, 
         and (cli_out / "ablate.each.json").exists()
         and (cli_out / "ablate.each.md").exists()
     )
-    assert main(["ablate", "--model", str(tiny_dir), "--each", "1-9", *grid, "--out-dir", str(cli_out)]) == 2
+    assert main(["ablate", "--model", str(tiny_dir), "--each", "1-2", *grid, "--out-dir", str(cli_out)]) == 2
+    assert "--resume to continue or --overwrite" in capsys.readouterr().err  # the sweep is not replaced
+    other = tmp_path / "cli2"
+    assert main(["ablate", "--model", str(tiny_dir), "--each", "1-9", *grid, "--out-dir", str(other)]) == 2
     assert "do not exist" in capsys.readouterr().err
     assert main(["ablate", "--model", str(tiny_dir), *grid]) == 2
     assert "--scores is required" in capsys.readouterr().err

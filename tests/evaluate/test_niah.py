@@ -14,7 +14,7 @@ import torch
 import retmask
 from retmask.detect import stop_token_ids
 from retmask.evaluate.niah import NiahResult, evaluate_niah, format_grid, plot_niah
-from retmask.masking import zero_heads_
+from retmask.hf.export import zero_heads_
 from retmask.niah import build_tests, default_haystack_text, load_needles
 
 from .conftest import greedy_reference

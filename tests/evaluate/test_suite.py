@@ -11,8 +11,7 @@ import retmask
 from retmask.cli import main as cli
 from retmask.evaluate.niah import evaluate_niah
 from retmask.evaluate.suite import EvalConfig, run_suite, shift_rows
-
-from .conftest import tiny_llama
+from tests.tiny import tiny_llama_for
 
 CFG = dict(min_len=300, max_len=500, num_lengths=2, num_depths=2, niah_needles=2, mn_needles=2, kv_depths=[10, 90],
            max_new_tokens=8)  # fmt: skip
@@ -24,7 +23,7 @@ def folders(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("eval-models")
     out = []
     for name, seed in (("a", 0), ("b", 1), ("a-copy", 0)):
-        tiny_llama(tokenizer, seed=seed).save_pretrained(root / name)
+        tiny_llama_for(tokenizer, seed=seed).save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
         out.append(str(root / name))
     return out

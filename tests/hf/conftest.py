@@ -14,6 +14,7 @@ import torch
 import transformers
 
 import retmask
+from retmask.hf.export import zero_heads_
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "olmo2")
 VOCAB = 128
@@ -45,7 +46,7 @@ def with_attn(model: transformers.PreTrainedModel, attn: str) -> transformers.Pr
     """A deep copy of ``model`` on another attention implementation (same weights)."""
     other = copy.deepcopy(model)
     other.set_attn_implementation(attn)
-    for m in retmask.attention.head_layout(other).layers:
+    for m in retmask.hf.head_layout(other).layers:
         m._retmask_skip = m._retmask_rows = m._retmask_capture = None
     return other
 
@@ -55,7 +56,7 @@ def zeroed_copy(
 ) -> transformers.PreTrainedModel:
     """A copy with the o_proj columns of ``heads`` zeroed, on ``attn``."""
     other = with_attn(model, attn)
-    return retmask.masking.zero_heads_(other, heads)
+    return zero_heads_(other, heads)
 
 
 def random_batch(batch: int, seq: int, left_pad: list[int] | None = None, seed: int = 0):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,7 +28,10 @@ def test_export_reload_with_plain_transformers(arch, tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     config = json.loads((out / "config.json").read_text())
-    assert "retmask" not in json.dumps(config)
+    # no retmask attention is recorded (plain transformers loads it); the masked heads are
+    assert "retmask" not in json.dumps({k: v for k, v in config.items() if not k.startswith("retmask_")})
+    assert config["retmask_masked_heads"] == [list(h) for h in HEADS]
+    assert not hasattr(model.config, "retmask_masked_heads")  # the model passed in is untouched
     reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
     layer0 = reloaded.model.layers[0].self_attn.o_proj
     assert layer0.weight[:, 32:48].abs().max() == 0 and layer0.weight[:, :32].abs().min() > 0
@@ -45,3 +50,31 @@ def test_export_rejects_per_row_masks(tmp_path):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=r"\[L, Hq\] = \[2, 4\]"):
         retmask.export_masked(model, torch.zeros(2, 2, 4, dtype=torch.bool), tmp_path)
+
+
+def test_export_says_what_it_is_without_retmask(tmp_path):
+    """The folder loads in plain transformers (eager attention, retmask not importable) and its config and
+    model card name the heads, the base model, the selection rule and the scores file."""
+    model = tiny_model("llama")
+    selection = {"method": "top_k", "top_k": 2, "threshold": None, "baseline": None, "seed": None}
+    out = retmask.export_masked(
+        model, HEADS, tmp_path / "masked",
+        provenance={"base_model": "org/base", "selection": selection, "scores_file": "runs/s.json"},
+    )  # fmt: skip
+    code = (
+        "import sys\n"
+        "sys.modules['retmask'] = None  # importing retmask now fails\n"
+        "from transformers import AutoConfig, AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, attn_implementation='eager')\n"
+        "assert m.config._attn_implementation == 'eager'\n"
+        "assert m.config.retmask_masked_heads == [[0, 2], [1, 1]], m.config.retmask_masked_heads\n"
+        "info = m.config.retmask_masking\n"
+        "assert info['base_model'] == 'org/base' and info['scores_file'] == 'runs/s.json', info\n"
+        "assert info['selection']['top_k'] == 2 and info['num_masked_heads'] == 2 and info['retmask_version']\n"
+        "assert 'retmask' not in sys.modules or sys.modules['retmask'] is None\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    card = (out / "README.md").read_text()
+    assert "base_model: org/base" in card and "0-2, 1-1" in card
+    assert "the 2 heads with the highest mean retrieval score" in card and "`runs/s.json`" in card
+    assert f"retmask version | {retmask.__version__}" in card

@@ -122,3 +122,16 @@ def test_masked_heads_get_no_gradient_through_attention():
     # The masked head's output is 0, so its o_proj columns receive no gradient.
     grad = model.model.layers[0].self_attn.o_proj.weight.grad
     assert grad[:, 16:32].abs().max() == 0 and grad[:, :16].abs().max() > 0
+
+
+def test_head_mask_rejects_bools_as_indices():
+    """(0, True) would index "every head" of a tensor mask: bools are not layer or head numbers."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"head entry #0 is \(0, True\).*pair of integers"):
+        retmask.set_head_mask(model, [(0, True)])
+    with pytest.raises(ValueError, match=r"head entry #1 is \(False, 1\)"):
+        retmask.set_head_mask(model, [(0, 1), (False, 1)])
+    with pytest.raises(ValueError, match=r"head entry #0"):
+        retmask.set_head_mask(model, [(torch.tensor(True), 0)])
+    layers = retmask.hf.head_layout(model).layers
+    assert all(getattr(m, "_retmask_skip", None) is None for m in layers)  # nothing was set

@@ -5,12 +5,13 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import retmask
-from retmask import models
+from retmask.hf import loading as models
 
 from .conftest import tiny_model
 
@@ -93,3 +94,61 @@ def test_missing_embedded_package_error(monkeypatch):
 def test_missing_gguf_file_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         retmask.load_model(str(tmp_path / "nope.gguf"))
+
+
+def test_model_sources_that_cannot_load_name_the_path_and_the_fix(tmp_path):
+    with pytest.raises(models.ModelNotFoundError, match=r"model path /nonexistent/m does not exist; pass an"):
+        retmask.load_model("/nonexistent/m")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(
+        models.ModelLoadError, match=rf"model folder {empty} is empty: it is not a Hugging Face"
+    ):
+        retmask.load_model(str(empty))
+    ggufs = tmp_path / "ggufs"
+    ggufs.mkdir()
+    (ggufs / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(
+        models.ModelLoadError, match=r"has no config.json but holds GGUF file\(s\) m.gguf: pass"
+    ):
+        retmask.load_model(str(ggufs))
+    no_tok = tmp_path / "no-tok"
+    tiny_model("llama").save_pretrained(no_tok)
+    with pytest.raises(models.ModelLoadError, match=r"has no tokenizer files"):
+        retmask.load_model(str(no_tok))
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 a zip, not a GGUF file")
+    with pytest.raises(models.ModelLoadError, match=r"is not a GGUF file: it does not start with b'GGUF'"):
+        retmask.load_model(str(not_gguf))
+
+
+def test_truncated_gguf_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
+    torn = tmp_path / "torn.gguf"
+    with open(models.embedded_gguf_path(), "rb") as f:
+        torn.write_bytes(f.read(65536))  # an interrupted download
+    with pytest.raises(
+        models.ModelLoadError, match=rf"could not read GGUF file {torn} \(65536 bytes\): struct.error"
+    ):
+        retmask.load_model(str(torn))
+    assert [p for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []  # no half-converted folder
+
+
+def test_unavailable_device_is_refused_before_loading():
+    with pytest.raises(models.ModelLoadError, match=r"--device 'gpu0' is not a device name"):
+        retmask.load_model("/nonexistent/m", device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(
+            models.ModelLoadError, match=r"--device cuda: CUDA is not available.*use --device cpu"
+        ):
+            retmask.load_model("/nonexistent/m", device="cuda")
+
+
+def test_cache_root_honours_retmask_cache_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("RETMASK_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert models.cache_root() == Path("~/.cache/retmask").expanduser()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_root() == tmp_path / "xdg" / "retmask"
+    monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "mine"))
+    assert models.cache_root() == tmp_path / "mine"

@@ -6,6 +6,11 @@ sentinel index (argmax), so an element the kernel forgets to write cannot pass b
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+import os
+import shutil
+import sys
 import warnings
 
 import pytest
@@ -301,6 +306,180 @@ def test_missing_extension_warns_and_falls_back(monkeypatch):
         monkeypatch.undo()
         cpu_backend._library.cache_clear()
     assert cpu_backend.cpp_available()
+
+
+def test_decode_tail_block_with_padding():
+    """Row-major (decode) tiles with key padding and a partial last block: the key-bias row is read with
+    aligned vector loads (it once was a std::vector, 16-byte aligned: a crash on AVX2 for this shape)."""
+    q, k, v = make_qkv(1, 3, 3, 130, 130, 128, seed=63)
+    pad = left_padding_mask(1, 130, [9])
+    for block_m in (1, 2, 5):
+        out = torch.full_like(q, POISON_FLOAT)
+        argmax = torch.full((1, 3, 130), POISON_INDEX, dtype=torch.int64)
+        cpu_backend.cpp_forward(
+            q, k, v, causal=True, sm_scale=128**-0.5, key_padding_mask=pad, skip_heads=None, argmax_rows=130,
+            out=out, argmax=argmax, block_m=block_m,
+        )  # fmt: skip
+        ref_out, _ = reference_attention(q, k, v, sm_scale=128**-0.5, key_padding_mask=pad)
+        torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+        assert_argmax_matches(
+            argmax, q, k, causal=True, sm_scale=128**-0.5, key_padding_mask=pad, skip_heads=None,
+            atol=ARGMAX_TOL,
+        )  # fmt: skip
+
+
+def _binding_args(q, k, v, out, argmax=None, kpm=None, skip=None):
+    """Positional arguments of ``retmask._C.attention_fwd`` for these tensors (as ``cpp_forward`` builds them)."""
+    codes = cpu_backend._library().codes
+
+    def arg(t):
+        return None if t is None else (t.data_ptr(), codes[t.dtype], t.shape, t.stride())
+
+    return [arg(q), arg(k), arg(v), arg(out), arg(argmax), arg(kpm), arg(skip), True, 0.125, 128, 64, 1]
+
+
+Q, K, V, OUT, ARGMAX, KPM, SKIP, BLOCK_M, BLOCK_N = 0, 1, 2, 3, 4, 5, 6, 9, 10  # positions in _binding_args
+
+
+def _edit(args: list, edits: dict) -> None:
+    """Apply {position: value} to binding arguments; a dict value replaces fields of a tensor tuple."""
+    for i, value in edits.items():
+        if isinstance(value, dict):
+            ptr, dtype, shape, strides = args[i]
+            f = {"ptr": ptr, "dtype": dtype, "shape": tuple(shape), "strides": tuple(strides)} | value
+            value = (f["ptr"], f["dtype"], f["shape"], f["strides"])
+        args[i] = value
+
+
+BAD_ARGUMENTS = [  # (edits of a valid call: q [2, 6, 5, 16], k/v [2, 3, 40, 16], argmax T = 2, masks), message
+    ({Q: {"dtype": 7}}, "q: dtype unknown dtype code 7"),
+    ({Q: {"dtype": 3}}, "q: dtype int64, expected float32, float16 or bfloat16"),
+    ({K: {"dtype": 1}}, "k: dtype float16, expected float32"),
+    ({Q: {"shape": (2, 6, 5), "strides": (80, 16, 1)}}, "q: expected 4 dims, got shape"),
+    ({Q: {"strides": (480, 80, 16)}}, "q: expected 4 strides"),
+    (
+        {K: {"shape": (2, 3, 40, 32)}},
+        r"k: shape \[2, 3, 40, 32\], expected \[B, Hkv, N, D\] with B and D of q",
+    ),
+    ({V: {"shape": (2, 3, 39, 16)}}, r"v: shape \[2, 3, 39, 16\], expected the shape of k"),
+    ({OUT: {"shape": (2, 6, 4, 16)}}, r"out: shape \[2, 6, 4, 16\], expected the shape of q"),
+    (
+        {K: {"shape": (2, 4, 40, 16)}, V: {"shape": (2, 4, 40, 16)}},
+        "Hkv: 4 key/value heads do not divide Hq = 6",
+    ),
+    ({Q: {"shape": (2, 6, 41, 16)}, OUT: {"shape": (2, 6, 41, 16)}}, "M: 41 query rows for N = 40 keys"),
+    ({ARGMAX: {"shape": (2, 6, 6), "strides": (36, 6, 1)}}, r"argmax_rows: 6 is not in \[0, M = 5\]"),
+    ({ARGMAX: {"shape": (2, 5, 2)}}, r"argmax: shape \[2, 5, 2\], expected \[B, Hq, argmax_rows\]"),
+    ({ARGMAX: {"strides": (1, 2, 12)}}, "argmax: must be contiguous"),
+    ({ARGMAX: {"dtype": 0}}, "argmax: dtype float32, expected int64"),
+    ({KPM: {"shape": (2, 41), "strides": (41, 1)}}, r"key_padding_mask: shape \[2, 41\], expected \[B, N\]"),
+    ({SKIP: {"dtype": 0}}, "skip_heads: dtype float32, expected bool"),
+    ({Q: {"ptr": 0}}, "q: null data pointer"),
+    ({BLOCK_M: 0}, "block_m: 0 rows per work item"),
+    ({BLOCK_N: 48}, "block_n: 48 keys per block, need a positive multiple of 32"),
+]
+
+
+@pytest.mark.parametrize("edits, message", BAD_ARGUMENTS, ids=[m.split(":")[0] for _, m in BAD_ARGUMENTS])
+def test_binding_rejects_bad_arguments(edits, message):
+    """Every check of the binding raises ValueError naming the argument, before anything is written."""
+    q, k, v = make_qkv(2, 6, 3, 5, 40, 16, seed=13)
+    out = torch.full_like(q, POISON_FLOAT)
+    argmax = torch.full((2, 6, 2), POISON_INDEX, dtype=torch.int64)
+    kpm = left_padding_mask(2, 40, [0, 3])
+    skip = torch.zeros(2, 6, dtype=torch.bool)
+    args = _binding_args(q, k, v, out, argmax, kpm, skip)
+    cpu_backend._library().module.attention_fwd(*args)  # the unedited call is fine
+    assert not out.isnan().any() and (argmax >= 0).all()
+    out.fill_(POISON_FLOAT)
+    argmax.fill_(POISON_INDEX)
+    _edit(args, edits)
+    with pytest.raises(ValueError, match=message):
+        cpu_backend._library().module.attention_fwd(*args)
+    assert out.isnan().all() and (argmax == POISON_INDEX).all()
+
+
+def test_binding_rejects_wrong_types():
+    q, k, v = make_qkv(1, 2, 1, 3, 8, 16, seed=14)
+    args = _binding_args(q, k, v, torch.empty_like(q))
+    with pytest.raises(TypeError):
+        cpu_backend._library().module.attention_fwd(*args[:-1])  # one argument missing
+    args[0] = ("not a pointer", 0, q.shape, q.stride())
+    with pytest.raises(TypeError):
+        cpu_backend._library().module.attention_fwd(*args)
+
+
+def test_cpp_forward_reports_mismatches_from_the_binding():
+    """cpp_forward itself checks nothing it passes on: mismatches come back as the binding's ValueError."""
+    q, k, v = make_qkv(1, 4, 2, 3, 20, 32, seed=15)
+    kw = dict(causal=True, sm_scale=0.1, key_padding_mask=None, skip_heads=None, argmax_rows=0)
+    with pytest.raises(
+        ValueError, match=r"k: shape \[1, 2, 20, 16\], expected \[B, Hkv, N, D\] with B and D of q"
+    ):
+        cpu_backend.cpp_forward(q, k[..., :16], v[..., :16], **kw)
+    with pytest.raises(ValueError, match="v: dtype bfloat16, expected float32"):
+        cpu_backend.cpp_forward(q, k, v.bfloat16(), **kw)
+    with pytest.raises(ValueError, match="out: shape"):
+        cpu_backend.cpp_forward(q, k, v, **kw, out=torch.empty(1, 4, 3, 16))
+    with pytest.raises(ValueError, match="q: dtype torch.float64 is not supported"):
+        cpu_backend.cpp_forward(q.double(), k, v, **kw)
+    with pytest.raises(ValueError, match="key_padding_mask: dtype float32, expected bool"):
+        cpu_backend.cpp_forward(q, k, v, **(kw | {"key_padding_mask": torch.ones(1, 20)}))
+
+
+def test_thread_count_does_not_change_results():
+    """A call large enough to split over threads gives the same bits on 1 and 2 threads."""
+    q, k, v = make_qkv(1, 9, 3, 1, 4096, 64, seed=16)
+    kw = dict(causal=True, sm_scale=0.125, key_padding_mask=None, skip_heads=None, argmax_rows=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_backend.cpp_forward(q, k, v, **kw)
+        torch.set_num_threads(2)
+        two = cpu_backend.cpp_forward(q, k, v, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_load_library_gives_a_separate_build(tmp_path):
+    """load_library (bench/bench_kernel_ab.py's A/B) loads a copy of the build as a module of its own, not
+    the installed one again (pybind11 caches modules by name), and bind_library takes a path or CDLL."""
+    installed = cpu_backend._library()
+    copy = tmp_path / "old_C.so"
+    shutil.copy(installed.module.__file__, copy)
+    other = cpu_backend.load_library(copy)
+    assert other.module is not installed.module and other.module.__file__ == str(copy)
+    assert sys.modules["retmask._C"] is installed.module
+    assert cpu_backend.bind_library(ctypes.CDLL(str(copy))).module is other.module
+    q, k, v = make_qkv(1, 4, 2, 6, 50, 32, seed=17)
+    kw = dict(causal=True, sm_scale=0.2, key_padding_mask=None, skip_heads=None, argmax_rows=6)
+    a = cpu_backend.cpp_forward(q, k, v, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_backend, "_library", lambda: other)
+        b = cpu_backend.cpp_forward(q, k, v, **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads ELF symbols of torch's libraries")
+def test_one_openmp_runtime():
+    """The kernel and torch share one OpenMP runtime (one thread pool): torch's wheel bundles libgomp under
+    the soname the extension links (libgomp.so.1), and the loader maps one object per soname."""
+    libtorch = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not os.path.exists(libtorch):
+        pytest.skip("no libtorch_cpu.so next to torch")
+    try:
+        torch_omp = ctypes.cast(ctypes.CDLL(libtorch).omp_get_max_threads, ctypes.c_void_p).value
+    except AttributeError:
+        pytest.skip("torch does not use an OpenMP runtime with omp_get_max_threads")
+    ext = ctypes.CDLL(importlib.util.find_spec("retmask._C").origin)
+    assert ctypes.cast(ext.omp_get_max_threads, ctypes.c_void_p).value == torch_omp
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert ext.omp_get_max_threads() == 1  # torch's setting is the kernel's runtime's setting
+    finally:
+        torch.set_num_threads(threads)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""Context construction (DESIGN.md §1 steps 1-2), tokenizer-free on synthetic ids."""
+"""Context construction, tokenizer-free on synthetic ids."""
 
 import pytest
 

@@ -1,0 +1,38 @@
+// The fused CPU attention kernel (attention_cpu.cpp) as its Python binding (module.cpp) calls it.
+// Plain C++17: no Python and no torch headers, so the kernel builds and links without either.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+namespace retmask {
+
+// Element types, by the codes the binding receives (module.cpp exports them as _C.DTYPE_CODES).
+// q, k, v and out are one of the first three; argmax is Int64; masks are Bool (one byte, 0 or 1).
+enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Int64 = 3, Bool = 4 };
+
+struct AttentionFwdArgs {
+    DType dtype = DType::Float32;  // of q, k, v and out
+    const void* q = nullptr;       // [B, Hq, M, D]
+    const void* k = nullptr;       // [B, Hkv, N, D]
+    const void* v = nullptr;       // [B, Hkv, N, D]
+    void* out = nullptr;           // [B, Hq, M, D]
+    std::array<int64_t, 4> q_strides{}, k_strides{}, v_strides{}, out_strides{};  // in elements
+    int64_t* argmax = nullptr;                   // [B, Hq, argmax_rows] contiguous; null iff argmax_rows == 0
+    const uint8_t* key_padding_mask = nullptr;   // [B, N] contiguous, 1 = valid key; or null
+    const uint8_t* skip_heads = nullptr;         // [B, Hq] contiguous, 1 = skipped head; or null
+    int64_t B = 0, Hq = 0, Hkv = 0, M = 0, N = 0, D = 0;
+    int64_t argmax_rows = 0;  // argmax of the logits for the last argmax_rows query rows
+    bool causal = true;       // query row i sits at key position N - M + i
+    float sm_scale = 1.f;
+    int block_m = 128;        // tile rows per work item (over the active heads of a kv group)
+    int block_n = 64;         // keys per block, a multiple of 32
+    int num_threads = 0;      // OpenMP threads for calls large enough to split; <= 0: the OpenMP default
+};
+
+// Checks the sizes, pointers and tile settings (std::invalid_argument naming the bad field), then runs the
+// kernel: writes every element of out (and of argmax). Throws std::bad_alloc if its scratch memory cannot
+// be allocated. Touches no Python state: the binding calls it without the GIL.
+void attention_fwd_cpu(const AttentionFwdArgs& args);
+
+}  // namespace retmask

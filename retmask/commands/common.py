@@ -1,0 +1,141 @@
+"""Command-line flags shared by several commands: the model (``add_model_args``) and the NIAH grid,
+needles and haystack (``add_grid_args``), with the helpers that turn them into objects.
+
+Heavy imports (torch, transformers) happen inside the helpers, so ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable
+
+from retmask.commands.argtypes import positive_int
+from retmask.errors import UsageError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default=None, help="hub id, HF folder or .gguf file (default: embedded SmolLM2)"
+    )
+    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (or a path)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "float64"],
+        help="dtype of the weights and activations",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+
+
+def add_grid_args(
+    p: argparse.ArgumentParser,
+    *,
+    num_needles: int | None = None,
+    needle_subset: bool = True,
+    grid: dict[str, int] | None = None,
+) -> None:
+    """Grid, needles and haystack flags; ``needle_subset=False`` leaves out ``--num-needles`` (detection
+    always uses the whole needles file, as the published script does). ``grid={"num_lengths": 3,
+    "num_depths": 3}`` makes those counts the command's defaults instead of the protocol's, and the help
+    says so."""
+    from retmask.niah.grid import PROTOCOLS
+
+    grid = grid or {}
+    protocol_help = "grid preset: " + "; ".join(f"{k}: {v.description}" for k, v in PROTOCOLS.items())
+    if grid:
+        protocol_help += (
+            f" (this command keeps the preset's length range but runs {grid.get('num_lengths', 'its')} "
+            f"lengths x {grid.get('num_depths', 'its')} depths unless --num-lengths / --num-depths say otherwise)"
+        )
+    p.add_argument("--protocol", default="default", choices=sorted(PROTOCOLS), help=protocol_help)
+    p.add_argument(
+        "--min-len", type=positive_int, default=None, help="shortest context (tokens); overrides the protocol"
+    )
+    p.add_argument(
+        "--max-len", type=positive_int, default=None, help="longest context (tokens); overrides the protocol"
+    )
+    for flag, what in (("num_lengths", "number of lengths"), ("num_depths", "number of depths in [0, 100]")):
+        own = grid.get(flag)
+        p.add_argument(
+            "--" + flag.replace("_", "-"),
+            type=positive_int,
+            default=own,
+            help=f"{what}; overrides the protocol"
+            + ("" if own is None else f" (default {own} here, not the protocol's)"),
+        )
+    p.add_argument(
+        "--needles", default=None, help="needles JSONL {needle, question, real_needle} (default: shipped)"
+    )
+    if needle_subset:
+        p.add_argument(
+            "--num-needles",
+            type=positive_int,
+            default=num_needles,
+            help="use only the first N needles of the file"
+            + (" (default: all)" if num_needles is None else f" (default {num_needles})"),
+        )
+    p.add_argument(
+        "--haystack", default=None, help="haystack text file or directory of *.txt (default: shipped)"
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=50, help="answer tokens per test at most")
+
+
+def grid_from_args(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    from retmask.niah.grid import resolve_grid
+
+    return resolve_grid(
+        args.protocol, min_len=args.min_len, max_len=args.max_len,
+        num_lengths=args.num_lengths, num_depths=args.num_depths,
+    )  # fmt: skip
+
+
+def needles_from_args(args: argparse.Namespace):
+    from retmask.niah import load_needles
+
+    needles = load_needles(args.needles)
+    if args.num_needles is not None:
+        if args.num_needles < 1:
+            raise ValueError(f"--num-needles must be >= 1, got {args.num_needles}")
+        needles = needles[: args.num_needles]
+    return needles
+
+
+def load_from_args(args: argparse.Namespace):
+    """(model, tokenizer, name) from --model/--gguf-file/--dtype/--device."""
+    from retmask.hf.loading import load_model, parse_dtype
+
+    model, tok = load_model(
+        args.model, gguf_file=args.gguf_file, dtype=parse_dtype(args.dtype), device=args.device
+    )
+    name = args.model or args.gguf_file or "embedded:SmolLM2-135M-Instruct"
+    return model, tok, name
+
+
+RESUME_HINT = "continue with the same command plus --resume"
+
+
+def reports_errors(interrupt_hint: str | None = RESUME_HINT) -> Callable:
+    """Decorator for a command's ``run(args)``: Ctrl-C prints ``retmask <command>: interrupted; <hint>``
+    (no traceback) and exits 130; a :class:`~retmask.errors.UsageError` (bad input or output path, an
+    earlier run in the way, a model that cannot be loaded) prints ``retmask <command>: error: <message>``
+    and exits 2. ``interrupt_hint=None``: nothing to resume (the message says nothing was written)."""
+
+    def wrap(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        @functools.wraps(run)
+        def wrapped(args: argparse.Namespace) -> int:
+            name = f"retmask {getattr(args, 'command', None) or ''}".strip()
+            try:
+                return run(args)
+            except KeyboardInterrupt:
+                hint = interrupt_hint or "nothing was written; run the same command again"
+                print(f"\n{name}: interrupted; {hint}", file=sys.stderr)
+                return 130
+            except UsageError as err:
+                print(f"{name}: error: {err}", file=sys.stderr)
+                return 2
+
+        return wrapped
+
+    return wrap

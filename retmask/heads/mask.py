@@ -1,0 +1,67 @@
+"""Head selections as masks: ``[(layer, head), ...]`` / ``["layer-head", ...]`` → bool ``[L, Hq]``.
+
+True = head masked (switched off). A per-row mask ``[B, L, Hq]`` gives every batch row its own heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from retmask.heads.keys import Head, parse_head_pair
+
+HeadSpec = torch.Tensor | Iterable  # bool [L, Hq] | bool [B, L, Hq] | [(layer, head), ...] | ["l-h", ...]
+
+
+def normalize_head_mask(
+    heads: HeadSpec, num_layers: int, num_heads: int, *, allow_per_row: bool = True
+) -> torch.Tensor:
+    """Turn a head selection into a CPU bool mask (True = head masked).
+
+    Args:
+        heads: list of (layer, head) pairs or "layer-head" strings; bool tensor [L, Hq]; or bool tensor
+            [B, L, Hq] (one mask per batch row, if ``allow_per_row``).
+        num_layers, num_heads: the model's [L, Hq].
+
+    Returns:
+        bool [L, Hq] or [B, L, Hq] on the CPU.
+    """
+    shape = f"[L, Hq] = [{num_layers}, {num_heads}]"
+    if isinstance(heads, torch.Tensor):
+        if heads.dtype != torch.bool:
+            raise ValueError(
+                f"head mask tensor must be bool (True = masked), got {heads.dtype}; use mask.bool() for 0/1 masks"
+            )
+        per_row = heads.dim() == 3
+        if (
+            heads.shape[-2:] != (num_layers, num_heads)
+            or heads.dim() not in (2, 3)
+            or (per_row and not allow_per_row)
+        ):
+            expected = f"{shape}" + (" or [B, L, Hq]" if allow_per_row else "")
+            raise ValueError(f"head mask must have shape {expected} for this model, got {list(heads.shape)}")
+        return heads.detach().to("cpu", copy=True)
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, Iterable):
+        raise TypeError(
+            f"heads must be a list of (layer, head) pairs or a bool tensor {shape}, got {type(heads).__name__}"
+        )
+    mask = torch.zeros(num_layers, num_heads, dtype=torch.bool)
+    for i, item in enumerate(heads):
+        layer, head = parse_head_pair(item, f"head entry #{i}")
+        if not (0 <= layer < num_layers and 0 <= head < num_heads):
+            raise ValueError(
+                f"head (layer {layer}, head {head}) is out of range for this model: {shape}, so layers "
+                f"0..{num_layers - 1} and query heads 0..{num_heads - 1}"
+            )
+        mask[layer, head] = True
+    return mask
+
+
+def heads_to_mask(heads: Sequence[Head], shape: Sequence[int], *, rows: int | None = None) -> torch.Tensor:
+    """bool ``[L, Hq]`` (or ``[rows, L, Hq]``, the same heads in every row), True at ``heads``.
+
+    A head outside ``shape`` is an error naming it (the heads were probably chosen for another model).
+    """
+    mask = normalize_head_mask(list(heads), int(shape[0]), int(shape[1]), allow_per_row=False)
+    return mask if rows is None else mask.expand(rows, -1, -1).clone()

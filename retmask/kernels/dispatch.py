@@ -1,0 +1,125 @@
+"""Public entry point of the kernels: ``retmask.kernels.attention``.
+
+One call computes softmax attention *and*, optionally, for every (batch, head, query row) the index of
+the key with the largest attention logit, without materialising the attention matrix; heads marked in
+``skip_heads`` are not computed at all (output exactly 0, argmax -1).
+
+Backends (``backend=``):
+  "triton"    fused Triton forward (online softmax carrying the running max logit and its index) with a
+              split-key decode variant for M == 1 and a Triton backward; CUDA tensors.
+  "cpu"       fused CPU kernel (C++/OpenMP from csrc/, or the blocked-torch path where faster).
+  "reference" plain torch, materialised, float64-capable: the test oracle.
+  "auto"      triton for CUDA tensors, cpu otherwise (reference for float64 inputs).
+
+``attention`` validates and normalises its arguments here (plain Python: under ``torch.compile`` it runs
+at trace time), then calls the ``torch.ops.retmask.attention_fwd`` operator (``ops.py``), whose
+registered autograd formula supplies the backward. The reference backend runs plain torch ops; a plain
+eager call that records no autograd graph runs the operator's body directly (``ops.eager_direct``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+from .ops import LSE_BACKENDS, attention_fwd, backend_module, eager_direct, forward_impl
+from .reference import reference_attention
+from .validation import check_argmax_rows, check_key_padding_mask, check_qkv, check_skip_heads
+
+Backend = Literal["auto", "triton", "cpu", "reference"]
+BACKENDS: tuple[str, ...] = ("auto", "triton", "cpu", "reference")
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """Map ``"auto"`` to a concrete backend for ``q``'s device and dtype; validate explicit choices."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if q.dtype == torch.float64:
+            return "reference"
+        return "triton" if q.is_cuda else "cpu"
+    if backend == "triton" and not q.is_cuda:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors, got q on {q.device}; use backend='cpu' (or set "
+                "TRITON_INTERPRET=1 to run the Triton kernels in the interpreter, for tests)"
+            )
+    if backend == "cpu" and q.is_cuda:
+        raise ValueError(
+            "backend='cpu' needs CPU tensors, got q on a CUDA device; use backend='triton' or 'auto'"
+        )
+    if q.dtype == torch.float64 and backend != "reference":
+        raise ValueError(f"float64 inputs are only supported by backend='reference', got backend={backend!r}")
+    return backend
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    skip_heads: torch.Tensor | None = None,
+    return_argmax: bool = False,
+    argmax_rows: int | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with optional per-row argmax of the logits and head skipping.
+
+    Args:
+        q: [B, Hq, M, D] queries (may be a non-contiguous view). Row i sits at position N - M + i.
+        k, v: [B, Hkv, N, D] keys/values, Hq % Hkv == 0 (not repeated for GQA/MQA).
+        causal: row i attends to keys j <= N - M + i.
+        sm_scale: logit scale, default D ** -0.5.
+        key_padding_mask: bool [B, N], True = valid key (left or right padding).
+        skip_heads: bool [Hq] or [B, Hq], True = head disabled: output exactly 0, argmax -1, no work.
+        return_argmax: also return the argmax of the logits per row.
+        argmax_rows: only the last ``argmax_rows`` query rows get an argmax (default: all M rows).
+        backend: "auto" | "triton" | "cpu" | "reference".
+
+    Returns:
+        out: [B, Hq, M, D] in q's dtype (fp32 accumulation), or ``(out, argmax)`` with
+        argmax: int64 [B, Hq, T] (T = argmax_rows or M), the smallest index among tied maxima, -1 for a
+        row without any valid key or a skipped head.
+    """
+    shape = check_qkv(q, k, v)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, shape, q.device)
+    skip_heads = check_skip_heads(skip_heads, shape, q.device)
+    rows = check_argmax_rows(argmax_rows, return_argmax, shape)
+    scale = float(shape.head_dim**-0.5 if sm_scale is None else sm_scale)
+    name = resolve_backend(backend, q)
+
+    if name == "reference":
+        out, argmax = reference_attention(
+            q, k, v, causal=causal, sm_scale=scale, key_padding_mask=key_padding_mask,
+            skip_heads=skip_heads, argmax_rows=rows,
+        )  # fmt: skip
+    elif eager_direct(q, k, v, key_padding_mask, skip_heads):
+        out, argmax, _ = forward_impl(q, k, v, key_padding_mask, skip_heads, causal, scale, rows, name, False)
+    else:
+        # The log-sum-exp is only kept for a backend's own backward, and only when a gradient is wanted.
+        need_lse = (
+            name in LSE_BACKENDS
+            and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad)
+        )
+        out, argmax, _ = attention_fwd(
+            q, k, v, key_padding_mask, skip_heads, causal, scale, rows, name, need_lse
+        )
+    return (out, argmax) if return_argmax else out
+
+
+def available_backends() -> list[str]:
+    """Concrete backends importable in this environment (CUDA availability not checked)."""
+    names = ["reference"]
+    for name in ("cpu", "triton"):
+        try:
+            backend_module(name)
+            names.append(name)
+        except RuntimeError:
+            pass
+    return names

@@ -1,0 +1,280 @@
+"""MuDAF training (MuDAF §3.2 and App. B): ``L = L_CLM + λ·L_CON`` with a plain torch loop, CPU fp32.
+
+* Data: MDQA records (``retmask.methods.mudaf.mdqa``) rendered with the paper's template
+  ``Based on the following passages, answer the question.\\n\\n<passages>\\n{body}\\n\\n</passages>\\n\\n
+  Question: {question}\\nAnswer: {answer}`` + EOS; the CLM loss covers the answer tokens only (the
+  leading space and the EOS included), prompt and padding are ``-100``.
+* L_CON: :mod:`retmask.methods.mudaf.loss`, on q / k tapped from the same forward pass
+  (:func:`retmask.hf.taps.tap_qk`; no forked modeling code).
+* Vanilla SFT baseline: λ = 0 -> the loss is exactly the CLM loss; L_CON is still computed (detached)
+  on the same heads when heads are given, so both runs log it.
+* Optimiser: AdamW (β = 0.9, 0.999 as in the paper), constant learning rate after an optional linear
+  warm-up; batches of right-padded examples, gradient accumulation, seeded shuffling per epoch.
+* Output: an HF checkpoint (``save_pretrained`` + tokenizer) and ``mudaf_train.json`` (settings, heads,
+  per-step losses, timings). ``save_every`` writes ``<out>/resume.pt`` (weights, optimiser, step, log,
+  RNG state) atomically; ``resume=True`` continues from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retmask.hf.layers import head_layout
+from retmask.hf.loading import max_context
+from retmask.hf.taps import tap_qk
+from retmask.methods.mudaf.config import MuDAFConfig
+from retmask.methods.mudaf.loss import Head, combine, contrastive_loss
+from retmask.methods.mudaf.mdqa import MDQAError, MDQAExample, build_prompt, example_from_json
+from retmask.runfiles import RunFileError, atomic_write_json, check_same_settings
+
+
+@dataclass
+class TrainItem:
+    """One encoded example: ids [S], labels [S] (-100 outside the answer), passage token spans, golden
+    passage indices and the last prompt token's position (the contrastive query row)."""
+
+    example_id: str
+    input_ids: list[int]
+    labels: list[int]
+    passage_spans: list[tuple[int, int]]
+    golden: list[int]
+    query_row: int
+
+
+def encode(examples: Sequence[MDQAExample], tokenizer: Any, max_length: int | None) -> list[TrainItem]:
+    """Render and tokenise every example with its answer; errors name the example."""
+    if not examples:
+        raise MDQAError("no MDQA training examples")
+    items = []
+    for ex in examples:
+        example_from_json(ex.to_json(), f"example {ex.id}")  # same checks as the file loader
+        pr = build_prompt(ex, tokenizer, include_answer=True, max_length=max_length)
+        a, b = pr.answer_span
+        labels = [-100] * a + pr.input_ids[a:b] + [-100] * (len(pr.input_ids) - b)
+        items.append(
+            TrainItem(ex.id, pr.input_ids, labels, pr.passage_spans, pr.golden_indices, pr.prompt_length - 1)
+        )
+    return items
+
+
+def collate(items: Sequence[TrainItem], pad_id: int) -> dict[str, Any]:
+    """Right-padded ``input_ids`` / ``attention_mask`` / ``labels`` int64 [B, S], ``query_rows`` int64 [B]."""
+    S = max(len(it.input_ids) for it in items)
+    B = len(items)
+    ids = torch.full((B, S), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, S, dtype=torch.long)
+    labels = torch.full((B, S), -100, dtype=torch.long)
+    for b, it in enumerate(items):
+        n = len(it.input_ids)
+        ids[b, :n] = torch.tensor(it.input_ids)
+        mask[b, :n] = 1
+        labels[b, :n] = torch.tensor(it.labels)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "query_rows": torch.tensor([it.query_row for it in items]),
+        "passage_spans": [it.passage_spans for it in items],
+        "golden": [it.golden for it in items],
+    }
+
+
+def mudaf_losses(
+    model: torch.nn.Module, batch: dict[str, Any], cfg: MuDAFConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One forward pass -> (loss to optimise, L_CLM, L_CON or None when no heads are set).
+
+    L_CON enters the loss only with a non-zero weight; for vanilla SFT it is returned detached.
+    """
+    device = next(model.parameters()).device
+    kwargs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
+    if not cfg.heads:
+        clm = model(**kwargs, use_cache=False).loss
+        return clm, clm, None
+    layers = sorted({ly for ly, _ in cfg.heads})
+    with tap_qk(model, layers, query_rows=batch["query_rows"]) as tap:
+        clm = model(**kwargs, use_cache=False).loss
+    con = contrastive_loss(
+        tap, cfg.heads, batch["passage_spans"], batch["golden"], cfg.temperature, cfg.similarity
+    )
+    tap.clear()
+    if cfg.con_weight == 0:
+        return clm, clm, con.detach()
+    return combine(clm, con, cfg.lambda_con, cfg.alpha), clm, con
+
+
+@dataclass
+class MuDAFResult:
+    out: Path
+    steps: int
+    seconds: float
+    log: list[dict[str, float]]
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.seconds / max(self.steps, 1)
+
+
+def _check_heads(model: torch.nn.Module, heads: Sequence[Head]) -> None:
+    L, Hq = head_layout(model).shape
+    bad = [hd for hd in heads if not (0 <= hd[0] < L and 0 <= hd[1] < Hq)]
+    if bad:
+        raise MDQAError(f"heads {bad} do not exist in this model ({L} layers x {Hq} query heads)")
+
+
+def _batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    order = list(range(n))
+    random.Random(seed * 100_003 + epoch).shuffle(order)
+    return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+
+
+def _resume_settings(cfg: MuDAFConfig, examples: int) -> dict[str, Any]:
+    """What a resumed run must share with the checkpoint (more --steps or another --save-every is fine)."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "save_every")}
+    return settings | {"heads": [list(h) for h in cfg.heads], "examples": examples}
+
+
+def _save_resume(path: Path, model, optimizer, step: int, log: list, seconds: float, settings: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log,
+                    "seconds": seconds, "settings": settings}, tmp)  # fmt: skip
+        os.replace(tmp, path)  # a crash leaves the previous checkpoint intact
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _load_resume(path: Path, settings: dict) -> dict:
+    """The checkpoint at ``path``; an unreadable file or one of other settings is an error naming it."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a torn or foreign file: zip / unpickling errors that do not name it
+        raise RunFileError(
+            f"resume checkpoint {path} cannot be read ({type(err).__name__}: {err}); it is damaged: delete it "
+            "(or pass --overwrite) to start over"
+        ) from None
+    if not isinstance(state, dict) or not {"model", "optimizer", "step", "log", "seconds"} <= set(state):
+        raise RunFileError(f"resume checkpoint {path} is not a MuDAF checkpoint; delete it to start over")
+    if "settings" in state:  # checkpoints of earlier versions carry none
+        check_same_settings(state["settings"], settings, path=path,
+                            fix="rerun with the same flags, or --overwrite to start over")  # fmt: skip
+    return state
+
+
+def train_mudaf(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    examples: Sequence[MDQAExample],
+    out: str | Path,
+    cfg: MuDAFConfig,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    extra_record: dict[str, Any] | None = None,
+) -> MuDAFResult:
+    """Train ``model`` (on retmask attention) in place for ``cfg.max_steps`` optimizer steps; save to ``out``."""
+    from tqdm.auto import tqdm
+
+    cfg.check()
+    _check_heads(model, cfg.heads)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    limit = cfg.max_length if cfg.max_length is not None else max_context(model)
+    items = encode(examples, tokenizer, limit)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    torch.manual_seed(cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    )  # fmt: skip
+    step, log, spent = 0, [], 0.0
+    resume_path = out / "resume.pt"
+    settings = _resume_settings(cfg, len(items))
+    if resume and resume_path.is_file():
+        state = _load_resume(resume_path, settings)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, log, spent = int(state["step"]), list(state["log"]), float(state["seconds"])
+    model.train()
+    per_epoch = _batches(len(items), cfg.batch_size, cfg.seed, 0)
+    micro_per_epoch = len(per_epoch)
+    micro = step * cfg.grad_accum  # micro-batches already consumed (resume continues the same order)
+    bar = tqdm(
+        total=cfg.max_steps,
+        initial=step,
+        desc="mudaf" if cfg.con_weight else "vanilla-sft",
+        disable=not progress,
+    )
+    t0 = time.perf_counter()
+    while step < cfg.max_steps:
+        lr = (
+            cfg.learning_rate * min(1.0, (step + 1) / cfg.warmup_steps)
+            if cfg.warmup_steps
+            else cfg.learning_rate
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        sums = {"loss": 0.0, "clm": 0.0, "con": 0.0}
+        has_con = False
+        for _ in range(cfg.grad_accum):
+            epoch, pos = divmod(micro, micro_per_epoch)
+            idx = _batches(len(items), cfg.batch_size, cfg.seed, epoch)[pos]
+            micro += 1
+            loss, clm, con = mudaf_losses(model, collate([items[i] for i in idx], pad_id), cfg)
+            (loss / cfg.grad_accum).backward()
+            sums["loss"] += float(loss.detach()) / cfg.grad_accum
+            sums["clm"] += float(clm.detach()) / cfg.grad_accum
+            if con is not None:
+                has_con = True
+                sums["con"] += float(con.detach()) / cfg.grad_accum
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        entry = {"step": step, "lr": lr, "loss": round(sums["loss"], 6), "clm": round(sums["clm"], 6)}
+        if has_con:
+            entry["con"] = round(sums["con"], 6)
+        log.append(entry)
+        bar.update(1)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in entry.items() if k in ("clm", "con")})
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+            _save_resume(resume_path, model, optimizer, step, log, spent + time.perf_counter() - t0, settings)
+    bar.close()
+    seconds = spent + time.perf_counter() - t0
+    model.eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    record = {
+        "mode": "vanilla-sft" if cfg.vanilla_sft else "mudaf",
+        "loss": "L_CLM" if cfg.con_weight == 0 else (
+            f"L_CLM + {cfg.lambda_con:g} * L_CON" if cfg.alpha is None else f"{1 - cfg.alpha:g} * L_CLM + {cfg.alpha:g} * L_CON"
+        ),
+        "config": {**asdict(cfg), "heads": [list(h) for h in cfg.heads]},
+        "examples": len(items),
+        "tokens_mean": round(sum(len(it.input_ids) for it in items) / len(items), 1),
+        "steps": step,
+        "seconds": round(seconds, 2),
+        "seconds_per_step": round(seconds / max(step, 1), 3),
+        "log": log,
+        **(extra_record or {}),
+    }  # fmt: skip
+    atomic_write_json(out / "mudaf_train.json", record)
+    if resume_path.is_file():
+        resume_path.unlink()  # finished: the HF checkpoint is the result
+    return MuDAFResult(out, step, seconds, log)
+
+
+def read_record(out: str | Path) -> dict[str, Any]:
+    """The ``mudaf_train.json`` of a finished run."""
+    return json.loads((Path(out) / "mudaf_train.json").read_text())

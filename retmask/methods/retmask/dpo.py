@@ -1,0 +1,135 @@
+"""RetMask DPO (and the paper's SFT baseline) with TRL 1.16, the policy on ``attn_implementation="retmask"``.
+
+The reference policy is the original model: a frozen deep copy of the policy taken before training (same
+weights, same retmask attention), passed to ``DPOTrainer`` explicitly so TRL never re-loads it from
+``config._name_or_path``, which fails for GGUF-loaded models. The policy itself is loaded with
+``retmask.load_model``, which converts GGUF files once to a cached plain HF folder
+(``retmask.default_model_path()`` for the embedded model).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from retmask.hf.loading import load_model
+from retmask.methods.retmask.pairs import Pairs, read_pairs_file
+from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    seconds: float
+    seconds_per_step: float
+    losses: list[float]
+    lengths: LengthReport
+
+
+def _use_cpu() -> bool:
+    """Train on CPU when there is no GPU. Decided from the machine, not from the model: ``load_model``
+    returns CPU models and the Trainer (or accelerate, one GPU per process) moves them itself."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _bind(trainer: Any, callbacks: list | None) -> None:
+    """Give callbacks that log through the trainer (``RetrievalTelemetry.bind``) the trainer itself."""
+    for cb in callbacks or []:
+        if hasattr(cb, "bind"):
+            cb.bind(trainer)
+
+
+def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pairs, lengths: LengthReport,
+            seconds: float, mode: str) -> TrainResult:  # fmt: skip
+    """Save the trained model + tokenizer and a ``retmask_train.json`` summary in ``out``."""
+    trainer.save_model(str(out))
+    tokenizer.save_pretrained(str(out))
+    steps = int(trainer.state.global_step)
+    losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    result = TrainResult(out, steps, seconds, seconds / max(steps, 1), losses, lengths)
+    summary = {
+        "mode": mode, "pairs": pairs.source, "examples": len(pairs.rows), "steps": steps,
+        "seconds": round(seconds, 2), "seconds_per_step": round(result.seconds_per_step, 3), "losses": losses,
+        "config": asdict(cfg), "lengths": asdict(lengths),
+        "log_history": trainer.state.log_history,  # every logged entry (losses, rewards, retrieval/* telemetry)
+    }  # fmt: skip
+    (out / "retmask_train.json").write_text(json.dumps(summary, indent=1))
+    return result
+
+
+def train_dpo(
+    pairs_path: str | Path,
+    out: str | Path,
+    model_spec: str | None = None,
+    cfg: TrainConfig | None = None,
+    *,
+    model: Any = None,
+    ref_model: Any = None,
+    tokenizer: Any = None,
+    callbacks: list | None = None,
+) -> TrainResult:
+    """DPO on a pairs file (sigmoid loss, β = ``cfg.beta``). Loads policy and reference with
+    ``retmask.load_model(model_spec)`` unless ``model``/``ref_model``/``tokenizer`` are given."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    cfg = cfg or TrainConfig()
+    pairs = read_pairs_file(pairs_path)  # before loading anything: a wrong file fails fast
+    if model is None:
+        model, tokenizer = load_model(model_spec)
+    if ref_model is None:
+        # a frozen copy of the untrained weights = the original model; no reload by path needed
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen", "rejected"), pairs.source)
+    out = Path(out)
+    args = DPOConfig(**cfg.trainer_kwargs(str(out), _use_cpu()), beta=cfg.beta, loss_type=["sigmoid"])
+    model.train()
+    trainer = DPOTrainer(
+        model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(pairs.rows),
+        processing_class=tokenizer, callbacks=callbacks,
+    )  # fmt: skip
+    _bind(trainer, callbacks)
+    start = time.perf_counter()
+    trainer.train()
+    return _finish(trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo")
+
+
+def train_sft(
+    pairs_path: str | Path,
+    out: str | Path,
+    model_spec: str | None = None,
+    cfg: TrainConfig | None = None,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    callbacks: list | None = None,
+) -> TrainResult:
+    """The paper's SFT baseline: supervised training on the chosen responses only (loss on the response)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    cfg = cfg or TrainConfig()
+    pairs = read_pairs_file(pairs_path)
+    if model is None:
+        model, tokenizer = load_model(model_spec)
+    lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen",), pairs.source)
+    rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs.rows]
+    out = Path(out)
+    # prompt-completion rows: TRL computes the loss on the completion only (completion_only_loss)
+    args = SFTConfig(**cfg.trainer_kwargs(str(out), _use_cpu()), completion_only_loss=True)
+    model.train()
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+        callbacks=callbacks,
+    )  # fmt: skip
+    _bind(trainer, callbacks)
+    start = time.perf_counter()
+    trainer.train()
+    return _finish(trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "sft")

@@ -1,0 +1,154 @@
+"""RetMask preference pairs: a chosen response from the original model, a rejected one from the masked model.
+
+``generate_pairs`` batches the instructions, samples both sides in one pass per batch
+(``sampling.contrast_batch``: per-row head masks on one model copy) and appends the kept pairs to the
+pairs file (``pair_file``), resumably. See ``retmask.methods.retmask.sampling`` for the reproducibility
+guarantee of the sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from retmask.methods.retmask.instructions import Instruction
+from retmask.methods.retmask.pair_file import (
+    PairStats,
+    PairWriter,
+    compute_stats,
+    drop_reason,
+    pair_record,
+    progress_path,
+    read_pairs,
+    stats_path,
+)
+from retmask.methods.retmask.sampling import (
+    SIDES,
+    Completion,
+    GenerateError,
+    PerRowSampler,
+    SamplingConfig,
+    chat_prompts,
+    contrast_batch,
+    generate_rows,
+    row_seed,
+)
+from retmask.runfiles import atomic_write_json
+
+__all__ = [
+    "SIDES",
+    "Completion",
+    "GenerateError",
+    "PairStats",
+    "PairWriter",
+    "PerRowSampler",
+    "SamplingConfig",
+    "compute_stats",
+    "contrast_batch",
+    "drop_reason",
+    "generate_pairs",
+    "generate_rows",
+    "pair_record",
+    "progress_path",
+    "read_pairs",
+    "row_seed",
+    "stats_path",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------------
+
+
+def batches(items: Sequence[Instruction], size: int) -> Iterator[list[Instruction]]:
+    for i in range(0, len(items), size):
+        yield list(items[i : i + size])
+
+
+def check_unique_ids(instructions: Sequence[Instruction]) -> None:
+    """Resume and seeding key on instruction ids: a repeated id would be skipped or sampled alike."""
+    seen: set[str] = set()
+    for inst in instructions:
+        if inst.id in seen:
+            raise GenerateError(f"instruction id {inst.id!r} appears twice; ids must be unique")
+        seen.add(inst.id)
+
+
+def generate_pairs(
+    instructions: Sequence[Instruction],
+    model: Any,
+    tokenizer: Any,
+    out: Path,
+    sampling: SamplingConfig,
+    *,
+    heads: Sequence[tuple[int, int]] | None = None,
+    rejected_model: Any = None,
+    rejected_tokenizer: Any = None,
+    batch_size: int = 8,
+    resume: bool = False,
+    fingerprint: dict[str, Any] | None = None,
+    progress_bar: bool = True,
+    on_batch: Callable[[int], None] | None = None,
+) -> PairStats:
+    """Write preference pairs for ``instructions`` to ``out`` (JSONL) and stats next to it; return the stats.
+
+    ``fingerprint``: the settings a resumed run must match (the command passes models, heads, sampling).
+    ``on_batch(i)`` is called after batch i is committed (tests use it to interrupt a run).
+    """
+    from tqdm.auto import tqdm
+
+    if batch_size <= 0:
+        raise GenerateError(f"batch size must be positive, got {batch_size}")
+    check_unique_ids(instructions)
+    fp = {**(fingerprint or {}), **asdict(sampling), "heads": [list(h) for h in heads or []]}
+    writer = PairWriter(Path(out), fp, resume)
+    todo = [inst for inst in instructions if not writer.is_done(inst.id)]
+    meta_common = {"rejected_by": "smaller-model" if rejected_model is not None else "head-mask"}
+    bar = tqdm(total=len(instructions), initial=len(instructions) - len(todo), desc="pairs", unit="instr",
+               disable=not progress_bar)  # fmt: skip
+    for i, batch in enumerate(batches(todo, batch_size)):
+        start = time.perf_counter()
+        results = contrast_batch(
+            batch, model, tokenizer, sampling, heads=heads, rejected_model=rejected_model,
+            rejected_tokenizer=rejected_tokenizer,
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+        records, dropped = [], {"empty": 0, "identical": 0}
+        texts = [x.prompt for x in batch]
+        # input tokens as the model sees them (chat template, incl. any default system prompt) and bare
+        prompt_lens = [
+            len(ids)
+            for ids in tokenizer(chat_prompts(tokenizer, texts), add_special_tokens=False)["input_ids"]
+        ]
+        bare_lens = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        tokens = 0
+        for inst, (chosen, rejected), n_prompt, n_bare in zip(
+            batch, results, prompt_lens, bare_lens, strict=True
+        ):
+            tokens += chosen.num_tokens + rejected.num_tokens
+            reason = drop_reason(chosen, rejected)
+            if reason is not None:
+                dropped[reason] += 1
+                continue
+            meta = {**meta_common, "seed": sampling.seed, "instruction_tokens": n_bare}
+            records.append(pair_record(inst, chosen, rejected, n_prompt, meta))
+        writer.commit(records, [x.id for x in batch], dropped, seconds, tokens)
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{writer.progress.generated_tokens / max(writer.progress.seconds, 1e-9):.0f}")
+        if on_batch is not None:
+            on_batch(i)
+    bar.close()
+    stats = compute_stats(read_pairs(writer.out), writer.progress.dropped)
+    data = asdict(stats)
+    data["generation_seconds"] = round(writer.progress.seconds, 2)
+    data["generated_tokens"] = writer.progress.generated_tokens
+    data["tokens_per_second"] = round(
+        writer.progress.generated_tokens / max(writer.progress.seconds, 1e-9), 1
+    )
+    atomic_write_json(stats_path(writer.out), data)
+    writer.finish()
+    return stats

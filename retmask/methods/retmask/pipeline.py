@@ -1,0 +1,285 @@
+"""``retmask pipeline``: detect → mask → generate → train → eval, every artefact in one run directory.
+
+Layout of ``run_dir``::
+
+    pipeline.json            config, and per stage: status, fingerprint, its config, outputs, seconds
+    detect/scores.json       retrieval scores (+ scores.run.json, scores.png); a copy of --scores if given
+    mask/heads.json          the masked heads (RetMask: the retrieval heads; baselines: as many other heads)
+    mask/retrieval_heads.json  the retrieval heads themselves (what a baseline was matched against)
+    generate/pairs.jsonl     chosen / rejected pairs (+ .stats.json, .progress.json)
+    train/model/             the DPO-trained model, retmask_train.json, telemetry.json / .png
+    eval/                    report.md, eval.json, niah.png, tasks.png, shift.png (+ models/ cache)
+
+Resumption. A stage's fingerprint is the hash of its own settings and its inputs' fingerprints. A stage
+is skipped when ``pipeline.json`` records it as done with the same fingerprint and its outputs exist; a
+stage whose settings changed is cleared and rerun, and so is everything after it (their fingerprints
+change with it). A stage interrupted mid-way restarts through its own resume mechanism where one exists:
+detection continues from its progress file, generation from its pairs file (no pair lost or repeated),
+evaluation from its per-model cache; training restarts (the short default run saves no checkpoints).
+
+The defaults make the embedded SmolLM2-135M run take about 17 minutes on 2 CPU cores: the default
+detection grid (96 tests), 32 instructions (stratified over the shipped categories), ≤ 128 new tokens per
+response, DPO with the paper's optimiser settings for 2 epochs at global batch 8, and a 3-length eval.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from retmask.detect import DetectConfig, run_detect
+from retmask.evaluate.suite import EvalConfig, run_suite
+from retmask.heads import model_shape
+from retmask.heads.selection import load_scores, read_heads, select_heads, write_heads
+from retmask.hf.loading import default_model_path, load_model
+from retmask.methods.retmask.dpo import train_dpo
+from retmask.methods.retmask.generate import SamplingConfig, generate_pairs
+from retmask.methods.retmask.instructions import load_instructions
+from retmask.methods.retmask.pipeline_config import STAGES, PipelineConfig, PipelineError
+from retmask.methods.retmask.telemetry import RetrievalTelemetry
+from retmask.methods.retmask.train_config import TrainConfig
+from retmask.runfiles import RunLock, atomic_write_json, check_writable, digest, file_digest, read_json
+
+VERSION = 1
+
+
+def stratified(instructions: list, n: int) -> list:
+    """The first ``n`` instructions taken round-robin over categories (in file order), so a small subset
+    covers every kind of instruction the shipped set has."""
+    groups: dict[Any, list] = {}
+    for inst in instructions:
+        groups.setdefault(inst.category, []).append(inst)
+    out: list = []
+    queues = [list(g) for g in groups.values()]
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
+    return out
+
+
+class Pipeline:
+    """Runs the stages of ``cfg`` in ``run_dir``; ``stop_after`` ends after that stage."""
+
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        run_dir: str | Path,
+        *,
+        progress: bool = True,
+        log=print,
+        overwrite: bool = False,
+    ):
+        cfg.check()
+        self.cfg = cfg
+        self.dir = Path(run_dir)
+        self.progress = progress
+        self.log = log
+        self.state_path = self.dir / "pipeline.json"
+        self.state: dict[str, Any] = {"version": VERSION, "stages": {}}
+        if self.state_path.is_file() and not overwrite:  # --overwrite: no stage is up to date or resumable
+            self.state = read_json(
+                self.state_path, what="pipeline state", fix="pass --overwrite to start over"
+            )
+        self.state["config"] = asdict(cfg)
+        self.fingerprints: dict[str, str] = {}
+
+    # -- bookkeeping --------------------------------------------------------------------------------------
+    def _save(self) -> None:
+        atomic_write_json(self.state_path, self.state)
+
+    def stage_config(self, name: str) -> dict:
+        c = self.cfg
+        model = c.model or "embedded"
+        if name == "detect":
+            if c.scores is not None:
+                return {"scores_file_sha256": file_digest(c.scores)[:20]}
+            return {"model": model, "protocol": c.protocol, "min_len": c.detect_min_len, "max_len": c.detect_max_len,
+                    "lengths": c.detect_lengths, "depths": c.detect_depths}  # fmt: skip
+        if name == "mask":
+            return {"baseline": c.baseline, "threshold": c.threshold, "top_k": c.top_k, "seed": c.mask_seed}
+        if name == "generate":
+            return {"model": model, "instructions": c.instructions, "n": c.num_instructions, "temperature": c.temperature,
+                    "top_p": c.top_p, "max_new_tokens": c.gen_max_new_tokens, "batch_size": c.gen_batch_size,
+                    "seed": c.gen_seed}  # fmt: skip
+        if name == "train":
+            return {"model": model, "lr": c.lr, "epochs": c.epochs, "max_steps": c.max_steps, "batch_size": c.batch_size,
+                    "grad_accum": c.grad_accum, "max_length": c.max_length, "beta": c.beta, "seed": c.train_seed,
+                    "telemetry_every": c.telemetry_every}  # fmt: skip
+        return {"model": model, **self.eval_config_dict()}
+
+    def eval_config_dict(self) -> dict:
+        c = self.cfg
+        return {"min_len": c.eval_min_len, "max_len": c.eval_max_len, "num_lengths": c.eval_lengths,
+                "num_depths": c.eval_depths, "niah_needles": c.eval_needles, "tasks": list(c.eval_tasks)}  # fmt: skip
+
+    def fingerprint(self, name: str) -> str:
+        i = STAGES.index(name)
+        upstream = [self.fingerprints[s] for s in STAGES[:i]]
+        fp = digest({"stage": name, "config": self.stage_config(name), "inputs": upstream})[:20]
+        self.fingerprints[name] = fp
+        return fp
+
+    def outputs(self, name: str) -> list[Path]:
+        d = self.dir
+        return {
+            "detect": [d / "detect" / "scores.json"],
+            "mask": [d / "mask" / "heads.json", d / "mask" / "retrieval_heads.json"],
+            "generate": [d / "generate" / "pairs.jsonl"],
+            "train": [d / "train" / "model" / "retmask_train.json"],
+            "eval": [d / "eval" / "report.md", d / "eval" / "eval.json"],
+        }[name]
+
+    # -- driver ---------------------------------------------------------------------------------------------
+    def run(self, stop_after: str | None = None) -> dict:
+        if stop_after is not None and stop_after not in STAGES:
+            raise PipelineError(f"--stop-after must be one of {STAGES}, got {stop_after!r}")
+        check_writable(self.dir, what="run dir", directory=True)
+        with RunLock(self.state_path, flag="--run-dir"):
+            return self._run(stop_after)
+
+    def _run(self, stop_after: str | None) -> dict:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        total = time.perf_counter()
+        for name in STAGES:
+            fp = self.fingerprint(name)
+            rec = self.state["stages"].get(name)
+            done = rec is not None and rec.get("status") == "done" and rec.get("fingerprint") == fp
+            if done and all(p.exists() for p in self.outputs(name)):
+                self.log(f"[pipeline] {name}: up to date (fingerprint {fp}), skipped")
+            else:
+                resume = (
+                    rec is not None and rec.get("fingerprint") == fp
+                )  # interrupted with the same settings
+                if not resume:
+                    shutil.rmtree(self.dir / name, ignore_errors=True)  # stale outputs of other settings
+                self.state["stages"][name] = {"status": "running", "fingerprint": fp, "config": self.stage_config(name),
+                                              "started": _now(), "resumed": resume}  # fmt: skip
+                self._save()
+                self.log(f"[pipeline] {name}: {'resuming' if resume else 'running'}")
+                start = time.perf_counter()
+                info = getattr(self, f"_{name}")(resume) or {}
+                seconds = time.perf_counter() - start
+                self.state["stages"][name].update({"status": "done", "finished": _now(), "seconds": round(seconds, 1),
+                                                   "outputs": [str(p) for p in self.outputs(name)], **info})  # fmt: skip
+                self._save()
+                self.log(f"[pipeline] {name}: done in {seconds:.1f} s")
+            if name == stop_after:
+                break
+        self.state["last_run_seconds"] = round(time.perf_counter() - total, 1)
+        self._save()
+        return self.state
+
+    # -- stages ---------------------------------------------------------------------------------------------
+    def _detect(self, resume: bool) -> dict:
+
+        out = self.dir / "detect" / "scores.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        c = self.cfg
+        if c.scores is not None:
+            load_scores(c.scores)  # a wrong file fails here, with its name
+            shutil.copyfile(c.scores, out)
+            run = Path(c.scores).with_name(Path(c.scores).stem + ".run.json")
+            if run.is_file():
+                shutil.copyfile(run, out.with_name("scores.run.json"))
+            return {"source": str(c.scores)}
+        cfg = DetectConfig(model=c.model, protocol=c.protocol, min_len=c.detect_min_len, max_len=c.detect_max_len,
+                           num_lengths=c.detect_lengths, num_depths=c.detect_depths)  # fmt: skip
+        res = run_detect(cfg, out, plot=out.with_suffix(".png"), resume=resume, progress_bar=self.progress)
+        return {"tests_counted": res.record["tests_counted"]}
+
+    def _mask(self, resume: bool) -> dict:
+
+        c = self.cfg
+        scores_path = self.dir / "detect" / "scores.json"
+        scores = load_scores(scores_path)
+        shape = _shape(c.model)
+        retrieval = select_heads(
+            scores, threshold=c.threshold, top_k=c.top_k, model_shape=shape, source=str(scores_path)
+        )
+        if not retrieval.heads:
+            raise PipelineError(
+                f"no head scores >= {c.threshold} in {scores_path}: nothing to mask; use a lower --threshold or --top-k K"
+            )
+        baseline = None if c.baseline == "retmask" else c.baseline
+        sel = select_heads(scores, threshold=c.threshold, top_k=c.top_k, baseline=baseline, seed=c.mask_seed,
+                           model_shape=shape, source=str(scores_path)) if baseline else retrieval  # fmt: skip
+        write_heads(retrieval, self.dir / "mask" / "retrieval_heads.json")
+        write_heads(sel, self.dir / "mask" / "heads.json")
+        self.log(
+            f"[pipeline] mask: {len(sel.heads)} heads ({c.baseline}); retrieval heads: {len(retrieval.heads)}"
+        )
+        return {"heads": len(sel.heads)}
+
+    def _generate(self, resume: bool) -> dict:
+
+        c = self.cfg
+        model, tok = load_model(c.model)
+        heads = read_heads(self.dir / "mask" / "heads.json", model_shape=model_shape(model)).heads
+        insts = stratified(
+            load_instructions(c.instructions, tokenizer=tok, max_tokens=512), c.num_instructions
+        )
+        out = self.dir / "generate" / "pairs.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sampling = SamplingConfig(c.temperature, c.top_p, c.gen_max_new_tokens, c.gen_seed)
+        fp = {"model": c.model or "embedded", "rejected_model": None, "instructions": f"{c.instructions}[:{c.num_instructions}]",
+              "column": None}  # fmt: skip
+        stats = generate_pairs(insts, model, tok, out, sampling, heads=heads, batch_size=c.gen_batch_size,
+                               resume=resume, fingerprint=fp, progress_bar=self.progress)  # fmt: skip
+        self.log(stats.table())
+        return {"pairs": stats.pairs, "instructions": len(insts)}
+
+    def _train(self, resume: bool) -> dict:
+
+        c = self.cfg
+        out = self.dir / "train" / "model"
+        shutil.rmtree(out, ignore_errors=True)  # no checkpoints: an interrupted training starts over
+        cfg = TrainConfig(learning_rate=c.lr, epochs=c.epochs, max_steps=c.max_steps, batch_size=c.batch_size,
+                          grad_accum=c.grad_accum, max_length=c.max_length, beta=c.beta, seed=c.train_seed)  # fmt: skip
+        callbacks = None
+        if c.telemetry_every:
+            heads = read_heads(self.dir / "mask" / "heads.json").heads
+            callbacks = [RetrievalTelemetry(heads, c.telemetry_every)]
+        res = train_dpo(self.dir / "generate" / "pairs.jsonl", out, c.model, cfg, callbacks=callbacks)
+        return {"steps": res.steps, "seconds_per_step": round(res.seconds_per_step, 2)}
+
+    def _eval(self, resume: bool) -> dict:
+
+        c = self.cfg
+        ecfg = EvalConfig(**self.eval_config_dict())
+        d = self.dir / "eval"
+        heads = [self.dir / "mask" / "heads.json"]
+        if c.baseline != "retmask":
+            heads.append(self.dir / "mask" / "retrieval_heads.json")
+        label = "retmask-dpo" if c.baseline == "retmask" else f"{c.baseline}-mask-dpo"
+        data = run_suite([c.model, str(self.dir / "train" / "model")], d, ecfg, labels=["original", label],
+                         heads_files=heads, cache_dir=c.eval_cache or d / "models", progress=self.progress,
+                         log=self.log)  # fmt: skip
+        return {"tasks": {r["label"]: r["tasks"] for r in data["models"]}}
+
+
+def _shape(spec: str | None) -> list[int]:
+    """[L, Hq] from the model's config alone (no weights loaded)."""
+    from transformers import AutoConfig
+
+    path = spec if spec is not None else str(default_model_path())
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):  # a GGUF file or similar: load the model once
+        return model_shape(load_model(spec)[0])
+    return list(model_shape(cfg))
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, *, stop_after: str | None = None, progress: bool = True,
+                 log=print, overwrite: bool = False) -> dict:  # fmt: skip
+    """Run (or resume) the pipeline; returns the ``pipeline.json`` content. ``overwrite``: every stage runs
+    again (its earlier outputs deleted first), as in a fresh run dir."""
+    return Pipeline(cfg, run_dir, progress=progress, log=log, overwrite=overwrite).run(stop_after)

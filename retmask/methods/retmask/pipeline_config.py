@@ -1,0 +1,66 @@
+"""Settings of ``retmask pipeline`` (``PipelineConfig``), its stage and baseline names and its error type:
+plain data, no torch, so the command line can show the defaults without loading the pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STAGES = ("detect", "mask", "generate", "train", "eval")
+VARIANTS = ("retmask", "random", "non-retrieval")
+
+
+class PipelineError(ValueError):
+    """A pipeline request that cannot run; the message says what to change."""
+
+
+@dataclass
+class PipelineConfig:
+    model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
+    baseline: str = "retmask"  # which heads make the rejected responses: retmask | random | non-retrieval
+    scores: str | None = None  # reuse this scores JSON instead of running detect
+    # detect (the protocol's grid unless overridden)
+    protocol: str = "default"
+    detect_min_len: int | None = None
+    detect_max_len: int | None = None
+    detect_lengths: int | None = None
+    detect_depths: int | None = None
+    # mask
+    threshold: float | None = 0.1
+    top_k: int | None = None
+    mask_seed: int = 0
+    # generate
+    instructions: str = "builtin"
+    num_instructions: int = 32
+    temperature: float = 0.6
+    top_p: float = 1.0
+    gen_max_new_tokens: int = 128
+    gen_batch_size: int = 8
+    gen_seed: int = 0
+    # train (paper optimiser settings; a short run)
+    lr: float = 5e-7
+    epochs: float = 2.0
+    max_steps: int = -1
+    batch_size: int = 2
+    grad_accum: int = 4
+    max_length: int = 512
+    beta: float = 0.1
+    train_seed: int = 0
+    telemetry_every: int = 2
+    # eval
+    eval_min_len: int = 1000
+    eval_max_len: int | None = None
+    eval_lengths: int = 3
+    eval_depths: int = 3
+    eval_needles: int = 3
+    eval_cache: str | None = None  # shared per-model eval cache (default run_dir/eval/models)
+    eval_tasks: list[str] = field(default_factory=lambda: ["niah", "multi_needle", "kv"])
+
+    def check(self) -> None:
+        if self.baseline not in VARIANTS:
+            raise PipelineError(f"--baseline must be one of {VARIANTS}, got {self.baseline!r}")
+        if (self.threshold is None) == (self.top_k is None):
+            raise PipelineError("give exactly one of --threshold or --top-k")
+        if self.num_instructions <= 0:
+            raise PipelineError(f"--num-instructions must be positive, got {self.num_instructions}")
+        if self.telemetry_every < 0:
+            raise PipelineError("--telemetry-every must be >= 0 (0 = off)")

@@ -1,0 +1,118 @@
+"""Shared training settings (RetMask paper / reference defaults) and the prompt-length check.
+
+Paper set-up (RetMask): AdamW β1 = 0.9, β2 = 0.95, weight decay 0.1, linear warm-up over 10% of the
+steps to the peak lr 5e-7, then cosine down to 5e-8 (transformers' ``cosine_with_min_lr`` with
+``min_lr_rate = 0.1``), DPO sigmoid loss with β = 0.1, 2 epochs. On CPU: fp32 (``use_cpu=True,
+bf16=False``; TRL 1.16 defaults to bf16).
+
+Prompt length. TRL 1.16 has no ``max_prompt_length`` any more: every sequence (prompt + response) is
+truncated to ``max_length`` keeping its start, and an example whose prompt *alone* reaches ``max_length``
+is silently filtered out. :func:`length_report` counts both cases on the actual chat-templated tokens
+before training; :func:`check_lengths` raises when any example would be dropped (so the number of
+examples trained on is the number in the file) and reports how many responses will be cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from retmask.methods.retmask.pairs import PairsError
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings common to DPO and the SFT baseline (per-device batch x grad-accum x processes
+    = global batch; the paper's global batch is 512)."""
+
+    learning_rate: float = 5e-7
+    min_lr_rate: float = 0.1  # cosine ends at 0.1 x peak = 5e-8
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    epochs: float = 2.0
+    max_steps: int = -1  # > 0 overrides epochs
+    batch_size: int = 2
+    grad_accum: int = 8
+    max_length: int = 1024
+    seed: int = 0
+    logging_steps: int = 1
+    gradient_checkpointing: bool = False  # TRL 1.16 turns it on by default (as activation_checkpointing); not needed for small models on CPU
+    beta: float = 0.1  # DPO only
+    bf16: bool = False  # GPUs only; CPU training stays fp32
+
+    def trainer_kwargs(self, output_dir: str, use_cpu: bool) -> dict[str, Any]:
+        """Keyword arguments shared by ``DPOConfig`` and ``SFTConfig``."""
+        return dict(
+            output_dir=output_dir, learning_rate=self.learning_rate, lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": self.min_lr_rate}, warmup_steps=self.warmup_ratio,
+            weight_decay=self.weight_decay, adam_beta1=self.adam_beta1, adam_beta2=self.adam_beta2,
+            optim="adamw_torch", num_train_epochs=self.epochs, max_steps=self.max_steps,
+            per_device_train_batch_size=self.batch_size, gradient_accumulation_steps=self.grad_accum,
+            max_length=self.max_length, truncation_mode="keep_start", seed=self.seed,
+            logging_steps=self.logging_steps, activation_checkpointing=self.gradient_checkpointing,
+            use_cpu=use_cpu, bf16=self.bf16 and not use_cpu, fp16=False, save_strategy="no", report_to=[],
+            dataloader_num_workers=0,
+        )  # fmt: skip
+
+
+def _ids(tokenizer: Any, messages_or_text: Any, generation_prompt: bool) -> list[int]:
+    if isinstance(messages_or_text, str):
+        return tokenizer(messages_or_text)["input_ids"]
+    out = tokenizer.apply_chat_template(
+        messages_or_text, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True
+    )
+    return list(out["input_ids"])
+
+
+@dataclass
+class LengthReport:
+    examples: int
+    max_length: int
+    prompt_too_long: list[int]  # row indices whose prompt alone reaches max_length (TRL drops them)
+    truncated: int  # rows whose prompt + longer response exceeds max_length (the response end is cut)
+    longest_prompt: int
+    longest_sequence: int
+
+    def summary(self) -> str:
+        return (
+            f"{self.examples} examples, max_length {self.max_length}: longest prompt {self.longest_prompt} tokens, "
+            f"longest prompt+response {self.longest_sequence}; {len(self.prompt_too_long)} prompts reach max_length "
+            f"(TRL would drop them), {self.truncated} responses will be truncated"
+        )
+
+
+def length_report(
+    rows: Sequence[dict[str, Any]], tokenizer: Any, max_length: int, sides: Sequence[str]
+) -> LengthReport:
+    """Token lengths as the trainer will see them (chat template applied). ``sides``: the response keys."""
+    too_long, truncated, longest_p, longest_s = [], 0, 0, 0
+    for i, row in enumerate(rows):
+        n_prompt = len(_ids(tokenizer, row["prompt"], generation_prompt=True))
+        # message lists and strings both concatenate: prompt + response, as TRL tokenizes them
+        n_seq = max(len(_ids(tokenizer, row["prompt"] + row[s], generation_prompt=False)) for s in sides)
+        longest_p, longest_s = max(longest_p, n_prompt), max(longest_s, n_seq)
+        if n_prompt >= max_length:
+            too_long.append(i)
+        elif n_seq > max_length:
+            truncated += 1
+    return LengthReport(len(rows), max_length, too_long, truncated, longest_p, longest_s)
+
+
+def check_lengths(
+    rows: Sequence[dict[str, Any]], tokenizer: Any, max_length: int, sides: Sequence[str], source: str
+) -> LengthReport:
+    """Raise if any prompt alone reaches ``max_length`` (TRL would drop it silently); return the report."""
+    if max_length <= 0:
+        raise PairsError(f"max_length must be positive, got {max_length}")
+    report = length_report(rows, tokenizer, max_length, sides)
+    if report.prompt_too_long:
+        first = report.prompt_too_long[:5]
+        raise PairsError(
+            f"{source}: {len(report.prompt_too_long)} of {report.examples} prompts are at least max_length = "
+            f"{max_length} tokens (rows {first}{'...' if len(report.prompt_too_long) > 5 else ''}); TRL would "
+            f"drop them silently. Raise --max-length (longest prompt: {report.longest_prompt} tokens) or remove them"
+        )
+    return report

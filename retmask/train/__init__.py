@@ -1,1 +1,0 @@
-"""Training with RetMask preference pairs: DPO (``dpo.py``), the SFT baseline, pairs-file validation."""

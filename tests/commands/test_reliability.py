@@ -1,0 +1,327 @@
+"""The command line never gives silent wrong results or loses work, and its errors name the problem and
+the fix (issue 15). Everything goes through the real entry point ``retmask.cli.main``; models are the
+tiny random Llama of ``conftest.tiny_dir`` (it retrieves no needle)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from retmask.cli import main
+from retmask.runfiles import RunLock, lock_path
+from tests.test_runfiles import unwritable_dir
+
+GRID = ["--min-len", "300", "--max-len", "300", "--num-lengths", "1", "--num-depths", "1"]
+
+
+def detect_argv(tiny_dir, needles, out, *extra):
+    return ["detect", "--model", str(tiny_dir), "--needles", str(needles), *GRID, "--max-new-tokens", "4",
+            "--out", str(out), "--no-progress", *extra]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Silent wrong results -> clear errors
+# --------------------------------------------------------------------------------------------------
+
+
+def test_detect_with_nothing_counted_fails_and_reruns_need_resume_or_overwrite(
+    tiny_dir, one_needle, tmp_path, capsys
+):
+    out = tmp_path / "d" / "s.json"
+    assert main(detect_argv(tiny_dir, one_needle, out)) == 2
+    err = capsys.readouterr().err
+    assert "no test counted: none of the 1 answers passed the ROUGE-1 filter" in err and "best recall" in err
+    assert not out.exists()  # no scores file with empty lists
+    record = json.loads(out.with_name("s.run.json").read_text())  # the answers, to see why
+    assert record["tests_run"] == 1 and record["tests_counted"] == 0
+    progress = out.with_name("s.json.progress.json")
+    before = progress.read_bytes()
+
+    # a rerun without --resume does not silently replace the earlier run's files
+    assert main(detect_argv(tiny_dir, one_needle, out)) == 2
+    err = capsys.readouterr().err
+    assert "already exist" in err and "pass --resume to continue or --overwrite to start over" in err
+    assert progress.read_bytes() == before
+    assert main(detect_argv(tiny_dir, one_needle, out, "--resume", "--overwrite")) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    # --overwrite starts over (and fails again for the same reason); --resume reuses the finished test
+    assert main(detect_argv(tiny_dir, one_needle, out, "--overwrite")) == 2
+    assert "no test counted" in capsys.readouterr().err
+    assert main(detect_argv(tiny_dir, one_needle, out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "resuming: 1 of 1 tests already done" in err and "no test counted" in err
+    assert not lock_path(out).exists()
+
+
+def test_detect_with_every_test_skipped_fails(tiny_dir, one_needle, tmp_path, capsys):
+    argv = detect_argv(tiny_dir, one_needle, tmp_path / "s.json")
+    argv[argv.index("--min-len") + 1] = argv[argv.index("--max-len") + 1] = "60"
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no test could run: all 1 tests were skipped: 1 with a context too short for the needle" in err
+    assert "raise --min-len/--max-len" in err
+
+
+def test_mask_refuses_a_scores_file_without_counted_tests(tmp_path, capsys):
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({f"{a}-{b}": [] for a in range(2) for b in range(4)}))
+    assert main(["mask", "--scores", str(scores), "--top-k", "2", "--out", str(tmp_path / "h.json")]) == 2
+    assert "counted no test" in capsys.readouterr().err
+    assert not (tmp_path / "h.json").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Outputs checked before any work
+# --------------------------------------------------------------------------------------------------
+
+MISSING_MODEL = "/nonexistent/retmask-model"  # loading it would fail: these errors come first
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
+    ro = unwritable_dir(tmp_path)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    cases = [
+        (["detect", "--model", MISSING_MODEL, "--out", str(folder)], "scores file", "is a folder"),
+        (["detect", "--model", MISSING_MODEL, "--out", str(ro / "s.json")], "scores file", "is not writable"),
+        (["niah", "--model", MISSING_MODEL, "--out", str(ro / "n.json")], "--out", "is not writable"),
+        (["niah", "--model", MISSING_MODEL, "--plot", str(ro / "n.png")], "--plot", "is not writable"),
+        (["ablate", "--model", MISSING_MODEL, "--out-dir", str(ro / "a")], "--out-dir", "is not writable"),
+        (
+            ["generate", "--heads", "h.json", "--model", MISSING_MODEL, "--out", str(folder)],
+            "--out",
+            "is a folder",
+        ),
+        (["eval", "--model", MISSING_MODEL, "--out-dir", str(ro / "e")], "--out-dir", "is not writable"),
+        (["mudaf-train", "--data", "x.jsonl", "--out", str(ro / "m")], "--out", "is not writable"),
+        (["mdqa-score", "--data", "x.jsonl", "--out", str(ro / "m.json")], "--out", "is not writable"),
+        (["pipeline", "--model", MISSING_MODEL, "--run-dir", str(ro / "p")], "run dir", "is not writable"),
+    ]
+    for argv, what, problem in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"retmask {argv[0]}: error: " in err and what in err and problem in err, (argv, err)
+        assert "does not exist" not in err  # the model was never looked at
+    assert {p.name for p in tmp_path.iterdir()} <= {"folder", "ro"}  # nothing created
+
+
+def test_mask_export_target_checked_before_loading(tmp_path, capsys):
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({f"{a}-{b}": [0.1 * b] for a in range(2) for b in range(4)}))
+    heads = tmp_path / "h.json"
+    existing = tmp_path / "ckpt"
+    existing.write_text("not a folder")
+    base = ["mask", "--scores", str(scores), "--top-k", "2", "--out", str(heads), "--model", MISSING_MODEL]
+    assert main([*base, "--export", str(existing)]) == 2
+    assert "--export" in (err := capsys.readouterr().err) and "is an existing file, not a folder" in err
+    assert main([*base, "--export", str(unwritable_dir(tmp_path) / "ckpt")]) == 2
+    assert "is not writable" in capsys.readouterr().err
+    assert not heads.exists() and existing.read_text() == "not a folder"
+
+
+def test_model_errors_name_the_path_and_the_fix(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"heads": [[0, 1]]}))
+    cases = [
+        (["detect", "--model", MISSING_MODEL, "--out", str(tmp_path / "s.json")], f"model path {MISSING_MODEL} does not exist"),
+        (["generate", "--model", str(empty), "--heads", str(heads), "--out", str(tmp_path / "p.jsonl")],
+         f"model folder {empty} is empty: it is not a Hugging Face model folder"),
+        (["niah", "--model", MISSING_MODEL, "--device", "cuda:0"], "CUDA is not available"),
+    ]  # fmt: skip
+    if __import__("torch").cuda.is_available():
+        cases.pop()
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"retmask {argv[0]}: error: " in err and message in err and "Traceback" not in err, err
+    assert {p.name for p in tmp_path.iterdir()} == {"empty", "heads.json"}  # no outputs, locks or folders
+
+
+# --------------------------------------------------------------------------------------------------
+# One run per output
+# --------------------------------------------------------------------------------------------------
+
+
+def test_second_run_on_the_same_output_is_refused(tiny_dir, one_needle, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    with RunLock(out):  # stands for a running `retmask detect --out s.json`
+        assert main(detect_argv(tiny_dir, one_needle, out)) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"another retmask run is writing {out} (pid {os.getpid()}); wait for it or choose another --out"
+            in err
+        )
+        with RunLock(tmp_path / "p" / "pipeline.json"):
+            assert main(["pipeline", "--model", str(tiny_dir), "--run-dir", str(tmp_path / "p")]) == 2
+            assert "another retmask run is writing" in capsys.readouterr().err
+    assert not out.with_name("s.json.progress.json").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Ctrl-C
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ctrl_c_on_load(monkeypatch):
+    """Every model loader raises KeyboardInterrupt, as if Ctrl-C came during the work."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    for target in ("retmask.hf.loading.load_model", "retmask.load_model", "retmask.detect.run.load_model",
+                   "retmask.evaluate.suite.load_model", "retmask.methods.retmask.pipeline.load_model"):  # fmt: skip
+        module, name = target.rsplit(".", 1)
+        monkeypatch.setattr(sys.modules[module] if module in sys.modules else __import__(module), name,
+                            interrupted, raising=False)  # fmt: skip
+
+
+def _inputs(tmp_path: Path) -> dict[str, Path]:
+    from retmask.methods.mudaf.mdqa import generate_mdqa, write_mdqa
+
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({f"{a}-{b}": [0.1 * b] for a in range(2) for b in range(4)}))
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"heads": [[0, 1]]}))
+    return {
+        "scores": scores,
+        "heads": heads,
+        "data": write_mdqa(generate_mdqa(2, seed=0), tmp_path / "d.jsonl"),
+    }
+
+
+INTERRUPTED = [
+    ("detect", "continue with the same command plus --resume"),
+    ("generate", "continue with the same command plus --resume"),
+    ("ablate", "continue with the same command plus --resume"),
+    ("mudaf-train", "continue with the same command plus --resume"),
+    ("pipeline", "run the same command again to resume"),
+    ("eval", "run the same command again: models already evaluated are cached"),
+    ("niah", "nothing was written"),
+    ("mdqa-score", "nothing was written"),
+]
+
+
+@pytest.mark.parametrize("command,hint", INTERRUPTED, ids=[c for c, _ in INTERRUPTED])
+def test_ctrl_c_prints_how_to_continue(command, hint, tiny_dir, tmp_path, ctrl_c_on_load, capsys):
+    f = _inputs(tmp_path)
+    m = ["--model", str(tiny_dir)]
+    argv = {
+        "detect": ["detect", *m, "--out", str(tmp_path / "s.json"), "--no-progress"],
+        "generate": ["generate", *m, "--heads", str(f["heads"]), "--out", str(tmp_path / "p.jsonl")],
+        "ablate": ["ablate", *m, "--scores", str(f["scores"]), "--out-dir", str(tmp_path / "a")],
+        "mudaf-train": [
+            "mudaf-train",
+            *m,
+            "--data",
+            str(f["data"]),
+            "--heads",
+            str(f["heads"]),
+            "--out",
+            str(tmp_path / "m"),
+        ],  # fmt: skip
+        "pipeline": ["pipeline", *m, "--run-dir", str(tmp_path / "p"), "--no-progress"],
+        "eval": ["eval", *m, "--out-dir", str(tmp_path / "e"), "--no-progress"],
+        "niah": ["niah", *m],
+        "mdqa-score": ["mdqa-score", *m, "--data", str(f["data"]), "--out", str(tmp_path / "s.json")],
+    }[command]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert f"retmask {command}: interrupted; {hint}" in err
+    assert [p.name for p in tmp_path.rglob("*.lock")] == []  # the lock is released
+
+
+def test_real_sigint_during_detect(tiny_dir, tmp_path):
+    from retmask.niah import DEFAULT_NEEDLES_PATH
+
+    out = tmp_path / "s.json"
+    progress = out.with_name("s.json.progress.json")
+    cmd = [sys.executable, "-m", "retmask", "detect", "--model", str(tiny_dir), "--needles",
+           str(DEFAULT_NEEDLES_PATH), "--min-len", "300", "--max-len", "500", "--num-lengths", "3", "--num-depths",
+           "5", "--out", str(out), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not progress.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "retmask detect: interrupted; continue with the same command plus --resume" in err
+    assert "Traceback" not in err
+    assert json.loads(progress.read_text())["results"]  # the finished tests are kept
+    assert not lock_path(out).exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Resume readers name the file
+# --------------------------------------------------------------------------------------------------
+
+
+def test_truncated_progress_files_are_named(tiny_dir, one_needle, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    progress = out.with_name("s.json.progress.json")
+    progress.write_text('{"version": 1, "fingerprint": {"model": ')
+    assert main(detect_argv(tiny_dir, one_needle, out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"detect progress file {progress} is not valid JSON" in err and "delete it to start over" in err
+
+    state = tmp_path / "p" / "pipeline.json"
+    state.parent.mkdir()
+    state.write_text('{"stages": {"detect": ')
+    assert main(["pipeline", "--model", str(tiny_dir), "--run-dir", str(state.parent)]) == 2
+    err = capsys.readouterr().err
+    assert f"pipeline state {state} is not valid JSON" in err and "--overwrite" in err
+
+
+# --------------------------------------------------------------------------------------------------
+# RetMask pairs: --overwrite, and train refuses the pairs of an unfinished run
+# --------------------------------------------------------------------------------------------------
+
+
+def test_generate_overwrite_and_train_refuses_unfinished_pairs(tiny_dir, tmp_path, capsys, monkeypatch):
+    from retmask.methods.retmask import dpo
+
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"heads": [[0, 1]]}))
+    out = tmp_path / "pairs.jsonl"
+    gen = ["generate", "--model", str(tiny_dir), "--heads", str(heads), "--out", str(out), "--limit", "2",
+           "--max-new-tokens", "3", "--temperature", "1.0", "--no-progress"]  # fmt: skip
+    assert main(gen) == 0
+    progress = out.with_name("pairs.jsonl.progress.json")
+    assert json.loads(progress.read_text())["complete"] is True
+    capsys.readouterr()
+    assert main(gen) == 2 and "--overwrite" in capsys.readouterr().err
+    assert main([*gen, "--overwrite", "--seed", "3"]) == 0
+    assert json.loads(progress.read_text())["fingerprint"]["seed"] == 3  # a new run, not a resumed one
+
+    calls = []
+
+    def fake_train(pairs, out_dir, model, cfg, callbacks=None):
+        calls.append(pairs)
+        return SimpleNamespace(lengths=SimpleNamespace(summary=lambda: ""), steps=0, seconds=0.0,
+                               seconds_per_step=0.0, losses=[])  # fmt: skip
+
+    monkeypatch.setattr(dpo, "train_dpo", fake_train)
+    train = ["train", "--pairs", str(out), "--model", str(tiny_dir), "--out", str(tmp_path / "model")]
+    assert main(train) == 0 and calls == [out]
+    # what an interrupted generate leaves: a valid but partial pairs file, no end recorded, no statistics
+    state = json.loads(progress.read_text())
+    progress.write_text(json.dumps(state | {"complete": False}))
+    out.with_name("pairs.stats.json").unlink()
+    capsys.readouterr()
+    assert main(train) == 2
+    err = capsys.readouterr().err
+    assert "from an unfinished `retmask generate` run (2 instructions handled" in err
+    assert "same generate command plus --resume" in err and "--allow-incomplete" in err
+    assert main([*train, "--allow-incomplete"]) == 0 and len(calls) == 2
+    assert "warning" in capsys.readouterr().err

@@ -1,0 +1,131 @@
+"""`retmask mask` command: argument handling, heads file output, --export through the model layer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import retmask
+from retmask.commands import mask
+
+
+def _scores(tmp_path):
+    path = tmp_path / "scores.json"
+    raw = {f"{ly}-{h}": [0.1 * ((ly + h) % 4)] for ly in range(3) for h in range(4)}
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_add_parser_registers_mask():
+    parser = argparse.ArgumentParser(prog="retmask")
+    mask.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["mask", "--scores", "s.json", "--top-k", "3"])
+    assert args.func is mask.run and args.top_k == 3 and args.threshold is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["mask", "--scores", "s.json", "--top-k", "3", "--threshold", "0.1"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["mask", "--scores", "s.json"])
+
+
+def test_mask_writes_heads(tmp_path, capsys):
+    out = tmp_path / "heads.json"
+    rc = mask.main(["--scores", str(_scores(tmp_path)), "--threshold", "0.3", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert sorted(map(tuple, data["heads"])) == [(0, 3), (1, 2), (2, 1)]
+    assert data["method"] == "threshold" and data["baseline"] is None
+    assert "3 heads" in capsys.readouterr().out
+
+
+def test_mask_baseline_and_shape(tmp_path):
+    out = tmp_path / "heads.json"
+    args = ["--scores", str(_scores(tmp_path)), "--top-k", "3", "--baseline", "random", "--seed", "5"]
+    assert mask.main([*args, "--out", str(out), "--model-shape", "3", "4"]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["heads"]) == 3 and data["seed"] == 5 and data["model_shape"] == [3, 4]
+
+
+def test_mask_errors_are_reported(tmp_path, capsys):
+    rc = mask.main(["--scores", str(tmp_path / "none.json"), "--top-k", "2"])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    rc = mask.main(["--scores", str(_scores(tmp_path)), "--top-k", "2", "--model-shape", "2", "4"])
+    assert rc == 2 and "does not exist in a model" in capsys.readouterr().err
+    rc = mask.main(["--scores", str(_scores(tmp_path)), "--top-k", "2", "--model", "m"])
+    assert rc == 2 and "--export" in capsys.readouterr().err
+
+
+def test_export_uses_model_layer(tmp_path, monkeypatch):
+    """--export loads the model and calls retmask.export_masked with the selected heads."""
+    calls = {}
+    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3, num_attention_heads=4))
+    model.config.get_text_config = lambda: model.config
+    monkeypatch.setattr(retmask, "load_model", lambda spec=None: (model, "tok"), raising=False)
+
+    def fake_export(m, heads, out_dir, tokenizer, provenance=None):
+        calls.update(model=m, heads=heads, out_dir=out_dir, tokenizer=tokenizer, provenance=provenance)
+
+    monkeypatch.setattr(retmask, "export_masked", fake_export, raising=False)
+    out = tmp_path / "heads.json"
+    rc = mask.main(
+        [
+            "--scores",
+            str(_scores(tmp_path)),
+            "--top-k",
+            "2",
+            "--out",
+            str(out),
+            "--export",
+            str(tmp_path / "ckpt"),
+            "--model",
+            "tiny",
+        ]
+    )
+    assert rc == 0
+    assert calls["model"] is model and calls["tokenizer"] == "tok" and calls["out_dir"] == tmp_path / "ckpt"
+    assert calls["heads"] == [tuple(h) for h in json.loads(out.read_text())["heads"]]
+    # the checkpoint will say where its heads came from
+    prov = calls["provenance"]
+    assert prov["base_model"] == "tiny" and prov["scores_file"] == str(_scores(tmp_path))
+    assert (
+        prov["selection"]["top_k"] == 2
+        and prov["heads_file"] == str(out)
+        and len(prov["scores_sha256"]) == 64
+    )
+
+    small = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_attention_heads=4))
+    small.config.get_text_config = lambda: small.config
+    monkeypatch.setattr(retmask, "load_model", lambda spec=None: small, raising=False)
+    calls.clear()
+    rc = mask.main(
+        [
+            "--scores",
+            str(_scores(tmp_path)),
+            "--top-k",
+            "2",
+            "--out",
+            str(out),
+            "--export",
+            str(tmp_path / "ckpt2"),
+        ]
+    )
+    assert rc == 2
+    assert rc == 2 and not calls  # scores naming heads the model lacks: nothing exported
+    rc = mask.main(
+        [
+            "--scores",
+            str(_scores(tmp_path)),
+            "--top-k",
+            "2",
+            "--out",
+            str(out),
+            "--export",
+            str(tmp_path / "ckpt3"),
+            "--model-shape",
+            "3",
+            "8",
+        ]
+    )
+    assert rc == 2 and not calls

@@ -1,0 +1,180 @@
+"""MuDAF training on a tiny Llama: where L_CON's gradient goes, the two-golden rule, vanilla SFT = plain
+CLM, the losses fall and the selected heads' golden-passage attention rises, resume, the command."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from retmask.cli import main as cli_main
+from retmask.heads.selection import read_heads
+from retmask.methods.mudaf import train as mudaf_mod
+from retmask.methods.mudaf.loss import _contrastive_logits_terms
+from retmask.methods.mudaf.mdqa import write_mdqa
+from retmask.methods.mudaf.score import score_mdqa
+from retmask.methods.mudaf.train import MuDAFConfig, collate, encode, mudaf_losses, read_record, train_mudaf
+from tests.tiny import tiny_llama_for
+
+D = 16  # head dim of the tiny model; 4 query heads over 2 KV heads (group of 2)
+
+
+def _batch(examples, tokenizer, n=3):
+    return collate(encode(examples[:n], tokenizer, None), tokenizer.pad_token_id)
+
+
+def _rows(weight: torch.Tensor, i: int) -> torch.Tensor:
+    return weight[i * D : (i + 1) * D]
+
+
+@pytest.mark.parametrize("similarity", ["concat", "per-head"])
+def test_con_gradient_reaches_selected_heads_only(mdqa_examples, bpe_tokenizer, similarity):
+    model = tiny_llama_for(bpe_tokenizer)
+    heads = [(1, 0), (1, 1), (0, 3)]  # layer 1: both in KV group 0; layer 0: head 3 in KV group 1
+    cfg = MuDAFConfig(heads=heads, similarity=similarity)
+    _, _, con = mudaf_losses(model, _batch(mdqa_examples, bpe_tokenizer), cfg)
+    con.backward()  # L_CON alone
+    top, bottom = model.model.layers[1].self_attn, model.model.layers[0].self_attn
+    for h in (0, 1):  # selected in the deepest selected layer
+        assert _rows(top.q_proj.weight.grad, h).abs().sum() > 0
+    for h in (2, 3):  # not selected there: their q cannot influence layer-1 q/k
+        assert _rows(top.q_proj.weight.grad, h).abs().sum() == 0
+    assert _rows(top.k_proj.weight.grad, 0).abs().sum() > 0  # KV group of heads 0 and 1
+    assert _rows(top.k_proj.weight.grad, 1).abs().sum() == 0
+    assert (
+        _rows(bottom.q_proj.weight.grad, 3).abs().sum() > 0
+        and _rows(bottom.k_proj.weight.grad, 1).abs().sum() > 0
+    )
+    # Nothing after the deepest selected layer's q/k takes part.
+    for p in (
+        top.v_proj.weight,
+        top.o_proj.weight,
+        model.lm_head.weight,
+        model.model.layers[1].mlp.up_proj.weight,
+    ):
+        assert p.grad is None or p.grad.abs().sum() == 0
+
+
+def test_two_golden_passages_each_against_the_negatives():
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.7], requires_grad=True)
+    got = _contrastive_logits_terms(logits, [0, 2])
+    e = [math.exp(x) for x in logits.tolist()]
+    want = 0.5 * (-math.log(e[0] / (e[0] + e[1] + e[3])) - math.log(e[2] / (e[2] + e[1] + e[3])))
+    assert got.item() == pytest.approx(want, rel=1e-6)
+    single = _contrastive_logits_terms(logits, [3])  # one golden: plain cross-entropy (Eq. 7)
+    assert single.item() == pytest.approx(
+        torch.nn.functional.cross_entropy(logits[None], torch.tensor([3])).item()
+    )
+
+
+def test_vanilla_sft_equals_plain_clm(mdqa_examples, bpe_tokenizer):
+    model = tiny_llama_for(bpe_tokenizer)
+    batch = _batch(mdqa_examples, bpe_tokenizer)
+    cfg = MuDAFConfig(heads=[(1, 0), (0, 1)], vanilla_sft=True)
+    loss, clm, con = mudaf_losses(model, batch, cfg)
+    assert loss is clm and con is not None and not con.requires_grad
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    plain = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+    ).loss
+    assert plain.item() == pytest.approx(loss.item(), abs=0)
+    plain.backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, got[n]), n
+    # Labels cover exactly the answer tokens (answer + EOS) of each example.
+    for b, ex in enumerate(mdqa_examples[:3]):
+        answer = batch["labels"][b][batch["labels"][b] != -100].tolist()
+        assert bpe_tokenizer.decode(answer).strip() == ex.answer + "<eos>"
+
+
+def test_training_lowers_losses_and_focuses_selected_heads(tmp_path, mdqa_examples, bpe_tokenizer):
+    data = mdqa_examples[:8]
+    heads = [(1, 0), (1, 3)]
+    model = tiny_llama_for(bpe_tokenizer)
+    before = score_mdqa(model, bpe_tokenizer, data, progress=False).mean("golden_mass")
+    cfg = MuDAFConfig(heads=heads, learning_rate=3e-3, max_steps=24, batch_size=4, seed=1)
+    result = train_mudaf(model, bpe_tokenizer, data, tmp_path / "m", cfg, progress=False)
+    after = score_mdqa(model, bpe_tokenizer, data, progress=False).mean("golden_mass")
+    first, last = result.log[:3], result.log[-3:]
+    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    assert mean(last, "con") < 0.7 * mean(first, "con")
+    assert mean(last, "clm") < mean(first, "clm")
+    for ly, h in heads:  # the trained heads attend more to the golden passages
+        assert after[ly, h] > before[ly, h] + 0.05, (ly, h, before[ly, h], after[ly, h])
+    rec = read_record(tmp_path / "m")
+    assert rec["steps"] == 24 and rec["mode"] == "mudaf" and rec["config"]["heads"] == [[1, 0], [1, 3]]
+    assert (tmp_path / "m" / "model.safetensors").is_file() and not (tmp_path / "m" / "resume.pt").exists()
+
+
+def test_resume_continues_identically(tmp_path, mdqa_examples, bpe_tokenizer, monkeypatch):
+    data = mdqa_examples[:6]
+    cfg = MuDAFConfig(heads=[(1, 2)], learning_rate=1e-3, max_steps=4, batch_size=2, save_every=2)
+    straight = tiny_llama_for(bpe_tokenizer)
+    train_mudaf(straight, bpe_tokenizer, data, tmp_path / "a", cfg, progress=False)
+    calls = {"n": 0}
+    real = mudaf_mod.mudaf_losses
+
+    def crash_at_step_3(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("simulated crash")
+        return real(*a, **k)
+
+    monkeypatch.setattr(mudaf_mod, "mudaf_losses", crash_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, tmp_path / "b", cfg, progress=False)
+    assert (tmp_path / "b" / "resume.pt").is_file()
+    monkeypatch.setattr(mudaf_mod, "mudaf_losses", real)
+    resumed = tiny_llama_for(bpe_tokenizer)
+    result = train_mudaf(resumed, bpe_tokenizer, data, tmp_path / "b", cfg, resume=True, progress=False)
+    assert [r["step"] for r in result.log] == [1, 2, 3, 4]
+    for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_resume_checkpoint_damaged_or_of_other_settings_is_named(tmp_path, mdqa_examples, bpe_tokenizer):
+    from retmask.runfiles import RunFileError
+
+    data = mdqa_examples[:4]
+    cfg = MuDAFConfig(heads=[(1, 2)], learning_rate=1e-3, max_steps=2, batch_size=2, save_every=1)
+    out = tmp_path / "c"
+    out.mkdir()
+    resume = out / "resume.pt"
+    resume.write_bytes(b"PK\x03\x04torn")  # a checkpoint cut short
+    with pytest.raises(RunFileError, match=rf"resume checkpoint {resume} cannot be read .*delete it"):
+        train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, resume=True, progress=False)
+    settings = mudaf_mod._resume_settings(cfg, len(data)) | {"learning_rate": 5e-6}
+    torch.save(
+        {"model": {}, "optimizer": {}, "step": 1, "log": [], "seconds": 0.0, "settings": settings}, resume
+    )
+    with pytest.raises(RunFileError, match=r"other settings \(learning_rate: 5e-06 -> 0.001\).*--overwrite"):
+        train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, resume=True, progress=False)
+
+
+def test_command_samples_heads_and_errors(tmp_path, mdqa_examples, bpe_tokenizer, capsys):
+    folder = tmp_path / "tiny"
+    tiny_llama_for(bpe_tokenizer).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    data = write_mdqa(mdqa_examples[:4], tmp_path / "train.jsonl")
+    scores = tmp_path / "scores.json"
+    assert cli_main(["mdqa-score", "--data", str(data), "--model", str(folder), "--out", str(scores)]) == 0
+    out = tmp_path / "run"
+    rc = cli_main(["mudaf-train", "--data", str(data), "--model", str(folder), "--out", str(out), "--scores",
+                   str(scores), "--num-heads", "3", "--steps", "2", "--batch-size", "2", "--lr", "1e-4"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    sel = read_heads(out / "heads.json")
+    assert len(sel.heads) == 3 and sel.method == "mudaf-sample" and sel.temperature == 0.05
+    assert read_record(out)["config"]["heads"] == [list(h) for h in sel.heads]
+    capsys.readouterr()
+    other = tmp_path / "other"
+    assert cli_main(["mudaf-train", "--data", str(data), "--model", str(folder), "--out", str(other)]) == 2
+    assert "needs target heads" in capsys.readouterr().err
+    rc = cli_main(["mudaf-train", "--data", str(data), "--model", str(folder), "--out", str(other), "--heads",
+                   str(out / "heads.json"), "--vanilla-sft", "--alpha", "0.3"])  # fmt: skip
+    assert rc == 2 and "drop --alpha" in capsys.readouterr().err
+    # the finished run in `out` is not replaced by accident
+    assert cli_main(["mudaf-train", "--data", str(data), "--model", str(folder), "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err

@@ -1,0 +1,38 @@
+"""Fixtures for the RetMask pipeline tests: a tiny random Llama saved with the embedded model's tokenizer.
+
+Tiny = hidden 64, 2 layers, 4 query heads over 2 KV heads (GQA), head dim 16, SmolLM2's 49152-token
+vocabulary (so the real chat template and EOS apply). Saved once per session to a temporary folder, so
+commands can load it by path like any user model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import transformers
+
+import retmask
+from tests.tiny import tiny_llama_for
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    tok = transformers.AutoTokenizer.from_pretrained(retmask.default_model_path())
+    tok.pad_token = tok.pad_token or tok.eos_token
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer) -> Path:
+    """A saved tiny random Llama + tokenizer (a plain HF folder)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama_for(tokenizer, init=0.02).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    """(model, tokenizer) loaded through retmask.load_model (retmask attention, eval mode)."""
+    return retmask.load_model(str(tiny_dir))

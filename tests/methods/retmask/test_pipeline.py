@@ -1,0 +1,133 @@
+"""retmask pipeline on a tiny model: all stages, artefacts in the run dir, resume after crashes, reuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import retmask.methods.retmask.generate as contrastive
+from retmask.cli import main as cli
+from retmask.methods.retmask.generate import read_pairs
+from retmask.methods.retmask.pipeline import Pipeline, PipelineConfig, run_pipeline, stratified
+
+TINY = dict(detect_min_len=300, detect_max_len=300, detect_lengths=1, detect_depths=2, threshold=None, top_k=2,
+            num_instructions=4, gen_max_new_tokens=8, gen_batch_size=2, max_steps=2, batch_size=2, grad_accum=1,
+            max_length=256, lr=1e-3, telemetry_every=1, eval_min_len=300, eval_max_len=400, eval_lengths=2,
+            eval_depths=2, eval_needles=1)  # fmt: skip
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def stages_run(logs):
+    return [
+        s.split()[1].rstrip(":")
+        for s in logs
+        if s.startswith("[pipeline]") and (" running" in s or " resuming" in s)
+    ]
+
+
+def test_pipeline_runs_all_stages_and_resumes_after_crashes(tiny_dir, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    cfg = PipelineConfig(model=str(tiny_dir), **TINY)
+    # A random model retrieves no needle and a detection with no counted test is an error: count every
+    # answer, so the stages after detect have scores to work with (only the mechanics are tested here).
+    monkeypatch.setattr("retmask.detect.run.RECALL_THRESHOLD", -1.0)
+
+    # 1) crash in the middle of generation (after its first batch is committed)
+    real = contrastive.contrast_batch
+    calls = []
+
+    def flaky(batch, *a, **k):
+        calls.append(len(batch))
+        if len(calls) == 2:
+            raise Crash("simulated crash in generate")
+        return real(batch, *a, **k)
+
+    monkeypatch.setattr(contrastive, "contrast_batch", flaky)
+    logs: list[str] = []
+    with pytest.raises(Crash):
+        run_pipeline(cfg, run_dir, progress=False, log=logs.append)
+    state = json.loads((run_dir / "pipeline.json").read_text())
+    assert [state["stages"][s]["status"] for s in ("detect", "mask", "generate")] == [
+        "done",
+        "done",
+        "running",
+    ]
+    assert stages_run(logs) == ["detect", "mask", "generate"]
+
+    # 2) crash between stages: generation resumes (first batch kept), training fails
+    monkeypatch.setattr(contrastive, "contrast_batch", real)
+    monkeypatch.setattr(
+        Pipeline, "_train", lambda self, resume: (_ for _ in ()).throw(Crash("crash in train"))
+    )
+    logs.clear()
+    with pytest.raises(Crash):
+        run_pipeline(cfg, run_dir, progress=False, log=logs.append)
+    assert stages_run(logs) == ["generate", "train"] and "[pipeline] generate: resuming" in logs
+    stats = json.loads((run_dir / "generate" / "pairs.stats.json").read_text())
+    rows = read_pairs(run_dir / "generate" / "pairs.jsonl")
+    assert stats["pairs"] + sum(stats["dropped"].values()) == 4  # nothing lost, nothing repeated
+    assert len({r["id"] for r in rows}) == len(rows) == stats["pairs"]
+
+    # 3) the rest runs; the finished stages are skipped
+    monkeypatch.undo()
+    logs.clear()
+    state = run_pipeline(cfg, run_dir, progress=False, log=logs.append)
+    assert stages_run(logs) == ["train", "eval"]
+    for f in ("detect/scores.json", "detect/scores.run.json", "mask/heads.json", "mask/retrieval_heads.json",
+              "generate/pairs.jsonl", "train/model/config.json", "train/model/telemetry.json",
+              "train/model/telemetry.png", "eval/report.md", "eval/eval.json", "eval/niah.png", "eval/shift.png"):  # fmt: skip
+        assert (run_dir / f).exists(), f
+    assert all(
+        state["stages"][s]["status"] == "done" and state["stages"][s]["seconds"] >= 0 for s in state["stages"]
+    )
+    heads = json.loads((run_dir / "mask" / "heads.json").read_text())
+    assert heads["num_heads"] == 2 and heads["method"] == "top-k"
+    ev = json.loads((run_dir / "eval" / "eval.json").read_text())
+    assert [m["label"] for m in ev["models"]] == ["original", "retmask-dpo"]
+    assert ev["models"][0]["fingerprint"] != ev["models"][1]["fingerprint"]  # training changed the weights
+    assert json.loads((run_dir / "train" / "model" / "retmask_train.json").read_text())["steps"] == 2
+
+    # 4) nothing to do; 5) a train setting changes: train and eval rerun, the rest is kept
+    logs.clear()
+    run_pipeline(cfg, run_dir, progress=False, log=logs.append)
+    assert stages_run(logs) == [] and sum("skipped" in s for s in logs) == 5
+    logs.clear()
+    cfg2 = PipelineConfig(model=str(tiny_dir), **{**TINY, "lr": 2e-3})
+    run_pipeline(cfg2, run_dir, progress=False, log=logs.append, stop_after="train")
+    assert stages_run(logs) == ["train"]
+
+
+def test_scores_reuse_baseline_and_cli(tiny_dir, tmp_path, capsys):
+    scores = tmp_path / "scores.json"
+    scores.write_text(
+        json.dumps({f"{a}-{b}": [0.5 if (a, b) == (1, 2) else 0.0] for a in range(2) for b in range(4)})
+    )
+    run_dir = tmp_path / "run"
+    argv = ["pipeline", "--model", str(tiny_dir), "--run-dir", str(run_dir), "--scores", str(scores),
+            "--baseline", "non-retrieval", "--stop-after", "mask", "--no-progress"]  # fmt: skip
+    assert cli(argv) == 0
+    heads = json.loads((run_dir / "mask" / "heads.json").read_text())
+    assert heads["baseline"] == "non-retrieval" and heads["num_heads"] == 1 and heads["heads"] != [[1, 2]]
+    assert json.loads((run_dir / "mask" / "retrieval_heads.json").read_text())["heads"] == [[1, 2]]
+    assert (run_dir / "detect" / "scores.json").read_text() == scores.read_text()
+    state = json.loads((run_dir / "pipeline.json").read_text())
+    assert state["stages"]["detect"]["source"] == str(scores) and "generate" not in state["stages"]
+    # a threshold nobody reaches: a clear error
+    argv = ["pipeline", "--model", str(tiny_dir), "--run-dir", str(tmp_path / "r2"), "--scores", str(scores),
+            "--threshold", "0.9", "--stop-after", "mask", "--no-progress"]  # fmt: skip
+    assert cli(argv) == 2
+    assert "no head has a retrieval score >= 0.9" in capsys.readouterr().err
+
+
+def test_stratified_subset_covers_categories():
+    class I:  # noqa: E742
+        def __init__(self, i, c):
+            self.id, self.category = i, c
+
+    items = [I(i, "a") for i in range(5)] + [I(i + 5, "b") for i in range(2)] + [I(9, "c")]
+    assert [x.id for x in stratified(items, 5)] == [0, 5, 9, 1, 6]
+    assert len(stratified(items, 100)) == 8

@@ -1,0 +1,168 @@
+"""retmask train: DPO steps change the weights, --sft runs, the schedule follows the paper, bad inputs fail."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from retmask.cli import main as cli
+from retmask.methods.retmask.pairs import PairsError, read_pairs_file
+from retmask.methods.retmask.train_config import TrainConfig, length_report
+
+ROWS = [
+    ("Name a colour.", "Blue is a colour.", "Seven."),
+    ("What is two plus two? Answer briefly.", "Four.", "It is five or six."),
+    ("Say hello.", "Hello!", "No."),
+    ("Capital of France?", "Paris.", "Berlin, I think."),
+]
+
+
+def conv(prompt, chosen, rejected, **extra):
+    return {
+        "prompt": [{"role": "user", "content": prompt}],
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+        **extra,
+    }
+
+
+@pytest.fixture
+def pairs_file(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [conv(*r, id=f"p{i}", metadata={"x": 1}) for i, r in enumerate(ROWS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("sft", [False, True], ids=["dpo", "sft"])
+def test_train_two_steps_change_weights(tiny_dir, pairs_file, tmp_path, capsys, sft):
+    out = tmp_path / "out"
+    argv = ["train", "--pairs", str(pairs_file), "--model", str(tiny_dir), "--out", str(out), "--max-steps", "2",
+            "--batch-size", "2", "--grad-accum", "1", "--lr", "1e-2", "--max-length", "128"]  # fmt: skip
+    assert cli(argv + (["--sft"] if sft else [])) == 0
+    text = capsys.readouterr().out
+    assert "2 steps" in text and "0 prompts reach max_length" in text
+    summary = json.loads((out / "retmask_train.json").read_text())
+    assert summary["mode"] == ("sft" if sft else "dpo") and summary["steps"] == 2
+    assert len(summary["losses"]) == 2 and all(torch.isfinite(torch.tensor(summary["losses"])))
+    before, after = weights(tiny_dir), weights(out)
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert any("self_attn" in k for k in changed), changed
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_schedule_and_optimizer_follow_the_paper(tiny, tmp_path):
+    """Warm-up to the peak over 10% of the steps, cosine to 0.1 x peak, AdamW (0.9, 0.95), wd 0.1, fp32."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    model, tok = tiny
+    cfg = TrainConfig(max_steps=20, batch_size=1, grad_accum=1)
+    args = DPOConfig(**cfg.trainer_kwargs(str(tmp_path), use_cpu=True), beta=cfg.beta, loss_type=["sigmoid"])
+    assert (
+        args.bf16 is False
+        and args.activation_checkpointing is False
+        and args.beta == 0.1
+        and args.loss_type == ["sigmoid"]
+    )
+    trainer = DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, processing_class=tok,
+                         train_dataset=Dataset.from_list([conv(*ROWS[0])]))  # fmt: skip
+    trainer.create_optimizer_and_scheduler(num_training_steps=20)
+    group = trainer.optimizer.param_groups[0]
+    assert group["betas"] == (0.9, 0.95) and group["weight_decay"] == 0.1
+    lrs = []
+    for _ in range(20):
+        lrs.append(trainer.lr_scheduler.get_last_lr()[0])
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+    assert lrs[0] == 0.0 and lrs[2] == pytest.approx(5e-7)  # 10% of 20 steps = 2 warm-up steps
+    assert lrs[1] == pytest.approx(2.5e-7)
+    assert all(a >= b for a, b in zip(lrs[2:-1], lrs[3:], strict=True))  # cosine decays monotonically
+    assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(5e-8)  # ends at min_lr_rate x peak
+
+
+def test_prompt_reaching_max_length_is_an_error(tiny_dir, tmp_path, capsys):
+    path = tmp_path / "pairs.jsonl"
+    rows = [conv(*ROWS[0]), conv("word " * 200, "Yes.", "No.")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [
+        "train",
+        "--pairs",
+        str(path),
+        "--model",
+        str(tiny_dir),
+        "--out",
+        str(tmp_path / "o"),
+        "--max-length",
+        "100",
+    ]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "1 of 2 prompts" in err and "rows [1]" in err and "drop them silently" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_length_report_counts_truncation(tokenizer):
+    rows = [conv("Hi.", "ok " * 300, "no."), conv("Hi.", "ok", "no")]
+    rep = length_report(rows, tokenizer, 200, ("chosen", "rejected"))
+    assert rep.prompt_too_long == [] and rep.truncated == 1 and rep.longest_sequence > 300
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("", "no pairs"),
+        ("not json\n", "line 1: not valid JSON"),
+        (json.dumps({"prompt": "a", "chosen": "b"}) + "\n", "missing 'rejected'"),
+        (
+            json.dumps({"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"}) + "\n",
+            "'chosen' must be a non-empty list of messages",
+        ),  # fmt: skip
+        (
+            json.dumps(conv("a", "b", "c"))
+            + "\n"
+            + json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"})
+            + "\n",
+            "line 2: a standard row in a file of conversational rows",
+        ),  # fmt: skip
+        (
+            json.dumps(
+                {
+                    "prompt": [{"role": "user", "content": "a"}],
+                    "chosen": [{"role": "user", "content": "b"}],
+                    "rejected": [{"role": "assistant", "content": "c"}],
+                }
+            )
+            + "\n",
+            "has role 'user'",
+        ),  # fmt: skip
+        (json.dumps(conv("a", "  ", "c")) + "\n", "'chosen' is empty"),
+        (json.dumps({"messages": []}) + "\n", "missing 'prompt', 'chosen', 'rejected'"),
+    ],
+)
+def test_bad_pairs_files(content, match, tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(content)
+    with pytest.raises(PairsError, match=match):
+        read_pairs_file(path)
+
+
+def test_cli_bad_pairs_file(tmp_path, capsys):
+    assert cli(["train", "--pairs", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_standard_format_accepted(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c", "id": 3}) + "\n")
+    pairs = read_pairs_file(path)
+    assert pairs.format == "standard" and pairs.rows == [{"prompt": "a", "chosen": "b", "rejected": "c"}]

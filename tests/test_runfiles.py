@@ -1,0 +1,124 @@
+"""runfiles: outputs checked before any work, earlier runs refused unless --resume/--overwrite, one writer
+per output (lock), unreadable files named."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from retmask.errors import UsageError
+from retmask.runfiles import (
+    RunFileError,
+    RunLock,
+    check_fresh_or_resume,
+    check_writable,
+    lock_path,
+    read_json,
+)
+
+
+def unwritable_dir(tmp_path: Path) -> Path:
+    """A folder this process cannot write: chmod 555 (root ignores it: then /sys, read-only to root)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        (folder / "probe").write_text("x")
+    except OSError:
+        return folder
+    (folder / "probe").unlink()
+    for candidate in (Path("/sys"), Path("/proc/sys")):
+        try:
+            (candidate / ".retmask-probe").write_text("x")
+        except OSError:
+            return candidate
+    pytest.skip("no unwritable folder on this machine")
+
+
+def test_check_writable(tmp_path):
+    assert check_writable(tmp_path / "a" / "b" / "out.json") == tmp_path / "a" / "b" / "out.json"
+    assert not (tmp_path / "a").exists()  # nothing created by the check
+    with pytest.raises(RunFileError, match="is a folder; give a file path"):
+        check_writable(tmp_path, what="--out")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RunFileError, match="is an existing file, not a folder"):
+        check_writable(tmp_path / "f", directory=True)
+    with pytest.raises(RunFileError, match="is a file, not a folder"):
+        check_writable(tmp_path / "f" / "sub" / "out.json")
+    ro = unwritable_dir(tmp_path)
+    with pytest.raises(RunFileError, match=f"folder {ro} is not writable"):
+        check_writable(ro / "new" / "out.json", what="--out")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".retmask")] == []  # no probe left
+    assert issubclass(RunFileError, UsageError) and issubclass(RunFileError, ValueError)
+
+
+def test_check_fresh_or_resume(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "dir"
+    assert check_fresh_or_resume([a, b], resume=False, overwrite=False) == []
+    a.write_text("{}")
+    b.mkdir()
+    (b / "x").write_text("1")
+    with pytest.raises(
+        RunFileError, match=r"already exist .*--resume to continue or --overwrite to start over"
+    ):
+        check_fresh_or_resume([a, b], resume=False, overwrite=False)
+    assert check_fresh_or_resume([a, b], resume=True, overwrite=False) == [a, b] and a.exists()
+    assert check_fresh_or_resume([a, b], resume=False, overwrite=True, remove=False) == [a, b] and b.exists()
+    assert check_fresh_or_resume([a, b], resume=False, overwrite=True) == [a, b]
+    assert not a.exists() and not b.exists()
+    with pytest.raises(RunFileError, match="exclude each other"):
+        check_fresh_or_resume([], resume=True, overwrite=True)
+
+
+def test_run_lock_is_exclusive_and_cleans_up(tmp_path):
+    out = tmp_path / "new" / "s.json"
+    with RunLock(out) as lock:
+        assert lock_path(out).read_text().strip() == str(os.getpid())
+        with pytest.raises(
+            RunFileError, match=rf"another retmask run is writing {out} \(pid {os.getpid()}\)"
+        ):
+            RunLock(out).acquire()
+        lock.acquire()  # re-entrant on the same object
+    assert not lock_path(out).exists() and not (tmp_path / "new").exists()  # folder made only for the lock
+    with RunLock(out):
+        out.write_text("{}")
+    assert out.exists() and not lock_path(out).exists()
+
+
+def test_run_lock_held_by_another_process_and_freed_by_its_death(tmp_path):
+    out = tmp_path / "s.json"
+    code = (
+        "import sys, time; from retmask.runfiles import RunLock\n"
+        f"RunLock({str(out)!r}).acquire(); print('locked', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(RunFileError, match=rf"pid {proc.pid}\); wait for it or choose another --out"):
+            RunLock(out).acquire()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # like kill -9: the lock file stays, the kernel drops the lock
+        proc.wait()
+    assert lock_path(out).exists()
+    deadline = time.time() + 5
+    while True:
+        try:
+            with RunLock(out):
+                break
+        except RunFileError:
+            assert time.time() < deadline
+            time.sleep(0.05)
+    assert not lock_path(out).exists()
+
+
+def test_read_json_names_the_file(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text('{"results": {"0": ')
+    with pytest.raises(RunFileError, match=rf"progress file {path} is not valid JSON.*truncated.*delete it"):
+        read_json(path, what="progress file", fix="delete it")
