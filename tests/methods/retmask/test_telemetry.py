@@ -41,10 +41,12 @@ def direct_means(model, tok, lengths, depths, num_needles, heads, max_new_tokens
 
 @pytest.fixture
 def pairs_with_heads(tmp_path):
-    """A pairs file plus the progress file `retmask generate` leaves next to it (records the heads)."""
+    """A pairs file plus the progress file a finished `retmask generate` leaves next to it (records the
+    heads and that the run is complete)."""
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(conv(*r)) + "\n" for r in ROWS))
-    (tmp_path / "pairs.jsonl.progress.json").write_text(json.dumps({"fingerprint": {"heads": HEADS}}))
+    progress = {"fingerprint": {"heads": HEADS}, "complete": True}
+    (tmp_path / "pairs.jsonl.progress.json").write_text(json.dumps(progress))
     return path
 
 
