@@ -194,15 +194,21 @@ def forward(
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
     argmax_rows: int,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Backend interface: q [B, Hq, M, D], k/v [B, Hkv, N, D] ->
     (out [B, Hq, M, D] q.dtype, argmax int64 [B, Hq, argmax_rows] | None, None)."""
     M, N = q.shape[2], k.shape[2]
-    if _library() is None or choose_path(M, N, argmax_rows) == "blocked":
+    features = dict(window=window, softcap=softcap, sinks=sinks)
+    if _library() is None or choose_path(M, N, argmax_rows) == "blocked" or any(
+        x is not None for x in features.values()
+    ):
         return cpu_blocked.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-            skip_heads=skip_heads, argmax_rows=argmax_rows,
+            skip_heads=skip_heads, argmax_rows=argmax_rows, **features,
         )  # fmt: skip
     out, argmax = cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .chunked import chunked_attention
 from .sdpa import sdpa_attention
 
 ARGMAX_KEY_BLOCK = 2048
@@ -25,8 +26,9 @@ def blocked_argmax(
     """Argmax of the logits of the last T query rows, scanning keys in blocks.
 
     q_tail: [B, Hq, T, D] (the last T rows of q); k: [B, Hkv, N, D]. Row t sits at position N - T + t.
-    Returns int64 [B, Hq, T]; -1 for rows without a valid key. Ties -> smallest index: a later block
-    replaces the running best only if strictly greater.
+    Returns int64 [B, Hq, T]; -1 for rows without a valid key and for rows with a NaN or +inf logit
+    (the non-finite contract). Ties -> smallest index: a later block replaces the running best only if
+    strictly greater.
     """
     B, Hq, T, D = q_tail.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -36,6 +38,7 @@ def blocked_argmax(
     qg = q_tail.to(compute).reshape(B, Hkv, g * T, D) * sm_scale
     best_val = torch.full((B, Hkv, g * T), float("-inf"), dtype=compute)
     best_idx = torch.full((B, Hkv, g * T), -1, dtype=torch.int64)
+    poisoned = torch.zeros((B, Hkv, g * T), dtype=torch.bool)
     row_pos = (torch.arange(T) + (N - T)).repeat(g)  # absolute position of each grouped row
     for start in range(0, N, block):
         stop = min(start + block, N)
@@ -47,11 +50,12 @@ def blocked_argmax(
             logits = logits.masked_fill(cols[None, :] > row_pos[:, None], float("-inf"))
         if key_padding_mask is not None:
             logits = logits.masked_fill(~key_padding_mask[:, None, None, start:stop], float("-inf"))
+        poisoned |= (torch.isnan(logits) | (logits == float("inf"))).any(dim=-1)
         val, idx = logits.max(dim=-1)  # torch.max returns the first maximal index
         better = val > best_val
         best_val = torch.where(better, val, best_val)
         best_idx = torch.where(better, idx + start, best_idx)
-    return best_idx.reshape(B, Hq, T)
+    return best_idx.masked_fill(poisoned, -1).reshape(B, Hq, T)
 
 
 def forward(
@@ -64,9 +68,22 @@ def forward(
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
     argmax_rows: int,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-    """q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] -> (out [B, Hq, M, D], argmax [B, Hq, T] | None, None)."""
+    """q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] -> (out [B, Hq, M, D], argmax [B, Hq, T] | None, None).
+
+    A sliding window, soft-capping or sinks (which SDPA cannot express without an [M, N] mask) go to
+    ``chunked.chunked_attention``: query-row chunks against the keys they see.
+    """
+    if window is not None or softcap is not None or sinks is not None:
+        out, argmax = chunked_attention(
+            q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
+            skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
+        return out, argmax, None
     B, Hq, M, D = q.shape
     g = Hq // k.shape[1]
     with torch.no_grad():

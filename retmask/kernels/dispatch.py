@@ -26,7 +26,16 @@ import torch
 
 from .ops import LSE_BACKENDS, attention_fwd, backend_module, eager_direct, forward_impl
 from .reference import reference_attention
-from .validation import check_argmax_rows, check_key_padding_mask, check_qkv, check_skip_heads
+from .validation import (
+    check_argmax_rows,
+    check_key_padding_mask,
+    check_qkv,
+    check_sinks,
+    check_skip_heads,
+    check_sm_scale,
+    check_softcap,
+    check_window,
+)
 
 Backend = Literal["auto", "triton", "cpu", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "cpu", "reference")
@@ -66,6 +75,9 @@ def attention(
     skip_heads: torch.Tensor | None = None,
     return_argmax: bool = False,
     argmax_rows: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention with optional per-row argmax of the logits and head skipping.
@@ -74,41 +86,58 @@ def attention(
         q: [B, Hq, M, D] queries (may be a non-contiguous view). Row i sits at position N - M + i.
         k, v: [B, Hkv, N, D] keys/values, Hq % Hkv == 0 (not repeated for GQA/MQA).
         causal: row i attends to keys j <= N - M + i.
-        sm_scale: logit scale, default D ** -0.5.
+        sm_scale: logit scale (finite), default D ** -0.5.
         key_padding_mask: bool [B, N], True = valid key (left or right padding).
         skip_heads: bool [Hq] or [B, Hq], True = head disabled: output exactly 0, argmax -1, no work.
         return_argmax: also return the argmax of the logits per row.
         argmax_rows: only the last ``argmax_rows`` query rows get an argmax (default: all M rows).
+        window: sliding window (needs ``causal``): the row at position p sees keys p - window < j <= p,
+            as transformers' ``sliding_window``; only key blocks inside the window are visited.
+        softcap: logits <- softcap * tanh(logits / softcap) before the softmax (and the argmax).
+        sinks: float [Hq], one logit per query head added to the softmax denominator only (it has no
+            value and is never an argmax); differentiable.
         backend: "auto" | "triton" | "cpu" | "reference".
 
     Returns:
         out: [B, Hq, M, D] in q's dtype (fp32 accumulation), or ``(out, argmax)`` with
         argmax: int64 [B, Hq, T] (T = argmax_rows or M), the smallest index among tied maxima, -1 for a
         row without any valid key or a skipped head.
+
+    Non-finite inputs: a row with a NaN or +inf logit among the keys it sees (NaN / inf in its query or
+    in one of those keys) gives output NaN and argmax -1, in every backend; NaN / inf in ``v`` make the
+    output of the rows that see them NaN (others may follow: 0 * NaN is NaN, as in eager attention) and
+    leave the argmax alone. Skipped heads stay exactly 0 / -1.
     """
     shape = check_qkv(q, k, v)
     key_padding_mask = check_key_padding_mask(key_padding_mask, shape, q.device)
     skip_heads = check_skip_heads(skip_heads, shape, q.device)
     rows = check_argmax_rows(argmax_rows, return_argmax, shape)
-    scale = float(shape.head_dim**-0.5 if sm_scale is None else sm_scale)
+    scale = check_sm_scale(sm_scale, shape.head_dim)
+    window = check_window(window, causal)
+    softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, shape, q.device)
     name = resolve_backend(backend, q)
 
+    if shape.batch == 0 or shape.q_heads == 0 or shape.q_len == 0:
+        # Nothing to compute: every backend would only be handed empty buffers.
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        empty = torch.empty((shape.batch, shape.q_heads, 0), dtype=torch.int64, device=q.device)
+        return (out, empty) if return_argmax else out
     if name == "reference":
         out, argmax = reference_attention(
             q, k, v, causal=causal, sm_scale=scale, key_padding_mask=key_padding_mask,
-            skip_heads=skip_heads, argmax_rows=rows,
+            skip_heads=skip_heads, argmax_rows=rows, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
-    elif eager_direct(q, k, v, key_padding_mask, skip_heads):
-        out, argmax, _ = forward_impl(q, k, v, key_padding_mask, skip_heads, causal, scale, rows, name, False)
+    elif eager_direct(q, k, v, key_padding_mask, skip_heads, sinks):
+        out, argmax, _ = forward_impl(
+            q, k, v, key_padding_mask, skip_heads, sinks, causal, scale, rows, window, softcap, name, False
+        )
     else:
         # The log-sum-exp is only kept for a backend's own backward, and only when a gradient is wanted.
-        need_lse = (
-            name in LSE_BACKENDS
-            and torch.is_grad_enabled()
-            and (q.requires_grad or k.requires_grad or v.requires_grad)
-        )
+        wants_grad = any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+        need_lse = name in LSE_BACKENDS and torch.is_grad_enabled() and wants_grad
         out, argmax, _ = attention_fwd(
-            q, k, v, key_padding_mask, skip_heads, causal, scale, rows, name, need_lse
+            q, k, v, key_padding_mask, skip_heads, sinks, causal, scale, rows, window, softcap, name, need_lse
         )
     return (out, argmax) if return_argmax else out
 

@@ -8,21 +8,25 @@ arguments and calls ``attention_fwd``; only the reference backend (the plain-tor
 operators, and plain eager calls that record no autograd graph run the operator's body directly
 (``eager_direct``).
 
-``attention_fwd(q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_rows, backend, need_lse)
--> (out, argmax, lse)``; inputs as normalised by ``validation.py`` (masks contiguous bool, skip_heads
-[B, Hq] or None, argmax_rows in [0, M]), backend "cpu" or "triton". Operators cannot return None, so
-absent outputs are empty tensors:
+``attention_fwd(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window,
+softcap, backend, need_lse) -> (out, argmax, lse)``; inputs as normalised by ``validation.py`` (masks
+contiguous bool, skip_heads [B, Hq] or None, sinks float [Hq] or None, argmax_rows in [0, M], window >= 1
+or None, softcap > 0 or None), backend "cpu" or "triton". Operators cannot return None, so absent outputs
+are empty tensors:
 
   out:    [B, Hq, M, D] in q's dtype, contiguous.
   argmax: int64 [B, Hq, argmax_rows] ([B, Hq, 0] when no argmax is requested); not differentiable.
   lse:    fp32 [B, Hq, M] when ``need_lse`` and the backend has its own backward (``LSE_BACKENDS``),
           else fp32 [0]; saved for the backward only, not differentiable.
 
-``attention_bwd(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, causal, sm_scale, backend)
--> (dq, dk, dv)``, contiguous, in the inputs' dtypes: the backend's own backward (Triton), given the
-forward's ``out`` and ``lse``. Backends without one (CPU) get their gradients from a recompute through
-PyTorch SDPA (memory-efficient), differentiated in the autograd formula (``_AttentionAutograd``) rather
-than inside an operator: an operator body runs below the autograd dispatch key, and ``torch.func.vjp``
+``attention_bwd(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
+softcap, backend) -> (dq, dk, dv, dsinks)``, contiguous, in the inputs' dtypes (dsinks: [Hq] in sinks'
+dtype, or an empty tensor without sinks): the backend's own backward (Triton), given the forward's
+``out`` and ``lse``. Backends without one (CPU) get their gradients from a recompute, differentiated in
+the autograd formula (``_AttentionAutograd``) rather than inside an operator: through PyTorch SDPA
+(memory-efficient) for plain attention, through ``chunked.py`` (query-row chunks against the keys they
+see) for a sliding window, soft-capping or sinks, which SDPA cannot express without an [M, N] mask. The
+recompute is done there because an operator body runs below the autograd dispatch key, and ``torch.func.vjp``
 there breaks under any active TorchDispatchMode. Skipped heads get zero gradient either way. There is
 no double backward.
 
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .chunked import chunked_grads
 from .reference import allowed_keys
 
 # Backend modules are imported lazily: triton is optional and slow to import.
@@ -73,12 +78,14 @@ def backend_module(name: str) -> ModuleType:
 
 
 FWD_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? skip_heads, bool causal, "
-    "float sm_scale, SymInt argmax_rows, str backend, bool need_lse) -> (Tensor, Tensor, Tensor)"
+    "(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? skip_heads, Tensor? sinks, bool causal, "
+    "float sm_scale, SymInt argmax_rows, SymInt? window, float? softcap, str backend, bool need_lse) "
+    "-> (Tensor, Tensor, Tensor)"
 )
 BWD_SCHEMA = (
     "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_padding_mask, "
-    "Tensor? skip_heads, bool causal, float sm_scale, str backend) -> (Tensor, Tensor, Tensor)"
+    "Tensor? skip_heads, Tensor? sinks, bool causal, float sm_scale, SymInt? window, float? softcap, "
+    "str backend) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -88,25 +95,31 @@ def forward_impl(
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
+    sinks: torch.Tensor | None,
     causal: bool,
     sm_scale: float,
     argmax_rows: int,
+    window: int | None,
+    softcap: float | None,
     backend: str,
     need_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The body of ``attention_fwd``: (out contiguous, argmax or None, lse or None)."""
     out, argmax, lse = backend_module(backend).forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, argmax_rows=argmax_rows, return_lse=need_lse and backend in LSE_BACKENDS,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
+        return_lse=need_lse and backend in LSE_BACKENDS,
     )  # fmt: skip
     return out.contiguous(), argmax, lse
 
 
-def _fwd_kernel(q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_rows, backend, need_lse):
+def _fwd_kernel(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,
+                backend, need_lse):  # fmt: skip
     """``attention_fwd`` on real tensors (every device: CompositeExplicitAutograd)."""
     out, argmax, lse = forward_impl(
-        q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_rows, backend, need_lse
-    )
+        q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap, backend,
+        need_lse,
+    )  # fmt: skip
     if argmax is None:
         argmax = torch.empty((q.shape[0], q.shape[1], 0), dtype=torch.int64, device=q.device)
     if lse is None:
@@ -114,7 +127,8 @@ def _fwd_kernel(q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_
     return out, argmax, lse
 
 
-def _fwd_fake(q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_rows, backend, need_lse):
+def _fwd_fake(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,
+              backend, need_lse):  # fmt: skip
     B, Hq, M, D = q.shape
     out = q.new_empty((B, Hq, M, D))
     argmax = q.new_empty((B, Hq, argmax_rows), dtype=torch.int64)
@@ -122,17 +136,24 @@ def _fwd_fake(q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_ro
     return out, argmax, q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _bwd_kernel(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, causal, sm_scale, backend):
+def _empty_dsinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    return sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+
+
+def _bwd_kernel(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
+                softcap, backend):  # fmt: skip
     """``attention_bwd`` on real tensors: the backend's own backward."""
     if backend not in LSE_BACKENDS:
         raise ValueError(
             f"backend {backend!r} has no backward of its own; expected one of {sorted(LSE_BACKENDS)}"
         )
-    dq, dk, dv = backend_module(backend).backward(
-        grad_out, q, k, v, out, lse, causal=causal, sm_scale=sm_scale,
-        key_padding_mask=key_padding_mask, skip_heads=skip_heads,
+    dq, dk, dv, dsinks = backend_module(backend).backward(
+        grad_out, q, k, v, out, lse, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
+        skip_heads=skip_heads, window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    if dsinks is None:
+        dsinks = _empty_dsinks(None, q)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks.contiguous()
 
 
 def recompute_attention(
@@ -165,80 +186,121 @@ def recompute_attention(
     return out
 
 
-def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, causal, sm_scale, backend):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def recompute_grads(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    key_padding_mask: torch.Tensor | None,
+    skip_heads: torch.Tensor | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv, dsinks or None) by recomputing the forward: SDPA for plain attention, query-row chunks
+    (``chunked.py``) for a window, soft-capping or sinks."""
+    if window is not None or softcap is not None or sinks is not None:
+        return chunked_grads(
+            grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
+            skip_heads=skip_heads, window=window, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
+    with torch.enable_grad():
+        qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
+        recomputed = recompute_attention(
+            qr, kr, vr, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
+            skip_heads=skip_heads,
+        )  # fmt: skip
+        dq, dk, dv = torch.autograd.grad(recomputed, (qr, kr, vr), grad_out)
+    return dq, dk, dv, None
+
+
+def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
+              softcap, backend):  # fmt: skip
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _empty_dsinks(sinks, q)
 
 
 class _AttentionAutograd(torch.autograd.Function):
     """The autograd formula of ``attention_fwd``, registered as its Autograd kernel (below).
 
     Backward: the ``attention_bwd`` operator (the backend's own backward, one opaque node in a compiled
-    graph) when the forward kept an lse, otherwise a recompute through SDPA differentiated here, at the
-    autograd level (AOTAutograd traces it into the compiled backward as SDPA forward + backward ops).
+    graph) when the forward kept an lse, otherwise a recompute (``recompute_grads``) differentiated here,
+    at the autograd level (AOTAutograd traces it into the compiled backward as plain torch ops).
 
     Same role as ``torch.library.register_autograd(backward, setup_context=...)``, whose generated
     ``autograd.Function`` also rebuilds the argument list from the schema on every call
-    (``torch._library.utils.fill_defaults``: ~11 copies of the 10-argument list, 78 us per call on the
+    (``torch._library.utils.fill_defaults``: ~11 copies of the argument list, 78 us per call on the
     2-core dev machine): with it a requires-grad call cost 261 us of wrapper time against 135 us here
     (stub kernel; the autograd.Function used before the operator existed: 75 us).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_rows, backend, need_lse):
+    def forward(ctx, q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window,
+                softcap, backend, need_lse):  # fmt: skip
         with torch._C._AutoDispatchBelowAutograd():
             out, argmax, lse = attention_fwd(
-                q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_rows, backend, need_lse
-            )
+                q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,
+                backend, need_lse,
+            )  # fmt: skip
         ctx.mark_non_differentiable(argmax, lse)
         ctx.use_lse = need_lse and backend in LSE_BACKENDS
         saved_out, saved_lse = (out, lse) if ctx.use_lse else (None, None)
-        ctx.save_for_backward(q, k, v, saved_out, saved_lse, key_padding_mask, skip_heads)
+        ctx.save_for_backward(q, k, v, saved_out, saved_lse, key_padding_mask, skip_heads, sinks)
         ctx.causal, ctx.sm_scale, ctx.backend = causal, sm_scale, backend
+        ctx.window, ctx.softcap = window, softcap
         return out, argmax, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, _grad_argmax, _grad_lse):
-        q, k, v, out, lse, key_padding_mask, skip_heads = ctx.saved_tensors
+        q, k, v, out, lse, key_padding_mask, skip_heads, sinks = ctx.saved_tensors
         if ctx.use_lse:
-            dq, dk, dv = attention_bwd(
-                grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, ctx.causal, ctx.sm_scale,
-                ctx.backend,
+            dq, dk, dv, dsinks = attention_bwd(
+                grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, ctx.causal, ctx.sm_scale,
+                ctx.window, ctx.softcap, ctx.backend,
             )  # fmt: skip
+            if sinks is None:
+                dsinks = None
         else:
-            with torch.enable_grad():
-                qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
-                recomputed = recompute_attention(
-                    qr, kr, vr, causal=ctx.causal, sm_scale=ctx.sm_scale, key_padding_mask=key_padding_mask,
-                    skip_heads=skip_heads,
-                )  # fmt: skip
-                dq, dk, dv = torch.autograd.grad(recomputed, (qr, kr, vr), grad_out)
-        return dq, dk, dv, None, None, None, None, None, None, None
+            dq, dk, dv, dsinks = recompute_grads(
+                grad_out, q, k, v, causal=ctx.causal, sm_scale=ctx.sm_scale, key_padding_mask=key_padding_mask,
+                skip_heads=skip_heads, window=ctx.window, softcap=ctx.softcap, sinks=sinks,
+            )  # fmt: skip
+        if sinks is None or not ctx.needs_input_grad[5]:
+            dsinks = None
+        return dq, dk, dv, None, None, dsinks, None, None, None, None, None, None, None
 
 
-def _fwd_autograd(q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_rows, backend, need_lse):
+def _wants_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _fwd_autograd(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,
+                  backend, need_lse):  # fmt: skip
     """Autograd kernel of ``attention_fwd``: record the formula only when a gradient is wanted."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionAutograd.apply(
-            q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_rows, backend, need_lse
-        )
+    args = (q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap, backend,
+            need_lse)  # fmt: skip
+    if _wants_grad(q, k, v, sinks):
+        return _AttentionAutograd.apply(*args)
     with torch._C._AutoDispatchBelowAutograd():
-        return attention_fwd(
-            q, k, v, key_padding_mask, skip_heads, causal, sm_scale, argmax_rows, backend, need_lse
-        )
+        return attention_fwd(*args)
 
 
-def _bwd_autograd(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, causal, sm_scale, backend):
+def _bwd_autograd(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
+                  softcap, backend):  # fmt: skip
     """Autograd kernel of ``attention_bwd``: not differentiable (no double backward)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (grad_out, q, k, v)):
+    if _wants_grad(grad_out, q, k, v, sinks):
         raise RuntimeError(
             "retmask attention has no double backward: retmask::attention_bwd is not differentiable "
             "(create_graph=True / higher-order gradients through retmask.kernels.attention are unsupported)"
         )
     with torch._C._AutoDispatchBelowAutograd():
         return attention_bwd(
-            grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, causal, sm_scale, backend
-        )
+            grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window, softcap,
+            backend,
+        )  # fmt: skip
 
 
 # FRAGMENT: the namespace may also hold operators defined elsewhere (e.g. a C++ extension's).

@@ -2,7 +2,23 @@
 
 It materialises the full ``[B, Hq, M, N]`` logit matrix, so it is only for tests and small inputs.
 Computation happens in float64 for float64 inputs and in float32 otherwise; the result is cast back.
-It is differentiable (autograd through plain torch ops).
+It is differentiable (autograd through plain torch ops), also with respect to ``sinks``.
+
+The contract every backend follows (and this file defines):
+
+* Row ``i`` of ``q`` sits at absolute position ``p = N - M + i``. It may attend to key ``j`` when the key
+  is valid in ``key_padding_mask``, ``j <= p`` (causal) and ``j > p - window`` (sliding window, the
+  semantics of transformers' ``sliding_window``).
+* Logits are ``s_j = sm_scale * q . k_j``, then ``softcap * tanh(s_j / softcap)`` when ``softcap`` is set.
+* ``sinks`` ([Hq], one logit per query head) joins the softmax denominator only:
+  ``out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink})``; it has no value and is never an argmax.
+* ``argmax`` is the smallest index among the maximal (capped) logits of the allowed keys.
+* A row with no allowed key (all padding, or a window that misses every valid key) gives output 0 and
+  argmax -1; so does a skipped head. Logits of ``-inf`` count as disallowed keys.
+* Non-finite inputs: a row with a NaN or ``+inf`` logit among its allowed keys (a NaN / inf in its query
+  or in a key it sees) gives output NaN and argmax -1. A NaN / inf in ``v`` makes the output of the rows
+  that see that key NaN (other rows may be NaN too: a zero weight times NaN is NaN, as in eager
+  attention) and leaves the argmax alone.
 """
 
 from __future__ import annotations
@@ -11,15 +27,23 @@ import torch
 
 
 def allowed_keys(
-    q_len: int, kv_len: int, causal: bool, key_padding_mask: torch.Tensor | None, device: torch.device
+    q_len: int,
+    kv_len: int,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    device: torch.device,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Which keys each query row may attend to: ``bool [B or 1, 1, M, N]``.
 
-    Query row ``i`` sits at absolute position ``N - M + i``; causal rows see keys ``j <= N - M + i``.
+    Query row ``i`` sits at absolute position ``p = N - M + i``; causal rows see keys ``j <= p``; with a
+    sliding ``window`` only keys ``j > p - window`` as well.
     """
     rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
     cols = torch.arange(kv_len, device=device).unsqueeze(0)
     allowed = cols <= rows if causal else torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if window is not None:
+        allowed = allowed & (cols > rows - window)
     allowed = allowed[None, None]
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, None, :]
@@ -33,16 +57,20 @@ def reference_logits(
     causal: bool = True,
     sm_scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Scaled logits ``float [B, Hq, M, N]`` with disallowed keys at -inf (compute dtype: fp64 for fp64
-    inputs, else fp32)."""
+    """Scaled (and soft-capped) logits ``float [B, Hq, M, N]`` with disallowed keys at -inf (compute dtype:
+    fp64 for fp64 inputs, else fp32)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     scale = D**-0.5 if sm_scale is None else sm_scale
     k_rep = k.to(compute).repeat_interleave(Hq // Hkv, dim=1)
     logits = torch.matmul(q.to(compute), k_rep.transpose(-1, -2)) * scale
-    allowed = allowed_keys(M, N, causal, key_padding_mask, q.device)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    allowed = allowed_keys(M, N, causal, key_padding_mask, q.device, window)
     return logits.masked_fill(~allowed, float("-inf"))
 
 
@@ -56,30 +84,43 @@ def reference_attention(
     key_padding_mask: torch.Tensor | None = None,
     skip_heads: torch.Tensor | None = None,
     argmax_rows: int = 0,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Materialised attention.
 
     q: [B, Hq, M, D]; k, v: [B, Hkv, N, D]; key_padding_mask: bool [B, N] (True = valid);
-    skip_heads: bool [B, Hq] (True = disabled); argmax_rows: last rows that get an argmax (0 = none).
+    skip_heads: bool [B, Hq] (True = disabled); argmax_rows: last rows that get an argmax (0 = none);
+    window: sliding-window size or None; softcap: logit cap or None; sinks: float [Hq] or None.
     Returns out [B, Hq, M, D] (q.dtype) and argmax int64 [B, Hq, argmax_rows] or None.
-    Rows without any valid key give output 0 and argmax -1; skipped heads give 0 and -1.
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     Hq, Hkv = q.shape[1], k.shape[1]
-    logits = reference_logits(q, k, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask)
-    has_key = torch.isfinite(logits).any(dim=-1, keepdim=True)  # [B, Hq, M, 1]
+    logits = reference_logits(
+        q, k, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask, window=window,
+        softcap=softcap,
+    )  # fmt: skip
+    neg_inf = float("-inf")
+    has_key = (logits != neg_inf).any(dim=-1, keepdim=True)  # [B, Hq, M, 1]; NaN counts as a key
+    poisoned = (torch.isnan(logits) | (logits == float("inf"))).any(dim=-1, keepdim=True)
     # Rows with no valid key: softmax over all -inf is NaN; replace by zeros (and keep grads finite).
     safe_logits = torch.where(has_key, logits, torch.zeros_like(logits))
-    probs = torch.softmax(safe_logits, dim=-1) * has_key
+    if sinks is not None:
+        sink = sinks.to(compute)[None, :, None, None].expand(*logits.shape[:3], 1)
+        probs = torch.softmax(torch.cat([safe_logits, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(safe_logits, dim=-1)
+    probs = probs * has_key
     v_rep = v.to(compute).repeat_interleave(Hq // Hkv, dim=1)
     out = torch.matmul(probs, v_rep)
     if skip_heads is not None:
-        out = out * (~skip_heads)[:, :, None, None].to(compute)
+        out = torch.where(skip_heads[:, :, None, None], 0.0, out)
     argmax = None
     if argmax_rows:
         tail = logits[:, :, -argmax_rows:]
         argmax = torch.argmax(tail, dim=-1)  # ties -> first (smallest) index, like the kernels
-        invalid = ~has_key[:, :, -argmax_rows:, 0]
+        invalid = ~has_key[:, :, -argmax_rows:, 0] | poisoned[:, :, -argmax_rows:, 0]
         if skip_heads is not None:
             invalid = invalid | skip_heads[:, :, None]
         argmax = argmax.masked_fill(invalid, -1)

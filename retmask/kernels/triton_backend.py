@@ -33,12 +33,17 @@ def forward(
     skip_heads: torch.Tensor | None,
     argmax_rows: int,
     return_lse: bool,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] -> (out [B, Hq, M, D] q.dtype,
     argmax int64 [B, Hq, argmax_rows] | None, lse fp32 [B, Hq, M] | None).
 
     One query row (decode) takes the split-key kernel; everything else the prefill kernel.
     """
+    if window is not None or softcap is not None or sinks is not None:
+        raise NotImplementedError("the Triton kernels do not implement window / softcap / sinks yet")
     if q.shape[2] == 1:
         return decode_forward(
             q, k, v, key_padding_mask=key_padding_mask, skip_heads=skip_heads, sm_scale=sm_scale,
@@ -62,10 +67,16 @@ def backward(
     sm_scale: float,
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """grad_out, q, out: [B, Hq, M, D]; k, v: [B, Hkv, N, D]; lse: fp32 [B, Hq, M] from ``forward``
     -> (dq [B, Hq, M, D], dk [B, Hkv, N, D], dv [B, Hkv, N, D]) in the inputs' dtypes."""
-    return attention_backward(
+    if window is not None or softcap is not None or sinks is not None:
+        raise NotImplementedError("the Triton kernels do not implement window / softcap / sinks yet")
+    dq, dk, dv = attention_backward(
         grad_out, q, k, v, out, lse, causal=causal, sm_scale=sm_scale,
         key_padding_mask=key_padding_mask, skip_heads=skip_heads,
     )  # fmt: skip
+    return dq, dk, dv, None

@@ -6,6 +6,7 @@ can fix the call without reading kernel code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -155,3 +156,66 @@ def check_argmax_rows(argmax_rows: int | None, return_argmax: bool, shape: Atten
             f"argmax_rows must be an int in [1, M] = [1, {shape.q_len}] (the last rows of q), got {argmax_rows!r}"
         )
     return argmax_rows
+
+
+def check_sm_scale(sm_scale: float | None, head_dim: int) -> float:
+    """The logit scale as a finite float (default ``head_dim ** -0.5``)."""
+    if sm_scale is None:
+        return float(head_dim**-0.5)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise ValueError(f"sm_scale must be a finite float, got {type(sm_scale).__name__} {sm_scale!r}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(
+            f"sm_scale must be finite, got {sm_scale}; leave it None for the default 1/sqrt(head_dim) = "
+            f"{head_dim**-0.5:.6g}"
+        )
+    return float(sm_scale)
+
+
+def check_window(window: int | None, causal: bool) -> int | None:
+    """A sliding-window size: row at position p sees keys j with p - window < j <= p. None = no window."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise ValueError(f"window must be a positive int (keys per sliding window) or None, got {window!r}")
+    if window <= 0:
+        raise ValueError(
+            f"window must be >= 1 (a query at position p sees keys p - window < j <= p), got {window}; "
+            "pass window=None for full attention"
+        )
+    if not causal:
+        raise ValueError(
+            f"window={window} needs causal=True: the sliding window bounds keys from below in causal "
+            "attention (transformers' sliding_window); bidirectional windows are not supported"
+        )
+    return window
+
+
+def check_softcap(softcap: float | None) -> float | None:
+    """A logit soft cap (logits <- softcap * tanh(logits / softcap)), or None."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(
+            f"softcap must be a finite float > 0 (logits <- softcap * tanh(logits / softcap)), got {softcap}; "
+            "pass softcap=None for no capping"
+        )
+    return float(softcap)
+
+
+def check_sinks(sinks: torch.Tensor | None, shape: AttentionShape, device: torch.device) -> torch.Tensor | None:
+    """Attention-sink logits ``float [Hq]`` (one per query head, in the softmax denominator only), or None."""
+    if sinks is None:
+        return None
+    Hq = shape.q_heads
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"sinks must be a float tensor of shape [Hq] = [{Hq}] or None, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (Hq,):
+        raise ValueError(f"sinks must have shape [Hq] = [{Hq}] (one logit per query head), got {_shape(sinks)}")
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a floating-point tensor (one logit per query head), got {sinks.dtype}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {device}; move it with sinks.to(q.device)")
+    return sinks

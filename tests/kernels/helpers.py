@@ -52,6 +52,8 @@ def assert_argmax_matches(
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
     atol: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Check a kernel's argmax [B, Hq, T] against float64 logits of the last T rows.
 
@@ -61,8 +63,9 @@ def assert_argmax_matches(
     """
     T = argmax.shape[-1]
     logits = reference_logits(
-        q.double(), k.double(), causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask
-    )[:, :, -T:]
+        q.double(), k.double(), causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
+        window=window, softcap=softcap,
+    )[:, :, -T:]  # fmt: skip
     has_key = torch.isfinite(logits).any(-1)
     expected_invalid = ~has_key
     if skip_heads is not None:

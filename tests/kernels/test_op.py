@@ -86,14 +86,14 @@ def test_kernels_attention_is_the_function_not_a_module():
 )
 def test_opcheck_cpu(case):
     q, k, v, kpm, skip, causal, rows = _case_inputs(case)
-    args = (q, k, v, kpm, skip, causal, q.shape[-1] ** -0.5, rows, "cpu", False)
+    args = (q, k, v, kpm, skip, None, causal, q.shape[-1] ** -0.5, rows, None, None, "cpu", False)
     torch.library.opcheck(FWD, args)
 
 
 def test_opcheck_cpu_bf16():
     q, k, v, kpm, skip, causal, rows = _case_inputs(CASES[1])
     q, k, v = (t.detach().to(torch.bfloat16).requires_grad_(True) for t in (q, k, v))
-    torch.library.opcheck(FWD, (q, k, v, kpm, skip, causal, 0.25, rows, "cpu", False))
+    torch.library.opcheck(FWD, (q, k, v, kpm, skip, None, causal, 0.25, rows, None, None, "cpu", False))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -101,9 +101,9 @@ def test_opcheck_backward_operator_triton():
     q, k, v, kpm, skip, causal, _ = _case_inputs(
         (1, 2, 1, 3, 5, 16, True, 0, True, True), requires_grad=False
     )
-    out, _, lse = FWD(q, k, v, kpm, skip, causal, 0.25, 0, "triton", True)
+    out, _, lse = FWD(q, k, v, kpm, skip, None, causal, 0.25, 0, None, None, "triton", True)
     grad = torch.randn(out.shape)
-    torch.library.opcheck(BWD, (grad, q, k, v, out, lse, kpm, skip, causal, 0.25, "triton"))
+    torch.library.opcheck(BWD, (grad, q, k, v, out, lse, kpm, skip, None, causal, 0.25, None, None, "triton"))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -111,7 +111,7 @@ def test_opcheck_triton_with_lse():
     # Triton interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU); need_lse=True:
     # the forward returns the log-sum-exp and the backward is the Triton one.
     q, k, v, kpm, skip, causal, rows = _case_inputs((1, 2, 1, 3, 5, 16, True, 2, False, True))
-    torch.library.opcheck(FWD, (q, k, v, kpm, skip, causal, 0.25, rows, "triton", True))
+    torch.library.opcheck(FWD, (q, k, v, kpm, skip, None, causal, 0.25, rows, None, None, "triton", True))
 
 
 def test_fake_kernel_shapes():
@@ -119,13 +119,13 @@ def test_fake_kernel_shapes():
 
     with FakeTensorMode():
         q, k, v = torch.empty(2, 4, 5, 16), torch.empty(2, 2, 7, 16), torch.empty(2, 2, 7, 16)
-        out, argmax, lse = FWD(q, k, v, None, None, True, 0.25, 3, "cpu", True)
+        out, argmax, lse = FWD(q, k, v, None, None, None, True, 0.25, 3, None, None, "cpu", True)
         assert out.shape == (2, 4, 5, 16) and out.dtype == torch.float32 and out.is_contiguous()
         assert argmax.shape == (2, 4, 3) and argmax.dtype == torch.int64
         assert lse.shape == (0,)  # the CPU backend has no backward of its own: no lse even if asked
-        _, argmax, lse = FWD(q, k, v, None, None, True, 0.25, 0, "triton", True)
+        _, argmax, lse = FWD(q, k, v, None, None, None, True, 0.25, 0, None, None, "triton", True)
         assert argmax.shape == (2, 4, 0) and lse.shape == (2, 4, 5) and lse.dtype == torch.float32
-        dq, dk, dv = BWD(out, q, k, v, out, lse, None, None, True, 0.25, "triton")
+        dq, dk, dv, dsinks = BWD(out, q, k, v, out, lse, None, None, None, True, 0.25, None, None, "triton")
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
