@@ -203,8 +203,10 @@ def forward(
     (out [B, Hq, M, D] q.dtype, argmax int64 [B, Hq, argmax_rows] | None, None)."""
     M, N = q.shape[2], k.shape[2]
     features = dict(window=window, softcap=softcap, sinks=sinks)
-    if _library() is None or choose_path(M, N, argmax_rows) == "blocked" or any(
-        x is not None for x in features.values()
+    if (
+        _library() is None
+        or choose_path(M, N, argmax_rows) == "blocked"
+        or any(x is not None for x in features.values())
     ):
         return cpu_blocked.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,

@@ -205,17 +205,25 @@ def check_softcap(softcap: float | None) -> float | None:
     return float(softcap)
 
 
-def check_sinks(sinks: torch.Tensor | None, shape: AttentionShape, device: torch.device) -> torch.Tensor | None:
+def check_sinks(
+    sinks: torch.Tensor | None, shape: AttentionShape, device: torch.device
+) -> torch.Tensor | None:
     """Attention-sink logits ``float [Hq]`` (one per query head, in the softmax denominator only), or None."""
     if sinks is None:
         return None
     Hq = shape.q_heads
     if not isinstance(sinks, torch.Tensor):
-        raise ValueError(f"sinks must be a float tensor of shape [Hq] = [{Hq}] or None, got {type(sinks).__name__}")
+        raise ValueError(
+            f"sinks must be a float tensor of shape [Hq] = [{Hq}] or None, got {type(sinks).__name__}"
+        )
     if tuple(sinks.shape) != (Hq,):
-        raise ValueError(f"sinks must have shape [Hq] = [{Hq}] (one logit per query head), got {_shape(sinks)}")
+        raise ValueError(
+            f"sinks must have shape [Hq] = [{Hq}] (one logit per query head), got {_shape(sinks)}"
+        )
     if not sinks.is_floating_point():
-        raise ValueError(f"sinks must be a floating-point tensor (one logit per query head), got {sinks.dtype}")
+        raise ValueError(
+            f"sinks must be a floating-point tensor (one logit per query head), got {sinks.dtype}"
+        )
     if sinks.device != device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {device}; move it with sinks.to(q.device)")
     return sinks

@@ -63,7 +63,15 @@ def test_reference_matches_the_definitions(window, softcap, with_sinks):
         q, k, v, sm_scale=0.4, window=window, softcap=softcap, sinks=sinks, key_padding_mask=pad
     )
     out, am = reference_attention(
-        q, k, v, sm_scale=0.4, key_padding_mask=pad, argmax_rows=5, window=window, softcap=softcap, sinks=sinks
+        q,
+        k,
+        v,
+        sm_scale=0.4,
+        key_padding_mask=pad,
+        argmax_rows=5,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
     )
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     assert torch.equal(am, want_am)
@@ -168,7 +176,7 @@ def test_gradients_match_reference(backend, window, softcap, with_sinks):
 
     got = grads(lambda *a, **k_: attention(*a, backend=backend, **k_), torch.float32)
     want = grads(reference_attention, torch.float64)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
     assert bool((got[0][0, 2] == 0).all()), "a skipped head gets no gradient"
 
