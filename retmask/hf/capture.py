@@ -2,7 +2,8 @@
 
 Each forward call of the model inside the context appends one int64 tensor ``[L, B, Hq, T']`` to
 ``cap.calls``: for the selected query rows of that call, the absolute key position (in the KV sequence,
-cache and left padding included) with the largest attention logit; -1 for a masked head, a row
+cache and left padding included; on sliding-window layers whose cache keeps only the last keys, the
+kernel's index in the kept keys is shifted back to the absolute position) with the largest attention logit; -1 for a masked head, a row
 without any valid key, or (per-batch-row selections) a slot beyond that batch row's selected rows. The kernel computes it alongside the output (``return_argmax=True,
 argmax_rows=T``); attention is never materialised and nothing is copied to the host.
 """
@@ -39,6 +40,9 @@ class ArgmaxCapture:
             self._row_index = self._row_index.clamp_min(0)
         self._current: list[torch.Tensor | None] = []
         self._hooks: list = []
+        # Tokens in the sequence up to the end of the current call (cache + input): a layer given N keys
+        # holds positions [end - N, end) (sliding-window caches drop the oldest keys).
+        self._sequence_end: int | None = None
 
     @property
     def last(self) -> torch.Tensor:
@@ -66,9 +70,13 @@ class ArgmaxCapture:
             self._mask_select = self._mask_select.to(device)
         return q_len - self._mask_first, self._mask_select
 
-    def record(self, layer_idx: int, argmax: torch.Tensor) -> None:
+    def record(self, layer_idx: int, argmax: torch.Tensor, kv_len: int | None = None) -> None:
         """argmax: int64 [B, Hq, T'] of layer ``layer_idx`` for the current call (for a per-batch-row
-        selection: [B, Hq, S - first], from which each batch row's own rows are gathered here)."""
+        selection: [B, Hq, S - first], from which each batch row's own rows are gathered here), as indices
+        into the ``kv_len`` keys the layer saw."""
+        if kv_len is not None and self._sequence_end is not None and self._sequence_end > kv_len:
+            # A sliding-window cache gave this layer only the last kv_len keys of the sequence.
+            argmax = torch.where(argmax >= 0, argmax + (self._sequence_end - kv_len), argmax)
         if self._row_index is not None:
             batch, heads = argmax.shape[0], argmax.shape[1]
             if batch != self._row_index.shape[0]:
@@ -84,8 +92,9 @@ class ArgmaxCapture:
         self._current[layer_idx] = argmax
 
     # -- hooks on the model ------------------------------------------------------------------------
-    def _start(self, module, args):
+    def _start(self, module, args, kwargs):
         self._current = [None] * self.layout.num_layers
+        self._sequence_end = _sequence_end(args, kwargs)
         self.active = True
 
     def _finish(self, module, args, output):
@@ -108,7 +117,7 @@ class ArgmaxCapture:
         for layer in self.layout.layers:
             layer._retmask_capture = self
         self._hooks = [
-            self.model.register_forward_pre_hook(self._start),
+            self.model.register_forward_pre_hook(self._start, with_kwargs=True),
             self.model.register_forward_hook(self._finish),
         ]
         return self
@@ -120,6 +129,20 @@ class ArgmaxCapture:
         for layer in self.layout.layers:
             layer._retmask_capture = None
         self.active = False
+
+
+def _sequence_end(args: tuple, kwargs: dict) -> int | None:
+    """Cached tokens + input tokens of a forward call, from its arguments (None if it cannot be told)."""
+    inputs = kwargs.get("input_ids")
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    if inputs is None and args and isinstance(args[0], torch.Tensor):
+        inputs = args[0]
+    if inputs is None or inputs.dim() < 2:
+        return None
+    cache = kwargs.get("past_key_values")
+    past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+    return past + int(inputs.shape[1])
 
 
 def _parse_row_mask_per_batch(rows: torch.Tensor) -> tuple[None, int, torch.Tensor, int]:

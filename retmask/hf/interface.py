@@ -11,11 +11,15 @@ from every attention layer of a model loaded with ``attn_implementation="retmask
   ``module._retmask_tap``:     None or a ``retmask.hf.taps.QKTap`` recording the post-RoPE q / k (autograd kept)
 
 The mask function hands the kernel the 2D ``[B, K]`` padding mask (flash-attention style) or None and
-leaves causality to the kernel: a 4D mask would cost O(Q*K) memory per row.
+leaves causality and sliding windows to the kernel: a 4D mask would cost O(Q*K) memory per row. The
+layer-specific parts of the attention come from the keyword arguments the model's attention modules pass
+(transformers 5.x): ``sliding_window`` (Mistral, Qwen2, Gemma 2/3, Cohere 2, OLMo 3, gpt-oss local
+layers), ``softcap`` (Gemma 2's ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss attention sinks).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -39,21 +43,16 @@ def _model_name(module_or_config: Any) -> str:
 
 def _unsupported(model: str, feature: str) -> NotImplementedError:
     return NotImplementedError(
-        f"model '{model}' uses {feature}, which retmask attention does not support (the kernel computes plain "
-        "causal or bidirectional softmax attention with a padding mask); load this model with "
-        "attn_implementation='sdpa' or 'eager' instead, or pick a model without that feature"
+        f"model '{model}' uses {feature}, which retmask attention does not support (the kernel computes causal "
+        "or bidirectional softmax attention with a padding mask, an optional causal sliding window, logit "
+        "soft-capping and attention sinks); load this model with attn_implementation='sdpa' or 'eager' "
+        "instead, or pick a model without that feature"
     )
 
 
 def _check_features(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
     """Raise for anything the kernel would silently get wrong."""
     model = _model_name(module)
-    if kwargs.get("sliding_window") is not None:
-        raise _unsupported(model, f"sliding-window attention (window {kwargs['sliding_window']})")
-    if kwargs.get("softcap") is not None:
-        raise _unsupported(model, f"attention logit soft-capping (softcap={kwargs['softcap']})")
-    if kwargs.get("s_aux") is not None:
-        raise _unsupported(model, "attention sinks (s_aux)")
     if kwargs.get("position_bias") is not None:
         raise _unsupported(model, "an additive position bias")
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
@@ -140,6 +139,8 @@ def retmask_attention(
     _check_features(module, dropout, kwargs)
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    # Per-layer attention features: None on layers (and models) without them.
+    features = dict(window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     B, _, S, _ = query.shape
     kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
     skip = _skip_heads(module, B, query.device)
@@ -153,16 +154,39 @@ def retmask_attention(
         rows, select = recorder.rows_for_call(S, query.device)
         out, argmax = kernel_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
-            return_argmax=True, argmax_rows=rows,
+            return_argmax=True, argmax_rows=rows, **features,
         )  # fmt: skip
         if select is not None:
             argmax = argmax.index_select(2, select)
-        recorder.record(module.layer_idx, argmax)
+        recorder.record(module.layer_idx, argmax, kv_len=key.shape[2])
     else:
         out = kernel_attention(
-            query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip
+            query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip, **features
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sliding_window_of(mask_function: Any) -> int | None:
+    """The window of transformers' sliding-window causal mask function
+    (``and_masks(sliding_window_overlay(w), causal_mask_function)``, built by
+    ``create_sliding_window_causal_mask``), or None for any other function.
+
+    Recognised by structure, not by sampling it: an overlay on top (images, packed sequences, blocks) makes
+    a different function, which is then refused rather than silently dropped.
+    """
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    try:
+        parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions")
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
+        return None
+    overlay = parts[0]
+    if getattr(overlay, "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask":
+        return None
+    window = inspect.getclosurevars(overlay).nonlocals.get("sliding_window")
+    return window if isinstance(window, int) and not isinstance(window, bool) else None
 
 
 def retmask_mask(
@@ -177,14 +201,17 @@ def retmask_mask(
 ) -> torch.Tensor | None:
     """transformers mask function: bool [B, kv_length] padding mask (True = valid), or None if none.
 
-    Any mask pattern other than plain causal / bidirectional (sliding window, chunks, packed sequences,
-    custom overlays) cannot be expressed by a padding mask: raise instead of silently ignoring it.
+    Accepted patterns: plain causal, bidirectional, and the causal sliding window of local layers (the
+    window itself reaches the kernel through the attention module's ``sliding_window`` argument). Any other
+    pattern (chunks, packed sequences, custom overlays) cannot be expressed by a padding mask: raise
+    instead of silently ignoring it.
     """
-    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+    sliding = _sliding_window_of(mask_function)
+    if mask_function not in (causal_mask_function, bidirectional_mask_function) and sliding is None:
         model = _model_name(kwargs.get("config"))
         feature = (
-            "an attention pattern other than plain causal/bidirectional (sliding-window or chunked attention, "
-            "packed sequences without an attention_mask, or a custom mask overlay)"
+            "an attention pattern other than causal, bidirectional or a causal sliding window (chunked "
+            "attention, packed sequences without an attention_mask, or a custom mask overlay)"
         )
         if attention_mask is None:
             # Under torch.compile / torch.export transformers cannot test whether position_ids pack several
@@ -196,13 +223,14 @@ def retmask_mask(
                 "attention_mask (e.g. torch.ones_like(input_ids)) or use_cache=True"
             )
         raise _unsupported(model, feature)
-    if isinstance(q_offset, torch.Tensor) or kv_offset != 0 or q_offset + q_length != kv_length:
-        # The kernel places query row i at key position kv_length - q_length + i; static caches (keys
-        # padded to a maximum length) and offset caches break that alignment.
+    if isinstance(q_offset, torch.Tensor) or kv_offset + kv_length != q_offset + q_length:
+        # The kernel places query row i at key position kv_length - q_length + i: the keys must end with the
+        # queries. Dynamic caches (full, or sliding layers that keep the last window - 1 keys) do; static
+        # caches (keys padded to a maximum length) do not.
         raise _unsupported(
             _model_name(kwargs.get("config")),
-            f"a KV cache whose keys are not exactly the past tokens followed by the queries (q_offset={q_offset}, "
-            f"q_length={q_length}, kv_length={kv_length}, kv_offset={kv_offset}; e.g. a static/compileable cache); "
+            f"a KV cache whose keys do not end with the queries (q_offset={q_offset}, q_length={q_length}, "
+            f"kv_length={kv_length}, kv_offset={kv_offset}; e.g. a static/compileable cache); "
             "use the default DynamicCache",
         )
     if attention_mask is not None and torch.compiler.is_compiling():

@@ -12,48 +12,28 @@ from retmask.hf.interface import retmask_attention
 from .conftest import random_batch, tiny_config, tiny_model, with_attn
 
 
-def test_sliding_window_rejected_by_patch_and_at_run_time():
-    model = tiny_model("mistral", attn="sdpa", sliding_window=8)
-    with pytest.raises(ValueError, match="'mistral'.*sliding-window.*Supported"):
-        retmask.patch(model)
-    # Even if someone bypasses patch(), the mask function refuses a sliding-window pattern.
-    model.set_attn_implementation("retmask")
-    ids, _ = random_batch(1, 6)
-    with pytest.raises(NotImplementedError, match="'mistral'.*sliding-window"), torch.no_grad():
-        model(input_ids=ids)
-
-
-def test_qwen2_sliding_layers_rejected():
-    config = tiny_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+def test_unsupported_layer_kinds_rejected_by_patch():
+    """Layer kinds other than full and sliding-window attention (e.g. chunked) are refused by name."""
+    config = tiny_config("qwen2", layer_types=["full_attention", "chunked_attention"])
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    with pytest.raises(ValueError, match="'qwen2'.*sliding_attention"):
+    with pytest.raises(ValueError, match="'qwen2'.*chunked_attention.*Supported.*sliding"):
         retmask.patch(model)
 
 
-def test_softcap_rejected():
-    config = transformers.AutoConfig.for_model(
-        "gemma2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0,
-        layer_types=["full_attention"] * 2,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with pytest.raises(ValueError, match="'gemma2'.*soft-capping"):
-        retmask.patch(model)
-    model.set_attn_implementation("retmask")  # bypassing patch(): the attention function still refuses
-    ids, _ = random_batch(1, 6)
-    with (
-        pytest.raises(NotImplementedError, match="'gemma2'.*(soft-capping|attention pattern)"),
-        torch.no_grad(),
-    ):
-        model(input_ids=ids)
+def test_chunked_mask_pattern_rejected_at_run_time():
+    """A mask function other than causal / bidirectional / causal sliding window raises at run time."""
+    from transformers.masking_utils import and_masks, causal_mask_function, chunked_overlay
+
+    from retmask.hf.interface import retmask_mask
+
+    pattern = and_masks(chunked_overlay(4, torch.zeros(1, dtype=torch.long)), causal_mask_function)
+    with pytest.raises(NotImplementedError, match="attention pattern other than causal"):
+        retmask_mask(1, 6, 6, mask_function=pattern, config=tiny_config("llama"))
 
 
 @pytest.mark.parametrize(
     "kw, feature",
     [
-        ({"sliding_window": 16}, "sliding-window"),
-        ({"softcap": 30.0}, "soft-capping"),
-        ({"s_aux": torch.zeros(4)}, "attention sinks"),
         ({"dropout": 0.1}, "dropout"),
         ({"output_attentions": True}, "capture_argmax"),
     ],

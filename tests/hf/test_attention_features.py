@@ -1,0 +1,153 @@
+"""Models with sliding-window (local/global) layers, logit soft-capping and attention sinks on retmask
+attention: logits, gradients, ``generate`` (sliding-window caches cutting in), argmax capture and head
+masks equal eager attention, which implements each feature from its definition.
+
+Tiny random configs (hidden 64, 2 layers, 4 query heads over 2 KV heads) with a window of 5 keys, shorter
+than every test sequence, so the window matters everywhere, including the caches of local layers that
+keep only the last ``window - 1`` keys.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+import retmask
+
+from .conftest import assert_argmax_matches, random_batch, tiny_config, with_attn, zeroed_copy
+
+WINDOW = 5
+LOCAL_GLOBAL = ["sliding_attention", "full_attention"]
+FEATURE_ARCHS = {
+    "mistral": dict(sliding_window=WINDOW),  # every layer local
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),  # layer 1 local
+    "gemma2": dict(sliding_window=WINDOW, attn_logit_softcapping=5.0, query_pre_attn_scalar=16),
+    # Gemma 3: local/global layers, QK-norm, head dim 256 (as Gemma-3-270M)
+    "gemma3_text": dict(sliding_window=WINDOW, head_dim=256, layer_types=LOCAL_GLOBAL, query_pre_attn_scalar=256),
+    "olmo3": dict(sliding_window=WINDOW, layer_types=LOCAL_GLOBAL),
+    "cohere2": dict(sliding_window=WINDOW, layer_types=LOCAL_GLOBAL),
+    # gpt-oss: attention sinks on every layer, local/global, a tiny MoE
+    "gpt_oss": dict(sliding_window=WINDOW, layer_types=LOCAL_GLOBAL, num_local_experts=2, num_experts_per_tok=1),
+}
+
+
+def feature_model(arch: str, attn: str = "retmask", seed: int = 0) -> transformers.PreTrainedModel:
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **FEATURE_ARCHS[arch])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    if arch == "gpt_oss":  # sinks start at zero-mean noise; make them matter
+        with torch.no_grad():
+            for layer in retmask.hf.head_layout(model).layers:
+                layer.sinks.normal_(0.0, 2.0)
+    model.eval()
+    return retmask.patch(model) if attn == "retmask" else model
+
+
+@pytest.fixture(params=sorted(FEATURE_ARCHS))
+def feature_arch(request) -> str:
+    return request.param
+
+
+def test_forward_equals_eager(feature_arch):
+    model = feature_model(feature_arch)
+    eager = with_attn(model, "eager")
+    ids, mask = random_batch(2, 14, left_pad=[0, 4])
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        want = eager(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_gradients_equal_eager(feature_arch):
+    model = feature_model(feature_arch)
+    eager = with_attn(model, "eager")
+    ids, mask = random_batch(2, 11, left_pad=[0, 3])
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 3] = -100  # predicted from a padding row, which has no valid key (implementations differ there)
+    for m in (model, eager):
+        m.train()
+        m.zero_grad()
+        m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
+    if feature_arch == "gpt_oss":
+        assert retmask.hf.head_layout(model).layers[0].sinks.grad.abs().sum() > 0, "the sinks get a gradient"
+
+
+def test_generate_equals_eager(feature_arch):
+    """Prompt 9 + 8 new tokens with a window of 5: local layers' caches drop keys while generating."""
+    model = feature_model(feature_arch)
+    eager = with_attn(model, "eager")
+    ids, mask = random_batch(3, 9, left_pad=[0, 2, 5], seed=3)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        got = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        want = eager.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-4, rtol=1e-4)
+
+
+def _eager_step(model, ids, mask, cache):
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, output_attentions=True)
+    return out.attentions
+
+
+def test_capture_equals_eager_argmax_prefill_chunk_decode(feature_arch):
+    """Prefill 8 tokens, a chunk of 4 against the cache, then 3 decode steps: the captured argmax (absolute
+    positions) equals eager's, whose weights cover only the keys a local layer's cache still holds."""
+    model = feature_model(feature_arch)
+    eager = with_attn(model, "eager")
+    ids, mask = random_batch(2, 15, left_pad=[0, 3], seed=5)
+    steps = [(0, 8), (8, 12), (12, 13), (13, 14), (14, 15)]
+    ours, theirs = DynamicCache(config=model.config), DynamicCache(config=eager.config)
+    for start, stop in steps:
+        chunk, seen = ids[:, start:stop], mask[:, :stop]
+        with retmask.capture_argmax(model, rows=None) as cap, torch.no_grad():
+            model(input_ids=chunk, attention_mask=seen, past_key_values=ours, use_cache=True)
+        weights = _eager_step(eager, chunk, seen, theirs)
+        for layer, w in enumerate(weights):  # w: [B, Hq, S, kv_len of this layer]
+            offset = stop - w.shape[-1]  # keys a sliding cache dropped
+            got = cap.last[layer]
+            local = torch.where(got >= 0, got - offset, got)
+            valid_rows = seen[:, start:stop].bool()[:, None, :].expand_as(local)
+            assert_argmax_matches(local[valid_rows], w[valid_rows])  # padding query rows excluded
+            if layer_is_local(model, layer):
+                pos = torch.arange(start, stop)
+                assert bool(((got > pos - WINDOW) | (got < 0)).all()), "a local layer's argmax is in its window"
+
+
+def layer_is_local(model, layer: int) -> bool:
+    kinds = getattr(model.config, "layer_types", None)
+    if kinds is None:
+        return getattr(model.config, "sliding_window", None) is not None
+    return kinds[layer] == "sliding_attention"
+
+
+def test_head_mask_equals_o_proj_zeroing(feature_arch):
+    model = feature_model(feature_arch)
+    heads = [(0, 1), (1, 0), (1, 3)]
+    zeroed = zeroed_copy(model, heads, attn="eager")
+    retmask.set_head_mask(model, heads)
+    ids, mask = random_batch(2, 12, left_pad=[0, 2], seed=7)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        want = zeroed(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_bidirectional_sliding_overlay_is_refused():
+    """Gemma 3 used as a bidirectional encoder adds an overlay retmask cannot express: a clear error."""
+    config = tiny_config("gemma3_text", **FEATURE_ARCHS["gemma3_text"], use_bidirectional_attention=True)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    retmask.patch(model)
+    ids, _ = random_batch(1, 8)
+    with pytest.raises(NotImplementedError, match="gemma3_text.*attention pattern"), torch.no_grad():
+        model(input_ids=ids)
