@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,43 @@ def read_json(path: str | os.PathLike, *, what: str = "results file", fix: str =
         raise RunFileError(
             f"{what} {path} is not valid JSON ({err}); it is truncated or was edited by hand{hint}"
         ) from None
+
+
+def read_jsonl(
+    path: str | os.PathLike,
+    *,
+    what: str = "JSON-lines file",
+    fix: str = "",
+    error: type[Exception] = RunFileError,
+) -> Iterator[tuple[str, Any]]:
+    """Yield ``("<path>:<line>", object)`` for every non-blank line of a JSON-lines file.
+
+    A missing or unreadable file or a line that is not JSON raises ``error`` naming the file and the line
+    (and ``fix``, if given); checking what each object holds is the caller's (``where`` locates it).
+    """
+    path = Path(path)
+    hint = f"; {fix}" if fix else ""
+    try:
+        f = path.open(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{what} {path} does not exist{hint}") from None
+    except (IsADirectoryError, PermissionError) as err:
+        raise error(f"{what} {path} cannot be read ({err}){hint}") from None
+    with f:
+        try:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise error(
+                        f"{where}: not valid JSON ({err.msg}); each line must be one JSON object{hint}"
+                    ) from None
+                yield where, obj
+        except UnicodeDecodeError as err:
+            raise error(f"{what} {path} is not UTF-8 text ({err}){hint}") from None
 
 
 def digest(obj: Any) -> str:

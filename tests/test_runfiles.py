@@ -122,3 +122,20 @@ def test_read_json_names_the_file(tmp_path):
     path.write_text('{"results": {"0": ')
     with pytest.raises(RunFileError, match=rf"progress file {path} is not valid JSON.*truncated.*delete it"):
         read_json(path, what="progress file", fix="delete it")
+
+
+def test_read_jsonl_names_file_and_line(tmp_path):
+    from retmask.runfiles import RunFileError, read_jsonl
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"a": 1}\n\n[2]\n{oops\n', encoding="utf-8")
+    lines = read_jsonl(path, what="pairs file")
+    assert next(lines) == (f"{path}:1", {"a": 1})
+    assert next(lines) == (f"{path}:3", [2])  # blank lines skipped, numbering kept
+    with pytest.raises(RunFileError, match=r"p\.jsonl:4: not valid JSON"):
+        next(lines)
+    with pytest.raises(RunFileError, match="pairs file .*missing.jsonl does not exist; pass X"):
+        list(read_jsonl(tmp_path / "missing.jsonl", what="pairs file", fix="pass X"))
+    path.write_bytes(b"\xff\xfe{}\n")
+    with pytest.raises(RunFileError, match="not UTF-8"):
+        list(read_jsonl(path))

@@ -72,6 +72,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--telemetry-heads", type=Path, metavar="FILE",
                    help="masked heads for the telemetry (default: the heads recorded with the pairs by `retmask generate`)")  # fmt: skip
     p.add_argument(
+        "--overwrite", action="store_true", help="replace the files of an earlier run in --out (else refused)"
+    )
+    p.add_argument(
         "--allow-incomplete",
         action="store_true",
         help="train on the pairs of an unfinished `retmask generate` run (refused by default)",
@@ -111,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         check_writable(args.out, what="--out", directory=True)
+        if args.out.is_dir() and any(args.out.iterdir()) and not args.overwrite:
+            raise PairsError(
+                f"--out {args.out} already holds files (an earlier trained model?); pass --overwrite to replace "
+                "them, or choose another folder"
+            )
         callbacks = None
         if args.telemetry_every is not None:
             from retmask.methods.retmask.telemetry import RetrievalTelemetry, heads_for_pairs

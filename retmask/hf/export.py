@@ -13,6 +13,8 @@ scores file, the retmask version), and ``README.md`` is a model card with the sa
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -66,26 +68,45 @@ def export_masked(
                 zeroed[:, head * D : (head + 1) * D] = 0
             state[key] = zeroed
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = model.config
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"export folder {out} already exists and is not empty; pick a new folder")
     masked = [[int(a), int(b)] for a, b in mask.nonzero().tolist()]
     masking = masking_record(model, masked, provenance)
+    # Written into a hidden sibling folder and renamed into place at the end: an interrupted export
+    # (Ctrl-C, a full disk) leaves no half-written checkpoint that would load as if it were complete.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        _save_checkpoint(model, state, masked, masking, partial)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial)
+        (partial / "README.md").write_text(model_card(masked, masking, layout.shape), encoding="utf-8")
+        if out.is_dir():
+            out.rmdir()  # empty (checked above)
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out
+
+
+def _save_checkpoint(
+    model: torch.nn.Module, state: dict, masked: list[list[int]], masking: dict, folder: Path
+) -> None:
+    """``save_pretrained`` with ``state`` and the masking metadata in the config, no retmask attention name."""
+    config = model.config
     saved_impl = config._attn_implementation_internal
     try:
         # The checkpoint must load without retmask installed: do not record a custom attention name.
         config._attn_implementation_internal = None
         config.retmask_masked_heads = masked
         config.retmask_masking = masking
-        model.save_pretrained(out, state_dict=state)
+        model.save_pretrained(folder, state_dict=state)
     finally:
         config._attn_implementation_internal = saved_impl
         for name in ("retmask_masked_heads", "retmask_masking"):
             if name in config.__dict__:
                 delattr(config, name)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    (out / "README.md").write_text(model_card(masked, masking, layout.shape), encoding="utf-8")
-    return out
 
 
 def masking_record(model: torch.nn.Module, masked: list[list[int]], provenance: dict | None) -> dict:

@@ -140,7 +140,9 @@ def retmask_attention(
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     # Per-layer attention features: None on layers (and models) without them.
-    features = dict(window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+    features = dict(
+        window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
+    )
     B, _, S, _ = query.shape
     kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
     skip = _skip_heads(module, B, query.device)
@@ -161,8 +163,9 @@ def retmask_attention(
         recorder.record(module.layer_idx, argmax, kv_len=key.shape[2])
     else:
         out = kernel_attention(
-            query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip, **features
-        )
+            query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
+            **features,
+        )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

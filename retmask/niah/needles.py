@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from retmask.data import data_path
+from retmask.runfiles import read_jsonl
 
 DEFAULT_NEEDLES_PATH = data_path("needles.jsonl")
 REQUIRED_KEYS = ("needle", "question", "real_needle")
@@ -34,23 +34,9 @@ def load_needles(path: str | Path | None = None) -> list[Needle]:
     Blank lines are ignored. Any other problem raises :class:`NeedleFileError` naming ``file:line``.
     """
     path = Path(path) if path is not None else DEFAULT_NEEDLES_PATH
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise NeedleFileError(f"needles file {path} does not exist; pass --needles FILE.jsonl") from None
-    except UnicodeDecodeError as err:
-        raise NeedleFileError(f"{path}: not UTF-8 text ({err}); save the file as UTF-8") from None
     needles: list[Needle] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise NeedleFileError(
-                f"{where}: not valid JSON ({err.msg}); each line must be one JSON object"
-            ) from None
+    lines = read_jsonl(path, what="needles file", fix="pass --needles FILE.jsonl", error=NeedleFileError)
+    for where, obj in lines:
         if not isinstance(obj, dict):
             raise NeedleFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         missing = [k for k in REQUIRED_KEYS if k not in obj]

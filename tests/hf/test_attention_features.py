@@ -25,18 +25,24 @@ FEATURE_ARCHS = {
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),  # layer 1 local
     "gemma2": dict(sliding_window=WINDOW, attn_logit_softcapping=5.0, query_pre_attn_scalar=16),
     # Gemma 3: local/global layers, QK-norm, head dim 256 (as Gemma-3-270M)
-    "gemma3_text": dict(sliding_window=WINDOW, head_dim=256, layer_types=LOCAL_GLOBAL, query_pre_attn_scalar=256),
+    "gemma3_text": dict(
+        sliding_window=WINDOW, head_dim=256, layer_types=LOCAL_GLOBAL, query_pre_attn_scalar=256
+    ),
     "olmo3": dict(sliding_window=WINDOW, layer_types=LOCAL_GLOBAL),
     "cohere2": dict(sliding_window=WINDOW, layer_types=LOCAL_GLOBAL),
     # gpt-oss: attention sinks on every layer, local/global, a tiny MoE
-    "gpt_oss": dict(sliding_window=WINDOW, layer_types=LOCAL_GLOBAL, num_local_experts=2, num_experts_per_tok=1),
+    "gpt_oss": dict(
+        sliding_window=WINDOW, layer_types=LOCAL_GLOBAL, num_local_experts=2, num_experts_per_tok=1
+    ),
 }
 
 
 def feature_model(arch: str, attn: str = "retmask", seed: int = 0) -> transformers.PreTrainedModel:
     torch.manual_seed(seed)
     config = tiny_config(arch, **FEATURE_ARCHS[arch])
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
     if arch == "gpt_oss":  # sinks start at zero-mean noise; make them matter
         with torch.no_grad():
             for layer in retmask.hf.head_layout(model).layers:
@@ -85,7 +91,9 @@ def test_generate_equals_eager(feature_arch):
     model = feature_model(feature_arch)
     eager = with_attn(model, "eager")
     ids, mask = random_batch(3, 9, left_pad=[0, 2, 5], seed=3)
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    kw = dict(
+        max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True
+    )
     with torch.no_grad():
         got = model.generate(input_ids=ids, attention_mask=mask, **kw)
         want = eager.generate(input_ids=ids, attention_mask=mask, **kw)
@@ -95,7 +103,9 @@ def test_generate_equals_eager(feature_arch):
 
 def _eager_step(model, ids, mask, cache):
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, output_attentions=True)
+        out = model(
+            input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, output_attentions=True
+        )
     return out.attentions
 
 
@@ -120,7 +130,9 @@ def test_capture_equals_eager_argmax_prefill_chunk_decode(feature_arch):
             assert_argmax_matches(local[valid_rows], w[valid_rows])  # padding query rows excluded
             if layer_is_local(model, layer):
                 pos = torch.arange(start, stop)
-                assert bool(((got > pos - WINDOW) | (got < 0)).all()), "a local layer's argmax is in its window"
+                assert bool(((got > pos - WINDOW) | (got < 0)).all()), (
+                    "a local layer's argmax is in its window"
+                )
 
 
 def layer_is_local(model, layer: int) -> bool:

@@ -78,3 +78,20 @@ def test_export_says_what_it_is_without_retmask(tmp_path):
     assert "base_model: org/base" in card and "0-2, 1-1" in card
     assert "the 2 heads with the highest mean retrieval score" in card and "`runs/s.json`" in card
     assert f"retmask version | {retmask.__version__}" in card
+
+
+def test_interrupted_export_leaves_nothing_and_existing_folders_are_refused(tmp_path):
+    class Interrupting:
+        def save_pretrained(self, folder):
+            raise KeyboardInterrupt  # Ctrl-C while the checkpoint is half written
+
+    model = tiny_model("llama")
+    with pytest.raises(KeyboardInterrupt):
+        retmask.export_masked(model, HEADS, tmp_path / "masked", tokenizer=Interrupting())
+    assert list(tmp_path.iterdir()) == [], "no partial checkpoint and no temporary folder left behind"
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="taken already exists and is not empty"):
+        retmask.export_masked(model, HEADS, tmp_path / "taken")
+    (tmp_path / "empty").mkdir()
+    assert (retmask.export_masked(model, HEADS, tmp_path / "empty") / "config.json").is_file()

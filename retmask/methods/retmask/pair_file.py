@@ -16,7 +16,7 @@ from typing import Any
 
 from retmask.methods.retmask.instructions import Instruction
 from retmask.methods.retmask.sampling import Completion, GenerateError
-from retmask.runfiles import atomic_write_json, read_json, settings_diff
+from retmask.runfiles import atomic_write_json, read_json, read_jsonl, settings_diff
 
 # --------------------------------------------------------------------------------------------------
 # Pairs and statistics
@@ -233,5 +233,5 @@ def unfinished_generation(out: str | os.PathLike) -> str | None:
 
 
 def read_pairs(path: Path) -> list[dict[str, Any]]:
-    with Path(path).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a pairs file; an unreadable file or a corrupt line is an error naming file and line."""
+    return [obj for _, obj in read_jsonl(path, what="pairs file")]

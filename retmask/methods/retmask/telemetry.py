@@ -29,7 +29,6 @@ prefix); a DPO step on that model with 2 × 8 pairs of ~250 tokens takes tens of
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from retmask.heads.selection import check_heads, read_heads
 from retmask.hf.layers import head_layout
 from retmask.methods.retmask.generate import progress_path
 from retmask.plotting import pyplot, save_figure
-from retmask.runfiles import atomic_write_json, read_json
+from retmask.runfiles import RunFileError, atomic_write_json, read_json
 
 PROBE_LENGTHS = (1000,)
 PROBE_DEPTHS = (25, 75)
@@ -247,7 +246,10 @@ def heads_for_pairs(pairs: str | Path, heads_file: str | Path | None = None) -> 
 
 def load_history(path: str | Path) -> list[dict]:
     """The probe history from a ``telemetry.json``."""
-    return json.loads(Path(path).read_text(encoding="utf-8"))["history"]
+    record = read_json(path, what="telemetry file", fix="pass the telemetry.json written by `retmask train`")
+    if not isinstance(record, dict) or not isinstance(record.get("history"), list):
+        raise RunFileError(f"telemetry file {path} has no 'history' list; is it a retmask telemetry.json?")
+    return record["history"]
 
 
 __all__ = ["KEYS", "RetrievalTelemetry", "heads_for_pairs", "load_history", "unwrap"]

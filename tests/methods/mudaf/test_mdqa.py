@@ -89,7 +89,10 @@ def test_loader_errors(tmp_path):
     assert load_mdqa(_write(tmp_path, numeric))[0].golden_ids == ["2"]
 
     cases = [
-        (_good() | {"golden_ids": ["a", "zz"]}, r"line 1: golden ids \['zz'\] are not among the passage ids"),
+        (
+            _good() | {"golden_ids": ["a", "zz"]},
+            r"\.jsonl:1: golden ids \['zz'\] are not among the passage ids",
+        ),
         (_good() | {"golden_ids": []}, "golden_ids"),
         (_good() | {"golden_ids": ["a", "b"]}, "at least one distractor"),
         (
@@ -108,7 +111,7 @@ def test_loader_errors(tmp_path):
             load_mdqa(_write(tmp_path, rec))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(_good()) + "\n{broken\n")
-    with pytest.raises(MDQAError, match="bad.jsonl line 2: not valid JSON"):
+    with pytest.raises(MDQAError, match="bad.jsonl:2: not valid JSON"):
         load_mdqa(bad)
     bad.write_text("")
     with pytest.raises(MDQAError, match="empty"):

@@ -166,3 +166,13 @@ def test_standard_format_accepted(tmp_path):
     path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c", "id": 3}) + "\n")
     pairs = read_pairs_file(path)
     assert pairs.format == "standard" and pairs.rows == [{"prompt": "a", "chosen": "b", "rejected": "c"}]
+
+
+def test_train_refuses_to_replace_an_earlier_model(pairs_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"earlier model")
+    assert cli(["train", "--pairs", str(pairs_file), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds files" in err and "--overwrite" in err
+    assert (out / "model.safetensors").read_bytes() == b"earlier model"

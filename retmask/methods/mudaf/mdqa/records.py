@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retmask.runfiles import read_jsonl
+
 
 class MDQAError(ValueError):
     """An MDQA record or file that cannot be used, with where and why."""
@@ -132,18 +134,11 @@ def load_mdqa(path: str | Path, limit: int | None = None) -> list[MDQAExample]:
             f"MDQA file {path} does not exist; make one with retmask.methods.mudaf.mdqa.generate_mdqa"
         )
     out: list[MDQAExample] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MDQAError(f"{where}: not valid JSON ({e.msg})") from None
-            out.append(example_from_json(rec, where, default_id=f"{path.stem}-{lineno}"))
+    for where, rec in read_jsonl(path, what="MDQA file", error=MDQAError):
+        if limit is not None and len(out) >= limit:
+            break
+        lineno = where.rsplit(":", 1)[1]
+        out.append(example_from_json(rec, where, default_id=f"{path.stem}-{lineno}"))
     if not out:
         raise MDQAError(f"{path}: no MDQA records (the file is empty)")
     return out
