@@ -98,10 +98,12 @@ def oracle_detect(
             )
             y = int(out.logits[0, -1].argmax())
             tokens.append(y)
+            seen = cache.get_seq_length()  # tokens so far; a sliding-window layer's cache holds the last K
             for layer in range(num_layers):
                 att = out.attentions[layer]  # [1, Hq, 1, K]
+                offset = seen - att.shape[-1]  # absolute position of the layer's first cached key
                 for head in range(num_heads):
-                    j = int(att[0, head, -1].topk(1).indices[0])
+                    j = offset + int(att[0, head, -1].topk(1).indices[0])
                     if s <= j < e and int(prompt[j]) == y:
                         copies[layer, head] += 1
             if y in stop_ids:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_CAPACITY = 256  # tokens; the first allocation of a layer's buffer
 
@@ -93,7 +93,16 @@ def reserve(cache: DynamicCache, positions: int) -> None:
 
 
 def growing_cache(model) -> DynamicCache:
-    """A ``DynamicCache`` for ``model`` whose full-attention layers append in place (``GrowingLayer``)."""
+    """A ``DynamicCache`` for ``model`` whose layers append in place (``GrowingLayer``).
+
+    Sliding-window layers get one too and so keep every key, not only the last ``window - 1``: detection
+    crops the cache back to the prompt after each test, which a cache that dropped keys cannot do. The
+    window is applied by the kernel (``sliding_window`` reaches it from the attention module), which visits
+    only the key blocks inside it, so the extra keys cost memory (a few MB per 1K tokens), not time.
+    """
     cache = DynamicCache(config=model.config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [
+        GrowingLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+        for layer in cache.layers
+    ]
     return cache
