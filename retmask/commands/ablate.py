@@ -137,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
             haystack_text=haystack, out_dir=args.out_dir, prefix=args.prefix, resume=args.resume,
             overwrite=args.overwrite, random_from=args.random_from, base_seed=args.seed,
             max_new_tokens=args.max_new_tokens, model_name=name, progress=not args.no_progress, limit=args.limit,
-            log=lambda msg: print(msg, file=sys.stderr),
+            log=lambda msg: print(msg, file=sys.stderr), prompt_style=args.prompt_style,
         )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError, SelectionError) as err:
         print(f"retmask ablate: error: {err}", file=sys.stderr)
@@ -191,6 +191,7 @@ def _run_each(args: argparse.Namespace, t0: float) -> int:
             model, tok, heads, lengths=lengths, depths=depths, needles=needles, haystack_text=haystack,
             scores=scores, max_new_tokens=args.max_new_tokens, out=out, resume=args.resume,
             progress=not args.no_progress, model_name=name, log=lambda msg: print(msg, file=sys.stderr),
+            prompt_style=args.prompt_style,
         )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError, SelectionError) as err:
         print(f"retmask ablate: error: {err}", file=sys.stderr)

@@ -80,6 +80,13 @@ def add_grid_args(
         "--haystack", default=None, help="haystack text file or directory of *.txt (default: shipped)"
     )
     p.add_argument("--max-new-tokens", type=positive_int, default=50, help="answer tokens per test at most")
+    p.add_argument(
+        "--prompt-style",
+        choices=["auto", "base", "chat"],
+        default="auto",
+        help="NIAH prompt template: chat (the model's chat template, one user turn) or base (context + "
+        "question, for base models); auto = chat when the tokenizer has a chat template (recorded in the run)",
+    )
 
 
 def grid_from_args(args: argparse.Namespace) -> tuple[list[int], list[int]]:

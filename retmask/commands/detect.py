@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         until_stable=args.until_stable,
         patience=args.patience,
         seed=args.seed,
+        prompt_style=args.prompt_style,
     )
     try:
         run_detect(

@@ -148,6 +148,7 @@ def _run(args: argparse.Namespace) -> int:
         res = evaluate_niah(
             model, tok, lengths=lengths, depths=depths, needles=needles, haystack_text=haystack, heads=heads,
             max_new_tokens=args.max_new_tokens, progress=not args.no_progress, chunk=args.chunk,
+            prompt_style=args.prompt_style,
         )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError, SelectionError) as err:
         print(f"retmask niah: error: {err}", file=sys.stderr)

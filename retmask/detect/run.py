@@ -27,6 +27,7 @@ from retmask.niah import (
     load_haystack,
     load_needles,
     resolve_grid,
+    resolve_prompt_style,
 )
 from retmask.plotting import head_heatmap
 from retmask.runfiles import (
@@ -70,6 +71,7 @@ class DetectConfig:
     until_stable: bool = False
     patience: int = 20  # --until-stable: consecutive counted tests without change of the τ-set and top-10
     seed: int = 0
+    prompt_style: str = "auto"  # "auto" | "base" | "chat"; the run record holds the resolved one
 
     def grid(self) -> tuple[list[int], list[int]]:
         return resolve_grid(
@@ -420,10 +422,11 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
             "--until-stable needs one process (the order of tests matters); drop it or run without torchrun"
         )
     progress_file = progress_path(out, rank, world) if out is not None else None
-    fingerprint = _fingerprint(cfg, model, needles, haystack_text, lengths, depths)
+    style = resolve_prompt_style(tokenizer, cfg.prompt_style)
+    fingerprint = _fingerprint(cfg, model, needles, haystack_text, lengths, depths) | {"prompt_style": style}
 
     t0 = time.perf_counter()
-    tests = build_tests(tokenizer, needles, haystack_text, lengths, depths)
+    tests = build_tests(tokenizer, needles, haystack_text, lengths, depths, chat=style == "chat")
     build_s = time.perf_counter() - t0
     skipped = [t for t in tests if t.skip_reason]
     for t in skipped:

@@ -27,7 +27,7 @@ from retmask.heads.selection import (
     sample_random,
     select_top_k,
 )
-from retmask.niah import load_haystack, load_needles
+from retmask.niah import load_haystack, load_needles, resolve_prompt_style
 from retmask.plotting import pyplot, save_figure
 from retmask.runfiles import atomic_write_json, check_same_settings, read_json
 
@@ -224,6 +224,7 @@ def run_ablation(
     model_name: str | None = None,
     progress: bool = True,
     limit: int | None = None,
+    prompt_style: str = "auto",
     log=print,
 ) -> AblationResult:
     """Run every configuration of :func:`plan` (skipping finished ones with ``resume``) and return the curve.
@@ -248,7 +249,10 @@ def run_ablation(
         load_needles(needles) if needles is None or isinstance(needles, (str, Path)) else list(needles)
     )
     text = load_haystack(None) if haystack_text is None else haystack_text
-    fingerprint = grid_fingerprint(model, model_name, lengths, depths, needle_list, text, max_new_tokens) | {
+    style = resolve_prompt_style(tokenizer, prompt_style)
+    fingerprint = grid_fingerprint(
+        model, model_name, lengths, depths, needle_list, text, max_new_tokens, style
+    ) | {
         "shape": list(shape),
         "scores_sha256": scores_digest(full),
         "random_from": random_from,
@@ -292,6 +296,7 @@ def run_ablation(
         res = evaluate_niah(
             model, tokenizer, lengths=lengths, depths=depths, needles=needle_list, haystack_text=text,
             heads=heads[c.name], max_new_tokens=max_new_tokens, progress=progress, desc=c.name,
+            prompt_style=style,
         )  # fmt: skip
         results[c.name] = res
         if cdir is not None:

@@ -30,7 +30,7 @@ from retmask.detect.stopping import stop_token_ids
 from retmask.heads import model_shape, normalize_head_mask
 from retmask.hf.heads import head_mask
 from retmask.hf.layers import head_layout
-from retmask.niah import Needle, build_tests, load_haystack, load_needles
+from retmask.niah import Needle, build_tests, load_haystack, load_needles, resolve_prompt_style
 from retmask.plotting import niah_cmap, pyplot, save_figure
 
 RESULT_VERSION = 1
@@ -138,8 +138,10 @@ def grid_fingerprint(
     needles: Sequence[Needle],
     haystack_text: str,
     max_new_tokens: int,
+    prompt_style: str,
 ) -> dict:
-    """Everything besides the mask that determines an :func:`evaluate_niah` result (for resume checks)."""
+    """Everything besides the mask that determines an :func:`evaluate_niah` result (for resume checks);
+    ``prompt_style``: the resolved template, "base" or "chat"."""
     import hashlib
 
     return {
@@ -149,6 +151,7 @@ def grid_fingerprint(
         "needles": [n.to_dict() for n in needles],
         "haystack_sha256": hashlib.sha256(haystack_text.encode("utf-8")).hexdigest(),
         "max_new_tokens": max_new_tokens,
+        "prompt_style": prompt_style,
     }
 
 
@@ -165,6 +168,7 @@ def evaluate_niah(
     progress: bool = True,
     desc: str = "niah",
     chunk: int = 256,
+    prompt_style: str = "auto",
 ) -> NiahResult:
     """Run the NIAH grid on ``model`` (retmask attention) with ``heads`` masked throughout.
 
@@ -174,6 +178,8 @@ def evaluate_niah(
         haystack_text: None = the default prose haystack.
         heads: None, a list of (layer, head) or a bool [L, Hq] tensor (True = masked).
         chunk: prefill chunk = granularity of KV-prefix reuse (does not change the answers).
+        prompt_style: "auto" | "base" | "chat" (``retmask.niah.resolve_prompt_style``; the resolved one is
+            in ``meta["prompt_style"]``).
 
     Tests whose context cannot be built (length too short for the buffer) are listed in
     ``meta["skipped"]``; a needle answer the span rule cannot locate does not matter here (the span only
@@ -194,7 +200,8 @@ def evaluate_niah(
     check_context_limit(model, lengths, max_new_tokens)
 
     t0 = time.perf_counter()
-    tests = build_tests(tokenizer, needle_list, text, lengths, depths)
+    style = resolve_prompt_style(tokenizer, prompt_style)
+    tests = build_tests(tokenizer, needle_list, text, lengths, depths, chat=style == "chat")
     build_s = time.perf_counter() - t0
     runnable = [t for t in tests if t.insertion >= 0]
     skipped = [
@@ -243,6 +250,7 @@ def evaluate_niah(
     run_s = time.perf_counter() - t0
     heads_list = [] if mask is None else [[int(a), int(b)] for a, b in mask.nonzero().tolist()]
     meta = {
+        "prompt_style": style,
         "model": str(getattr(model.config, "_name_or_path", "")),
         "shape": list(model_shape(model)),
         "heads": heads_list,

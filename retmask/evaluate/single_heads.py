@@ -13,6 +13,7 @@ from pathlib import Path
 
 from retmask.evaluate.niah import NiahResult, evaluate_niah, grid_fingerprint
 from retmask.heads.selection import Head
+from retmask.niah import resolve_prompt_style
 from retmask.runfiles import atomic_write_json, check_same_settings, read_json
 
 SWEEP_VERSION = 1
@@ -38,6 +39,7 @@ def sweep_single_heads(
     progress: bool = True,
     model_name: str = "",
     log=print,
+    prompt_style: str = "auto",
 ) -> dict:
     """Evaluate the NIAH grid unmasked and with each of ``heads`` masked alone.
 
@@ -45,7 +47,10 @@ def sweep_single_heads(
     "mean", "exact", "drop", "examples"}, ...]}`` with heads in the given order; ``drop`` = baseline mean -
     masked mean; ``score`` = the head's mean retrieval score when ``scores`` is given.
     """
-    fingerprint = grid_fingerprint(model, model_name, lengths, depths, needles, haystack_text, max_new_tokens)
+    style = resolve_prompt_style(tokenizer, prompt_style)
+    fingerprint = grid_fingerprint(
+        model, model_name, lengths, depths, needles, haystack_text, max_new_tokens, style
+    )
     out = Path(out) if out is not None else None
     state: dict = {"version": SWEEP_VERSION, "meta": fingerprint, "baseline": None, "heads": {}}
     if out is not None and out.exists():
@@ -67,7 +72,7 @@ def sweep_single_heads(
     def run(mask: list[Head], desc: str) -> NiahResult:
         return evaluate_niah(
             model, tokenizer, lengths=lengths, depths=depths, needles=needles, haystack_text=haystack_text,
-            heads=mask or None, max_new_tokens=max_new_tokens, progress=progress, desc=desc,
+            heads=mask or None, max_new_tokens=max_new_tokens, progress=progress, desc=desc, prompt_style=style,
         )  # fmt: skip
 
     def save() -> None:

@@ -18,7 +18,7 @@ from retmask.niah.grid import (
 )
 from retmask.niah.haystack import default_haystack_text, haystack_token_ids, load_haystack
 from retmask.niah.needles import DEFAULT_NEEDLES_PATH, Needle, NeedleFileError, load_needles
-from retmask.niah.prompt import build_prompt_ids, is_chat_tokenizer
+from retmask.niah.prompt import PROMPT_STYLES, build_prompt_ids, is_chat_tokenizer, resolve_prompt_style
 from retmask.niah.rouge import rouge1_recall
 from retmask.niah.span import find_needle_span
 
@@ -30,7 +30,9 @@ __all__ = [
     "NiahTest",
     "Protocol",
     "build_context_ids",
+    "PROMPT_STYLES",
     "build_prompt_ids",
+    "resolve_prompt_style",
     "build_tests",
     "default_haystack_text",
     "depth_grid",

@@ -6,6 +6,25 @@ CHAT_TEMPLATE_USER = "<book>{context}</book>\nBased on the content of the book, 
 BASE_TEMPLATE = "{context}Based on the content of the book, Question: {question}\nAnswer:"
 
 
+PROMPT_STYLES = ("auto", "base", "chat")
+
+
+def resolve_prompt_style(tokenizer, style: str = "auto") -> str:
+    """``"base"`` or ``"chat"``: the template a run uses. ``auto`` = chat when the tokenizer has a chat
+    template (instruction-tuned models), base otherwise (base models such as Gemma-3-270M). Recorded in
+    every run record, since the two templates give different prompts and different scores."""
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"--prompt-style must be one of {', '.join(PROMPT_STYLES)}, got {style!r}")
+    if style == "auto":
+        return "chat" if is_chat_tokenizer(tokenizer) else "base"
+    if style == "chat" and not is_chat_tokenizer(tokenizer):
+        raise ValueError(
+            "--prompt-style chat needs a tokenizer with a chat template, and this one has none (a base "
+            "model?); use --prompt-style base (or auto)"
+        )
+    return style
+
+
 def is_chat_tokenizer(tokenizer) -> bool:
     """Chat models are recognised by their tokenizer having a chat template."""
     return bool(getattr(tokenizer, "chat_template", None))
