@@ -11,8 +11,10 @@ config. This module closes part of that gap with Triton's ahead-of-time path and
 2. ``compile_launch()`` compiles one recorded launch for a CUDA target (default sm_90, H100) in a
    process where ``TRITON_INTERPRET`` is not set, and reads registers / spill stack from the cubin.
 
-Command line: ``python -m retmask.kernels.triton_aot [--dtypes fp16 bf16 fp32] [--head-dims 64 128]``
-prints one line per kernel launch: registers, spill stack bytes, shared memory. Record in one process
+Command line: ``python -m retmask.kernels.triton_aot [--dtypes fp16 bf16 fp32] [--head-dims 64 128 256]
+[--features none|all|both]`` prints one line per kernel launch: registers, spill stack bytes, shared
+memory (``--features``: the launches without, with, or without and with a sliding window, soft-capping
+and sinks). Record in one process
 (``--record-only FILE``, under TRITON_INTERPRET=1) and compile in another (``--compile FILE``) when the
 kernel modules are already imported in interpreter mode.
 """
@@ -130,20 +132,23 @@ def record_launches(label: str = "") -> Iterator[list[Launch]]:
             setattr(module, name, kernel)
 
 
-def record_standard_launches(dtype: torch.dtype, head_dim: int) -> list[Launch]:
+def record_standard_launches(dtype: torch.dtype, head_dim: int, features: bool = False) -> list[Launch]:
     """Launches of a causal GQA prefill with padding, skips and argmax on the last rows (both forward
-    variants), a decode step and the backward, on tiny CPU tensors (nothing runs)."""
+    variants), a decode step and the backward, on tiny CPU tensors (nothing runs). ``features`` adds a
+    sliding window (100 of 256 keys), soft-capping and sinks to all of them."""
     from .triton_bwd import attention_backward
     from .triton_decode import decode_forward
     from .triton_fwd import attention_forward
 
     B, Hq, Hkv, N = 1, 4, 2, 256
-    label = f"{str(dtype).removeprefix('torch.')} D={head_dim}"
+    label = f"{str(dtype).removeprefix('torch.')} D={head_dim}" + (" +w/cap/sink" if features else "")
     q = torch.zeros(B, Hq, N, head_dim, dtype=dtype)
     k = torch.zeros(B, Hkv, N, head_dim, dtype=dtype)
     pad = torch.ones(B, N, dtype=torch.bool)
     skip = torch.tensor([[False, True, False, False]])
-    common = dict(sm_scale=0.125, key_padding_mask=pad, skip_heads=skip)
+    common: dict[str, Any] = dict(sm_scale=0.125, key_padding_mask=pad, skip_heads=skip)
+    if features:
+        common.update(window=100, softcap=30.0, sinks=torch.zeros(Hq))
     with record_launches(label) as launches:
         out, _, lse = attention_forward(q, k, k, causal=True, argmax_rows=50, return_lse=True, **common)
         decode_forward(q[:, :, -1:], k, k, argmax_rows=1, return_lse=True, **common)
@@ -190,14 +195,20 @@ def _describe(launch: Launch) -> str:
     keys = ("BLOCK_M", "BLOCK_G", "BLOCK_N", "BLOCK_D", "TRACK_ARGMAX", "SPLITS")
     cfg = " ".join(f"{k}={launch.constexprs[k]}" for k in keys if k in launch.constexprs)
     return (
-        f"{launch.label:>16s} {launch.kernel:24s} {cfg} warps={launch.num_warps} stages={launch.num_stages}"
+        f"{launch.label:>28s} {launch.kernel:24s} {cfg} warps={launch.num_warps} stages={launch.num_stages}"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Compile retmask's Triton kernels for sm_90 without a GPU")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp16", "fp32"])
-    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
+    parser.add_argument(
+        "--features",
+        choices=["none", "all", "both"],
+        default="both",
+        help="without / with sliding window + soft-capping + sinks, or both variants (default)",
+    )
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--record-only", metavar="FILE", help="write the recorded launches as JSON and stop")
     parser.add_argument("--compile", metavar="FILE", help="compile launches from JSON; print JSON results")
@@ -210,11 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         results = [asdict(compile_launch(launch, args.arch)) for launch in launches]
         print(json.dumps(results))
         return 0
+    variants = {"none": [False], "all": [True], "both": [False, True]}[args.features]
     launches = [
         launch
         for dt in args.dtypes
         for d in args.head_dims
-        for launch in record_standard_launches(DTYPES[dt], d)
+        for feat in variants
+        for launch in record_standard_launches(DTYPES[dt], d, feat)
     ]
     if args.record_only:
         Path(args.record_only).write_text(json.dumps([asdict(launch) for launch in launches]))

@@ -1,7 +1,8 @@
 """Triton backend of ``retmask.kernels.attention`` (imported lazily as backend "triton").
 
 Dispatch only: ``triton_fwd`` (prefill forward with argmax and head skipping), ``triton_decode``
-(M == 1, split over keys) and ``triton_bwd`` (FA2-style backward). Inputs arrive validated and
+(M == 1, split over keys) and ``triton_bwd`` (FA2-style backward), all three with sliding window,
+logit soft-capping and attention sinks (``reference.py`` defines them). Inputs arrive validated and
 normalised by ``attention()`` (see ``validation.py``): masks are contiguous bool, skip_heads is
 [B, Hq] or None, argmax_rows is in [0, M].
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .triton_bwd import attention_backward
+from .triton_common import fp32_sinks
 from .triton_decode import decode_forward
 from .triton_fwd import attention_forward
 
@@ -40,18 +42,19 @@ def forward(
     """q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] -> (out [B, Hq, M, D] q.dtype,
     argmax int64 [B, Hq, argmax_rows] | None, lse fp32 [B, Hq, M] | None).
 
-    One query row (decode) takes the split-key kernel; everything else the prefill kernel.
+    window (causal only), softcap and sinks ([Hq], any float dtype) follow ``reference.py``; the lse
+    includes the sink (``log(sum_j e^{s_j} + e^{sink})``), as the backward expects. One query row
+    (decode) takes the split-key kernel; everything else the prefill kernel.
     """
-    if window is not None or softcap is not None or sinks is not None:
-        raise NotImplementedError("the Triton kernels do not implement window / softcap / sinks yet")
+    feats = dict(window=window, softcap=softcap, sinks=fp32_sinks(sinks))
     if q.shape[2] == 1:
         return decode_forward(
             q, k, v, key_padding_mask=key_padding_mask, skip_heads=skip_heads, sm_scale=sm_scale,
-            argmax_rows=argmax_rows, return_lse=return_lse,
+            argmax_rows=argmax_rows, return_lse=return_lse, **feats,
         )  # fmt: skip
     return attention_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, argmax_rows=argmax_rows, return_lse=return_lse,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, return_lse=return_lse, **feats,
     )  # fmt: skip
 
 
@@ -72,11 +75,13 @@ def backward(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """grad_out, q, out: [B, Hq, M, D]; k, v: [B, Hkv, N, D]; lse: fp32 [B, Hq, M] from ``forward``
-    -> (dq [B, Hq, M, D], dk [B, Hkv, N, D], dv [B, Hkv, N, D]) in the inputs' dtypes."""
-    if window is not None or softcap is not None or sinks is not None:
-        raise NotImplementedError("the Triton kernels do not implement window / softcap / sinks yet")
-    dq, dk, dv = attention_backward(
+    (with the same window / softcap / sinks) -> (dq [B, Hq, M, D], dk [B, Hkv, N, D], dv [B, Hkv, N, D])
+    in the inputs' dtypes, and dsinks [Hq] in sinks' dtype (None without sinks)."""
+    dq, dk, dv, dsinks = attention_backward(
         grad_out, q, k, v, out, lse, causal=causal, sm_scale=sm_scale,
-        key_padding_mask=key_padding_mask, skip_heads=skip_heads,
+        key_padding_mask=key_padding_mask, skip_heads=skip_heads, window=window, softcap=softcap,
+        sinks=fp32_sinks(sinks),
     )  # fmt: skip
-    return dq, dk, dv, None
+    if dsinks is not None:
+        dsinks = dsinks.to(sinks.dtype)
+    return dq, dk, dv, dsinks

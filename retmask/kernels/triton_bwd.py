@@ -10,6 +10,12 @@ gradient ``dO``:
   needs only the forward output, computed once per row by the *preprocess* kernel)
 * ``dQ = sm_scale * sum_j dS_j k_j``,  ``dK_j = sm_scale * sum_rows dS_j q``.
 
+Soft-capping: ``s = c tanh(x / c)`` with ``x = sm_scale * q.k``, so ``dS_x = dS_s * (1 - tanh^2)`` (the
+tanh is recomputed with the logits). Sinks: the forward's lse includes the sink, so ``P_j`` above is
+already the probability of the sink-extended softmax and ``delta = dO . o`` is unchanged (the sink has no
+value); ``dsink_h = -sum_{b, rows} exp(sink_h - lse) * delta``, summed per row block by the preprocess
+kernel and over blocks and batch on the host (deterministic, no atomics).
+
 Two kernels avoid atomics: the dK/dV kernel owns a block of keys of one KV head and loops over the
 query rows (and over every query head of its GQA group, so a KV head receives the sum of its group's
 contributions); the dQ kernel owns a block of query rows and loops over the keys. Both recompute
@@ -25,7 +31,10 @@ or by programs with empty loops (sync-free mode, see ``triton_fwd``).
 Loops start where they can contribute. Keys before a batch row's first valid key are padding: the dQ
 loop starts at that key's block, and dK/dV programs wholly before it only store zeros. Causal: key
 block ``[n0, n0 + BLOCK_N)`` is seen only by rows with ``N - M + i >= n0``, and row block
-``[m0, m0 + BLOCK_M)`` sees keys up to ``N - M + m0 + BLOCK_M - 1``.
+``[m0, m0 + BLOCK_M)`` sees keys up to ``N - M + m0 + BLOCK_M - 1``. Sliding window: key block
+``[n0, n0 + BLOCK_N)`` is seen only by rows at positions ``<= n0 + BLOCK_N - 2 + window`` (the dK/dV row
+loop stops there), and the dQ loop of a row block starts at the block of ``N - M + m0 - window + 1``:
+both cost O(window) per block.
 """
 
 from __future__ import annotations
@@ -40,26 +49,33 @@ from .triton_common import (
     bwd_config,
     device_guard,
     dot_precision,
+    effective_window,
     first_valid_keys,
     new_float,
 )
+from .triton_fwd import _tanh
 
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    Out, DO, Delta, Pairs,
+    Out, DO, Delta, Pairs, Lse, Sinks, DSinkPart,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_db, stride_dh, stride_dm, stride_dd,
     H_Q, M,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PAIRS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
-    """delta[pair, i] = sum_d dO[i, d] * O[i, d] in fp32 for BLOCK_M rows of one enabled pair."""
+    """delta[pair, i] = sum_d dO[i, d] * O[i, d] in fp32 for BLOCK_M rows of one enabled pair; with
+    sinks also this block's share of dsinks[h], ``-sum_i exp(sink_h - lse_i) * delta_i``, written to
+    DSinkPart[pair, program_id(0)] (summed on the host: deterministic, no atomics)."""
     if HAS_PAIRS:
-        pair = tl.load(Pairs + tl.program_id(1)).to(tl.int64)
+        pair32 = tl.load(Pairs + tl.program_id(1))
     else:
-        pair = tl.program_id(1).to(tl.int64)
-    b = pair // H_Q
-    h = pair % H_Q
+        pair32 = tl.program_id(1)
+    # 32-bit division (B * Hq < 2^31): the 64-bit one is a subroutine call whose saved registers spilled.
+    pair = pair32.to(tl.int64)
+    b = (pair32 // H_Q).to(tl.int64)
+    h = (pair32 % H_Q).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < M)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -75,6 +91,13 @@ def _bwd_preprocess_kernel(
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + pair * M + offs_m, delta, mask=offs_m < M)
+    if HAS_SINKS:
+        # P_sink = exp(sink - lse) (the lse includes the sink); rows past M and keyless rows have
+        # lse = +inf, so P_sink = 0 there.
+        lse = tl.load(Lse + pair * M + offs_m, mask=offs_m < M, other=float("inf"))
+        p_sink = tl.exp2((tl.load(Sinks + h) - lse) * 1.4426950408889634)
+        part = -tl.sum(p_sink * delta, 0)
+        tl.store(DSinkPart + pair * tl.num_programs(0) + tl.program_id(0), part)
 
 
 @triton.jit
@@ -86,19 +109,19 @@ def _bwd_dkdv_kernel(
     stride_db, stride_dh, stride_dm, stride_dd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H_Q, H_KV, GROUP, M, N, sm_scale,
+    H_Q, H_KV, GROUP, M, N, sm_scale, window, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_PAIRS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (key block, enabled KV pair): dK, dV of BLOCK_N keys, summed over the group's heads."""
     start_n = tl.program_id(0) * BLOCK_N
     if HAS_PAIRS:
-        kv_pair = tl.load(KvPairs + tl.program_id(1)).to(tl.int64)
+        kv_pair = tl.load(KvPairs + tl.program_id(1))
     else:
-        kv_pair = tl.program_id(1).to(tl.int64)
-    b = kv_pair // H_KV
-    kvh = kv_pair % H_KV
+        kv_pair = tl.program_id(1)
+    b = (kv_pair // H_KV).to(tl.int64)  # 32-bit division (B * Hkv < 2^31), 64-bit offsets
+    kvh = (kv_pair % H_KV).to(tl.int64)
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = cols < N
@@ -117,7 +140,12 @@ def _bwd_dkdv_kernel(
     key_ok = n_ok
     if HAS_PAD:
         key_ok = key_ok & (tl.load(PadMask + b * N + cols, mask=n_ok, other=0) != 0)
-    qk_scale = sm_scale * 1.4426950408889634
+    if SOFTCAP:
+        qk_scale = sm_scale / softcap
+        cap2 = softcap * 1.4426950408889634
+    else:
+        qk_scale = sm_scale * 1.4426950408889634
+        cap2 = 1.0
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Rows i with N - M + i >= start_n are the first that can see this key block.
@@ -125,6 +153,9 @@ def _bwd_dkdv_kernel(
         m_lo = (tl.maximum(start_n - (N - M), 0) // BLOCK_M) * BLOCK_M
     else:
         m_lo = 0
+    m_hi = M
+    if WINDOW:  # the last row that sees key j sits at position j + window - 1
+        m_hi = tl.minimum(M, start_n + BLOCK_N - 1 + window - (N - M))
     if HAS_PAD:  # a block wholly before the first valid key holds only padding: dK = dV = 0
         m_lo = tl.where(start_n + BLOCK_N > tl.load(KeyStart + b), m_lo, M)
     if HAS_PAIRS:  # sync-free grid: slots past the enabled count are fully disabled groups: dK = dV = 0
@@ -138,7 +169,7 @@ def _bwd_dkdv_kernel(
             pair = b * H_Q + h
             q_base = Q + b * stride_qb + h * stride_qh
             do_base = DO + b * stride_db + h * stride_dh
-            for start_m in range(m_lo, M, BLOCK_M):
+            for start_m in range(m_lo, m_hi, BLOCK_M):
                 rows = start_m + tl.arange(0, BLOCK_M)
                 m_ok = rows < M
                 row_mask = m_ok[:, None] & d_ok[None, :]
@@ -154,13 +185,20 @@ def _bwd_dkdv_kernel(
                 lse2 = tl.load(Lse + pair * M + rows, mask=m_ok, other=float("inf")) * 1.4426950408889634
                 delta = tl.load(Delta + pair * M + rows, mask=m_ok, other=0.0)
                 s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BN, BM]
+                if SOFTCAP:
+                    t_t = _tanh(s_t)
+                    s_t = t_t * cap2
                 valid = key_ok[:, None] & m_ok[None, :]
                 if CAUSAL:
                     valid = valid & (cols[:, None] <= (rows + (N - M))[None, :])
+                if WINDOW:
+                    valid = valid & (cols[:, None] > (rows + (N - M - window))[None, :])
                 p_t = tl.where(valid, tl.exp2(s_t - lse2[None, :]), 0.0)
                 dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
                 dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
                 ds_t = p_t * (dp_t - delta[None, :])
+                if SOFTCAP:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
+                    ds_t = ds_t * (1.0 - t_t * t_t)
                 dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     dk = dk * sm_scale
     tl.store(
@@ -183,19 +221,21 @@ def _bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_db, stride_dh, stride_dm, stride_dd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H_Q, GROUP, M, N, sm_scale,
+    H_Q, GROUP, M, N, sm_scale, window, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, enabled pair): dQ of BLOCK_M rows, looping over the visible keys."""
     start_m = tl.program_id(0) * BLOCK_M
     if HAS_PAIRS:
-        pair = tl.load(Pairs + tl.program_id(1)).to(tl.int64)
+        pair32 = tl.load(Pairs + tl.program_id(1))
     else:
-        pair = tl.program_id(1).to(tl.int64)
-    b = pair // H_Q
-    h = pair % H_Q
-    kvh = h // GROUP
+        pair32 = tl.program_id(1)
+    pair = pair32.to(tl.int64)
+    b = (pair32 // H_Q).to(tl.int64)  # 32-bit division (B * Hq < 2^31), 64-bit offsets
+    h = (pair32 % H_Q).to(tl.int64)
+    kvh = (pair32 % H_Q // GROUP).to(tl.int64)
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = rows < M
@@ -216,7 +256,12 @@ def _bwd_dq_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     pos = rows + (N - M)
-    qk_scale = sm_scale * 1.4426950408889634
+    if SOFTCAP:
+        qk_scale = sm_scale / softcap
+        cap2 = softcap * 1.4426950408889634
+    else:
+        qk_scale = sm_scale * 1.4426950408889634
+        cap2 = 1.0
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if CAUSAL:
         hi = tl.minimum(N, start_m + BLOCK_M + (N - M))
@@ -225,6 +270,8 @@ def _bwd_dq_kernel(
     lo = 0
     if HAS_PAD:  # blocks before the first valid key hold only padding
         lo = (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N
+    if WINDOW:  # the block's first row sees keys from its position - window + 1 on
+        lo = tl.maximum(lo, (tl.maximum(start_m + (N - M) - window + 1, 0) // BLOCK_N) * BLOCK_N)
     if HAS_PAIRS:  # sync-free grid: programs past the enabled count are disabled heads: dQ = 0
         hi = tl.where(tl.program_id(1) < tl.load(NEnabled), hi, 0)
     for start_n in range(lo, hi, BLOCK_N):
@@ -234,15 +281,22 @@ def _bwd_dq_kernel(
         k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
+        if SOFTCAP:
+            t = _tanh(s)
+            s = t * cap2
         valid = m_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             valid = valid & (cols[None, :] <= pos[:, None])
+        if WINDOW:
+            valid = valid & (cols[None, :] > (pos - window)[:, None])
         if HAS_PAD:
             key_ok = tl.load(PadMask + b * N + cols, mask=n_ok, other=0) != 0
             valid = valid & key_ok[None, :]
         p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     dq = dq * sm_scale
     tl.store(
@@ -264,21 +318,26 @@ def attention_backward(
     sm_scale: float,
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of the fused forward.
 
     grad_out, q, out: [B, Hq, M, D] (any strides); k, v: [B, Hkv, N, D] (any strides); lse: fp32
-    [B, Hq, M] contiguous from the forward (+inf for keyless rows); key_padding_mask: bool [B, N]
-    contiguous or None; skip_heads: bool [B, Hq] contiguous or None. block_m / block_n override the
-    tile table (tests). Returns dq [B, Hq, M, D], dk, dv [B, Hkv, N, D], contiguous, in the inputs'
-    dtypes; disabled heads give dq = 0 and no contribution to dk, dv.
+    [B, Hq, M] contiguous from the forward (+inf for keyless rows; with sinks it includes the sink);
+    key_padding_mask: bool [B, N] contiguous or None; skip_heads: bool [B, Hq] contiguous or None;
+    window / softcap as in the forward; sinks: fp32 [Hq] contiguous or None. block_m / block_n
+    override the tile table (tests). Returns dq [B, Hq, M, D], dk, dv [B, Hkv, N, D], contiguous, in
+    the inputs' dtypes (disabled heads give dq = 0 and no contribution to dk, dv), and dsinks fp32 [Hq]
+    (None without sinks).
     """
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    cfg = bwd_config(D, q.dtype)
+    cfg = bwd_config(D, q.dtype, softcap is not None)
     bm, bn = block_m or cfg.block_m, block_n or cfg.block_n
     bd = block_d(D)
     device = q.device
@@ -288,13 +347,19 @@ def attention_backward(
     plist = active_pairs(skip_heads, B, Hq)
     kv_skip = None if skip_heads is None else skip_heads.view(B, Hkv, group).all(-1)
     kv_plist = active_pairs(kv_skip, B, Hkv)  # KV heads with at least one enabled query head
+    m_blocks = triton.cdiv(M, bm)
+    # dsinks partial sums per (pair, row block); pairs without a program (disabled, exact grid) stay 0.
+    dsink_part = (
+        None if sinks is None else torch.zeros((B * Hq, m_blocks), dtype=torch.float32, device=device)
+    )
     if plist.host_fill:
         dq[skip_heads] = 0
         dk[kv_skip] = 0
         dv[kv_skip] = 0
     if plist.grid == 0:
-        return dq, dk, dv
+        return dq, dk, dv, None if dsink_part is None else dsink_part.view(B, Hq, -1).sum((0, 2))
 
+    window = effective_window(window, N)
     delta = torch.empty((B, Hq, M), dtype=torch.float32, device=device)  # only enabled rows are read
     dummy = dq
     pad_arg = key_padding_mask if key_padding_mask is not None else dummy
@@ -302,33 +367,37 @@ def attention_backward(
     start_arg = key_start if key_start is not None else dummy
     precision = dot_precision(q.dtype)
     common = dict(HEAD_DIM=D, BLOCK_D=bd, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    feats = dict(WINDOW=window is not None, SOFTCAP=softcap is not None)
+    feat_args = (window or 0, float(softcap or 1.0))
     pairs = plist.pairs if plist.pairs is not None else dummy
     n_enabled = plist.n_enabled if plist.n_enabled is not None else dummy
     kv_pairs = kv_plist.pairs if kv_plist.pairs is not None else dummy
     kv_n_enabled = kv_plist.n_enabled if kv_plist.n_enabled is not None else dummy
     with device_guard(q):
-        _bwd_preprocess_kernel[(triton.cdiv(M, bm), plist.grid)](
-            out, grad_out, delta, pairs,
+        _bwd_preprocess_kernel[(m_blocks, plist.grid)](
+            out, grad_out, delta, pairs, lse, sinks if sinks is not None else dummy,
+            dsink_part if dsink_part is not None else dummy,
             *out.stride(), *grad_out.stride(), Hq, M,
-            BLOCK_M=bm, HAS_PAIRS=plist.pairs is not None, **common,
+            BLOCK_M=bm, HAS_PAIRS=plist.pairs is not None, HAS_SINKS=sinks is not None, **common,
         )  # fmt: skip
         _bwd_dkdv_kernel[(triton.cdiv(N, bn), kv_plist.grid)](
             q, k, v, grad_out, lse, delta, dk, dv, pad_arg, start_arg,
             skip_heads if skip_heads is not None else dummy, kv_pairs, kv_n_enabled,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-            Hq, Hkv, group, M, N, float(sm_scale),
+            Hq, Hkv, group, M, N, float(sm_scale), *feat_args,
             BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
             HAS_SKIP=skip_heads is not None, HAS_PAIRS=kv_plist.pairs is not None, DOT_PRECISION=precision,
-            **common,
+            **feats, **common,
         )  # fmt: skip
-        _bwd_dq_kernel[(triton.cdiv(M, bm), plist.grid)](
+        _bwd_dq_kernel[(m_blocks, plist.grid)](
             q, k, v, grad_out, lse, delta, dq, pad_arg, start_arg, pairs, n_enabled,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
-            Hq, group, M, N, float(sm_scale),
+            Hq, group, M, N, float(sm_scale), *feat_args,
             BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
-            HAS_PAIRS=plist.pairs is not None, DOT_PRECISION=precision, **common,
+            HAS_PAIRS=plist.pairs is not None, DOT_PRECISION=precision, **feats, **common,
         )  # fmt: skip
-    return dq, dk, dv
+    dsinks = None if dsink_part is None else dsink_part.view(B, Hq, -1).sum((0, 2))
+    return dq, dk, dv, dsinks
 
 
 __all__ = ["attention_backward"]

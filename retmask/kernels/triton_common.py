@@ -47,9 +47,10 @@ class TileConfig:
 # Fixed configs keyed by the padded head dim (BLOCK_D) for 2-byte inputs (fp16/bf16), with _FP32
 # overrides for fp32 inputs, whose IEEE tl.dot runs on the CUDA cores (no tensor cores) and needs far
 # more registers. Not timed (no GPU was available): each entry was chosen so that the kernel compiles
-# for sm_90 without register spills (checked with ptxas via ``python -m retmask.kernels.triton_aot``;
-# exceptions, fp32 D=128: the forward without argmax spills 664 B, the dK/dV kernel 48 B) and the
-# pipelined tiles fit shared memory.
+# for sm_90 without register spills, with and without sliding window / soft-capping / sinks (checked
+# with ptxas via ``python -m retmask.kernels.triton_aot``; exception: the fp32 D=128 forward without
+# argmax spills 700-1000 B, although the same tile with argmax or with soft-capping uses 150-180
+# registers and none; smaller fp32 tiles spill too) and the pipelined tiles fit shared memory.
 # On a GPU, autotune per (BLOCK_D, dtype, causal, argmax on/off) over BLOCK_M in {64, 128},
 # BLOCK_N in {32, 64, 128}, num_warps in {4, 8}, num_stages in {2, 3, 4} (the interpreter has no
 # driver, so @triton.autotune cannot run here).
@@ -58,7 +59,7 @@ _FWD_CONFIGS: dict[int, TileConfig] = {
     32: TileConfig(128, 64, 8, 3),
     64: TileConfig(128, 64, 8, 3),
     128: TileConfig(128, 32, 8, 3),
-    256: TileConfig(64, 32, 8, 2),
+    256: TileConfig(32, 32, 8, 2),  # 64 x 32 spilled 88-120 B (q, the [64, 256] accumulator, the logits)
 }
 _FWD_CONFIGS_FP32: dict[int, TileConfig] = {
     16: TileConfig(64, 32, 8, 2),
@@ -79,9 +80,13 @@ _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
     16: TileConfig(16, 32, 4, 2),
     32: TileConfig(16, 32, 4, 2),
     64: TileConfig(16, 32, 4, 2),
-    128: TileConfig(16, 32, 4, 2),
+    128: TileConfig(16, 32, 8, 2),  # 4 warps: dK/dV spilled 16 B, 72 B with soft-capping
     256: TileConfig(16, 16, 4, 1),
 }
+# Soft-capping keeps the tanh of a whole logit tile alive (in the backward also its derivative): where
+# the table's tile then spills (2-byte inputs: D=64 forward 32 B, D=128 dK/dV 16 B), a smaller one.
+_FWD_CONFIGS_SOFTCAP: dict[int, TileConfig] = {64: TileConfig(128, 32, 8, 3)}
+_BWD_CONFIGS_SOFTCAP: dict[int, TileConfig] = {128: TileConfig(32, 32, 8, 2)}
 # Decode: one program per (KV head, key split) holds the G query heads of the group as a [BLOCK_G, D]
 # tile (BLOCK_G = G padded to >= 16, derived from the shapes) and walks keys in BLOCK_N chunks; block_m
 # is unused. Memory-bound: BLOCK_N * BLOCK_D near 4-8K elements keeps loads in flight per program.
@@ -103,22 +108,33 @@ def block_d(head_dim: int) -> int:
 
 
 def _lookup(
-    table: dict[int, TileConfig], fp32_table: dict[int, TileConfig], head_dim: int, dtype: torch.dtype
+    table: dict[int, TileConfig],
+    fp32_table: dict[int, TileConfig],
+    head_dim: int,
+    dtype: torch.dtype,
+    softcap_table: dict[int, TileConfig] | None = None,
 ) -> TileConfig:
     if interpreting():
         return _INTERPRET_CONFIG
     bd = block_d(head_dim)
-    if dtype == torch.float32 and bd in fp32_table:
-        return fp32_table[bd]
+    if dtype == torch.float32:
+        if bd in fp32_table:
+            return fp32_table[bd]
+    elif softcap_table is not None and bd in softcap_table:  # 2-byte inputs with soft-capping
+        return softcap_table[bd]
     return table[bd]
 
 
-def fwd_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
-    return _lookup(_FWD_CONFIGS, _FWD_CONFIGS_FP32, head_dim, dtype)
+def fwd_config(head_dim: int, dtype: torch.dtype, softcap: bool = False) -> TileConfig:
+    return _lookup(
+        _FWD_CONFIGS, _FWD_CONFIGS_FP32, head_dim, dtype, _FWD_CONFIGS_SOFTCAP if softcap else None
+    )
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
-    return _lookup(_BWD_CONFIGS, _BWD_CONFIGS_FP32, head_dim, dtype)
+def bwd_config(head_dim: int, dtype: torch.dtype, softcap: bool = False) -> TileConfig:
+    return _lookup(
+        _BWD_CONFIGS, _BWD_CONFIGS_FP32, head_dim, dtype, _BWD_CONFIGS_SOFTCAP if softcap else None
+    )
 
 
 def decode_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
@@ -187,6 +203,17 @@ def first_valid_keys(key_padding_mask: torch.Tensor | None) -> torch.Tensor | No
     if key_padding_mask is None:
         return None
     return key_padding_mask.to(torch.uint8).argmax(dim=1).to(torch.int32)  # argmax: first maximal index
+
+
+def effective_window(window: int | None, kv_len: int) -> int | None:
+    """The sliding window the kernels must apply: None when it cannot exclude a key (window >= N: every
+    row sits at a position p <= N - 1, so p - window < 0), which compiles the window masks out."""
+    return None if window is None or window >= kv_len else int(window)
+
+
+def fp32_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Sink logits as the kernels read them: fp32 [Hq], contiguous, outside autograd."""
+    return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
 
 
 def poisoning() -> bool:

@@ -19,7 +19,11 @@ smallest within its range). Splits without a valid key (``m_s = -inf``) get weig
 empty the row is empty: out 0, argmax -1, lse +inf.
 
 Causality is trivially satisfied (the single row sits at position N - 1 and sees every key); padding
-still applies. Head skipping: only KV heads with at least one enabled query head do work (a fully
+still applies. A sliding window limits the row to keys N - window .. N - 1: only the blocks from the one
+holding key N - window are split over the programs (that block alone gets the window mask). Soft-capping
+is applied per logit as in the prefill (``_fwd_block``); a sink joins the merge's denominator
+(``m_ref = max(m, sink)``, ``l += 2^(sink - m_ref)``). A split that met a NaN / +inf logit has a NaN
+``l_s``, which survives the merge's weighting (NaN * 0 = NaN): the row becomes NaN with argmax -1. Head skipping: only KV heads with at least one enabled query head do work (a fully
 disabled group never reads its K/V; in the sync-free grid mode its programs run empty loops); disabled
 rows inside a working group ride along in the tile for free and the merge stores 0 / -1 / +inf for them.
 """
@@ -36,6 +40,7 @@ from .triton_common import (
     decode_config,
     device_guard,
     dot_precision,
+    effective_window,
     fill_skipped,
     first_valid_keys,
     interpreting,
@@ -52,20 +57,22 @@ def _decode_partial_kernel(
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    H_KV, GROUP, N, keys_per_split, num_splits, sm_scale,
+    H_KV, GROUP, N, key_lo, keys_per_split, num_splits, sm_scale, window, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (split, KV slot): partial (m, idx, l, acc) of the group's rows over keys
-    [split * kps, min((split + 1) * kps, N)); kps is a multiple of BLOCK_N."""
+    [key_lo + split * kps, min(key_lo + (split + 1) * kps, N)); key_lo and kps are multiples of BLOCK_N
+    (key_lo: the block holding the window's first key, else 0)."""
     split = tl.program_id(0)
     slot = tl.program_id(1)
     if HAS_PAIRS:
-        kv_pair = tl.load(KvPairs + slot).to(tl.int64)
+        kv_pair = tl.load(KvPairs + slot)
     else:
-        kv_pair = slot.to(tl.int64)
-    b = kv_pair // H_KV
-    kvh = kv_pair % H_KV
+        kv_pair = slot
+    b = (kv_pair // H_KV).to(tl.int64)  # 32-bit division (B * Hkv < 2^31), 64-bit offsets
+    kvh = (kv_pair % H_KV).to(tl.int64)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_g  # query heads of this group (rows >= GROUP are padding)
@@ -76,31 +83,46 @@ def _decode_partial_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     pad_base = PadMask + b * N
-    pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (N - 1)  # unused: no causal mask for the last row
-    qk_scale = sm_scale * 1.4426950408889634
+    pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (N - 1)  # the row's position (window edge; no causal mask)
+    if SOFTCAP:
+        qk_scale = sm_scale / softcap
+        cap2 = softcap * 1.4426950408889634
+    else:
+        qk_scale = sm_scale * 1.4426950408889634
+        cap2 = 1.0
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     idx_i = tl.full([BLOCK_G], -1, dtype=tl.int32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    lo = split * keys_per_split
+    lo = key_lo + split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, N)
     if HAS_PAD:  # blocks before the first valid key hold only padding (splits there do no work)
         lo = tl.maximum(lo, (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N)
     if HAS_PAIRS:  # sync-free grid: slots past the enabled count are fully disabled groups, no keys
         hi = tl.where(slot < tl.load(NEnabled), hi, lo)
-    full_hi = tl.maximum(lo, (hi // BLOCK_N) * BLOCK_N)  # whole blocks need no bounds mask
-    for start_n in range(lo, full_hi, BLOCK_N):
+    mid_lo = lo
+    if WINDOW:
+        # Only the block holding the window's first key N - window straddles its edge: masked.
+        mid_lo = tl.maximum(lo, tl.cdiv(N - window, BLOCK_N) * BLOCK_N)
+        for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
+            acc, l_i, m_i, idx_i = _fwd_block(
+                acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+                stride_kn, stride_kd, stride_vn, stride_vd,
+                HEAD_DIM, BLOCK_N, BLOCK_D, True, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION,
+            )  # fmt: skip
+    full_hi = tl.maximum(mid_lo, (hi // BLOCK_N) * BLOCK_N)  # whole blocks need no bounds mask
+    for start_n in range(mid_lo, full_hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
             stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, False, False, HAS_PAD, True, DOT_PRECISION,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
             stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, False, HAS_PAD, True, DOT_PRECISION,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
 
     part = (slot * num_splits + split) * BLOCK_G + offs_g  # [BLOCK_G] partial-state rows
@@ -112,22 +134,23 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    KvPairs, Skip, PartM, PartIdx, PartL, PartAcc, Out, Lse, Argmax,
+    KvPairs, Skip, Sinks, PartM, PartIdx, PartL, PartAcc, Out, Lse, Argmax,
     stride_ob, stride_oh, stride_od,
     H_Q, H_KV, GROUP, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_PAIRS: tl.constexpr, HAS_SKIP: tl.constexpr, WRITE_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_PAIRS: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_SINKS: tl.constexpr, WRITE_ARGMAX: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """Program (KV slot, g): combine the num_splits partial states of query head kvh * GROUP + g
     (SPLITS = num_splits padded to a power of two). A disabled head stores 0 / -1 / +inf."""
     slot = tl.program_id(0)
     g = tl.program_id(1)
     if HAS_PAIRS:
-        kv_pair = tl.load(KvPairs + slot).to(tl.int64)
+        kv_pair = tl.load(KvPairs + slot)
     else:
-        kv_pair = slot.to(tl.int64)
-    b = kv_pair // H_KV
-    h = (kv_pair % H_KV) * GROUP + g
+        kv_pair = slot
+    b = (kv_pair // H_KV).to(tl.int64)  # 32-bit division (B * Hkv < 2^31), 64-bit offsets
+    h = (kv_pair % H_KV).to(tl.int64) * GROUP + g
     pair = b * H_Q + h
     enabled = tl.full([1], 1, dtype=tl.int1)
     if HAS_SKIP:
@@ -145,19 +168,31 @@ def _decode_merge_kernel(
     empty = m == float("-inf")
     # Smallest index among the splits that reach the maximum (all of them when the row is empty).
     idx = tl.min(tl.where(m_s == m, i_s, 2147483647), 0)
-    idx = tl.where(empty, -1, idx)
-    m_ref = tl.where(empty, 0.0, m)
+    if HAS_SINKS:
+        # The sink joins the denominator only; max(m, sink) keeps every exponent <= 0 (empty row: sink).
+        sink2 = tl.load(Sinks + h) * 1.4426950408889634
+        m_ref = tl.maximum(m, sink2)
+    else:
+        m_ref = tl.where(empty, 0.0, m)
     w = tl.exp2(m_s - m_ref)  # empty splits: exp2(-inf) = 0
     l_tot = tl.sum(l_s * w, 0)
+    if HAS_SINKS:
+        l_tot += tl.exp2(sink2 - m_ref)
+    # A split that met a NaN / +inf logit has l_s = NaN (see triton_fwd); NaN survives the weighting
+    # (NaN * 0 = NaN), so the row is poisoned: NaN out, argmax -1.
+    poisoned = l_tot != l_tot
+    idx = tl.where(empty | poisoned, -1, idx)
     l_safe = tl.where(empty, 1.0, l_tot)
     out = tl.sum(a_s * w[:, None], 0) / l_safe
+    out = tl.where(poisoned, float("nan"), out)
     d_ok = offs_d < HEAD_DIM
     o_ptrs = Out + b * stride_ob + h * stride_oh + offs_d * stride_od
     out = tl.where(enabled, out, 0.0)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
     zero = tl.arange(0, 1)
     if WRITE_LSE:
-        lse = tl.where(empty, float("inf"), (m + tl.log2(l_safe)) * 0.6931471805599453)
+        lse = tl.where(empty, float("inf"), (m_ref + tl.log2(l_safe)) * 0.6931471805599453)
+        lse = tl.where(poisoned, float("nan"), lse)
         tl.store(Lse + pair + zero, tl.where(enabled, lse, float("inf")))
     if WRITE_ARGMAX:
         tl.store(Argmax + pair + zero, tl.where(enabled, idx.to(tl.int64), -1))
@@ -185,13 +220,18 @@ def decode_forward(
     sm_scale: float,
     argmax_rows: int,
     return_lse: bool,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the split-key decode forward.
 
     q: [B, Hq, 1, D] (any strides); k, v: [B, Hkv, N, D] (any strides); key_padding_mask: bool [B, N]
-    contiguous or None; skip_heads: bool [B, Hq] contiguous or None; argmax_rows: 0 or 1.
+    contiguous or None; skip_heads: bool [B, Hq] contiguous or None; argmax_rows: 0 or 1; window:
+    sliding window or None (only the keys N - window .. N - 1 are distributed over the splits);
+    softcap: logit cap or None; sinks: fp32 [Hq] contiguous or None.
     num_splits / block_n override the heuristics (tests). ``causal`` has no effect (accepted so every
     launcher takes the same arguments): the single row sits at position N - 1 and sees every key.
     Returns out [B, Hq, 1, D] (q.dtype), argmax int64 [B, Hq, 1] or None, lse fp32 [B, Hq, 1] or None.
@@ -215,10 +255,14 @@ def decode_forward(
         return out, argmax, lse
     n_kv = plist.grid
 
-    splits = num_splits or default_num_splits(n_kv, N, bn, device)
-    splits = max(1, min(splits, triton.cdiv(N, bn)))
-    keys_per_split = triton.cdiv(triton.cdiv(N, splits), bn) * bn  # whole key blocks per split
-    splits = triton.cdiv(N, keys_per_split)  # drop splits that rounding left empty
+    window = effective_window(window, N)
+    # The row sees keys N - window .. N - 1: the splits share the blocks from the one holding N - window.
+    key_lo = (N - window) // bn * bn if window is not None else 0
+    span = N - key_lo
+    splits = num_splits or default_num_splits(n_kv, span, bn, device)
+    splits = max(1, min(splits, triton.cdiv(span, bn)))
+    keys_per_split = max(bn, triton.cdiv(triton.cdiv(span, splits), bn) * bn)  # whole key blocks per split
+    splits = max(1, triton.cdiv(span, keys_per_split))  # drop splits that rounding left empty
     bd, bg = block_d(D), max(16, triton.next_power_of_2(group))
     # Partial states: every (slot, split, row) is written by the partial kernel, so plain empty buffers.
     rows = n_kv * splits * bg
@@ -237,19 +281,23 @@ def decode_forward(
             key_start if key_start is not None else dummy, pairs_arg, n_enabled_arg,
             part_m, part_idx, part_l, part_acc,
             *q2.stride(), *k.stride(), *v.stride(),
-            Hkv, group, N, keys_per_split, splits, float(sm_scale),
+            Hkv, group, N, key_lo, keys_per_split, splits, float(sm_scale), window or 0,
+            float(softcap or 1.0),
             HEAD_DIM=D, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd,
             HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
+            WINDOW=window is not None, SOFTCAP=softcap is not None,
             DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         _decode_merge_kernel[(n_kv, group)](
             pairs_arg, skip_heads if skip_heads is not None else dummy,
+            sinks if sinks is not None else dummy,
             part_m, part_idx, part_l, part_acc, o2,
             lse if lse is not None else dummy, argmax if argmax is not None else dummy,
             *o2.stride(), Hq, Hkv, group, splits,
             HEAD_DIM=D, BLOCK_G=bg, BLOCK_D=bd, SPLITS=max(2, triton.next_power_of_2(splits)),
             HAS_PAIRS=plist.pairs is not None, HAS_SKIP=skip_heads is not None,
-            WRITE_ARGMAX=argmax is not None, WRITE_LSE=lse is not None, num_warps=4,
+            HAS_SINKS=sinks is not None, WRITE_ARGMAX=argmax is not None, WRITE_LSE=lse is not None,
+            num_warps=4,
         )  # fmt: skip
     return out, argmax, lse
 

@@ -25,6 +25,26 @@ the full mask. A row that has no valid key keeps ``m = -inf, l = 0``: the kernel
 reference point so ``-inf - -inf`` never appears, writes ``o = 0``, argmax ``-1`` and ``lse = +inf``
 (so ``exp(s - lse) = 0`` in the backward: zero gradients, no NaN).
 
+Sliding window, soft-capping, sinks (the contract of ``reference.py``). With ``window`` row ``p`` sees
+keys ``p - window < j <= p``: the key loop starts at the block holding the tile's first row's first key
+(``max`` with the padding start), so a local layer costs O(M * (window + BLOCK_M)), not O(M * N). The
+loop has three parts: blocks that straddle some row's lower window edge (masked), blocks inside every
+row's window and below the first row's position (unmasked), the causal diagonal (masked). ``softcap``
+caps the natural-scale logit before anything else sees it: ``s = softcap * tanh(sm_scale q.k / softcap)``,
+computed as ``tanh(q.k * (sm_scale / softcap)) * (softcap * log2 e)`` (one exp2 and one division per
+logit; ``_tanh`` is exact at +-inf and keeps NaN). A ``sink`` logit joins only the denominator, in the
+epilogue: the reference point moves to ``m' = max(m, sink)``, ``l' = l 2^(m - m') + 2^(sink - m')``,
+``acc' = acc 2^(m - m')``; the argmax never sees it; the saved lse is ``log(sum_j e^{s_j} + e^{sink})``,
+so the backward's ``P_j = exp(s_j - lse)`` is the probability of the sink-extended softmax. A row with no
+valid key still gives 0 / -1 / +inf (the sink is not a key).
+
+Non-finite logits. ``l`` is a sum of terms in [0, 1], so it is NaN exactly when a NaN or +inf logit
+reached the row among its allowed keys (``2^NaN``, or ``2^(inf - inf)`` once the running max is +inf;
+every later rescale keeps the NaN) -- whatever ``max`` does with NaN on the GPU or in the interpreter.
+The epilogue then writes NaN to the whole row, argmax -1 and lse NaN. -inf logits are masked keys.
+In argmax tiles NaN logits are first turned into +inf (same poisoning, and a max-with-index over NaN
+has no defined answer).
+
 Head skipping. The grid's second axis indexes an int32 list of (batch, head) pairs built from
 ``skip_heads`` with ``program_id(1)``; work is proportional to the enabled heads. Default ("exact")
 grid: the list holds only the enabled pairs (its length, read on the host, sizes the grid) and the
@@ -53,6 +73,7 @@ from .triton_common import (
     block_d,
     device_guard,
     dot_precision,
+    effective_window,
     fill_skipped,
     first_valid_keys,
     fwd_config,
@@ -62,14 +83,41 @@ from .triton_common import (
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 from one exp2: ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` in [0, 1], sign restored.
+
+    Exact at the ends (+-inf -> +-1, no inf / inf), NaN in -> NaN out; the absolute error is a few fp32
+    ulps of 1 (it only ever scales a soft cap, so absolute accuracy is what counts)."""
+    e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2|x|) = 2^(-2 log2(e) |x|)
+    t = tl.fdiv(1.0 - e, 1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scaled_logits(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Base-2 logits [BM, BN] of q [BM, BD] against k [BN, BD].
+
+    Without a cap ``qk_scale = sm_scale * log2(e)``. With one, the cap acts on the natural-scale logit:
+    ``qk_scale = sm_scale / softcap`` gives ``x = s / softcap`` and ``cap2 = softcap * log2(e)`` turns
+    ``tanh(x)`` into ``softcap * tanh(s / softcap) * log2(e)``."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        s = _tanh(s) * cap2
+    return s
+
+
+@triton.jit
 def _fwd_block(
-    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
+    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
     stride_kn, stride_kd, stride_vn, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Fold keys [start_n, start_n + BLOCK_N) into (acc [BM, BD], l_i [BM], m_i [BM], idx_i [BM])."""
+    """Fold keys [start_n, start_n + BLOCK_N) into (acc [BM, BD], l_i [BM], m_i [BM], idx_i [BM]).
+
+    MASKED blocks apply the bounds, causal (CAUSAL) and sliding-window lower-edge (WINDOW) masks; the
+    caller passes unmasked only blocks that are in range and inside every row's window."""
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -79,16 +127,21 @@ def _fwd_block(
         n_ok = cols >= 0  # all in range: the caller only passes full blocks below N
     kv_mask = n_ok[:, None] & d_ok[None, :]
     k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN] fp32
+    s = _scaled_logits(q, k, qk_scale, cap2, SOFTCAP, DOT_PRECISION)  # [BM, BN] fp32, base 2
     if MASKED or HAS_PAD:
         valid = n_ok[None, :]
         if MASKED and CAUSAL:
             valid = valid & (cols[None, :] <= pos[:, None])
+        if MASKED and WINDOW:
+            valid = valid & (cols[None, :] > (pos - window)[:, None])
         if HAS_PAD:
             key_ok = tl.load(pad_base + cols, mask=cols < N, other=0) != 0
             valid = valid & key_ok[None, :]
         s = tl.where(valid, s, float("-inf"))
     if TRACK_ARGMAX:
+        # NaN -> +inf: both poison the row the same way (see the epilogue), and a max-with-index over NaN
+        # has no defined answer (the interpreter's nanargmax even raises on an all-NaN row).
+        s = tl.where(s == s, s, float("inf"))
         blk_max, blk_arg = tl.max(s, 1, return_indices=True)
         # Strictly greater: an earlier (smaller) index keeps a tie.
         idx_i = tl.where(blk_max > m_i, blk_arg + start_n, idx_i)
@@ -106,26 +159,39 @@ def _fwd_block(
 
 
 @triton.jit
+def _add_sink(acc, l_i, m_i, sink2):
+    """Join a sink logit (base 2) to the softmax denominator only: move the reference point to
+    ``max(m, sink)`` and add ``2^(sink - m')`` to ``l`` (a row without keys, m = -inf, gets l = 1 and
+    keeps acc = 0). Overflow-free for any sink."""
+    m_fin = tl.maximum(m_i, sink2)
+    alpha = tl.exp2(m_i - m_fin)
+    l_i = l_i * alpha + tl.exp2(sink2 - m_fin)
+    return acc * alpha[:, None], l_i, m_fin
+
+
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Argmax, PadMask, KeyStart, Pairs, NEnabled,
+    Q, K, V, Out, Lse, Argmax, PadMask, KeyStart, Pairs, NEnabled, Sinks,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    H_Q, GROUP, M, N, sm_scale, argmax_first_row, argmax_rows, first_m_block,
+    H_Q, GROUP, M, N, sm_scale, argmax_first_row, argmax_rows, first_m_block, window, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr,
-    TRACK_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TRACK_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one enabled (batch, head) pair, all their keys."""
     start_m = tl.program_id(0) + first_m_block
     if HAS_PAIRS:
-        pair = tl.load(Pairs + tl.program_id(1)).to(tl.int64)
+        pair32 = tl.load(Pairs + tl.program_id(1))
     else:
-        pair = tl.program_id(1).to(tl.int64)
-    b = pair // H_Q
-    h = pair % H_Q
-    kvh = h // GROUP
+        pair32 = tl.program_id(1)
+    pair = pair32.to(tl.int64)
+    b = (pair32 // H_Q).to(tl.int64)  # 32-bit division (B * Hq < 2^31), 64-bit offsets
+    h = (pair32 % H_Q).to(tl.int64)
+    kvh = (pair32 % H_Q // GROUP).to(tl.int64)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -142,9 +208,14 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     idx_i = tl.full([BLOCK_M], -1, dtype=tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634
+    if SOFTCAP:
+        qk_scale = sm_scale / softcap
+        cap2 = softcap * 1.4426950408889634
+    else:
+        qk_scale = sm_scale * 1.4426950408889634
+        cap2 = 1.0
 
-    # Keys below full_hi are in range and visible to every row of the tile: no causal/bounds mask.
+    # Keys in [mid_lo, full_hi) are in range and visible to every row of the tile: no mask at all.
     first_pos = start_m * BLOCK_M + (N - M)
     if CAUSAL:
         hi = tl.minimum(N, first_pos + BLOCK_M)
@@ -155,36 +226,60 @@ def _fwd_kernel(
     lo = 0
     if HAS_PAD:  # blocks before the first valid key hold only padding
         lo = (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N
+    mid_lo = lo
+    if WINDOW:
+        # The tile's first row sees keys from first_pos - window + 1 on: earlier blocks are never loaded
+        # (O(BLOCK_M + window) keys per tile). Keys >= first_pos + BLOCK_M - window are inside every
+        # row's window; the blocks in between straddle some row's lower edge and get the mask.
+        lo = tl.maximum(lo, (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N)
+        inside = tl.maximum(first_pos + BLOCK_M - window, 0)
+        mid_lo = tl.maximum(lo, tl.cdiv(inside, BLOCK_N) * BLOCK_N)
     if HAS_PAIRS:
         # Sync-free grids also hold programs for disabled pairs (ids past the enabled count): empty key
         # loops, so the epilogue writes exactly a disabled head's outputs (0, argmax -1, lse +inf).
         enabled = tl.program_id(1) < tl.load(NEnabled)
         hi = tl.where(enabled, hi, 0)
         full_hi = tl.where(enabled, full_hi, 0)
-    for start_n in range(lo, full_hi, BLOCK_N):
+    if WINDOW:
+        for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
+            acc, l_i, m_i, idx_i = _fwd_block(
+                acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+                stride_kn, stride_kd, stride_vn, stride_vd,
+                HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP,
+                DOT_PRECISION,
+            )  # fmt: skip
+    for start_n in range(mid_lo, full_hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
             stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, TRACK_ARGMAX, DOT_PRECISION,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
-    for start_n in range(tl.maximum(lo, full_hi), hi, BLOCK_N):
+    for start_n in range(tl.maximum(mid_lo, full_hi), hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
             stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, DOT_PRECISION,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
 
+    # l is a sum of terms in [0, 1]: it is NaN exactly when a NaN or +inf logit reached the row (its term
+    # 2^(NaN) or 2^(inf - inf) is NaN, and NaN survives every later rescale). Such a row is NaN, -1.
+    poisoned = l_i != l_i
     has_key = l_i > 0.0
+    if HAS_SINKS:
+        acc, l_i, m_i = _add_sink(acc, l_i, m_i, tl.load(Sinks + h) * 1.4426950408889634)
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]  # rows without keys: acc == 0 -> out 0
+    out = tl.where(poisoned[:, None], float("nan"), out)
     o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+        lse = tl.where(poisoned, float("nan"), lse)
         tl.store(Lse + pair * M + offs_m, lse, mask=m_ok)
     if TRACK_ARGMAX:
         t = offs_m - argmax_first_row
-        tl.store(Argmax + pair * argmax_rows + t, idx_i.to(tl.int64), mask=m_ok & (t >= 0))
+        idx = tl.where(poisoned, -1, idx_i)
+        tl.store(Argmax + pair * argmax_rows + t, idx.to(tl.int64), mask=m_ok & (t >= 0))
 
 
 def attention_forward(
@@ -198,19 +293,24 @@ def attention_forward(
     skip_heads: torch.Tensor | None,
     argmax_rows: int,
     return_lse: bool,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the prefill forward.
 
     q: [B, Hq, M, D] (any strides); k, v: [B, Hkv, N, D] (any strides); key_padding_mask: bool [B, N]
-    contiguous or None; skip_heads: bool [B, Hq] contiguous or None; argmax_rows: T in [0, M].
-    block_m / block_n override the tile table (tests). Returns out [B, Hq, M, D] (q.dtype, contiguous),
+    contiguous or None; skip_heads: bool [B, Hq] contiguous or None; argmax_rows: T in [0, M];
+    window: sliding window (causal only) or None; softcap: logit cap or None; sinks: fp32 [Hq]
+    contiguous or None (the lse then includes the sink). block_m / block_n override the tile table
+    (tests). Returns out [B, Hq, M, D] (q.dtype, contiguous),
     argmax int64 [B, Hq, T] or None, lse fp32 [B, Hq, M] or None.
     """
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
-    cfg = fwd_config(D, q.dtype)
+    cfg = fwd_config(D, q.dtype, softcap is not None)
     bm, bn = block_m or cfg.block_m, block_n or cfg.block_n
     device = q.device
     out = new_float((B, Hq, M, D), q.dtype, device)
@@ -224,6 +324,7 @@ def attention_forward(
 
     key_start = first_valid_keys(key_padding_mask)
     dummy = out  # stands in for pointers whose use is compiled out
+    window = effective_window(window, N)
     n_blocks = triton.cdiv(M, bm)
     # Tiles [0, split) hold no argmax row: launch them without the argmax bookkeeping.
     split = (M - argmax_rows) // bm if argmax_rows else n_blocks
@@ -238,11 +339,14 @@ def attention_forward(
                 key_start if key_start is not None else dummy,
                 plist.pairs if plist.pairs is not None else dummy,
                 plist.n_enabled if plist.n_enabled is not None else dummy,
+                sinks if sinks is not None else dummy,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Hq // Hkv, M, N, float(sm_scale), M - argmax_rows, argmax_rows, lo,
+                window or 0, float(softcap or 1.0),
                 HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(D),
                 CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
-                TRACK_ARGMAX=track, WRITE_LSE=return_lse, DOT_PRECISION=dot_precision(q.dtype),
+                TRACK_ARGMAX=track, WRITE_LSE=return_lse, WINDOW=window is not None,
+                SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
     return out, argmax, lse

@@ -48,49 +48,58 @@ def _random_skip(B: int, Hq: int, seed: int, p: float = 0.4) -> torch.Tensor:
     return torch.rand(B, Hq, generator=torch.Generator().manual_seed(seed)) < p
 
 
-def _reference_lse(q, k, *, causal, sm_scale, key_padding_mask, skip_heads):
-    """fp32 [B, Hq, M] log-sum-exp; +inf where a row has no valid key or the head is skipped."""
-    logits = reference_logits(q, k, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask)
+def _reference_lse(
+    q, k, *, causal, sm_scale, key_padding_mask, skip_heads, window=None, softcap=None, sinks=None
+):
+    """fp32 [B, Hq, M] log-sum-exp (with sinks: ``log(sum_j e^{s_j} + e^{sink})``); +inf where a row has no
+    valid key or the head is skipped."""
+    logits = reference_logits(
+        q,
+        k,
+        causal=causal,
+        sm_scale=sm_scale,
+        key_padding_mask=key_padding_mask,
+        window=window,
+        softcap=softcap,
+    )
+    has_key = torch.isfinite(logits).any(-1)
+    if sinks is not None:
+        sink = sinks.to(logits.dtype)[None, :, None, None].expand(*logits.shape[:3], 1)
+        logits = torch.cat([logits, sink], dim=-1)
     lse = logits.logsumexp(-1)
-    lse = lse.masked_fill(~torch.isfinite(logits).any(-1), float("inf"))
+    lse = lse.masked_fill(~has_key, float("inf"))
     if skip_heads is not None:
         lse = lse.masked_fill(skip_heads[:, :, None], float("inf"))
     return lse.float()
 
 
 def check_forward(
-    q, k, v, *, causal=True, pad=None, skip=None, argmax_rows=None, sm_scale=None, launcher=None, **kw
-):
+    q, k, v, *, causal=True, pad=None, skip=None, argmax_rows=None, sm_scale=None, launcher=None,
+    window=None, softcap=None, sinks=None, **kw,
+):  # fmt: skip
     """Run the Triton forward (``launcher`` or the public entry) and compare out, argmax and lse."""
     D = q.shape[-1]
     scale = D**-0.5 if sm_scale is None else sm_scale
     T = q.shape[2] if argmax_rows is None else argmax_rows
+    feats = dict(window=window, softcap=softcap, sinks=sinks)
     if launcher is None:
         out, argmax = attention(
             q, k, v, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip,
-            return_argmax=True, argmax_rows=T, backend="triton",
+            return_argmax=True, argmax_rows=T, backend="triton", **feats,
         )  # fmt: skip
         from retmask.kernels.triton_backend import forward
 
         _, _, lse = forward(
             q, k, v, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip,
-            argmax_rows=T, return_lse=True,
+            argmax_rows=T, return_lse=True, **feats,
         )  # fmt: skip
     else:
         out, argmax, lse = launcher(
-            q,
-            k,
-            v,
-            causal=causal,
-            sm_scale=scale,
-            key_padding_mask=pad,
-            skip_heads=skip,
-            argmax_rows=T,
-            return_lse=True,
-            **kw,
-        )
+            q, k, v, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip, argmax_rows=T,
+            return_lse=True, **feats, **kw,
+        )  # fmt: skip
     ref_out, ref_argmax = reference_attention(
-        q, k, v, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip, argmax_rows=T
+        q, k, v, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip, argmax_rows=T, **feats
     )
     assert out.dtype == q.dtype and out.shape == q.shape
     assert argmax.dtype == torch.int64 and argmax.shape == (*q.shape[:2], T)
@@ -99,9 +108,11 @@ def check_forward(
     torch.testing.assert_close(out, ref_out, **TOL[q.dtype])
     assert_argmax_matches(
         argmax, q, k, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip,
-        atol=ARGMAX_ATOL[q.dtype],
+        atol=ARGMAX_ATOL[q.dtype], window=window, softcap=softcap,
     )  # fmt: skip
-    ref_lse = _reference_lse(q, k, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip)
+    ref_lse = _reference_lse(
+        q, k, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip, **feats
+    )  # fmt: skip
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
     return out, argmax
@@ -360,14 +371,15 @@ def test_backward_all_heads_skipped_and_tile_shapes(grid_mode):
     )  # fmt: skip
     _, *ref = _grads("reference", q, k, v, grad_out, causal=True, sm_scale=0.25)
     for bm, bn in ((16, 32), (64, 16)):
-        got = attention_backward(
+        *got, dsinks = attention_backward(
             grad_out, q, k, v, out, lse, causal=True, sm_scale=0.25, key_padding_mask=None,
             skip_heads=None, block_m=bm, block_n=bn,
         )  # fmt: skip
+        assert dsinks is None
         for a, b in zip(got, ref, strict=True):
             torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32])
     skip = torch.ones(1, 2, dtype=torch.bool)
-    dq, dk, dv = attention_backward(
+    dq, dk, dv, _ = attention_backward(
         grad_out, q, k, v, out, lse, causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=skip
     )
     assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
@@ -381,18 +393,21 @@ def test_gpu_tile_tables_cover_head_dims_and_fit_shared_memory(monkeypatch, dtyp
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     size = torch.finfo(dtype).bits // 8
     for D in range(1, 257):
-        bd = tc.block_d(D)
-        f, b, d = tc.fwd_config(D, dtype), tc.bwd_config(D, dtype), tc.decode_config(D, dtype)
-        assert min(f.block_m, f.block_n, b.block_m, b.block_n) >= 16, "tl.dot needs >= 16 rows/cols"
-        smem = (f.block_m * bd + f.num_stages * 2 * f.block_n * bd) * size
-        assert smem <= 227 * 1024, (D, dtype, f, smem)
-        assert d.block_n >= 16
+        for softcap in (False, True):
+            bd = tc.block_d(D)
+            f, b = tc.fwd_config(D, dtype, softcap), tc.bwd_config(D, dtype, softcap)
+            d = tc.decode_config(D, dtype)
+            assert min(f.block_m, f.block_n, b.block_m, b.block_n) >= 16, "tl.dot needs >= 16 rows/cols"
+            smem = (f.block_m * bd + f.num_stages * 2 * f.block_n * bd) * size
+            assert smem <= 227 * 1024, (D, dtype, f, smem)
+            assert d.block_n >= 16
 
 
 def test_kernels_compile_for_sm90_without_spills(tmp_path):
     """GPU code generation, which the interpreter never exercises: the launches the launchers make with
-    the GPU tile tables (fp16, D = 64 and 128: prefill with and without argmax, decode, backward) are
-    recorded here and compiled for sm_90 by ptxas in a process without TRITON_INTERPRET."""
+    the GPU tile tables (fp16: prefill with and without argmax, decode, backward; D = 64 and 128, and
+    D = 64, 128, 256 with sliding window + soft-capping + sinks) are recorded here and compiled for
+    sm_90 by ptxas in a process without TRITON_INTERPRET."""
     import json
     import os
     import subprocess
@@ -401,12 +416,17 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
 
     from retmask.kernels.triton_aot import record_standard_launches
 
-    launches = [launch for d in (64, 128) for launch in record_standard_launches(torch.float16, d)]
+    variants = [(64, False), (128, False), (64, True), (128, True), (256, True)]
+    launches = [launch for d, f in variants for launch in record_standard_launches(torch.float16, d, f)]
     kernels = {launch.kernel for launch in launches}
     assert kernels == {
         "_fwd_kernel", "_decode_partial_kernel", "_decode_merge_kernel",
         "_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel",
     }  # fmt: skip
+    assert {launch.constexprs["SOFTCAP"] for launch in launches if launch.kernel == "_bwd_dq_kernel"} == {
+        True,
+        False,
+    }
     assert {launch.constexprs["TRACK_ARGMAX"] for launch in launches if launch.kernel == "_fwd_kernel"} == {
         True,
         False,
@@ -531,3 +551,229 @@ def test_arbitrary_padding_mask_with_holes(M):
         _grads("triton", q, k, v, grad_out, **kw), _grads("reference", q, k, v, grad_out, **kw), strict=True
     ):
         torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sliding window, soft-capping, sinks (reference.py defines them) and the non-finite contract.
+# The interpreter tiles are BLOCK_M = 32, BLOCK_N = 16: windows of 5, 16, 20, 37 keys cut through key
+# blocks, end on a block edge or span several blocks.
+
+
+def _sinks(Hq: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(Hq, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+
+
+# (B, Hq, Hkv, M, N, D, window, softcap, sinks, pads, argmax_rows)
+FEATURE_FWD_CASES = [
+    (2, 2, 1, 70, 70, 16, 20, None, True, [0, 25], 40),  # M == N: three query tiles, partial argmax
+    (1, 3, 1, 37, 90, 32, 16, 5.0, False, None, 37),  # chunk against a cache, window == BLOCK_N, MQA
+    (2, 2, 2, 45, 61, 24, 5, 3.0, True, [9, 0], 45),  # window < BLOCK_N; D padded 24 -> 32
+    (1, 2, 1, 33, 33, 16, 1, None, True, None, 33),  # window 1: each row sees only itself
+    (1, 2, 1, 20, 40, 256, 9, 10.0, True, [3], 20),  # head dim 256
+    (2, 4, 2, 1, 75, 16, 37, 4.0, True, [0, 50], 1),  # decode: window cuts a block, padding
+    (1, 2, 1, 1, 40, 16, 40, None, True, None, 1),  # decode, window == N (no effect)
+]
+
+
+@pytest.mark.parametrize("case", FEATURE_FWD_CASES)
+def test_features_forward_matches_reference(case, grid_mode):
+    B, Hq, Hkv, M, N, D, window, softcap, with_sinks, pads, rows = case
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=M + N + D, noncontiguous_q=True)
+    q = q * 2  # larger logits: the cap and the sinks matter
+    pad = None if pads is None else left_padding_mask(B, N, pads)
+    skip = torch.zeros(B, Hq, dtype=torch.bool)
+    skip[-1, 0] = True
+    sinks = _sinks(Hq, seed=N) if with_sinks else None
+    out, argmax = check_forward(
+        q, k, v, pad=pad, skip=skip, argmax_rows=rows, window=window, softcap=softcap, sinks=sinks
+    )
+    assert (out[-1, 0] == 0).all() and (argmax[-1, 0] == -1).all()
+
+
+def test_features_prefill_tile_shapes():
+    """Other tiles (BLOCK_M != BLOCK_N, larger than the window or not): the three-part key loop (window
+    edge masked, interior unmasked, causal diagonal masked) for every geometry."""
+    q, k, v = make_qkv(1, 2, 1, 45, 70, 16, seed=13)
+    pad = left_padding_mask(1, 70, [30])  # the padding start and the window start compete
+    for bm, bn in ((16, 32), (64, 16), (16, 16)):
+        for window in (3, 13, 40):
+            check_forward(
+                q, k, v, pad=pad, argmax_rows=45, launcher=attention_forward, block_m=bm, block_n=bn,
+                window=window, softcap=2.0, sinks=_sinks(2, seed=window),
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_features_decode_splits(splits, grid_mode):
+    B, Hq, Hkv, N = 2, 4, 2, 90
+    q, k, v = make_qkv(B, Hq, Hkv, 1, N, 32, seed=50 + splits, noncontiguous_q=True)
+    pad = left_padding_mask(B, N, [0, 70])  # batch 1: padding ends inside the window
+    skip = _random_skip(B, Hq, seed=splits)
+    for window, softcap in ((45, None), (7, 3.0)):
+        check_forward(
+            q * 2, k, v, pad=pad, skip=skip, launcher=decode_forward, num_splits=splits, block_n=16,
+            window=window, softcap=softcap, sinks=_sinks(Hq, seed=window),
+        )  # fmt: skip
+
+
+def test_window_loops_skip_blocks_outside_the_window():
+    """Key loops start at the first block inside the window: keys in earlier blocks are never loaded.
+    Checked by making them NaN (a loaded NaN value reaches the output even with weight 0 in eager
+    attention, and here too: 0 * NaN is NaN in ``tl.dot``): the results match the clean oracle."""
+    from retmask.kernels.triton_bwd import attention_backward
+
+    B, Hq, Hkv, M, N, D, window = 1, 2, 1, 70, 150, 16, 12
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=60)
+    # Prefill tiles start at positions 80, 112, 144: the first one's window starts at key 69, in the
+    # 16-key block [64, 80); keys 0..63 are outside every row's window.
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, :64] = float("nan")
+    v_bad[:, :, :64] = float("nan")
+    kw = dict(causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=None, window=window)
+    out, _, lse = attention_forward(
+        q, k_bad, v_bad, argmax_rows=0, return_lse=True, block_m=32, block_n=16, **kw
+    )
+    ref_out, _ = reference_attention(q, k, v, **{**kw, "skip_heads": None})
+    torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
+    # Decode: the row at position 149 sees keys 138..149; the splits share the blocks from [128, 144).
+    dec_q = q[:, :, -1:]
+    dec, _, _ = decode_forward(
+        dec_q, k_bad, v_bad, argmax_rows=0, return_lse=False, num_splits=3, block_n=16, **kw
+    )  # fmt: skip
+    torch.testing.assert_close(dec, reference_attention(dec_q, k, v, **kw)[0], **TOL[torch.float32])
+    # Backward: dQ programs start at the window's first block; dK/dV programs of blocks no row sees
+    # store zeros without reading anything.
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
+    dq, dk, dv, _ = attention_backward(
+        grad_out, q, k_bad, v_bad, out, lse, block_m=32, block_n=16, **kw
+    )  # fmt: skip
+    _, ref_dq, ref_dk, ref_dv = _grads(
+        "reference", q, k, v, grad_out, causal=True, sm_scale=0.25, window=window
+    )
+    torch.testing.assert_close(dq, ref_dq, **GRAD_TOL[torch.float32])
+    assert (dk[:, :, :64] == 0).all() and (dv[:, :, :64] == 0).all()
+    torch.testing.assert_close(dk[:, :, 64:], ref_dk[:, :, 64:], **GRAD_TOL[torch.float32])
+    torch.testing.assert_close(dv[:, :, 64:], ref_dv[:, :, 64:], **GRAD_TOL[torch.float32])
+
+
+def test_window_dkdv_programs_visit_only_rows_that_see_their_keys():
+    """dK/dV programs loop only over the query rows whose window holds their keys: a NaN upstream
+    gradient on the last row must not reach the keys that row does not see (a visited row block would
+    add 0 * NaN). M = N = 96, window 8, tiles 32 x 16: the row block [64, 96) is visited by the key
+    blocks from [48, 64) on, so keys 0..47 stay finite."""
+    from retmask.kernels.triton_bwd import attention_backward
+
+    q, k, v = make_qkv(1, 2, 1, 96, 96, 16, seed=61)
+    kw = dict(causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=None, window=8)
+    out, _, lse = attention_forward(q, k, v, argmax_rows=0, return_lse=True, block_m=32, block_n=16, **kw)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(7))
+    grad_out[:, :, -1] = 0.0
+    _, ref_dq, ref_dk, ref_dv = _grads("reference", q, k, v, grad_out, causal=True, sm_scale=0.25, window=8)
+    grad_out[:, :, -1] = float("nan")
+    dq, dk, dv, _ = attention_backward(grad_out, q, k, v, out, lse, block_m=32, block_n=16, **kw)
+    torch.testing.assert_close(dq[:, :, :-1], ref_dq[:, :, :-1], **GRAD_TOL[torch.float32])
+    torch.testing.assert_close(dk[:, :, :48], ref_dk[:, :, :48], **GRAD_TOL[torch.float32])
+    torch.testing.assert_close(dv[:, :, :48], ref_dv[:, :, :48], **GRAD_TOL[torch.float32])
+
+
+def _feature_grads(backend, q, k, v, sinks, grad_out, **kw):
+    """(out, dq, dk, dv, dsinks) of ``attention``; the reference runs in fp32 for fp16 inputs."""
+    if backend == "reference" and q.dtype == torch.float16:
+        q, k, v, grad_out = (t.float() for t in (q, k, v, grad_out))
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    s = None if sinks is None else sinks.detach().clone().requires_grad_(True)
+    out = attention(q, k, v, sinks=s, backend=backend, **kw)
+    out.backward(grad_out)
+    return out, q.grad, k.grad, v.grad, None if s is None else s.grad
+
+
+# (B, Hq, Hkv, M, N, D, window, softcap, sinks, pads, skip rows)
+FEATURE_GRAD_CASES = [
+    (2, 4, 2, 37, 53, 16, 20, 4.0, True, [0, 30], [[False, True, False, False], [False, False, False, True]]),
+    (1, 2, 1, 40, 40, 24, 5, None, True, None, None),  # window < BLOCK_N, M == N
+    (2, 3, 3, 20, 47, 16, None, 3.0, False, [5, 0], None),  # soft-capping alone
+    (2, 2, 1, 1, 40, 16, 17, 2.0, True, [0, 30], [[False, True], [False, False]]),  # decode forward
+    (1, 2, 1, 12, 30, 256, 9, 8.0, True, [4], None),  # head dim 256
+    (1, 2, 1, 18, 30, 16, 4, None, True, [30], None),  # every key padded: all gradients 0
+]
+
+
+@pytest.mark.parametrize("case", FEATURE_GRAD_CASES)
+def test_features_backward_matches_reference(case, grid_mode):
+    B, Hq, Hkv, M, N, D, window, softcap, with_sinks, pads, skip = case
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=70 + M, noncontiguous_q=True)
+    q = q * 2
+    pad = None if pads is None else left_padding_mask(B, N, pads)
+    skip = None if skip is None else torch.tensor(skip)
+    sinks = _sinks(Hq, seed=M) if with_sinks else None
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(M))
+    kw = dict(causal=True, key_padding_mask=pad, skip_heads=skip, window=window, softcap=softcap)
+    got = _feature_grads("triton", q, k, v, sinks, grad_out, **kw)
+    ref_sinks = None if sinks is None else sinks.double()
+    ref = _feature_grads("reference", q.double(), k.double(), v.double(), ref_sinks, grad_out.double(), **kw)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert not torch.isnan(a).any(), f"{name}: NaN (unwritten or keyless rows)"
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(
+            a.double(), b, **GRAD_TOL[torch.float32], msg=lambda m, n=name: f"{n}: {m}"
+        )
+    if skip is not None:
+        assert (got[1][skip] == 0).all(), "disabled heads get no dq"
+    if pads is not None and pads[0] == N:
+        assert all((g[0] == 0).all() for g in got[1:4]) and (got[4] == 0).all()
+
+
+def test_features_backward_fp16_and_sink_dtypes():
+    """fp16 inputs with bf16 sinks: dsinks comes back in the sinks' dtype; only the sinks need a
+    gradient (the forward still keeps the lse for the Triton backward)."""
+    B, Hq, Hkv, M, N, D = 1, 4, 2, 40, 40, 32
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float16, seed=80, noncontiguous_q=True)
+    sinks = _sinks(Hq, seed=3, dtype=torch.bfloat16)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).half()
+    kw = dict(causal=True, key_padding_mask=left_padding_mask(B, N, [6]), window=19, softcap=6.0)
+    got = _feature_grads("triton", q, k, v, sinks, grad_out, **kw)
+    ref = _feature_grads("reference", q, k, v, sinks.float(), grad_out, **kw)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **GRAD_TOL[torch.float16])
+    assert got[4].dtype == torch.bfloat16 and got[1].dtype == torch.float16
+    s = sinks.float().requires_grad_(True)
+    attention(q, k, v, sinks=s, backend="triton", **kw).backward(grad_out)
+    torch.testing.assert_close(s.grad, ref[4].float(), **GRAD_TOL[torch.float16])
+
+
+@pytest.mark.parametrize("M", [1, 70])
+@pytest.mark.parametrize("features", [{}, {"window": 20, "softcap": 5.0, "sinks": True}])
+def test_non_finite_rows_in_every_kernel_path(M, features):
+    """NaN / +inf logits poison exactly their rows (NaN out, argmax -1) in the prefill tiles without
+    argmax bookkeeping (argmax on the last 5 rows only), the argmax tiles and the decode merge (NaN key
+    in one of three splits); skipped heads stay 0 / -1."""
+    B, Hq, Hkv, N, D = 1, 4, 2, 80, 16
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=90)
+    kw = dict(features)
+    if kw.pop("sinks", False):
+        kw["sinks"] = _sinks(Hq, seed=1)
+    q[0, 0, 0, 3] = float("nan")  # the first row of head 0 (a no-argmax tile when M = 70)
+    q[0, 1, -1, 0] = float("inf")  # the last row of head 1: +-inf logits (finite once soft-capped)
+    k[0, 1, N - 30, 5] = float("nan")  # kv head 1 (query heads 2, 3), in the second of three splits
+    k[0, 0, N - 40, 2] = float("-inf")  # -inf logits count as masked ... and +inf ones poison
+    rows = min(M, 5)
+    out, am = attention(q, k, v, return_argmax=True, argmax_rows=rows, backend="triton", **kw)
+    ref_out, ref_am = reference_attention(q, k, v, argmax_rows=rows, **kw)
+    nan_rows = torch.isnan(out).any(-1)
+    assert torch.equal(nan_rows, torch.isnan(out).all(-1)), "a poisoned row is NaN in every element"
+    assert torch.equal(nan_rows, torch.isnan(ref_out).any(-1)), "NaN rows agree with the oracle"
+    assert bool(nan_rows.any()) and (M == 1 or not bool(nan_rows.all()))
+    torch.testing.assert_close(out[~nan_rows], ref_out[~nan_rows], **TOL[torch.float32])
+    assert torch.equal(am, ref_am), "argmax: -1 on poisoned rows, the oracle's index elsewhere"
+    skip = torch.tensor([[True, True, False, False]])
+    out_s, am_s = attention(q, k, v, skip_heads=skip, return_argmax=True, backend="triton", **kw)
+    assert (out_s[0, :2] == 0).all() and (am_s[0, :2] == -1).all()
+    if M == 1:
+        out3, am3, _ = decode_forward(
+            q, k, v, key_padding_mask=None, skip_heads=None, sm_scale=D**-0.5, argmax_rows=1,
+            return_lse=False, num_splits=3, block_n=16, **kw,
+        )  # fmt: skip
+        assert torch.equal(torch.isnan(out3).any(-1), nan_rows) and torch.equal(am3, ref_am)
