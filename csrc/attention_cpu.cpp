@@ -14,6 +14,13 @@
 // (dot products along D, rows in registers; decode-sized tiles). fp16/bf16 are converted to fp32 on
 // load; all accumulation is fp32.
 //
+// Features (the contract of retmask/kernels/reference.py): a sliding window visits only the key blocks
+// meeting the window of some tile row (O(M * window) work, not O(M * N)) and masks per row in the blocks
+// on its lower edge; soft-capping maps each logit block through c * tanh(s / c) (vtanh) right after
+// QK^T, before masking, max, argmax and exp; sinks join the denominator when a row is normalised
+// (store_row). Masking is always a select to -inf, never an add, so a NaN / inf logit of a key a row
+// may not see cannot reach that row.
+//
 // Entry point: retmask::attention_fwd_cpu (attention_cpu.h), called by the pybind11 binding in module.cpp
 // with data pointers and element strides. It reports bad arguments and failed allocations as C++
 // exceptions thrown outside any OpenMP region; nothing inside a parallel region allocates or throws.
@@ -23,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -72,6 +80,34 @@ inline vf vexp(vf x) {
     std::memcpy(&scale, &e, sizeof(scale));
     vf res = p * scale;
     return x < lo ? vf{} : res;
+}
+
+// tanh(x) (Cephes tanhf): x + x^3 P(x^2) for |x| < 0.625, else (1 - e) / (1 + e) with e = exp(-2|x|)
+// from vexp (0 below -87, so large |x| give exactly 1), sign restored. |rel err| ~ 2e-7 over the whole
+// range; +-inf -> +-1, NaN -> NaN, -0 -> -0.
+inline vf vtanh(vf x) {
+    vi bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    const vi sign = bits & static_cast<int32_t>(0x80000000u);
+    const vi abits = bits & 0x7fffffff;
+    vf ax;
+    std::memcpy(&ax, &abits, sizeof(ax));
+    const vf e = vexp(ax * -2.0f);
+    const vf big = (1.0f - e) / (1.0f + e);
+    const vf z = ax * ax;
+    vf p = vbroadcast(-5.70498872745e-3f);
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const vf small = p * z * ax + ax;
+    const vf t = ax < vbroadcast(0.625f) ? small : big;
+    vi tbits;
+    std::memcpy(&tbits, &t, sizeof(tbits));
+    tbits |= sign;
+    vf res;
+    std::memcpy(&res, &tbits, sizeof(res));
+    return res;
 }
 
 inline float hmax(vf x) {
@@ -305,6 +341,12 @@ inline void qk_dot(const float* __restrict Q, int ldq, int R, const float* __res
 
 }  // namespace rowmajor
 
+// s[0..n) <- c * tanh(s / c) with s / c = (s * inv) * post (n a multiple of 16, s 64-byte aligned).
+inline void softcap_block(float* __restrict s, int64_t n, float c, float inv, float post) {
+    const vf cv = vbroadcast(c), iv = vbroadcast(inv), pv = vbroadcast(post);
+    for (int64_t i = 0; i < n; i += VL) vstore(s + i, cv * vtanh(vload(s + i) * iv * pv));
+}
+
 // ---- the forward ---------------------------------------------------------------------------------
 
 struct Args {
@@ -318,6 +360,11 @@ struct Args {
     bool causal;
     float scale;
     int block_m, block_n;
+    int64_t window;  // 1 <= window < N, or 0: no window (window >= N is normalised to 0)
+    // Soft cap c (0: none) and the factors of s / c = (s * cap_inv) * cap_post: cap_post = 1 unless 1 / c
+    // overflows (subnormal c), where both are rescaled by 2^64.
+    float softcap, cap_inv, cap_post;
+    const float* sinks;  // [Hq] fp32, or null
 };
 
 struct Item {
@@ -404,16 +451,23 @@ const float* rows_fp32(const typename E::T* base, const int64_t* st, int64_t j0,
     return buf;
 }
 
+// First key of the first block a tile whose first row sits at min_pos visits: the block holding the start
+// of that row's window (rows further down see later keys only), 0 without a window.
+inline int64_t first_block_key(const Args& a, int64_t min_pos) {
+    if (!a.window) return 0;
+    return std::max<int64_t>(0, min_pos - a.window + 1) / a.block_n * a.block_n;
+}
+
 struct Plan {
     int64_t g, nblk;
     int64_t max_rows = 0;  // most tile rows of any item (scratch size)
-    int64_t work = 0;      // sum over items of keys x rows x D (~ multiply-adds of QK^T)
+    int64_t work = 0;      // sum over items of visited keys x rows x D (~ multiply-adds of QK^T)
     // Below this the call runs on one thread: waking a second one costs more than it saves (and on a
     // busy machine it can cost milliseconds: the scheduler must find it a core). ~0.1-0.2 ms of work.
     static constexpr int64_t kParallelWork = int64_t(1) << 21;
     bool parallel() const { return work >= kParallelWork && items.size() > 1; }
     std::vector<uint8_t> blk_state;  // per batch, per key block: 0 none valid, 1 some, 2 all
-    std::vector<Item> items;         // sorted by causal cost, largest first
+    std::vector<Item> items;         // sorted by cost (visited keys x rows), largest first
 };
 
 // Work items, key-block validity, and the zeros / -1 of skipped heads (their only "work").
@@ -464,7 +518,8 @@ Plan make_plan(const Args& a) {
             plan.max_rows = std::max(plan.max_rows, active * std::min(bm, M));
             for (int64_t i0 = 0; i0 < M; i0 += bm) {
                 int64_t i1 = std::min(M, i0 + bm);
-                int64_t keys = a.causal ? N - M + i1 : N;
+                // Keys of the visited blocks: from the block holding the first row's window start.
+                int64_t keys = (a.causal ? N - M + i1 : N) - first_block_key(a, N - M + i0);
                 items.push_back({b, hk, i0, i1, keys * active * (i1 - i0)});
             }
         }
@@ -476,13 +531,14 @@ Plan make_plan(const Args& a) {
 // ---- the part both tile layouts share -----------------------------------------------------------------
 
 // One work item as its tile sees it: rows r < R are query row row_i[r] of head row_h[r] (the active heads
-// of the kv group, each with the item's query rows); keys [0, key_end) can be valid for some row, and
-// keys up to min_pos are in the past of every row.
+// of the kv group, each with the item's query rows) at positions min_pos..max_pos; keys [key_begin,
+// key_end) can be valid for some row, keys up to min_pos are in the past of every row, and (window)
+// keys from win_edge on are inside the window of every row.
 struct Tile {
     int64_t b, hk;
     int R;
     const int64_t *row_h, *row_i;
-    int64_t min_pos, key_end;
+    int64_t min_pos, max_pos, key_begin, key_end, win_edge;
 };
 
 // Runs body(bufs, tile) over the work items on `threads` OpenMP threads (dynamic schedule, largest items
@@ -515,17 +571,21 @@ RETMASK_INLINE void for_each_item(const Args& a, const Plan& plan, int threads, 
                 }
             }
             const int64_t min_pos = a.N - a.M + w.i0, max_pos = a.N - a.M + w.i1 - 1;
-            body(bufs, Tile{w.b, w.hkv, R, row_h, row_i, min_pos, a.causal ? max_pos + 1 : a.N});
+            const int64_t key_begin = a.window ? std::max<int64_t>(0, min_pos - a.window + 1) : 0;
+            const int64_t win_edge = a.window ? max_pos - a.window + 1 : 0;
+            body(bufs, Tile{w.b, w.hkv, R, row_h, row_i, min_pos, max_pos, key_begin, a.causal ? max_pos + 1 : a.N,
+                            win_edge});
         }
     }
 }
 
-// f(j0, nj, state) for the key blocks [j0, j0 + nj) below key_end that hold a valid key of batch b;
-// state: 1 = some keys valid, 2 = all (no key padding mask: 2).
+// f(j0, nj, state) for the key blocks [j0, j0 + nj) meeting [key_begin, key_end) that hold a valid key of
+// batch b (blocks aligned to block_n); state: 1 = some keys valid, 2 = all (no key padding mask: 2).
 template <class F>
-RETMASK_INLINE void for_each_key_block(const Args& a, const Plan& plan, int64_t b, int64_t key_end, F&& f) {
+RETMASK_INLINE void for_each_key_block(const Args& a, const Plan& plan, int64_t b, int64_t key_begin,
+                                       int64_t key_end, F&& f) {
     const int BN = a.block_n;
-    for (int64_t j0 = 0; j0 < key_end; j0 += BN) {
+    for (int64_t j0 = key_begin / BN * BN; j0 < key_end; j0 += BN) {
         const uint8_t st = a.kpm ? plan.blk_state[b * plan.nblk + j0 / BN] : 2;
         if (st == 0) continue;  // no valid key in this block (e.g. left padding)
         f(j0, static_cast<int>(std::min<int64_t>(BN, key_end - j0)), st);
@@ -539,13 +599,21 @@ RETMASK_INLINE void load_q_row(const Args& a, int64_t b, int64_t h, int64_t i, f
     for (int64_t d = 0; d < a.D; ++d) dst[d * step] = E::load(qp + d * a.qs[3]) * a.scale;
 }
 
-// Normalise and write out one tile row: out[b, h, i, d] = o[d * step] / l, and its argmax if wanted.
-// Rows that never saw a valid key (l == 0) give 0 and -1.
+// Normalise and write out one tile row: out[b, h, i, d] = o[d * step] / l, and its argmax if wanted; o and
+// l are relative to the running max m. Rows that never saw a valid key (l == 0) give 0 and -1; poisoned
+// rows (l NaN: a NaN / +inf logit, which also made o NaN) give NaN and -1. A sink joins the denominator
+// here, against the safe max m' = max(m, sink): out = o e^{m-m'} / (l e^{m-m'} + e^{sink-m'}).
 template <class E>
 RETMASK_INLINE void store_row(const Args& a, int64_t b, int64_t h, int64_t i, const float* o, int64_t step,
-                              float l, bool want, int64_t am) {
+                              float m, float l, bool want, int64_t am) {
     typename E::T* op = static_cast<typename E::T*>(a.out) + b * a.os[0] + h * a.os[1] + i * a.os[2];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    float inv = l > 0.f ? 1.f / l : 0.f;
+    if (a.sinks && l > 0.f) {
+        const float sink = a.sinks[h];
+        const float mx = sink > m ? sink : m;  // a NaN sink keeps m, then e^{NaN} makes the row NaN
+        const float alpha = std::exp(m - mx);
+        inv = alpha / (l * alpha + std::exp(sink - mx));
+    }
     for (int64_t d = 0; d < a.D; ++d) E::store(op + d * a.os[3], o[d * step] * inv);
     if (want) a.argmax[(b * a.Hq + h) * a.T + (i - (a.M - a.T))] = l > 0.f ? am : -1;
 }
@@ -594,7 +662,7 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
         const T* kb = k + b * a.ks[0] + t.hk * a.ks[1];
         const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
 
-        for_each_key_block(a, plan, b, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
+        for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
             // K rows in fp32 (in place when possible); V packed [BN][Dp], rows past nj zero.
             int64_t ldk;
             const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk);
@@ -610,21 +678,28 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
             if (nj < BN) std::memset(Vp + static_cast<int64_t>(nj) * Dp, 0, sizeof(float) * (BN - nj) * Dp);
 
             qk_dot(Qt, Dp, R, Kr, ldk, static_cast<int>(D), S, BN, nj);
+            if (a.softcap > 0.f) softcap_block(S, static_cast<int64_t>(R) * BN, a.softcap, a.cap_inv, a.cap_post);
 
-            // Key validity bias for this block: 0 or -inf (padding, tail past key_end).
+            // Key validity for this block: 0 = valid, -inf = padding or tail past key_end (a select mask).
             const bool need_bias = st == 1 || nj < BN;
             if (need_bias)
                 for (int j = 0; j < BN; ++j)
                     kbias[j] = (j < nj && (!a.kpm || a.kpm[b * N + j0 + j])) ? 0.f : NEG_INF;
             const bool diag = a.causal && j0 + BN - 1 > t.min_pos;
+            const bool edge = a.window && j0 < t.win_edge;  // keys below some row's window
 
             for (int r = 0; r < R; ++r) {
                 float* s = S + static_cast<int64_t>(r) * BN;
                 if (need_bias)
-                    for (int j = 0; j < BN; j += VL) vstore(s + j, vload(s + j) + vload(kbias + j));
+                    for (int j = 0; j < BN; j += VL)
+                        vstore(s + j, vload(kbias + j) == vf{} ? vload(s + j) : vbroadcast(NEG_INF));
                 if (diag) {
                     const int64_t lim = pos[r] - j0;  // keys j > lim are in the future
                     for (int64_t j = std::max<int64_t>(0, lim + 1); j < BN; ++j) s[j] = NEG_INF;
+                }
+                if (edge) {  // keys j < lo are before this row's window
+                    const int64_t lo = std::min<int64_t>(BN, pos[r] - a.window + 1 - j0);
+                    for (int64_t j = 0; j < lo; ++j) s[j] = NEG_INF;
                 }
                 vf mx = vload(s);
                 for (int j = VL; j < BN; j += VL) {
@@ -633,9 +708,15 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
                 }
                 const float bmax = hmax(mx);
                 float* o = Ot + static_cast<int64_t>(r) * Dp;
-                if (bmax == NEG_INF) {  // nothing valid for this row in this block
-                    std::memset(s, 0, sizeof(float) * BN);
-                    continue;
+                if (bmax == NEG_INF) {  // nothing valid for this row in this block ...
+                    // ... unless a NaN logit hid from the max (comparisons drop NaN lanes): then go on, and
+                    // e^{NaN} poisons l and o (a NaN row), as the contract asks.
+                    bool nan = false;
+                    for (int j = 0; j < BN; ++j) nan |= s[j] != s[j];
+                    if (!nan) {
+                        std::memset(s, 0, sizeof(float) * BN);
+                        continue;
+                    }
                 }
                 if (bmax > m[r]) {  // strictly greater: earlier blocks win ties
                     if (want[r]) {
@@ -665,7 +746,8 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
         });
 
         for (int r = 0; r < R; ++r)
-            store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + static_cast<int64_t>(r) * Dp, 1, l[r], want[r], am[r]);
+            store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + static_cast<int64_t>(r) * Dp, 1, m[r], l[r], want[r],
+                         am[r]);
     });
 }
 
@@ -718,14 +800,15 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
         const int NV = RP / VL;
         const int64_t min_pos = t.min_pos;
 
-        for_each_key_block(a, plan, b, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
+        for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
             int64_t ldk, ldv;
             const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk);
             const float* Vr = rows_fp32<E>(vb, a.vs, j0, nj, D, buf.Vbuf, &ldv);
 
             qk_block(Kr, ldk, Qt, RP, St, Di, nj);
+            if (a.softcap > 0.f) softcap_block(St, static_cast<int64_t>(nj) * RP, a.softcap, a.cap_inv, a.cap_post);
 
-            // Masks: padded keys -> -inf rows; future keys (causal) -> -inf per lane.
+            // Masks: padded keys -> -inf rows; future keys (causal) and keys before the window -> -inf per lane.
             if (st == 1)
                 for (int j = 0; j < nj; ++j)
                     if (!a.kpm[b * N + j0 + j])
@@ -737,6 +820,18 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
                         const vi p = *reinterpret_cast<const vi*>(pos + c * VL);
                         float* s = St + j * RP + c * VL;
                         vstore(s, p < key ? vbroadcast(NEG_INF) : vload(s));
+                    }
+                }
+            }
+            if (a.window && j0 < t.win_edge) {  // key j is outside row r's window when pos[r] - j >= window
+                const int jend = static_cast<int>(std::min<int64_t>(nj, t.win_edge - j0));
+                const vi w = vi{} + static_cast<int32_t>(a.window);
+                for (int j = 0; j < jend; ++j) {
+                    const vi key = vi{} + static_cast<int32_t>(j0 + j);
+                    for (int c = 0; c < NV; ++c) {
+                        const vi p = *reinterpret_cast<const vi*>(pos + c * VL);
+                        float* s = St + j * RP + c * VL;
+                        vstore(s, p - key >= w ? vbroadcast(NEG_INF) : vload(s));
                     }
                 }
             }
@@ -784,7 +879,7 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
         });
 
         for (int r = 0; r < R; ++r)
-            store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + r, RP, l[r], want[r] != 0, am[r]);
+            store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + r, RP, m[r], l[r], want[r] != 0, am[r]);
     });
 }
 
@@ -805,6 +900,11 @@ void run(const Args& a, int threads) {
 }
 
 std::string str(int64_t x) { return std::to_string(x); }
+std::string fstr(float x) {  // %g: "-1", "nan", "inf"
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(x));
+    return buf;
+}
 
 void check(const retmask::AttentionFwdArgs& p) {
     using retmask::DType;
@@ -822,6 +922,11 @@ void check(const retmask::AttentionFwdArgs& p) {
         bad("argmax_rows", str(p.argmax_rows) + " is not in [0, M = " + str(p.M) + "]");
     if (p.block_m <= 0) bad("block_m", str(p.block_m) + " rows per work item, need at least 1");
     if (p.block_n <= 0 || p.block_n % 32) bad("block_n", str(p.block_n) + " keys per block, need a positive multiple of 32");
+    if (p.window < 0) bad("window", str(p.window) + " keys, need >= 1 (or 0: no window)");
+    if (p.window > 0 && !p.causal)
+        bad("window", "a sliding window (" + str(p.window) + " keys) needs causal attention");
+    if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap))
+        bad("softcap", fstr(p.softcap) + " is not a finite value > 0 (or 0: no capping)");
     if (p.B > 0 && p.M > 0) {  // pointers the kernel reads or writes
         if (!p.q) bad("q", "null data pointer");
         if (!p.k) bad("k", "null data pointer");
@@ -838,9 +943,17 @@ namespace retmask {
 void attention_fwd_cpu(const AttentionFwdArgs& p) {
     check(p);
     if (p.B == 0 || p.M == 0) return;
+    // s / c as (s * cap_inv) * cap_post: one multiply (cap_post = 1, exact) unless 1 / c overflows.
+    float cap_inv = p.softcap > 0.f ? 1.f / p.softcap : 0.f, cap_post = 1.f;
+    if (!std::isfinite(cap_inv)) {
+        cap_inv = 1.f / (p.softcap * 0x1p64f);
+        cap_post = 0x1p64f;
+    }
     const Args a{p.q,   p.k,  p.v,  p.q_strides.data(), p.k_strides.data(), p.v_strides.data(), p.out_strides.data(),
                  p.out, p.argmax, p.key_padding_mask, p.skip_heads, p.B, p.Hq, p.Hkv, p.M, p.N, p.D, p.argmax_rows,
-                 p.causal, p.sm_scale, p.block_m, p.block_n};
+                 p.causal, p.sm_scale, p.block_m, p.block_n,
+                 p.window < p.N ? p.window : 0,  // a window of N or more keys hides nothing: none
+                 p.softcap, cap_inv, cap_post, p.sinks};
     int threads = p.num_threads;
 #ifdef _OPENMP
     if (threads <= 0) threads = omp_get_max_threads();

@@ -25,14 +25,25 @@ struct AttentionFwdArgs {
     int64_t argmax_rows = 0;  // argmax of the logits for the last argmax_rows query rows
     bool causal = true;       // query row i sits at key position N - M + i
     float sm_scale = 1.f;
+    // Sliding window: the row at position p sees only keys p - window < j <= p (and only the key blocks
+    // meeting that range are visited). 0 = no window; > 0 needs causal; window >= N is no window.
+    int64_t window = 0;
+    // Logit soft-capping: scaled logits s <- softcap * tanh(s / softcap) before max, softmax and argmax.
+    // 0 = none; else finite and > 0.
+    float softcap = 0.f;
+    // Attention sinks: [Hq] contiguous fp32, one logit per query head that joins the softmax denominator
+    // only (out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}); never an argmax); or null.
+    const float* sinks = nullptr;
     int block_m = 128;        // tile rows per work item (over the active heads of a kv group)
     int block_n = 64;         // keys per block, a multiple of 32
     int num_threads = 0;      // OpenMP threads for calls large enough to split; <= 0: the OpenMP default
 };
 
-// Checks the sizes, pointers and tile settings (std::invalid_argument naming the bad field), then runs the
-// kernel: writes every element of out (and of argmax). Throws std::bad_alloc if its scratch memory cannot
-// be allocated. Touches no Python state: the binding calls it without the GIL.
+// Checks the sizes, pointers, tile and feature settings (std::invalid_argument naming the bad field), then
+// runs the kernel: writes every element of out (and of argmax). A row with no allowed key gives 0 and
+// argmax -1; a row with a NaN or +inf logit (after capping) among its allowed keys gives NaN in every
+// element and argmax -1; a skipped head gives 0 and -1 and reads nothing. Throws std::bad_alloc if its
+// scratch memory cannot be allocated. Touches no Python state: the binding calls it without the GIL.
 void attention_fwd_cpu(const AttentionFwdArgs& args);
 
 }  // namespace retmask

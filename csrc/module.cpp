@@ -5,11 +5,15 @@
 // kernel relies on and raises ValueError naming the bad argument (wrong dtype code, mismatched shapes,
 // non-contiguous argmax / masks; the kernel adds its own checks on sizes and tile settings), MemoryError if
 // the kernel's scratch cannot be allocated, TypeError (from pybind11) for arguments of the wrong type or
-// number. The compute runs without the GIL.
+// number. The compute runs without the GIL. The optional features (window, softcap, sinks) are trailing
+// keyword arguments with "off" defaults, so callers written for builds from before them still work, and
+// FEATURES lists them (retmask/kernels/cpu.py falls back to its blocked path for a build without).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -41,6 +45,12 @@ const char* dtype_name(int code) {
 std::string dtype_str(int code) {
     const char* n = dtype_name(code);
     return n ? n : "unknown dtype code " + std::to_string(code);
+}
+
+std::string num_str(double x) {  // %g: "-1", "1e-60", "nan", "inf"
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", x);
+    return buf;
 }
 
 std::string dims_str(const std::vector<int64_t>& v) {
@@ -94,7 +104,7 @@ std::array<int64_t, 4> strides4(const Tensor& x) {
 void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorArg& v_arg, const TensorArg& out_arg,
                    const std::optional<TensorArg>& argmax_arg, const std::optional<TensorArg>& kpm_arg,
                    const std::optional<TensorArg>& skip_arg, bool causal, float sm_scale, int block_m, int block_n,
-                   int num_threads) {
+                   int num_threads, int64_t window, double softcap, const std::optional<TensorArg>& sinks_arg) {
     const Tensor q = unpack("q", q_arg, 4, -1);
     if (q.dtype != static_cast<int>(DType::Float32) && q.dtype != static_cast<int>(DType::Float16) &&
         q.dtype != static_cast<int>(DType::BFloat16))
@@ -150,6 +160,19 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
     a.block_m = block_m;
     a.block_n = block_n;
     a.num_threads = num_threads;
+    a.window = window;  // the kernel checks window >= 0 and causal
+    if (!(softcap >= 0.0) || !std::isfinite(softcap))
+        bad("softcap", num_str(softcap) + " is not a finite value > 0 (or 0: no capping)");
+    a.softcap = static_cast<float>(softcap);
+    if (softcap > 0.0 && !(a.softcap > 0.f && std::isfinite(a.softcap)))
+        bad("softcap", num_str(softcap) + " is not representable as a float32 > 0");
+    if (sinks_arg) {
+        const Tensor sinks = unpack("sinks", *sinks_arg, 1, static_cast<int>(DType::Float32));
+        expect_shape(sinks, {Hq}, "[Hq]");
+        expect_contiguous(sinks);
+        if (Hq > 0 && !sinks.ptr) bad("sinks", "null data pointer");
+        a.sinks = reinterpret_cast<const float*>(sinks.ptr);
+    }
 
     py::gil_scoped_release no_gil;
     retmask::attention_fwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
@@ -165,7 +188,9 @@ PYBIND11_MODULE(_C, m) {
     m.def("attention_fwd", &attention_fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
           py::arg("argmax").none(true), py::arg("key_padding_mask").none(true), py::arg("skip_heads").none(true),
           py::arg("causal"), py::arg("sm_scale"), py::arg("block_m"), py::arg("block_n"), py::arg("num_threads"),
-          R"doc(Fused attention forward with per-row argmax of the logits and head skipping.
+          py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks").none(true) = py::none(),
+          R"doc(Fused attention forward with per-row argmax of the logits, head skipping, sliding window,
+logit soft-capping and attention sinks.
 
 Tensors are (data_ptr, dtype code, shape, strides) tuples (codes: DTYPE_CODES; strides in elements):
 q [B, Hq, M, D] and out (same shape) of float32 / float16 / bfloat16, any strides; k, v [B, Hkv, N, D]
@@ -174,5 +199,13 @@ last T query rows (-1 where a row has no valid key); key_padding_mask bool [B, N
 or None; skip_heads bool [B, Hq] contiguous (True = skipped: zeros and -1) or None. Writes every element
 of out and argmax. block_m: tile rows per work item; block_n: keys per block (multiple of 32);
 num_threads: OpenMP threads for calls large enough to split (<= 0: the OpenMP default).
+Optional features (the contract of retmask/kernels/reference.py; row i sits at position p = N - M + i):
+window: int >= 1, the row sees keys p - window < j <= p (needs causal; only the key blocks inside the
+window are visited), 0 = none; softcap: float > 0, logits s <- softcap * tanh(s / softcap) before the
+softmax and the argmax, 0 = none; sinks: float32 [Hq] contiguous or None, one logit per query head in
+the softmax denominator only (never an argmax).
+Rows without an allowed key give 0 and -1; rows with a NaN or +inf logit among their allowed keys give
+NaN and -1.
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
+    m.attr("FEATURES") = py::make_tuple("window", "softcap", "sinks");
 }

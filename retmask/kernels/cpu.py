@@ -7,7 +7,9 @@ the GIL for the compute. If the extension is missing (e.g. a source checkout tha
 stale (built before the binding), a warning is issued once and ``forward`` falls back to ``cpu_blocked``.
 
 ``forward`` picks the faster path per case, by measurement (bench/results/attention_cpu.md): see
-``choose_path`` (today: the C++ kernel whenever it is built).
+``choose_path`` (today: the C++ kernel whenever it is built). The kernel also runs the sliding window,
+soft-capping and sinks of the contract (``reference.py``); a build from before them (no ``FEATURES`` in
+the module) sends calls that use them to the blocked path, with one warning.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from types import ModuleType
 from typing import Any
 
@@ -29,23 +31,33 @@ from . import cpu_blocked
 BLOCK_N = 64  # keys per block (multiple of 32)
 
 
-def default_block_m(N: int) -> int:
+def default_block_m(N: int, window: int | None = None) -> int:
     """Tile rows per work item (query rows x active heads of one KV group) for N keys.
 
     Each item streams K/V of its KV head once, so more rows per item means fewer passes over K/V. Paired
     A/B runs (docs/kernel_optimisation.md, v4): 256 rows cut time 23-33% at N = 8K-16K, where a head's K/V (N*D*8
     bytes: 4-16 MB) no longer stays in cache; at N <= 4K it costs 4-9% (more masked work on the causal
     diagonal, coarser load balance), where 128 is as fast as 64 or faster.
+
+    With a sliding ``window`` (< N) an item streams only the ~window + rows keys its rows see, so K/V
+    traffic no longer argues for large items, while every row of an item visits the keys of the whole
+    item (rows per head + one block beyond its own window): 64 rows for windows up to 1024 keys
+    (SmolLM2 shape, 8K keys, window 512: 64 rows ~8% faster than 256 in docs/kernel_optimisation.md,
+    v7), else the rule above applied to the window.
     """
+    if window is not None and window < N:
+        return 64 if window <= 1024 else default_block_m(window)
     return 256 if N >= 8192 else 128
 
 
 @dataclass(frozen=True)
 class KernelLibrary:
-    """A loaded build of ``retmask._C``: the module and its dtype codes by torch dtype."""
+    """A loaded build of ``retmask._C``: the module, its dtype codes by torch dtype, and the optional
+    features its binding takes (``window``, ``softcap``, ``sinks``; empty for builds from before them)."""
 
     module: ModuleType
     codes: dict[torch.dtype, int]
+    features: frozenset[str] = frozenset()
 
 
 @lru_cache(maxsize=1)
@@ -101,7 +113,7 @@ def bind_library(lib: ModuleType | str | os.PathLike[str] | Any) -> KernelLibrar
         return load_library(getattr(lib, "_name", lib))
     lib.attention_fwd  # noqa: B018 (AttributeError for a stale build)
     codes = {getattr(torch, name): code for name, code in lib.DTYPE_CODES.items()}
-    return KernelLibrary(lib, codes)
+    return KernelLibrary(lib, codes, frozenset(getattr(lib, "FEATURES", ())))
 
 
 def cpp_available() -> bool:
@@ -131,15 +143,21 @@ def cpp_forward(
     argmax: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int = BLOCK_N,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the fused C++ kernel.
 
     q: [B, Hq, M, D] (any strides); k, v: [B, Hkv, N, D] (any strides); key_padding_mask: bool [B, N];
-    skip_heads: bool [B, Hq]; all CPU tensors of one dtype (fp32/fp16/bf16).
+    skip_heads: bool [B, Hq]; all CPU tensors of one dtype (fp32/fp16/bf16). ``window`` (int >= 1,
+    needs causal), ``softcap`` (float > 0) and ``sinks`` (float [Hq], any float dtype: passed as fp32)
+    follow the contract of ``reference.py``; None = off (they are then not passed at all, so builds
+    from before these features still run plain calls).
     ``out`` ([B, Hq, M, D], q.dtype, any strides) and ``argmax`` (int64 [B, Hq, argmax_rows],
     contiguous) may be given by the caller; the kernel writes every element of both (tests pre-fill
     them with NaN / sentinels to prove it). ``block_m``: tile rows per work item (default
-    ``default_block_m(N)``); ``block_n``: keys per block. Returns (out, argmax or None).
+    ``default_block_m(N, window)``); ``block_n``: keys per block. Returns (out, argmax or None).
     Raises ValueError (from the binding, naming the argument) for inconsistent tensors or settings.
     """
     lib = _library()
@@ -157,14 +175,22 @@ def cpp_forward(
     # Masks are one byte per element (bool); the binding wants them contiguous.
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
     skip = skip_heads.contiguous() if skip_heads is not None else None
+    features: dict[str, Any] = {}
+    if window is not None:  # a window of N or more keys is no window (the kernel's own rule): cap at N
+        features["window"] = min(int(window), max(1, k.shape[2]))
+    if softcap is not None:
+        features["softcap"] = float(softcap)
+    if sinks is not None:
+        sinks32 = sinks.detach().to(torch.float32).contiguous()
+        features["sinks"] = _tensor_arg("sinks", sinks32, codes)
     lib.module.attention_fwd(
         _tensor_arg("q", q, codes), _tensor_arg("k", k, codes), _tensor_arg("v", v, codes),
         _tensor_arg("out", out, codes),
         _tensor_arg("argmax", argmax, codes) if argmax is not None else None,
         _tensor_arg("key_padding_mask", kpm, codes) if kpm is not None else None,
         _tensor_arg("skip_heads", skip, codes) if skip is not None else None,
-        bool(causal), float(sm_scale), block_m or default_block_m(k.shape[2]), block_n,
-        torch.get_num_threads(),
+        bool(causal), float(sm_scale), block_m or default_block_m(k.shape[2], window), block_n,
+        torch.get_num_threads(), **features,
     )  # fmt: skip
     return out, argmax
 
@@ -203,17 +229,35 @@ def forward(
     (out [B, Hq, M, D] q.dtype, argmax int64 [B, Hq, argmax_rows] | None, None)."""
     M, N = q.shape[2], k.shape[2]
     features = dict(window=window, softcap=softcap, sinks=sinks)
-    if (
-        _library() is None
-        or choose_path(M, N, argmax_rows) == "blocked"
-        or any(x is not None for x in features.values())
-    ):
+    lib = _library()
+    if lib is None or choose_path(M, N, argmax_rows) == "blocked" or not _supports(lib, features):
         return cpu_blocked.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, argmax_rows=argmax_rows, **features,
         )  # fmt: skip
     out, argmax = cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, argmax_rows=argmax_rows,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, **features,
     )  # fmt: skip
     return out, argmax, None
+
+
+def _supports(lib: KernelLibrary, features: dict[str, Any]) -> bool:
+    """Whether the build takes every feature in use; a build from before them warns once (the blocked
+    path, which runs them through ``chunked.chunked_attention``, takes over)."""
+    missing = sorted(
+        name for name, value in features.items() if value is not None and name not in lib.features
+    )
+    if missing:
+        _warn_stale_features(lib.module.__file__ or "retmask._C", tuple(missing))
+    return not missing
+
+
+@cache
+def _warn_stale_features(path: str, missing: tuple[str, ...]) -> None:
+    warnings.warn(
+        f"retmask._C at {path} predates {', '.join(missing)}; those calls take the slower blocked-torch "
+        "CPU path. Rebuild it with `pip install --no-build-isolation -e .`.",
+        RuntimeWarning,
+        stacklevel=4,
+    )

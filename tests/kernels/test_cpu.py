@@ -7,10 +7,12 @@ sentinel index (argmax), so an element the kernel forgets to write cannot pass b
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import os
 import shutil
 import sys
+import time
 import warnings
 
 import pytest
@@ -40,14 +42,16 @@ def run_path(
     skip_heads: torch.Tensor | None = None,
     argmax_rows: int = 0,
     out_transposed: bool = False,
+    block_m: int | None = None,
+    **features,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One CPU path on [B, Hq, M, D] / [B, Hkv, N, D] inputs; skip_heads bool [B, Hq].
-
-    For "cpp" the outputs are pre-poisoned caller buffers (optionally a non-contiguous out view)."""
+    """One CPU path on [B, Hq, M, D] / [B, Hkv, N, D] inputs; skip_heads bool [B, Hq]; ``features``:
+    window / softcap / sinks. For "cpp" the outputs are pre-poisoned caller buffers (optionally a
+    non-contiguous out view) and ``block_m`` sets the tile rows (small values force row-major tiles)."""
     if path == "blocked":
         out, argmax, _ = cpu_blocked.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-            skip_heads=skip_heads, argmax_rows=argmax_rows,
+            skip_heads=skip_heads, argmax_rows=argmax_rows, **features,
         )  # fmt: skip
         return out, argmax
     B, Hq, M, D = q.shape
@@ -58,7 +62,7 @@ def run_path(
     argmax = torch.full((B, Hq, argmax_rows), POISON_INDEX, dtype=torch.int64) if argmax_rows else None
     got_out, got_argmax = cpu_backend.cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, argmax_rows=argmax_rows, out=out, argmax=argmax,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, out=out, argmax=argmax, block_m=block_m, **features,
     )  # fmt: skip
     assert got_out is out and got_argmax is argmax
     return out, argmax
@@ -427,10 +431,18 @@ def test_cpp_forward_reports_mismatches_from_the_binding():
         cpu_backend.cpp_forward(q, k, v, **(kw | {"key_padding_mask": torch.ones(1, 20)}))
 
 
-def test_thread_count_does_not_change_results():
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "window-softcap-sinks"])
+def test_thread_count_does_not_change_results(features):
     """A call large enough to split over threads gives the same bits on 1 and 2 threads."""
-    q, k, v = make_qkv(1, 9, 3, 1, 4096, 64, seed=16)
-    kw = dict(causal=True, sm_scale=0.125, key_padding_mask=None, skip_heads=None, argmax_rows=1)
+    if features:
+        q, k, v = make_qkv(1, 4, 2, 1024, 1024, 64, seed=26)
+        kw = dict(
+            causal=True, sm_scale=0.125, key_padding_mask=None, skip_heads=None, argmax_rows=64, window=200,
+            softcap=4.0, sinks=torch.randn(4),
+        )  # fmt: skip
+    else:
+        q, k, v = make_qkv(1, 9, 3, 1, 4096, 64, seed=16)
+        kw = dict(causal=True, sm_scale=0.125, key_padding_mask=None, skip_heads=None, argmax_rows=1)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -505,4 +517,319 @@ def test_property_random_shapes(data, B, Hkv, group, N, D, causal, dtype, path):
     check_against_reference(
         path, q, k, v, causal=causal, key_padding_mask=left_padding_mask(B, N, pads),
         skip_heads=skip_heads, argmax_rows=T,
+    )  # fmt: skip
+
+
+# -- sliding window, soft-capping, sinks: the C++ kernel directly -----------------------------------------
+
+LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 8}  # 8 tile rows per item: row-major tiles whenever g < 16
+
+
+def tile_layout(Hq: int, Hkv: int, M: int, skip: torch.Tensor | None, block_m: int) -> str:
+    """The tile layout the C++ kernel picks for this call (its make_plan / run, in Python)."""
+    g, max_rows = Hq // Hkv, 0
+    B = 1 if skip is None else skip.shape[0]
+    for b in range(B):
+        for hk in range(Hkv):
+            active = g if skip is None else int((~skip[b, hk * g : (hk + 1) * g]).sum())
+            if active:
+                max_rows = max(max_rows, active * min(max(1, block_m // active), M))
+    return "lanes" if max_rows >= 16 else "rowmajor"
+
+
+def check_features(
+    q, k, v, *, layout, window, softcap, sinks, key_padding_mask=None, skip_heads=None, argmax_rows=None,
+    sm_scale=None, out_transposed=False,
+):  # fmt: skip
+    """The C++ kernel (poisoned caller buffers, the given tile layout) against the float64 oracle."""
+    B, Hq, M, D = q.shape
+    block_m = LAYOUT_BLOCK_M[layout]
+    if tile_layout(Hq, k.shape[1], M, skip_heads, block_m) != layout:
+        pytest.skip(f"this shape cannot use {layout} tiles")
+    rows = M if argmax_rows is None else argmax_rows
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    kw = dict(
+        causal=True, sm_scale=scale, key_padding_mask=key_padding_mask, skip_heads=skip_heads, window=window,
+        softcap=softcap,
+    )  # fmt: skip
+    out, argmax = run_path(
+        "cpp", q, k, v, argmax_rows=rows, block_m=block_m, out_transposed=out_transposed, sinks=sinks, **kw
+    )
+    ref, _ = reference_attention(
+        q.double(), k.double(), v.double(), sinks=None if sinks is None else sinks.double(), **kw
+    )
+    assert out.dtype == q.dtype and not torch.isnan(out).any(), "output has NaN (unwritten element or 0/0)"
+    tol = {torch.float32: 3e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}[q.dtype]
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+    if skip_heads is not None:
+        assert (out[skip_heads] == 0).all(), "skipped heads must give exactly 0"
+    if rows:
+        assert_argmax_matches(
+            argmax, q[:, :, M - rows :], k, atol=ARGMAX_TOL, window=window, softcap=softcap,
+            **{n: kw[n] for n in ("causal", "sm_scale", "key_padding_mask", "skip_heads")},
+        )  # fmt: skip
+    return out, argmax
+
+
+# (B, Hq, Hkv, M, N, D, window, pads)
+FEATURE_SHAPES = [
+    (1, 4, 2, 100, 200, 64, 70, None),  # window cutting through 64-key blocks, chunk against a cache
+    (1, 2, 1, 64, 64, 64, 64, None),  # window == N == one block
+    (1, 3, 1, 40, 50, 80, 1000, [3]),  # window > N, padding
+    (2, 4, 4, 33, 90, 96, 1, [0, 20]),  # window 1: each row sees only itself; strided k/v
+    (2, 9, 3, 1, 300, 64, 100, [0, 250]),  # decode (row-major only), SmolLM2 heads
+    (1, 4, 1, 80, 80, 256, 17, None),  # Gemma-3 head dim 256, MQA, M = N; strided k/v
+    (1, 8, 2, 20, 150, 128, 64, [10]),  # window of one block, not aligned to blocks
+    (2, 4, 2, 24, 130, 64, None, [0, 5]),  # no window: soft-capping / sinks alone
+    (1, 4, 2, 16, 2000, 64, 37, None),  # many blocks before the window are never visited
+]
+FEATURE_MIXES = [(None, False), (2.5, False), (None, True), (6.0, True)]  # (softcap, sinks)
+
+
+def _feature_cases():
+    """(layout, shape, softcap, sinks) of FEATURE_SHAPES x FEATURE_MIXES x layouts, less what cannot run:
+    lanes tiles for decode shapes, and no feature at all."""
+    for shape in FEATURE_SHAPES:
+        B, Hq, Hkv, M, N, D, window, pads = shape
+        for softcap, with_sinks in FEATURE_MIXES:
+            if window is None and softcap is None and not with_sinks:
+                continue
+            for layout in ("lanes", "rowmajor"):
+                skip = torch.zeros(B, Hq, dtype=torch.bool)
+                skip[0, -1] = True
+                if tile_layout(Hq, Hkv, M, skip, LAYOUT_BLOCK_M[layout]) == layout:
+                    case_id = "B{}_Hq{}_Hkv{}_M{}_N{}_D{}_w{}_pad{}".format(*shape)
+                    yield pytest.param(
+                        layout,
+                        shape,
+                        softcap,
+                        with_sinks,
+                        id=f"{case_id}-cap{softcap}-sinks{with_sinks}-{layout}",
+                    )
+
+
+@pytest.mark.parametrize("layout,shape,softcap,with_sinks", list(_feature_cases()))
+def test_cpp_features_match_reference(layout, shape, softcap, with_sinks):
+    B, Hq, Hkv, M, N, D, window, pads = shape
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=M + N + D + (window or 0), noncontiguous_q=True)
+    if D in (96, 256):  # k, v as [B, N, Hkv, D] buffers seen as [B, Hkv, N, D]
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    sinks = torch.randn(Hq, generator=torch.Generator().manual_seed(N)) * 2 if with_sinks else None
+    skip = torch.zeros(B, Hq, dtype=torch.bool)
+    skip[0, -1] = True
+    check_features(
+        q * 2, k, v, layout=layout, window=window, softcap=softcap, sinks=sinks,
+        key_padding_mask=left_padding_mask(B, N, pads) if pads else None, skip_heads=skip,
+        argmax_rows=min(M, 9), out_transposed=layout == "lanes",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["lanes", "rowmajor"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D", [64, 256])
+def test_cpp_features_half_precision(layout, dtype, D):
+    q, k, v = make_qkv(2, 4, 2, 40, 110, D, dtype=dtype, seed=D, noncontiguous_q=True)
+    check_features(
+        q, k, v, layout=layout, window=45, softcap=4.0, sinks=torch.randn(4),
+        key_padding_mask=left_padding_mask(2, 110, [0, 30]), argmax_rows=40,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["lanes", "rowmajor"])
+@pytest.mark.parametrize("softcap,with_sinks", FEATURE_MIXES, ids=lambda x: str(x))
+def test_cpp_window_of_n_or_more_is_bit_identical_to_none(layout, softcap, with_sinks):
+    B, Hq, Hkv, M, N, D = 1, 6, 2, 70, 130, 64
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=21)
+    pad = left_padding_mask(B, N, [7])
+    kw = dict(
+        causal=True, sm_scale=0.125, key_padding_mask=pad, argmax_rows=M, block_m=LAYOUT_BLOCK_M[layout],
+        softcap=softcap, sinks=torch.randn(Hq) if with_sinks else None,
+    )  # fmt: skip
+    none = run_path("cpp", q, k, v, **kw)
+    for window in (N, N + 1, 10 * N):
+        got = run_path("cpp", q, k, v, window=window, **kw)
+        assert torch.equal(got[0], none[0]) and torch.equal(got[1], none[1]), window
+
+
+@pytest.mark.parametrize("layout", ["lanes", "rowmajor"])
+def test_cpp_softcap_with_huge_logits(layout):
+    """Logits in the thousands: the cap saturates (ties at +-c), nothing overflows, matches the oracle."""
+    q, k, v = make_qkv(1, 4, 2, 30, 150, 64, seed=22)
+    out, argmax = check_features(
+        q * 300, k, v, layout=layout, window=90, softcap=3.0, sinks=torch.randn(4), argmax_rows=30
+    )
+    assert torch.isfinite(out).all() and (argmax >= 0).all()
+
+
+@pytest.mark.parametrize("layout", ["lanes", "rowmajor"])
+def test_cpp_sinks_above_every_logit(layout):
+    B, Hq, Hkv, M, N, D = 1, 4, 2, 24, 100, 64
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=23)
+    kw = dict(
+        causal=True, sm_scale=0.125, argmax_rows=M, block_m=LAYOUT_BLOCK_M[layout], window=30, softcap=None
+    )
+    top = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.125).amax((0, 2, 3))
+    # A sink 8 above each head's largest logit: the outputs shrink ~e^8-fold and still match the oracle.
+    sinks = (top + 8).float()
+    out, argmax = run_path("cpp", q, k, v, sinks=sinks, **kw)
+    ref, _ = reference_attention(
+        q.double(), k.double(), v.double(), sinks=sinks.double(), window=30, sm_scale=0.125
+    )
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-9)
+    assert 0 < out.abs().max() < 1e-2
+    _, plain_argmax = run_path("cpp", q, k, v, **kw)
+    assert torch.equal(argmax, plain_argmax), "a sink is never an argmax"
+    # Far above (no overflow: exactly 0 out); -inf: exactly no sink; NaN: NaN rows, argmax untouched.
+    out, argmax = run_path("cpp", q, k, v, sinks=torch.full((Hq,), 1e30), **kw)
+    assert (out == 0).all() and torch.equal(argmax, plain_argmax)
+    plain = run_path("cpp", q, k, v, **kw)[0]
+    assert torch.equal(run_path("cpp", q, k, v, sinks=torch.full((Hq,), float("-inf")), **kw)[0], plain)
+    sinks = torch.tensor([0.0, float("nan"), 0.0, float("inf")])
+    out, argmax = run_path("cpp", q, k, v, sinks=sinks, **kw)
+    assert torch.isnan(out[:, [1, 3]]).all() and not torch.isnan(out[:, [0, 2]]).any()
+    assert torch.equal(argmax, plain_argmax)
+
+
+@pytest.mark.parametrize("layout", ["lanes", "rowmajor"])
+@pytest.mark.parametrize(
+    "features", [{}, {"window": 1}, {"window": 3, "softcap": 5.0, "sinks": True}], ids=str
+)
+def test_cpp_non_finite_contract(layout, features):
+    """NaN / +inf logits poison exactly the rows that may see them (NaN everywhere, argmax -1), in both
+    tile layouts; NaN keys that a row may not see (padding, outside its window) leave it alone. Key 40 is
+    lane 40 of its block: with window 1 it is the only key row 40 sees, a NaN among -inf."""
+    B, Hq, Hkv, M, N, D = 1, 4, 2, 64, 100, 32
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=24)
+    kw = dict(features)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.randn(Hq)
+    pad = left_padding_mask(B, N, [20])
+    k[0, 0, 40, 3] = float("nan")  # kv head 0: seen by rows at positions >= 40 (query heads 0, 1)
+    k[0, 1, 10, 0] = float("nan")  # kv head 1: a padding key, seen by nobody
+    q[0, 2, 50, 1] = float("nan")  # one query row
+    q[0, 3, 60, 0] = float("inf")  # +-inf logits: poisoned unless capped
+    out, argmax = run_path(
+        "cpp", q, k, v, causal=True, sm_scale=D**-0.5, key_padding_mask=pad, argmax_rows=M,
+        block_m=LAYOUT_BLOCK_M[layout], **kw,
+    )  # fmt: skip
+    ref, ref_argmax = reference_attention(
+        q, k, v, sm_scale=D**-0.5, key_padding_mask=pad, argmax_rows=M, **kw
+    )  # fmt: skip
+    nan_rows = torch.isnan(out).any(-1)
+    assert torch.equal(nan_rows, torch.isnan(out).all(-1)), "a poisoned row is NaN in every element"
+    assert torch.equal(nan_rows, torch.isnan(ref).any(-1)), "the oracle's NaN rows"
+    assert bool(nan_rows[0, :2, 4].all()) and bool(nan_rows[0, 2, 50]), (
+        "the row at key 40 / the NaN query row"
+    )
+    assert not bool(nan_rows[0, 2:, :50].any()), "the NaN padding key poisons nothing"
+    assert torch.equal(argmax == -1, ref_argmax == -1) and torch.equal(
+        argmax, ref_argmax.where(argmax >= 0, -1)
+    )
+    torch.testing.assert_close(out[~nan_rows], ref[~nan_rows], rtol=0, atol=3e-5)
+
+
+def test_cpp_window_visits_only_its_blocks():
+    """A local layer costs O(M * window): window 64 at 4K keys takes a small fraction of full causal."""
+    q, k, v = make_qkv(1, 2, 1, 4096, 4096, 64, seed=25)
+    kw = dict(causal=True, sm_scale=0.125, key_padding_mask=None, skip_heads=None, argmax_rows=0)
+
+    def best(calls, **features):
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            cpu_backend.cpp_forward(q, k, v, **kw, **features)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    full, local = best(1), best(3, window=64)
+    assert local < 0.3 * full, (local, full)  # ~(64 + 128 + 64) / 2048 of the key blocks
+
+
+BAD_FEATURES = [  # (keyword arguments of a valid call, message)
+    ({"window": -1}, "window: -1 keys, need >= 1"),
+    ({"window": 4, "causal": False}, r"window: a sliding window \(4 keys\) needs causal attention"),
+    ({"softcap": -1.0}, "softcap: -1 is not a finite value > 0"),
+    ({"softcap": float("nan")}, "softcap: nan is not a finite value"),
+    ({"softcap": float("inf")}, "softcap: inf is not a finite value"),
+    ({"softcap": 1e-60}, "softcap: 1e-60 is not representable as a float32 > 0"),
+    ({"softcap": 1e60}, "softcap: 1e[+]60 is not representable as a float32 > 0"),
+    ({"sinks": torch.zeros(6, dtype=torch.float16)}, "sinks: dtype float16, expected float32"),
+    ({"sinks": torch.zeros(5)}, r"sinks: shape \[5\], expected \[Hq\] = \[6\]"),
+    ({"sinks": torch.zeros(6, 2)}, "sinks: expected 1 dims"),
+    ({"sinks": torch.zeros(12)[::2]}, "sinks: must be contiguous"),
+    ({"sinks": "null"}, "sinks: null data pointer"),
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message", BAD_FEATURES, ids=[m.split(" ")[0] + str(i) for i, (_, m) in enumerate(BAD_FEATURES)]
+)
+def test_binding_rejects_bad_features(kwargs, message):
+    q, k, v = make_qkv(2, 6, 3, 5, 40, 16, seed=13)
+    out = torch.full_like(q, POISON_FLOAT)
+    args = _binding_args(q, k, v, out)
+    lib = cpu_backend._library()
+    kwargs = dict(kwargs)
+    if "causal" in kwargs:
+        args[7] = kwargs.pop("causal")
+    sinks = kwargs.pop("sinks", None)
+    if isinstance(sinks, torch.Tensor):
+        kwargs["sinks"] = (sinks.data_ptr(), lib.codes[sinks.dtype], sinks.shape, sinks.stride())
+    elif sinks == "null":
+        kwargs["sinks"] = (0, lib.codes[torch.float32], (6,), (1,))
+    with pytest.raises(ValueError, match=message):
+        lib.module.attention_fwd(*args, **kwargs)
+    assert out.isnan().all()
+
+
+def test_stale_build_without_features_falls_back(monkeypatch):
+    """A build from before window / softcap / sinks (no FEATURES): feature calls warn once and take the
+    blocked path; plain calls still use the build."""
+    lib = cpu_backend._library()
+    monkeypatch.setattr(cpu_backend, "_library", lambda: dataclasses.replace(lib, features=frozenset()))
+    cpu_backend._warn_stale_features.cache_clear()
+    q, k, v = make_qkv(1, 2, 1, 6, 30, 16, seed=27)
+    kw = dict(causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=None, argmax_rows=6)
+    with pytest.warns(RuntimeWarning, match="predates softcap, window"):
+        out, argmax, _ = cpu_backend.forward(q, k, v, window=4, softcap=3.0, **kw)
+    ref, ref_argmax = reference_attention(q, k, v, sm_scale=0.25, argmax_rows=6, window=4, softcap=3.0)
+    torch.testing.assert_close(out, ref)
+    assert torch.equal(argmax, ref_argmax)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu_backend.forward(q, k, v, window=4, softcap=3.0, **kw)  # warned once
+        cpu_backend.forward(q, k, v, **kw)
+    cpu_backend._warn_stale_features.cache_clear()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 3, 4]),
+    N=st.integers(1, 200),
+    D=st.sampled_from([16, 64, 80]),
+    layout=st.sampled_from(["lanes", "rowmajor"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_property_features(data, B, Hkv, group, N, D, layout, dtype):
+    Hq = Hkv * group
+    M = data.draw(st.integers(1, N), label="M")
+    window = data.draw(st.one_of(st.none(), st.integers(1, N + 5)), label="window")
+    softcap = data.draw(st.one_of(st.none(), st.floats(0.5, 20.0)), label="softcap")
+    with_sinks = data.draw(st.booleans(), label="sinks")
+    pads = data.draw(st.lists(st.integers(0, N), min_size=B, max_size=B), label="pads")
+    skip = data.draw(st.lists(st.booleans(), min_size=B * Hq, max_size=B * Hq), label="skip")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=seed, noncontiguous_q=seed % 2 == 0)
+    block_m = LAYOUT_BLOCK_M[layout]
+    skip_heads = torch.tensor(skip).reshape(B, Hq)
+    if tile_layout(Hq, Hkv, M, skip_heads, block_m) != layout:
+        layout = "rowmajor" if layout == "lanes" else "lanes"  # the other one, then (or a skip)
+    check_features(
+        q * 2, k, v, layout=layout, window=window, softcap=softcap,
+        sinks=torch.randn(Hq, generator=torch.Generator().manual_seed(seed)) * 2 if with_sinks else None,
+        key_padding_mask=left_padding_mask(B, N, pads), skip_heads=skip_heads,
+        argmax_rows=data.draw(st.integers(0, M), label="argmax_rows"),
     )  # fmt: skip

@@ -10,6 +10,7 @@ caller buffers (``test_cpu.py``); here every element of the returned tensors is 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -18,8 +19,23 @@ from retmask.kernels import attention, reference_attention
 
 from .helpers import assert_argmax_matches, left_padding_mask, make_qkv
 
-BACKENDS = ["cpu"]
+# Triton runs these CPU tensors in its interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU).
+BACKENDS = ["cpu", *(["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])]
 OUT_TOL = {torch.float32: 3e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def _triton_cases(request, monkeypatch):
+    """Triton cases poison the kernels' output buffers (NaN / -12345, RETMASK_TRITON_POISON as in
+    test_triton.py), so an element a kernel forgets to write cannot pass; bf16 is skipped there
+    (``tl.dot`` on bf16 is wrong in the Triton interpreter, triton#11584)."""
+    callspec = getattr(request.node, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    if params.get("backend") != "triton":
+        return
+    if params.get("dtype") == torch.bfloat16:
+        pytest.skip("tl.dot on bf16 is wrong in the Triton interpreter (triton#11584)")
+    monkeypatch.setenv("RETMASK_TRITON_POISON", "1")
 
 
 def loop_attention(q, k, v, *, sm_scale, window, softcap, sinks, key_padding_mask=None):
