@@ -99,7 +99,9 @@ def check_context_limit(model, lengths: list[int], max_new_tokens: int) -> None:
         )
 
 
-def _fingerprint(cfg: DetectConfig, model, needles, haystack_text: str, lengths, depths) -> dict:
+def _fingerprint(
+    cfg: DetectConfig, model, needles, haystack_text: str, lengths, depths, prompt_style: str
+) -> dict:
     return {
         "model": cfg.model or "embedded:SmolLM2-135M-Instruct",
         "gguf_file": cfg.gguf_file,
@@ -112,6 +114,7 @@ def _fingerprint(cfg: DetectConfig, model, needles, haystack_text: str, lengths,
         "max_new_tokens": cfg.max_new_tokens,
         "chunk": cfg.chunk,
         "draft_history": cfg.draft_history,
+        "prompt_style": prompt_style,  # resolved: "base" or "chat"
     }
 
 
@@ -423,7 +426,7 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
         )
     progress_file = progress_path(out, rank, world) if out is not None else None
     style = resolve_prompt_style(tokenizer, cfg.prompt_style)
-    fingerprint = _fingerprint(cfg, model, needles, haystack_text, lengths, depths) | {"prompt_style": style}
+    fingerprint = _fingerprint(cfg, model, needles, haystack_text, lengths, depths, style)
 
     t0 = time.perf_counter()
     tests = build_tests(tokenizer, needles, haystack_text, lengths, depths, chat=style == "chat")
