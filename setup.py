@@ -10,8 +10,11 @@ OpenMP: the extension links ``libgomp.so.1``. torch's Linux wheels bundle their 
 soname (torch/lib/libgomp.so.1), and the dynamic loader maps one object per soname, so in a process that
 has imported torch (retmask always does first) the kernel runs on torch's OpenMP runtime and thread pool.
 
+No -march=native: the kernel is compiled once per instruction set (csrc/attention_cpu_{avx512,avx2,generic}.cpp,
+each under its own ``#pragma GCC target``) and the widest one the CPU has is picked at run time, so a build
+runs on any x86-64 CPU (a wheel, or a checkout that moves between machines) at that CPU's vector width.
+
 Environment:
-  RETMASK_NO_NATIVE=1    do not add -march=native (for wheels meant for other machines)
   RETMASK_NO_OPENMP=1    build without OpenMP (single-threaded kernel)
   RETMASK_BUILD_JOBS=N   compile the sources on N parallel jobs (default: one per CPU)
 """
@@ -36,8 +39,6 @@ ParallelCompile("RETMASK_BUILD_JOBS").install()
 compile_args = ["-O3", "-fno-math-errno", "-ffp-contract=fast"]
 link_args: list[str] = []
 if sys.platform != "win32":
-    if not os.environ.get("RETMASK_NO_NATIVE"):
-        compile_args.append("-march=native")
     if not os.environ.get("RETMASK_NO_OPENMP"):
         compile_args.append("-fopenmp")
         link_args.append("-fopenmp")

@@ -14,6 +14,7 @@ Methods:
 
 Usage:
   flock /tmp/retmask-heavy.lock python bench/bench_attention.py            # full run (~15 min, 2 cores)
+                                            # -> bench/results/attention_cpu_<cpu kind>.{md,json,png}
   python bench/bench_attention.py --quick                                  # 1K-2K, a smoke test
   python bench/bench_attention.py --max-n 8192 --out /tmp/attn             # cap N, other output prefix
 """
@@ -374,8 +375,8 @@ def main() -> None:
     ap.add_argument("--max-n", type=int, default=None, help="largest N to run")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--out", default=None, help="output prefix (default bench/results/attention_cpu, "
-                    "or /tmp/attention_cpu_quick with --quick)")  # fmt: skip
+    ap.add_argument("--out", default=None, help="output prefix (default bench/results/attention_cpu_<cpu kind>, "
+                    "e.g. attention_cpu_amd-epyc-avx2, or /tmp/attention_cpu_quick with --quick)")  # fmt: skip
     ap.add_argument("--no-paths", action="store_true", help="skip the cpp-vs-blocked path comparison")
     ap.add_argument("--paths-only", action="store_true", help="run only the cpp-vs-blocked path comparison")
     args = ap.parse_args()
@@ -386,8 +387,10 @@ def main() -> None:
     ns = QUICK_NS if args.quick else FULL_NS
     if args.max_n:
         ns = [n for n in ns if n <= args.max_n]
+    machine = common.machine_description()
+    machine_tag = common.cpu_kind(machine)
     out_prefix = Path(args.out or ("/tmp/attention_cpu_quick" if args.quick else
-                                   Path(__file__).parent / "results" / "attention_cpu"))  # fmt: skip
+                                   Path(__file__).parent / "results" / f"attention_cpu_{machine_tag}"))  # fmt: skip
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
 
@@ -395,7 +398,6 @@ def main() -> None:
         print(s, flush=True)
         lines.append(s)
 
-    machine = common.machine_description()
     machine["threads used"] = str(threads)
     log("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
     runner = Runner(threads, args.quick, log)

@@ -103,7 +103,9 @@ def main() -> None:
     md = [
         f"# C++ kernel A/B: {args.tag}",
         "",
-        f"Machine: {machine.get('cpu', '')}, {args.threads} threads, torch {machine.get('torch', '')}. "
+        f"Machine: {machine.get('cpu', '')} (SIMD {machine.get('simd', '?')}, native bf16: "
+        f"{machine.get('native bf16', '?')}; new build runs {machine.get('kernel build', '?')}), "
+        f"{args.threads} threads, torch {machine.get('torch', '')}. "
         f"Median of {args.repeats} interleaved calls per build; fp32, B = 1, causal.",
         "",
         table,

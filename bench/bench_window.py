@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -210,13 +209,6 @@ def plan_repeats(
     if est > 8:
         return 2, 0
     return (3, 0) if est > 1 else (3, 1)
-
-
-def cpu_kind(machine: dict[str, str]) -> str:
-    """File-name tag of the machine: CPU model and SIMD level, e.g. ``amd-epyc-avx2``."""
-    model = re.sub(r"\(r\)|\(tm\)|processor|\d+-core|cpu @.*", "", machine.get("cpu", "cpu").lower())
-    slug = re.sub(r"[^a-z0-9]+", "-", model).strip("-")[:40] or "cpu"
-    return f"{slug}-{machine.get('simd', 'unknown')}"
 
 
 def run_cell(
@@ -412,7 +404,7 @@ def main() -> None:
     ns = QUICK_NS if args.quick else FULL_NS
     machine = common.machine_description()
     machine["torch_threads"] = str(args.threads)
-    out = Path(args.out) if args.out else RESULTS / f"window_{cpu_kind(machine)}"
+    out = Path(args.out) if args.out else RESULTS / f"window_{common.cpu_kind(machine)}"
     out.parent.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     started = time.time()

@@ -65,21 +65,39 @@ def mem_total_bytes() -> int:
 
 
 def machine_description() -> dict[str, str]:
-    """CPU model, cores, SIMD level, memory, torch / python versions, threads used by torch."""
+    """CPU model, cores, SIMD level, the C++ kernel build it runs, memory, torch / python versions,
+    threads used by torch."""
     import torch
+
+    from retmask.kernels import cpu as cpu_kernel
 
     flags = cpu_flags()
     simd = "avx512f" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")
+    bf16 = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    try:
+        build = cpu_kernel.selected_isa() or "not built"
+    except ValueError as err:  # a bad $RETMASK_CPU_ISA: say so in the header rather than fail
+        build = str(err)
     return {
         "cpu": cpu_model(),
         "cores": str(os.cpu_count()),
         "torch_threads": str(torch.get_num_threads()),
         "simd": simd,
+        "native bf16": ", ".join(bf16) or "none",
+        "kernel build": build,
         "memory": f"{mem_total_bytes() / 2**30:.1f} GiB",
         "torch": torch.__version__,
         "python": platform.python_version(),
         "os": platform.platform(),
     }
+
+
+def cpu_kind(machine: dict[str, str]) -> str:
+    """File-name tag of the machine: CPU model and SIMD level, e.g. ``amd-epyc-avx2``. Speed results hold
+    only for the CPU they were measured on, so benchmarks keep one result file per kind."""
+    model = re.sub(r"\(r\)|\(tm\)|processor|\d+-core|cpu @.*", "", machine.get("cpu", "cpu").lower())
+    slug = re.sub(r"[^a-z0-9]+", "-", model).strip("-")[:40] or "cpu"
+    return f"{slug}-{machine.get('simd', 'unknown')}"
 
 
 # ---- memory inside a worker ------------------------------------------------------------------------

@@ -1,9 +1,12 @@
-// The fused CPU attention kernel (attention_cpu.cpp) as its Python binding (module.cpp) calls it.
+// The fused CPU attention kernel (attention_cpu.cpp and its per-ISA builds) as its Python binding (module.cpp) calls it.
 // Plain C++17: no Python and no torch headers, so the kernel builds and links without either.
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace retmask {
 
@@ -37,7 +40,13 @@ struct AttentionFwdArgs {
     int block_m = 128;        // tile rows per work item (over the active heads of a kv group)
     int block_n = 64;         // keys per block, a multiple of 32
     int num_threads = 0;      // OpenMP threads for calls large enough to split; <= 0: the OpenMP default
+    // Which build of the kernel runs: "" = the widest this CPU has, else a name from cpu_builds().
+    std::string isa;
 };
+
+// The builds of the kernel this CPU can run, widest first, as (name, fp32 vector lanes): ("avx512", 16)
+// with AVX-512F, ("avx2", 8) with AVX2 + FMA, and always ("generic", 8).
+std::vector<std::pair<std::string, int>> cpu_builds();
 
 // Checks the sizes, pointers, tile and feature settings (std::invalid_argument naming the bad field), then
 // runs the kernel: writes every element of out (and of argmax). A row with no allowed key gives 0 and

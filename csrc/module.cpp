@@ -104,7 +104,8 @@ std::array<int64_t, 4> strides4(const Tensor& x) {
 void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorArg& v_arg, const TensorArg& out_arg,
                    const std::optional<TensorArg>& argmax_arg, const std::optional<TensorArg>& kpm_arg,
                    const std::optional<TensorArg>& skip_arg, bool causal, float sm_scale, int block_m, int block_n,
-                   int num_threads, int64_t window, double softcap, const std::optional<TensorArg>& sinks_arg) {
+                   int num_threads, int64_t window, double softcap, const std::optional<TensorArg>& sinks_arg,
+                   const std::string& isa) {
     const Tensor q = unpack("q", q_arg, 4, -1);
     if (q.dtype != static_cast<int>(DType::Float32) && q.dtype != static_cast<int>(DType::Float16) &&
         q.dtype != static_cast<int>(DType::BFloat16))
@@ -174,6 +175,8 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
         a.sinks = reinterpret_cast<const float*>(sinks.ptr);
     }
 
+    a.isa = isa;  // the kernel checks the name against the builds this CPU runs
+
     py::gil_scoped_release no_gil;
     retmask::attention_fwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
 }
@@ -189,6 +192,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("argmax").none(true), py::arg("key_padding_mask").none(true), py::arg("skip_heads").none(true),
           py::arg("causal"), py::arg("sm_scale"), py::arg("block_m"), py::arg("block_n"), py::arg("num_threads"),
           py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks").none(true) = py::none(),
+          py::arg("isa") = "",
           R"doc(Fused attention forward with per-row argmax of the logits, head skipping, sliding window,
 logit soft-capping and attention sinks.
 
@@ -204,8 +208,13 @@ window: int >= 1, the row sees keys p - window < j <= p (needs causal; only the 
 window are visited), 0 = none; softcap: float > 0, logits s <- softcap * tanh(s / softcap) before the
 softmax and the argmax, 0 = none; sinks: float32 [Hq] contiguous or None, one logit per query head in
 the softmax denominator only (never an argmax).
+isa: which build of the kernel runs, a name from BUILDS ("" = the widest this CPU has).
 Rows without an allowed key give 0 and -1; rows with a NaN or +inf logit among their allowed keys give
 NaN and -1.
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
     m.attr("FEATURES") = py::make_tuple("window", "softcap", "sinks");
+    // The kernel's builds this CPU runs, widest first: ((name, fp32 lanes), ...); the first is the default.
+    py::list builds;
+    for (const auto& [name, lanes] : retmask::cpu_builds()) builds.append(py::make_tuple(name, lanes));
+    m.attr("BUILDS") = py::tuple(builds);
 }

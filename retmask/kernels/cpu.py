@@ -6,7 +6,12 @@ strides); the binding checks them against each other (ValueError naming the bad 
 the GIL for the compute. If the extension is missing (e.g. a source checkout that was never built) or
 stale (built before the binding), a warning is issued once and ``forward`` falls back to ``cpu_blocked``.
 
-``forward`` picks the faster path per case, by measurement (bench/results/attention_cpu.md): see
+The extension holds one build of the kernel per instruction set (AVX-512: 16 fp32 lanes, AVX2 + FMA: 8,
+generic: 8 lanes for whatever the compiler targets) and runs the widest one this CPU has, chosen at run
+time from its feature bits (``builds()``). ``RETMASK_CPU_ISA=avx2`` (or another name from ``builds()``)
+makes every call run that build instead, e.g. to compare them on one machine.
+
+``forward`` picks the faster path per case, by measurement (bench/results/attention_cpu_amd-epyc-avx512f.md): see
 ``choose_path`` (today: the C++ kernel whenever it is built). The kernel also runs the sliding window,
 soft-capping and sinks of the contract (``reference.py``); a build from before them (no ``FEATURES`` in
 the module) sends calls that use them to the blocked path, with one warning.
@@ -58,6 +63,9 @@ class KernelLibrary:
     module: ModuleType
     codes: dict[torch.dtype, int]
     features: frozenset[str] = frozenset()
+    builds: tuple[
+        tuple[str, int], ...
+    ] = ()  # (name, fp32 lanes) this CPU runs, widest first; () = older build
 
 
 @lru_cache(maxsize=1)
@@ -113,12 +121,45 @@ def bind_library(lib: ModuleType | str | os.PathLike[str] | Any) -> KernelLibrar
         return load_library(getattr(lib, "_name", lib))
     lib.attention_fwd  # noqa: B018 (AttributeError for a stale build)
     codes = {getattr(torch, name): code for name, code in lib.DTYPE_CODES.items()}
-    return KernelLibrary(lib, codes, frozenset(getattr(lib, "FEATURES", ())))
+    builds = tuple((str(name), int(lanes)) for name, lanes in getattr(lib, "BUILDS", ()))
+    return KernelLibrary(lib, codes, frozenset(getattr(lib, "FEATURES", ())), builds)
 
 
 def cpp_available() -> bool:
     """Whether the fused C++ kernel is built and loadable."""
     return _library() is not None
+
+
+ISA_ENV = "RETMASK_CPU_ISA"
+
+
+def builds() -> tuple[tuple[str, int], ...]:
+    """The kernel builds this CPU runs, widest first, as (name, fp32 vector lanes), e.g.
+    ``(("avx2", 8), ("generic", 8))`` on an AVX2-only CPU; () when the extension is not built."""
+    lib = _library()
+    return lib.builds if lib is not None else ()
+
+
+def selected_isa(isa: str | None = None) -> str:
+    """The build a call runs: ``isa`` if given, else ``$RETMASK_CPU_ISA`` if set, else the widest this CPU
+    has. Raises ValueError for a name this CPU has no build for, listing the ones it has."""
+    available = builds()
+    names = [name for name, _ in available]
+    wanted = isa if isa is not None else os.environ.get(ISA_ENV, "").strip()
+    if not wanted:
+        return names[0] if names else ""
+    if wanted not in names:
+        source = f"${ISA_ENV}" if isa is None else "isa"
+        raise ValueError(
+            f"{source}: {wanted!r} is not a build of the C++ kernel this CPU can run; it has "
+            f"{', '.join(names) or 'none (retmask._C is not built or predates per-ISA builds)'}"
+        )
+    return wanted
+
+
+def vector_lanes(isa: str | None = None) -> int:
+    """fp32 lanes of the build ``selected_isa(isa)``: tiles with fewer rows take the row-major layout."""
+    return dict(builds()).get(selected_isa(isa), 16)
 
 
 def _tensor_arg(name: str, t: torch.Tensor, codes: dict[torch.dtype, int]) -> tuple:
@@ -146,6 +187,7 @@ def cpp_forward(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the fused C++ kernel.
 
@@ -157,7 +199,8 @@ def cpp_forward(
     ``out`` ([B, Hq, M, D], q.dtype, any strides) and ``argmax`` (int64 [B, Hq, argmax_rows],
     contiguous) may be given by the caller; the kernel writes every element of both (tests pre-fill
     them with NaN / sentinels to prove it). ``block_m``: tile rows per work item (default
-    ``default_block_m(N, window)``); ``block_n``: keys per block. Returns (out, argmax or None).
+    ``default_block_m(N, window)``); ``block_n``: keys per block; ``isa``: the build to run (see
+    ``selected_isa``; default: ``$RETMASK_CPU_ISA`` or the widest). Returns (out, argmax or None).
     Raises ValueError (from the binding, naming the argument) for inconsistent tensors or settings.
     """
     lib = _library()
@@ -183,6 +226,8 @@ def cpp_forward(
     if sinks is not None:
         sinks32 = sinks.detach().to(torch.float32).contiguous()
         features["sinks"] = _tensor_arg("sinks", sinks32, codes)
+    if lib.builds:  # builds from before the per-ISA ones take no isa
+        features["isa"] = selected_isa(isa)
     lib.module.attention_fwd(
         _tensor_arg("q", q, codes), _tensor_arg("k", k, codes), _tensor_arg("v", v, codes),
         _tensor_arg("out", out, codes),
@@ -198,14 +243,14 @@ def cpp_forward(
 def choose_path(M: int, N: int, argmax_rows: int) -> str:
     """Which CPU path is faster for this case: "cpp" (fused C++) or "blocked" (SDPA + torch argmax scan).
 
-    Measured (bench/results/attention_cpu.md, "CPU path comparison": each path timed interleaved with
-    SDPA on this 2-core machine, fp32, SmolLM2 and Llama-3.1-8B shapes): the fused kernel is faster in
-    every case, so it is always chosen when built. Prefill, argmax on all rows (2K-4K): C++ 0.42-0.55x
-    SDPA vs blocked 3.2-6.4x (the blocked scan recomputes every logit, above the diagonal too).
-    Argmax on the last 64 rows: C++ 0.41-0.53x vs blocked 1.04-1.17x (it *is* SDPA plus a scan).
-    Decode (M = 1, 2K-32K keys; bench/results/attention_cpu_paths.md, after the v5/v6 decode changes):
-    C++ 0.23-0.61x SDPA vs blocked 1.30-2.14x. The blocked path stays as the fallback when
-    ``retmask._C`` is not built.
+    Measured on two CPU kinds (each path timed interleaved with SDPA, fp32, 2 cores, SmolLM2 and
+    Llama-3.1-8B shapes): the fused kernel is faster or tied in every case, so it is always chosen when
+    built. AVX-512 EPYC (bench/results/attention_cpu_amd-epyc-avx512f.md, attention_cpu_paths_...): argmax
+    of all rows C++ 0.42-0.55x SDPA vs blocked 3.2-6.4x (the scan recomputes every logit); last 64 rows
+    0.41-0.53x vs 1.04-1.17x; decode 0.23-0.61x vs 1.30-2.14x. AVX2-only EPYC, avx2 build
+    (bench/results/attention_cpu_amd-epyc-avx2.md): all rows 0.98-1.07x vs 3.2-4.9x; last 64 rows
+    0.97-1.11x vs 1.02-1.09x (a tie within noise); decode 0.34-1.14x vs 1.33-3.31x. The blocked path
+    stays as the fallback when ``retmask._C`` is not built.
     """
     return "cpp"
 

@@ -522,7 +522,9 @@ def test_property_random_shapes(data, B, Hkv, group, N, D, causal, dtype, path):
 
 # -- sliding window, soft-capping, sinks: the C++ kernel directly -----------------------------------------
 
-LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 8}  # 8 tile rows per item: row-major tiles whenever g < 16
+# Row-major tiles need fewer tile rows than the build's vector lanes (8 or 16): 4 rows per item gives them
+# whenever g < 8, whichever build runs.
+LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 4}
 
 
 def tile_layout(Hq: int, Hkv: int, M: int, skip: torch.Tensor | None, block_m: int) -> str:
@@ -534,7 +536,7 @@ def tile_layout(Hq: int, Hkv: int, M: int, skip: torch.Tensor | None, block_m: i
             active = g if skip is None else int((~skip[b, hk * g : (hk + 1) * g]).sum())
             if active:
                 max_rows = max(max_rows, active * min(max(1, block_m // active), M))
-    return "lanes" if max_rows >= 16 else "rowmajor"
+    return "lanes" if max_rows >= cpu_backend.vector_lanes() else "rowmajor"
 
 
 def check_features(

@@ -1,0 +1,896 @@
+// The ISA-generic body of the fused CPU attention kernel, compiled once per instruction set.
+//
+// Fused flash-style CPU attention with per-row argmax of the logits and head skipping.
+//
+// One pass over the keys per tile of query rows: S = (scale*Q) K^T on a key block, online softmax
+// carrying the running max logit *and its key index* per row (strictly greater replaces, so ties keep
+// the smallest key index), O += P V. Memory is linear in N: a thread holds one Q tile, one logit block,
+// one O accumulator (and, for fp16/bf16 or strided K/V, one fp32 copy of the K/V block).
+//
+// Work items: (batch, kv head, block of query rows) with all *active* query heads of that kv group
+// stacked as tile rows (GQA/MQA share one K/V block; no repeat). Skipped heads create no rows, so they
+// cost nothing beyond writing their zeros / -1. Items are sorted by causal cost (largest first) and
+// handed out dynamically by OpenMP, which balances the causal triangle.
+//
+// Two tile layouts: "lanes" (query rows in vector lanes; prefill, >= 16 rows per tile) and "rowmajor"
+// (dot products along D, rows in registers; decode-sized tiles). fp16/bf16 are converted to fp32 on
+// load; all accumulation is fp32.
+//
+// Features (the contract of retmask/kernels/reference.py): a sliding window visits only the key blocks
+// meeting the window of some tile row (O(M * window) work, not O(M * N)) and masks per row in the blocks
+// on its lower edge; soft-capping maps each logit block through c * tanh(s / c) (vtanh) right after
+// QK^T, before masking, max, argmax and exp; sinks join the denominator when a row is normalised
+// (store_row). Masking is always a select to -inf, never an add, so a NaN / inf logit of a key a row
+// may not see cannot reach that row.
+//
+// Builds: attention_cpu_{avx512,avx2,generic}.cpp include this file after their standard headers, with
+// RETMASK_VL (vector lanes) and RETMASK_ISA (namespace) defined and, on x86, a `#pragma GCC target` for
+// their instruction set; attention_cpu.cpp checks the arguments and calls the widest build this CPU runs
+// (detail::<isa>::run). Everything here has internal linkage, so the builds never share a function.
+// Failed allocations throw std::bad_alloc outside any OpenMP region; nothing inside one allocates or throws.
+#include "attention_cpu_internal.h"
+
+#ifndef RETMASK_VL
+#error "define RETMASK_VL (8 or 16) and RETMASK_ISA before including attention_cpu_kernel.h"
+#endif
+
+namespace retmask::detail::RETMASK_ISA {
+namespace {
+
+using Args = KernelArgs;
+
+
+// VL fp32 lanes: 16 (one zmm register) in the AVX-512 build, 8 (one ymm) in the AVX2 and generic builds.
+// A vector type wider than the target's registers is lowered piecewise through the stack by GCC (the
+// 16-lane type on an AVX2-only CPU ran 7-8x slower than SDPA), so each build uses its native width.
+constexpr int VL = RETMASK_VL;
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));  // unaligned access
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline vf vload(const float* p) { return *reinterpret_cast<const vf*>(p); }
+inline void vstore(float* p, vf x) { *reinterpret_cast<vf*>(p) = x; }
+inline vf vloadu(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline vf vbroadcast(float x) { return vf{} + x; }
+
+// exp(x) for x <= 0 (softmax arguments). Cephes-style: 2^n * p(r), |rel err| ~ 2e-7.
+// Arguments below -87 (incl. -inf of masked keys) give exactly 0.
+inline vf vexp(vf x) {
+    const vf lo = vbroadcast(-87.0f);
+    vf xc = x < lo ? lo : x;
+    vf t = xc * 1.44269504088896341f;
+    const vf magic = vbroadcast(12582912.0f);  // 1.5 * 2^23: round to nearest integer
+    vf n = (t + magic) - magic;
+    vf r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = vbroadcast(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    std::memcpy(&scale, &e, sizeof(scale));
+    vf res = p * scale;
+    return x < lo ? vf{} : res;
+}
+
+// tanh(x) (Cephes tanhf): x + x^3 P(x^2) for |x| < 0.625, else (1 - e) / (1 + e) with e = exp(-2|x|)
+// from vexp (0 below -87, so large |x| give exactly 1), sign restored. |rel err| ~ 2e-7 over the whole
+// range; +-inf -> +-1, NaN -> NaN, -0 -> -0.
+inline vf vtanh(vf x) {
+    vi bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    const vi sign = bits & static_cast<int32_t>(0x80000000u);
+    const vi abits = bits & 0x7fffffff;
+    vf ax;
+    std::memcpy(&ax, &abits, sizeof(ax));
+    const vf e = vexp(ax * -2.0f);
+    const vf big = (1.0f - e) / (1.0f + e);
+    const vf z = ax * ax;
+    vf p = vbroadcast(-5.70498872745e-3f);
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const vf small = p * z * ax + ax;
+    const vf t = ax < vbroadcast(0.625f) ? small : big;
+    vi tbits;
+    std::memcpy(&tbits, &t, sizeof(tbits));
+    tbits |= sign;
+    vf res;
+    std::memcpy(&res, &tbits, sizeof(res));
+    return res;
+}
+
+inline float hmax(vf x) {
+    float m = x[0];
+    for (int i = 1; i < VL; ++i) m = std::max(m, x[i]);
+    return m;
+}
+inline float hsum(vf x) {  // fixed pairwise order: VL -> ... -> 4 -> 2 -> 1
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+#if RETMASK_VL == 16
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    static_assert(VL == 8, "vector builds have 8 or 16 lanes");
+    v8 a = x;
+#endif
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// ---- element types -------------------------------------------------------------------------------
+struct F32 {
+    using T = float;
+    static float load(const T* p) { return *p; }
+    static void store(T* p, float x) { *p = x; }
+};
+struct F16 {
+    using T = _Float16;
+    static float load(const T* p) { return static_cast<float>(*p); }
+    static void store(T* p, float x) { *p = static_cast<_Float16>(x); }
+};
+struct BF16 {
+    using T = uint16_t;
+    static float load(const T* p) {
+        uint32_t u = static_cast<uint32_t>(*p) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+    static void store(T* p, float x) {  // round to nearest even, like torch's .to(bfloat16)
+        uint32_t u;
+        std::memcpy(&u, &x, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            *p = 0x7fc0;
+            return;
+        }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        *p = static_cast<uint16_t>(u >> 16);
+    }
+};
+
+// ---- micro-kernels ---------------------------------------------------------------------------------
+// The tile is kept transposed so that query rows live in vector lanes: Qt [D][RP], St [BN][RP],
+// Ot [D][RP] (RP = rows rounded up to VL). K and V are read row-major straight from the input (or a
+// converted fp32 copy) and broadcast one scalar at a time, so nothing is transposed and the softmax
+// (max, exp, sum, argmax, rescale) is element-wise over rows with no horizontal reductions.
+
+// St[j][r] = sum_d K[j][d] * Qt[d][r] for NJ keys x RV*VL rows. Every logit is the same FMA chain
+// over d = 0..D-1 whatever its position in a tile, so duplicate keys give bit-identical logits and
+// ties resolve to the smallest index, as in torch.
+template <int NJ, int RV>
+inline void qk_tile(const float* __restrict K, int64_t ldk, const float* __restrict Qt, int RP,
+                    float* __restrict St, int D) {
+    vf acc[NJ][RV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) acc[j][c] = vf{};
+    for (int d = 0; d < D; ++d) {
+        vf qv[RV];
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) qv[c] = vload(Qt + d * RP + c * VL);
+#pragma GCC unroll 8
+        for (int j = 0; j < NJ; ++j) {
+            const vf kb = vbroadcast(K[j * ldk + d]);
+#pragma GCC unroll 4
+            for (int c = 0; c < RV; ++c) acc[j][c] += kb * qv[c];
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) vstore(St + j * RP + c * VL, acc[j][c]);
+}
+
+// Ot[d][r] += sum_j V[j][d] * P[j][r] for ND head dims x RV*VL rows, keys j < nj.
+template <int ND, int RV>
+inline void pv_tile(const float* __restrict V, int64_t ldv, const float* __restrict P, int RP,
+                    float* __restrict Ot, int nj) {
+    vf acc[ND][RV];
+#pragma GCC unroll 8
+    for (int d = 0; d < ND; ++d)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) acc[d][c] = vload(Ot + d * RP + c * VL);
+    for (int j = 0; j < nj; ++j) {
+        vf pv[RV];
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) pv[c] = vload(P + j * RP + c * VL);
+#pragma GCC unroll 8
+        for (int d = 0; d < ND; ++d) {
+            const vf vb = vbroadcast(V[j * ldv + d]);
+#pragma GCC unroll 4
+            for (int c = 0; c < RV; ++c) acc[d][c] += vb * pv[c];
+        }
+    }
+#pragma GCC unroll 8
+    for (int d = 0; d < ND; ++d)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) vstore(Ot + d * RP + c * VL, acc[d][c]);
+}
+
+// Register blocking of the micro-kernels: accumulators + one row of operands + one broadcast must fit the
+// vector registers (32 zmm with AVX-512, 16 ymm with AVX2), or the tile spills to the stack.
+#if RETMASK_VL == 16
+constexpr int NJ_QK = 6;  // 6 keys x 4 row vectors = 24 accumulators (of 32 zmm registers)
+constexpr int ND_PV = 6;  // 6 head dims x 4 row vectors = 24 accumulators
+constexpr int RV_MAX = 4;
+constexpr int MR_PV = 8;  // row-major PV: 8 rows x 2 vectors = 16 accumulators
+#else
+constexpr int NJ_QK = 4;  // 6 keys x 2 row vectors = 12 accumulators + 2 Q vectors + 1 broadcast (16 ymm)
+constexpr int ND_PV = 4;  // 6 head dims x 2 row vectors = 12 accumulators + 2 P vectors + 1 broadcast
+constexpr int RV_MAX = 3;
+constexpr int MR_PV = 6;  // row-major PV: 6 rows x 2 vectors = 12 accumulators + 2 V vectors + 1 broadcast
+#endif
+
+// Forced inlining keeps the dispatch helpers and their lambdas out of the generated code: the loops
+// below compile to what hand-written switch statements give (checked with bench/bench_kernel_ab.py).
+#define RETMASK_INLINE inline __attribute__((always_inline))
+#define RETMASK_LAMBDA_INLINE __attribute__((always_inline))
+
+// f(std::integral_constant<int, n>{}) for a runtime n in [1, N] (nothing for n outside): turns the
+// remainder of a tile loop into a template argument, so tails get their own unrolled micro-kernel.
+template <int N, class F>
+RETMASK_INLINE void with_width(int n, F&& f) {
+    if constexpr (N >= 1) {
+        if (n == N) {
+            f(std::integral_constant<int, N>{});
+            return;
+        }
+        with_width<N - 1>(n, f);
+    }
+}
+
+// f(width, start) over [0, n): full tiles of T, then one narrower tile for the remainder.
+template <int T, class F>
+RETMASK_INLINE void tiles(int n, F&& f) {
+    int i = 0;
+    for (; i + T <= n; i += T) f(std::integral_constant<int, T>{}, i);
+    with_width<T - 1>(n - i, [&](auto w) RETMASK_LAMBDA_INLINE { f(w, i); });
+}
+
+// Logits of keys [0, nj) for all RP rows: tiles of NJ_QK keys x RV_MAX row vectors.
+void qk_block(const float* K, int64_t ldk, const float* Qt, int RP, float* St, int D, int nj) {
+    tiles<RV_MAX>(RP / VL, [&](auto rv, int c) RETMASK_LAMBDA_INLINE {
+        tiles<NJ_QK>(nj, [&](auto w, int j) RETMASK_LAMBDA_INLINE {
+            qk_tile<decltype(w)::value, decltype(rv)::value>(K + j * ldk, ldk, Qt + c * VL, RP,
+                                                             St + j * RP + c * VL, D);
+        });
+    });
+}
+
+// O += P V for all RP rows: tiles of ND_PV head dims x RV_MAX row vectors.
+void pv_block(const float* V, int64_t ldv, const float* P, int RP, float* Ot, int D, int nj) {
+    tiles<RV_MAX>(RP / VL, [&](auto rv, int c) RETMASK_LAMBDA_INLINE {
+        tiles<ND_PV>(D, [&](auto w, int d) RETMASK_LAMBDA_INLINE {
+            pv_tile<decltype(w)::value, decltype(rv)::value>(V + d, ldv, P + c * VL, RP,
+                                                             Ot + d * RP + c * VL, nj);
+        });
+    });
+}
+
+// ---- row-major path (few rows per tile: decode) --------------------------------------------------
+// For tiles with fewer than VL rows (decode, M = 1), where the lanes path would leave lanes idle:
+// logits as dot products along D (K read in place), then O += P V with rows in registers and head
+// dims in vector lanes (V packed [BN][Dp] per block).
+namespace rowmajor {
+// O[r][d] += sum_j P[r][j] * V[j][d] for MR rows, NV*VL output columns starting at column d0.
+// P: [MR][BN], V: [BN][ldv], O: [MR][ldo]; only the first nj keys are read.
+template <int MR, int NV>
+inline void pv_tile(const float* __restrict P, int BN, const float* __restrict V, int ldv, float* __restrict O,
+                    int ldo, int nj) {
+    vf acc[MR][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) acc[r][c] = vload(O + r * ldo + c * VL);
+    for (int j = 0; j < nj; ++j) {
+        vf vv[NV];
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) vv[c] = vload(V + j * ldv + c * VL);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) {
+            vf p = vbroadcast(P[r * BN + j]);
+#pragma GCC unroll 4
+            for (int c = 0; c < NV; ++c) acc[r][c] += p * vv[c];
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) vstore(O + r * ldo + c * VL, acc[r][c]);
+}
+
+template <int MR>
+void pv_rows(const float* P, int BN, const float* V, int ldv, float* O, int ldo, int Dp, int nj, int rows) {
+    if constexpr (MR > 0) {
+        if (rows >= MR) {
+            int r = 0;
+            for (; r + MR <= rows; r += MR) {
+                int d = 0;
+                for (; d + 2 * VL <= Dp; d += 2 * VL)
+                    pv_tile<MR, 2>(P + r * BN, BN, V + d, ldv, O + r * ldo + d, ldo, nj);
+                if (d < Dp) pv_tile<MR, 1>(P + r * BN, BN, V + d, ldv, O + r * ldo + d, ldo, nj);
+            }
+            if (r < rows) pv_rows<MR - 1>(P + r * BN, BN, V, ldv, O + r * ldo, ldo, Dp, nj, rows - r);
+        } else {
+            pv_rows<MR - 1>(P, BN, V, ldv, O, ldo, Dp, nj, rows);
+        }
+    }
+}
+
+// S[r][j] = dot(Q[r], K[j]) for rows r < R and keys j < nj, vectorised along D (K rows read in place,
+// no transpose); S[r][nj..BN) = 0. Decode tiles have fewer than VL rows, too few to amortise packing K^T.
+// Every logit is the same chain (VL-lane FMAs, fixed-order lane sum, scalar tail), so duplicate keys
+// give bit-identical logits.
+inline void qk_dot(const float* __restrict Q, int ldq, int R, const float* __restrict K, int64_t ldk, int D,
+                   float* __restrict S, int BN, int nj) {
+    const int D16 = D / VL * VL;
+    for (int j = 0; j < nj; ++j) {
+        const float* kr = K + j * ldk;
+        for (int r = 0; r < R; ++r) {
+            const float* qr = Q + r * ldq;
+            vf acc = vf{};
+            for (int d = 0; d < D16; d += VL) acc += vload(qr + d) * vloadu(kr + d);
+            float s = hsum(acc);
+            for (int d = D16; d < D; ++d) s += qr[d] * kr[d];
+            S[r * BN + j] = s;
+        }
+    }
+    if (nj < BN)
+        for (int r = 0; r < R; ++r) std::memset(S + r * BN + nj, 0, sizeof(float) * (BN - nj));
+}
+
+}  // namespace rowmajor
+
+// s[0..n) <- c * tanh(s / c) with s / c = (s * inv) * post (n a multiple of VL, s 64-byte aligned).
+inline void softcap_block(float* __restrict s, int64_t n, float c, float inv, float post) {
+    const vf cv = vbroadcast(c), iv = vbroadcast(inv), pv = vbroadcast(post);
+    for (int64_t i = 0; i < n; i += VL) vstore(s + i, cv * vtanh(vload(s + i) * iv * pv));
+}
+struct Item {
+    int64_t b, hkv, i0, i1;  // query rows [i0, i1)
+    int64_t cost;
+};
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// ---- scratch memory ------------------------------------------------------------------------------
+// All scratch of a call is one 64-byte aligned block allocated *before* the parallel region, so that a
+// failed allocation throws std::bad_alloc to the caller (an exception inside an OpenMP region ends the
+// process). The block holds one equal slice per thread; each thread zero-fills its own slice (first
+// touch, as when every thread allocated its own buffers) and carves its arrays out of it.
+class Scratch {
+  public:
+    Scratch(size_t slice_bytes, int slices)
+        : slice_(static_cast<size_t>(round_up(std::max<int64_t>(static_cast<int64_t>(slice_bytes), 64), 64))) {
+        p_ = static_cast<char*>(std::aligned_alloc(64, slice_ * static_cast<size_t>(slices)));
+        if (!p_) throw std::bad_alloc();
+    }
+    ~Scratch() { std::free(p_); }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+    // Slice t (t < slices), zero-filled first.
+    char* zeroed_slice(int t) const {
+        char* s = p_ + slice_ * static_cast<size_t>(t);
+        std::memset(s, 0, slice_);
+        return s;
+    }
+
+  private:
+    size_t slice_;
+    char* p_;
+};
+
+// Consecutive 64-byte aligned arrays in one slice. Constructed without a base it only adds up their
+// sizes (null pointers), which sizes the slice for the real carving.
+class Carve {
+  public:
+    explicit Carve(char* base = nullptr) : base_(base) {}
+    template <class T>
+    T* take(int64_t n) {
+        T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+        used_ += round_up(n * static_cast<int64_t>(sizeof(T)), 64);
+        return p;
+    }
+    size_t bytes() const { return used_; }
+
+  private:
+    char* base_;
+    size_t used_ = 0;
+};
+
+inline int thread_num() {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+// K or V rows [j0, j0 + nj) of one (batch, kv head) as fp32 rows: the input itself when it already is
+// contiguous fp32 along D, else a converted copy in buf [nj][D].
+template <class E>
+const float* rows_fp32(const typename E::T* base, const int64_t* st, int64_t j0, int nj, int64_t D,
+                       float* buf, int64_t* ld) {
+    if constexpr (std::is_same_v<E, F32>) {
+        if (st[3] == 1) {
+            *ld = st[2];
+            return base + j0 * st[2];
+        }
+    }
+    for (int j = 0; j < nj; ++j) {
+        const typename E::T* src = base + (j0 + j) * st[2];
+        float* dst = buf + j * D;
+        if (st[3] == 1) {
+            for (int64_t d = 0; d < D; ++d) dst[d] = E::load(src + d);
+        } else {
+            for (int64_t d = 0; d < D; ++d) dst[d] = E::load(src + d * st[3]);
+        }
+    }
+    *ld = D;
+    return buf;
+}
+
+// First key of the first block a tile whose first row sits at min_pos visits: the block holding the start
+// of that row's window (rows further down see later keys only), 0 without a window.
+inline int64_t first_block_key(const Args& a, int64_t min_pos) {
+    if (!a.window) return 0;
+    return std::max<int64_t>(0, min_pos - a.window + 1) / a.block_n * a.block_n;
+}
+
+struct Plan {
+    int64_t g, nblk;
+    int64_t max_rows = 0;  // most tile rows of any item (scratch size)
+    int64_t work = 0;      // sum over items of visited keys x rows x D (~ multiply-adds of QK^T)
+    // Below this the call runs on one thread: waking a second one costs more than it saves (and on a
+    // busy machine it can cost milliseconds: the scheduler must find it a core). ~0.1-0.2 ms of work.
+    static constexpr int64_t kParallelWork = int64_t(1) << 21;
+    bool parallel() const { return work >= kParallelWork && items.size() > 1; }
+    std::vector<uint8_t> blk_state;  // per batch, per key block: 0 none valid, 1 some, 2 all
+    std::vector<Item> items;         // sorted by cost (visited keys x rows), largest first
+};
+
+// Work items, key-block validity, and the zeros / -1 of skipped heads (their only "work").
+template <class E>
+Plan make_plan(const Args& a) {
+    using T = typename E::T;
+    T* out = static_cast<T*>(a.out);
+    const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, M = a.M, N = a.N, D = a.D, T_ = a.T;
+    const int BN = a.block_n;
+    Plan plan;
+    const int64_t g = plan.g = Hq / Hkv;
+    // Skipped heads: zeros and -1, nothing else.
+    if (a.skip) {
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t h = 0; h < Hq; ++h) {
+                if (!a.skip[b * Hq + h]) continue;
+                for (int64_t i = 0; i < M; ++i) {
+                    T* o = out + b * a.os[0] + h * a.os[1] + i * a.os[2];
+                    for (int64_t d = 0; d < D; ++d) E::store(o + d * a.os[3], 0.f);
+                }
+                if (a.argmax && T_)
+                    for (int64_t t = 0; t < T_; ++t) a.argmax[(b * Hq + h) * T_ + t] = -1;
+            }
+    }
+
+    // Per batch, per key block: 0 = no valid key, 1 = some, 2 = all valid (skip / mask / no mask).
+    const int64_t nblk = plan.nblk = (N + BN - 1) / BN;
+    std::vector<uint8_t>& blk_state = plan.blk_state;
+    if (a.kpm) {
+        blk_state.resize(B * nblk);
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t jb = 0; jb < nblk; ++jb) {
+                int64_t cnt = 0, j0 = jb * BN, j1 = std::min<int64_t>(N, j0 + BN);
+                for (int64_t j = j0; j < j1; ++j) cnt += a.kpm[b * N + j] != 0;
+                blk_state[b * nblk + jb] = cnt == 0 ? 0 : (cnt == j1 - j0 ? 2 : 1);
+            }
+    }
+
+    std::vector<Item>& items = plan.items;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t hk = 0; hk < Hkv; ++hk) {
+            int64_t active = 0;
+            for (int64_t h = hk * g; h < (hk + 1) * g; ++h) active += !(a.skip && a.skip[b * Hq + h]);
+            if (!active) continue;
+            // About block_m tile rows per item over the group's *active* heads, so a partly skipped
+            // group still fills the vector lanes (64 rows = 4 or 8 full vectors for 1, 2 or 4 heads).
+            const int64_t bm = std::max<int64_t>(1, a.block_m / active);
+            plan.max_rows = std::max(plan.max_rows, active * std::min(bm, M));
+            for (int64_t i0 = 0; i0 < M; i0 += bm) {
+                int64_t i1 = std::min(M, i0 + bm);
+                // Keys of the visited blocks: from the block holding the first row's window start.
+                int64_t keys = (a.causal ? N - M + i1 : N) - first_block_key(a, N - M + i0);
+                items.push_back({b, hk, i0, i1, keys * active * (i1 - i0)});
+            }
+        }
+    std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    for (const Item& it : items) plan.work += it.cost * D;
+    return plan;
+}
+
+// ---- the part both tile layouts share -----------------------------------------------------------------
+
+// One work item as its tile sees it: rows r < R are query row row_i[r] of head row_h[r] (the active heads
+// of the kv group, each with the item's query rows) at positions min_pos..max_pos; keys [key_begin,
+// key_end) can be valid for some row, keys up to min_pos are in the past of every row, and (window)
+// keys from win_edge on are inside the window of every row.
+struct Tile {
+    int64_t b, hk;
+    int R;
+    const int64_t *row_h, *row_i;
+    int64_t min_pos, max_pos, key_begin, key_end, win_edge;
+};
+
+// Runs body(bufs, tile) over the work items on `threads` OpenMP threads (dynamic schedule, largest items
+// first). carve(Carve&) lays out the per-thread arrays of a tile layout and returns them as `bufs`; the
+// scratch for every thread is allocated here, before the region (std::bad_alloc to the caller).
+template <class Carver, class Body>
+RETMASK_INLINE void for_each_item(const Args& a, const Plan& plan, int threads, Carver&& carve, Body&& body) {
+    const int64_t rows = round_up(plan.max_rows, VL);
+    Carve sizing;
+    carve(sizing);
+    sizing.take<int64_t>(rows);
+    sizing.take<int64_t>(rows);
+    const Scratch scratch(sizing.bytes(), threads);
+    const int64_t n_items = static_cast<int64_t>(plan.items.size());
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        Carve c(scratch.zeroed_slice(thread_num()));
+        const auto bufs = carve(c);
+        int64_t* row_h = c.take<int64_t>(rows);
+        int64_t* row_i = c.take<int64_t>(rows);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; ++it) {
+            const Item& w = plan.items[it];
+            int R = 0;
+            for (int64_t h = w.hkv * plan.g; h < (w.hkv + 1) * plan.g; ++h) {
+                if (a.skip && a.skip[w.b * a.Hq + h]) continue;
+                for (int64_t i = w.i0; i < w.i1; ++i, ++R) {
+                    row_h[R] = h;
+                    row_i[R] = i;
+                }
+            }
+            const int64_t min_pos = a.N - a.M + w.i0, max_pos = a.N - a.M + w.i1 - 1;
+            const int64_t key_begin = a.window ? std::max<int64_t>(0, min_pos - a.window + 1) : 0;
+            const int64_t win_edge = a.window ? max_pos - a.window + 1 : 0;
+            body(bufs, Tile{w.b, w.hkv, R, row_h, row_i, min_pos, max_pos, key_begin, a.causal ? max_pos + 1 : a.N,
+                            win_edge});
+        }
+    }
+}
+
+// f(j0, nj, state) for the key blocks [j0, j0 + nj) meeting [key_begin, key_end) that hold a valid key of
+// batch b (blocks aligned to block_n); state: 1 = some keys valid, 2 = all (no key padding mask: 2).
+template <class F>
+RETMASK_INLINE void for_each_key_block(const Args& a, const Plan& plan, int64_t b, int64_t key_begin,
+                                       int64_t key_end, F&& f) {
+    const int BN = a.block_n;
+    for (int64_t j0 = key_begin / BN * BN; j0 < key_end; j0 += BN) {
+        const uint8_t st = a.kpm ? plan.blk_state[b * plan.nblk + j0 / BN] : 2;
+        if (st == 0) continue;  // no valid key in this block (e.g. left padding)
+        f(j0, static_cast<int>(std::min<int64_t>(BN, key_end - j0)), st);
+    }
+}
+
+// dst[d * step] = scale * q[b, h, i, d] in fp32.
+template <class E>
+RETMASK_INLINE void load_q_row(const Args& a, int64_t b, int64_t h, int64_t i, float* dst, int64_t step) {
+    const typename E::T* qp = static_cast<const typename E::T*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+    for (int64_t d = 0; d < a.D; ++d) dst[d * step] = E::load(qp + d * a.qs[3]) * a.scale;
+}
+
+// Normalise and write out one tile row: out[b, h, i, d] = o[d * step] / l, and its argmax if wanted; o and
+// l are relative to the running max m. Rows that never saw a valid key (l == 0) give 0 and -1; poisoned
+// rows (l NaN: a NaN / +inf logit, which also made o NaN) give NaN and -1. A sink joins the denominator
+// here, against the safe max m' = max(m, sink): out = o e^{m-m'} / (l e^{m-m'} + e^{sink-m'}).
+template <class E>
+RETMASK_INLINE void store_row(const Args& a, int64_t b, int64_t h, int64_t i, const float* o, int64_t step,
+                              float m, float l, bool want, int64_t am) {
+    typename E::T* op = static_cast<typename E::T*>(a.out) + b * a.os[0] + h * a.os[1] + i * a.os[2];
+    float inv = l > 0.f ? 1.f / l : 0.f;
+    if (a.sinks && l > 0.f) {
+        const float sink = a.sinks[h];
+        const float mx = sink > m ? sink : m;  // a NaN sink keeps m, then e^{NaN} makes the row NaN
+        const float alpha = std::exp(m - mx);
+        inv = alpha / (l * alpha + std::exp(sink - mx));
+    }
+    for (int64_t d = 0; d < a.D; ++d) E::store(op + d * a.os[3], o[d * step] * inv);
+    if (want) a.argmax[(b * a.Hq + h) * a.T + (i - (a.M - a.T))] = l > 0.f ? am : -1;
+}
+
+// ---- row-major tiles (decode) ------------------------------------------------------------------------
+
+template <class E>
+void run_rows(const Args& a, const Plan& plan, int threads) {
+    using T = typename E::T;
+    using namespace rowmajor;
+    const T* k = static_cast<const T*>(a.k);
+    const T* v = static_cast<const T*>(a.v);
+    const int64_t M = a.M, N = a.N, D = a.D, T_ = a.T;
+    const int BN = a.block_n;
+    const int Dp = static_cast<int>(round_up(D, VL));
+    const int64_t max_rows = plan.max_rows;
+    const bool convert_k = !std::is_same_v<E, F32> || a.ks[3] != 1;
+    struct Bufs {
+        float *Qt, *Ot, *S, *Kbuf, *Vp, *m, *l, *kbias;
+        int64_t *am, *pos;
+        uint8_t* want;
+    };
+    const auto carve = [&](Carve& c) RETMASK_LAMBDA_INLINE {
+        return Bufs{c.take<float>(max_rows * Dp), c.take<float>(max_rows * Dp), c.take<float>(max_rows * BN),
+                    c.take<float>(convert_k ? BN * D : 0), c.take<float>(BN * Dp), c.take<float>(max_rows),
+                    c.take<float>(max_rows), c.take<float>(BN), c.take<int64_t>(max_rows),
+                    c.take<int64_t>(max_rows), c.take<uint8_t>(max_rows)};
+    };
+    for_each_item(a, plan, threads, carve, [&](const Bufs& buf, const Tile& t) RETMASK_LAMBDA_INLINE {
+        float *const Qt = buf.Qt, *const Ot = buf.Ot, *const S = buf.S, *const Vp = buf.Vp;
+        float *const m = buf.m, *const l = buf.l, *const kbias = buf.kbias;
+        int64_t *const am = buf.am, *const pos = buf.pos;
+        uint8_t* const want = buf.want;
+        const int64_t b = t.b;
+        const int R = t.R;
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = t.row_i[r];
+            pos[r] = N - M + i;
+            want[r] = a.argmax && T_ && i >= M - T_;
+            load_q_row<E>(a, b, t.row_h[r], i, Qt + static_cast<int64_t>(r) * Dp, 1);
+            m[r] = NEG_INF;
+            l[r] = 0.f;
+            am[r] = -1;
+            std::memset(Ot + static_cast<int64_t>(r) * Dp, 0, sizeof(float) * Dp);
+        }
+        const T* kb = k + b * a.ks[0] + t.hk * a.ks[1];
+        const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
+
+        for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
+            // K rows in fp32 (in place when possible); V packed [BN][Dp], rows past nj zero.
+            int64_t ldk;
+            const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk);
+            for (int j = 0; j < nj; ++j) {
+                const T* vr = vb + (j0 + j) * a.vs[2];
+                float* vp = Vp + static_cast<int64_t>(j) * Dp;
+                if (a.vs[3] == 1) {
+                    for (int64_t d = 0; d < D; ++d) vp[d] = E::load(vr + d);
+                } else {
+                    for (int64_t d = 0; d < D; ++d) vp[d] = E::load(vr + d * a.vs[3]);
+                }
+            }
+            if (nj < BN) std::memset(Vp + static_cast<int64_t>(nj) * Dp, 0, sizeof(float) * (BN - nj) * Dp);
+
+            qk_dot(Qt, Dp, R, Kr, ldk, static_cast<int>(D), S, BN, nj);
+            if (a.softcap > 0.f) softcap_block(S, static_cast<int64_t>(R) * BN, a.softcap, a.cap_inv, a.cap_post);
+
+            // Key validity for this block: 0 = valid, -inf = padding or tail past key_end (a select mask).
+            const bool need_bias = st == 1 || nj < BN;
+            if (need_bias)
+                for (int j = 0; j < BN; ++j)
+                    kbias[j] = (j < nj && (!a.kpm || a.kpm[b * N + j0 + j])) ? 0.f : NEG_INF;
+            const bool diag = a.causal && j0 + BN - 1 > t.min_pos;
+            const bool edge = a.window && j0 < t.win_edge;  // keys below some row's window
+
+            for (int r = 0; r < R; ++r) {
+                float* s = S + static_cast<int64_t>(r) * BN;
+                if (need_bias)
+                    for (int j = 0; j < BN; j += VL)
+                        vstore(s + j, vload(kbias + j) == vf{} ? vload(s + j) : vbroadcast(NEG_INF));
+                if (diag) {
+                    const int64_t lim = pos[r] - j0;  // keys j > lim are in the future
+                    for (int64_t j = std::max<int64_t>(0, lim + 1); j < BN; ++j) s[j] = NEG_INF;
+                }
+                if (edge) {  // keys j < lo are before this row's window
+                    const int64_t lo = std::min<int64_t>(BN, pos[r] - a.window + 1 - j0);
+                    for (int64_t j = 0; j < lo; ++j) s[j] = NEG_INF;
+                }
+                vf mx = vload(s);
+                for (int j = VL; j < BN; j += VL) {
+                    vf x = vload(s + j);
+                    mx = x > mx ? x : mx;
+                }
+                const float bmax = hmax(mx);
+                float* o = Ot + static_cast<int64_t>(r) * Dp;
+                if (bmax == NEG_INF) {  // nothing valid for this row in this block ...
+                    // ... unless a NaN logit hid from the max (comparisons drop NaN lanes): then go on, and
+                    // e^{NaN} poisons l and o (a NaN row), as the contract asks.
+                    bool nan = false;
+                    for (int j = 0; j < BN; ++j) nan |= s[j] != s[j];
+                    if (!nan) {
+                        std::memset(s, 0, sizeof(float) * BN);
+                        continue;
+                    }
+                }
+                if (bmax > m[r]) {  // strictly greater: earlier blocks win ties
+                    if (want[r]) {
+                        int j = 0;
+                        while (s[j] != bmax) ++j;
+                        am[r] = j0 + j;
+                    }
+                    if (m[r] != NEG_INF) {
+                        const float alpha = std::exp(m[r] - bmax);
+                        l[r] *= alpha;
+                        const vf av = vbroadcast(alpha);
+                        for (int d = 0; d < Dp; d += VL) vstore(o + d, vload(o + d) * av);
+                    }
+                    m[r] = bmax;
+                }
+                const vf mv = vbroadcast(m[r]);
+                vf sum = vf{};
+                for (int j = 0; j < BN; j += VL) {
+                    vf p = vexp(vload(s + j) - mv);
+                    vstore(s + j, p);
+                    sum += p;
+                }
+                l[r] += hsum(sum);
+            }
+
+            pv_rows<MR_PV>(S, BN, Vp, Dp, Ot, Dp, Dp, nj, R);
+        });
+
+        for (int r = 0; r < R; ++r)
+            store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + static_cast<int64_t>(r) * Dp, 1, m[r], l[r], want[r],
+                         am[r]);
+    });
+}
+
+// ---- lanes tiles (prefill) ---------------------------------------------------------------------------
+
+template <class E>
+void run_lanes(const Args& a, const Plan& plan, int threads) {
+    using T = typename E::T;
+    const T* k = static_cast<const T*>(a.k);
+    const T* v = static_cast<const T*>(a.v);
+    const int64_t M = a.M, N = a.N, D = a.D, T_ = a.T;
+    const int BN = a.block_n;
+    const int Di = static_cast<int>(D);
+    const int64_t max_rp = round_up(plan.max_rows, VL);
+    const bool convert = !std::is_same_v<E, F32> || a.ks[3] != 1 || a.vs[3] != 1;
+    struct Bufs {
+        float *Qt, *Ot, *St, *m, *l;
+        int32_t *am, *pos, *want;
+        float *Kbuf, *Vbuf;
+    };
+    const auto carve = [&](Carve& c) RETMASK_LAMBDA_INLINE {
+        return Bufs{c.take<float>(D * max_rp),     c.take<float>(D * max_rp), c.take<float>(BN * max_rp),
+                    c.take<float>(max_rp),         c.take<float>(max_rp),     c.take<int32_t>(max_rp),
+                    c.take<int32_t>(max_rp),       c.take<int32_t>(max_rp),   c.take<float>(convert ? BN * D : 0),
+                    c.take<float>(convert ? BN * D : 0)};
+    };
+    for_each_item(a, plan, threads, carve, [&](const Bufs& buf, const Tile& t) RETMASK_LAMBDA_INLINE {
+        float *const Qt = buf.Qt, *const Ot = buf.Ot, *const St = buf.St, *const m = buf.m, *const l = buf.l;
+        int32_t *const am = buf.am, *const pos = buf.pos, *const want = buf.want;
+        const int64_t b = t.b;
+        const int R = t.R;
+        // Tile rows padded to RP (a multiple of VL): padding rows see no key and hold zeros.
+        const int RP = (R + VL - 1) / VL * VL;
+        for (int r = 0; r < RP; ++r) {
+            const bool real = r < R;
+            pos[r] = real ? static_cast<int32_t>(N - M + t.row_i[r]) : -1;  // padding rows see nothing
+            want[r] = real && a.argmax && T_ && t.row_i[r] >= M - T_ ? -1 : 0;
+            m[r] = NEG_INF;
+            l[r] = 0.f;
+            am[r] = -1;
+            if (real) {
+                load_q_row<E>(a, b, t.row_h[r], t.row_i[r], Qt + r, RP);
+            } else {
+                for (int64_t d = 0; d < D; ++d) Qt[d * RP + r] = 0.f;
+            }
+        }
+        std::memset(Ot, 0, sizeof(float) * D * RP);
+        const T* kb = k + b * a.ks[0] + t.hk * a.ks[1];
+        const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
+        const int NV = RP / VL;
+        const int64_t min_pos = t.min_pos;
+
+        for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
+            int64_t ldk, ldv;
+            const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk);
+            const float* Vr = rows_fp32<E>(vb, a.vs, j0, nj, D, buf.Vbuf, &ldv);
+
+            qk_block(Kr, ldk, Qt, RP, St, Di, nj);
+            if (a.softcap > 0.f) softcap_block(St, static_cast<int64_t>(nj) * RP, a.softcap, a.cap_inv, a.cap_post);
+
+            // Masks: padded keys -> -inf rows; future keys (causal) and keys before the window -> -inf per lane.
+            if (st == 1)
+                for (int j = 0; j < nj; ++j)
+                    if (!a.kpm[b * N + j0 + j])
+                        for (int c = 0; c < NV; ++c) vstore(St + j * RP + c * VL, vbroadcast(NEG_INF));
+            if (a.causal && j0 + nj - 1 > min_pos) {
+                for (int j = static_cast<int>(std::max<int64_t>(0, min_pos + 1 - j0)); j < nj; ++j) {
+                    const int32_t key = static_cast<int32_t>(j0 + j);
+                    for (int c = 0; c < NV; ++c) {
+                        const vi p = *reinterpret_cast<const vi*>(pos + c * VL);
+                        float* s = St + j * RP + c * VL;
+                        vstore(s, p < key ? vbroadcast(NEG_INF) : vload(s));
+                    }
+                }
+            }
+            if (a.window && j0 < t.win_edge) {  // key j is outside row r's window when pos[r] - j >= window
+                const int jend = static_cast<int>(std::min<int64_t>(nj, t.win_edge - j0));
+                const vi w = vi{} + static_cast<int32_t>(a.window);
+                for (int j = 0; j < jend; ++j) {
+                    const vi key = vi{} + static_cast<int32_t>(j0 + j);
+                    for (int c = 0; c < NV; ++c) {
+                        const vi p = *reinterpret_cast<const vi*>(pos + c * VL);
+                        float* s = St + j * RP + c * VL;
+                        vstore(s, p - key >= w ? vbroadcast(NEG_INF) : vload(s));
+                    }
+                }
+            }
+
+            for (int c = 0; c < NV; ++c) {
+                const int off = c * VL;
+                vf bmax = vload(St + off);
+                for (int j = 1; j < nj; ++j) {
+                    const vf x = vload(St + j * RP + off);
+                    bmax = x > bmax ? x : bmax;
+                }
+                const vf mold = vload(m + off);
+                const vi better = bmax > mold;  // strictly: earlier blocks win ties
+                const vi wantv = *reinterpret_cast<const vi*>(want + off);
+                bool any_arg = false;
+                for (int u = 0; u < VL; ++u) any_arg |= (better[u] & wantv[u]) != 0;
+                if (any_arg) {  // first key in the block reaching the block max, per lane
+                    vi idx = vi{} + nj;
+                    for (int j = nj - 1; j >= 0; --j) idx = vload(St + j * RP + off) == bmax ? vi{} + j : idx;
+                    vi amv = *reinterpret_cast<const vi*>(am + off);
+                    amv = (better & wantv) ? idx + static_cast<int32_t>(j0) : amv;
+                    *reinterpret_cast<vi*>(am + off) = amv;
+                }
+                const vf mnew = better ? bmax : mold;
+                // exp(-inf - -inf) would be NaN: rows with nothing valid so far subtract 0 instead.
+                const vf msafe = mnew == vbroadcast(NEG_INF) ? vf{} : mnew;
+                const vf alpha = vexp(mold - msafe);
+                vstore(m + off, mnew);
+                vf sum = vf{};
+                for (int j = 0; j < nj; ++j) {
+                    float* s = St + j * RP + off;
+                    const vf p = vexp(vload(s) - msafe);
+                    vstore(s, p);
+                    sum += p;
+                }
+                vstore(l + off, vload(l + off) * alpha + sum);
+                bool changed = false;
+                for (int u = 0; u < VL; ++u) changed |= better[u] != 0;
+                if (changed) {
+                    for (int64_t d = 0; d < D; ++d) vstore(Ot + d * RP + off, vload(Ot + d * RP + off) * alpha);
+                }
+            }
+
+            pv_block(Vr, ldv, St, RP, Ot, Di, nj);
+        });
+
+        for (int r = 0; r < R; ++r)
+            store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + r, RP, m[r], l[r], want[r] != 0, am[r]);
+    });
+}
+
+// Lanes path when a tile fills at least one VL-row vector, row-major path otherwise (decode). Calls too
+// small to split run on the calling thread; others on `threads` threads, at most one per work item.
+template <class E>
+void run(const Args& a, int threads) {
+    const Plan plan = make_plan<E>(a);
+    threads = plan.parallel() ? static_cast<int>(std::min<int64_t>(threads, plan.items.size())) : 1;
+    if (plan.max_rows >= VL)
+        run_lanes<E>(a, plan, threads);
+    else
+        run_rows<E>(a, plan, threads);
+}
+
+}  // namespace
+
+void run(const KernelArgs& a, DType dtype, int threads) {
+    switch (dtype) {
+        case DType::Float32: run<F32>(a, threads); break;
+        case DType::Float16: run<F16>(a, threads); break;
+        default: run<BF16>(a, threads); break;
+    }
+}
+
+}  // namespace retmask::detail::RETMASK_ISA
