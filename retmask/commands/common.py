@@ -23,8 +23,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16", "float64"],
-        help="dtype of the weights and activations",
+        choices=["auto", "float32", "bfloat16", "float16", "float64"],
+        help="dtype of the weights and activations; auto = bfloat16 on CUDA and on CPUs that compute bf16 "
+        "natively (AMX or AVX512-BF16), float32 elsewhere (the resolved dtype is recorded)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
 
@@ -114,7 +115,7 @@ def load_from_args(args: argparse.Namespace):
     from retmask.hf.loading import load_model, parse_dtype
 
     model, tok = load_model(
-        args.model, gguf_file=args.gguf_file, dtype=parse_dtype(args.dtype), device=args.device
+        args.model, gguf_file=args.gguf_file, dtype=parse_dtype(args.dtype, args.device), device=args.device
     )
     name = args.model or args.gguf_file or "embedded:SmolLM2-135M-Instruct"
     return model, tok, name

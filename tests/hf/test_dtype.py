@@ -1,0 +1,59 @@
+"""``--dtype auto``: bf16 exactly where the device computes it natively, fp32 elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retmask.hf import loading
+
+
+def _fake_cpu(monkeypatch, *, amx: bool, avx512_bf16: bool) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+
+
+@pytest.mark.parametrize(
+    "amx,avx512_bf16,expected",
+    [
+        (False, False, "float32"),
+        (True, False, "bfloat16"),
+        (False, True, "bfloat16"),
+        (True, True, "bfloat16"),
+    ],
+)
+def test_auto_follows_native_bf16_on_cpu(monkeypatch, amx, avx512_bf16, expected):
+    _fake_cpu(monkeypatch, amx=amx, avx512_bf16=avx512_bf16)
+    assert loading.resolve_dtype_name("auto", "cpu") == expected
+    assert loading.parse_dtype("auto", "cpu") == loading.DTYPES[expected]
+
+
+def test_explicit_names_are_kept(monkeypatch):
+    _fake_cpu(monkeypatch, amx=True, avx512_bf16=True)
+    for name in loading.DTYPES:
+        assert loading.resolve_dtype_name(name, "cpu") == name
+    assert loading.parse_dtype("float32") is torch.float32
+
+
+def test_this_machine_matches_its_cpu_flags():
+    """No monkeypatching: auto is bf16 exactly when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16."""
+    flags = set()
+    for line in open("/proc/cpuinfo").read().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    native = bool({"amx_bf16", "amx_tile", "avx512_bf16"} & flags)
+    assert loading.native_bf16("cpu") == native
+    assert loading.resolve_dtype_name("auto") == ("bfloat16" if native else "float32")
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(ValueError, match=r"--dtype must be one of \['auto', 'float32'.*got 'fp8'"):
+        loading.parse_dtype("fp8")
+
+
+def test_cuda_without_a_gpu_is_not_bf16():
+    if torch.cuda.is_available():  # a GPU machine: auto follows the GPU's own bf16 support
+        assert loading.native_bf16("cuda") == torch.cuda.is_bf16_supported()
+    else:
+        assert loading.native_bf16("cuda") is False
