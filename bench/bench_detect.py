@@ -33,7 +33,13 @@ from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: 
 from retmask.detect.answers import earlier_answers, prefix_order  # noqa: E402
 from retmask.detect.run import RECALL_THRESHOLD  # noqa: E402
 from retmask.detect.scores import head_scores, mean_matrix, ranking  # noqa: E402
-from retmask.niah import build_tests, default_haystack_text, load_needles, rouge1_recall  # noqa: E402
+from retmask.niah import (  # noqa: E402
+    build_tests,
+    default_haystack_text,
+    load_needles,
+    resolve_prompt_style,
+    rouge1_recall,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -120,6 +126,13 @@ def main() -> None:
     ap.add_argument("--lengths", default="1000,2000,3000,4000,5000")
     ap.add_argument("--depths", default="0,50,100")
     ap.add_argument("--needles", type=int, default=2, help="first N shipped needles")
+    ap.add_argument(
+        "--model", default=None, help="model name or path (default: the embedded SmolLM2; e.g. gemma3-270m)"
+    )
+    ap.add_argument(
+        "--prompt-style", choices=["auto", "base", "chat"], default="auto",
+        help="NIAH template (auto: chat if the tokenizer has a chat template, else base)",
+    )  # fmt: skip
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--tag", default="detect")
     ap.add_argument("--long", type=int, default=0, help="only the long-context memory check at this length")
@@ -143,11 +156,15 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
 
-    model, tok = retmask.load_model()
+    model, tok = retmask.load_model(args.model)
+    model_name = args.model or "embedded SmolLM2-135M-Instruct"
     needles = load_needles()[: args.needles]
-    tests = [
-        t for t in build_tests(tok, needles, default_haystack_text(), lengths, depths) if not t.skip_reason
-    ]
+    chat = resolve_prompt_style(tok, args.prompt_style) == "chat"
+    built = build_tests(tok, needles, default_haystack_text(), lengths, depths, chat=chat)
+    for t in built:  # reported, as `retmask detect` does (e.g. a needle span the tokenizer splits apart)
+        if t.skip_reason:
+            print(f"skipped: needle {t.needle_index}, length {t.length}, depth {t.depth}: {t.skip_reason}")
+    tests = [t for t in built if not t.skip_reason]
     stops = stop_token_ids(tok, model)
     shape = (model.config.num_hidden_layers, model.config.num_attention_heads)
 
@@ -220,6 +237,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     summary = {
         "machine": machine_description(),
+        "model": model_name,
         "grid": {"lengths": lengths, "depths": depths, "needles": len(needles), "tests": len(tests)},
         "per_length": per_len,
         "reference_total_s": ref_total,
@@ -251,10 +269,17 @@ def main() -> None:
     }
     (RESULTS / f"{args.tag}.json").write_text(json.dumps(summary, indent=1))
     md = [
-        f"# `retmask detect` vs reference-style detection ({summary['machine'].get('cpu', '')})",
+        f"# `retmask detect` vs reference-style detection ({summary['machine'].get('cpu', '')}, SIMD "
+        f"{summary['machine'].get('simd', '?')}, kernel build {summary['machine'].get('kernel build', '?')})",
         "",
-        f"Embedded SmolLM2-135M-Instruct, fp32, 2 threads; {len(tests)} tests = lengths {lengths} x depths {depths} "
-        f"x {len(needles)} needles. Reference style: SDPA prefill "
+        f"{model_name}, fp32, 2 threads, prompt style {'chat' if chat else 'base'}; {len(tests)} tests = lengths {lengths} x depths {depths} "
+        f"x {len(needles)} needles"
+        + (
+            f" ({len(built) - len(tests)} skipped: {sorted({t.skip_reason for t in built if t.skip_reason})})"
+            if len(built) > len(tests)
+            else ""
+        )
+        + ". Reference style: SDPA prefill "
         + (
             "computing the logits of every prompt position (as the published script's plain forward call does)"
             if args.reference_logits == "all"

@@ -274,6 +274,7 @@ def _run_record(
         "layers": shape[0],
         "query_heads": shape[1],
         "protocol": cfg.protocol,
+        "prompt_style": fingerprint["prompt_style"],  # resolved ("base" / "chat"); config has the request
         "grid": {
             "lengths": fingerprint["lengths"],
             "depths": fingerprint["depths"],

@@ -340,3 +340,10 @@ def test_detect_records_the_dtype_auto_resolved_to(
     main(detect_argv(tiny_dir, one_needle, out, "--dtype", "auto"))  # the tiny model counts no test: rc 2
     record = json.loads(out.with_name("s.run.json").read_text())
     assert record["config"]["dtype"] == ("bfloat16" if native else "float32")
+    # the prompt style is recorded the same way: as requested in config, resolved at the top level
+    from transformers import AutoTokenizer
+
+    from retmask.niah import resolve_prompt_style
+
+    assert record["config"]["prompt_style"] == "auto"
+    assert record["prompt_style"] == resolve_prompt_style(AutoTokenizer.from_pretrained(tiny_dir), "auto")
