@@ -53,7 +53,7 @@ from .triton_common import (
     first_valid_keys,
     new_float,
 )
-from .triton_fwd import _tanh
+from .triton_fwd import _logit_scales, _tanh
 
 
 @triton.jit
@@ -140,12 +140,7 @@ def _bwd_dkdv_kernel(
     key_ok = n_ok
     if HAS_PAD:
         key_ok = key_ok & (tl.load(PadMask + b * N + cols, mask=n_ok, other=0) != 0)
-    if SOFTCAP:
-        qk_scale = sm_scale / softcap
-        cap2 = softcap * 1.4426950408889634
-    else:
-        qk_scale = sm_scale * 1.4426950408889634
-        cap2 = 1.0
+    qk_scale, cap2 = _logit_scales(sm_scale, softcap, SOFTCAP)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # Rows i with N - M + i >= start_n are the first that can see this key block.
@@ -256,12 +251,7 @@ def _bwd_dq_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     pos = rows + (N - M)
-    if SOFTCAP:
-        qk_scale = sm_scale / softcap
-        cap2 = softcap * 1.4426950408889634
-    else:
-        qk_scale = sm_scale * 1.4426950408889634
-        cap2 = 1.0
+    qk_scale, cap2 = _logit_scales(sm_scale, softcap, SOFTCAP)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if CAUSAL:
         hi = tl.minimum(N, start_m + BLOCK_M + (N - M))

@@ -48,7 +48,7 @@ from .triton_common import (
     new_index,
     num_sms,
 )
-from .triton_fwd import _fwd_block
+from .triton_fwd import _fwd_block, _logit_scales
 
 
 @triton.jit
@@ -84,12 +84,7 @@ def _decode_partial_kernel(
     v_base = V + b * stride_vb + kvh * stride_vh
     pad_base = PadMask + b * N
     pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (N - 1)  # the row's position (window edge; no causal mask)
-    if SOFTCAP:
-        qk_scale = sm_scale / softcap
-        cap2 = softcap * 1.4426950408889634
-    else:
-        qk_scale = sm_scale * 1.4426950408889634
-        cap2 = 1.0
+    qk_scale, cap2 = _logit_scales(sm_scale, softcap, SOFTCAP)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)

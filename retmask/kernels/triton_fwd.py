@@ -94,6 +94,19 @@ def _tanh(x):
 
 
 @triton.jit
+def _logit_scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """(qk_scale, cap2) of ``_scaled_logits``: ``sm_scale * log2(e)`` and 1 without a cap; with one,
+    ``sm_scale / softcap`` and ``softcap * log2(e)``."""
+    if SOFTCAP:
+        qk_scale = sm_scale / softcap
+        cap2 = softcap * 1.4426950408889634
+    else:
+        qk_scale = sm_scale * 1.4426950408889634
+        cap2 = 1.0
+    return qk_scale, cap2
+
+
+@triton.jit
 def _scaled_logits(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Base-2 logits [BM, BN] of q [BM, BD] against k [BN, BD].
 
@@ -208,12 +221,7 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     idx_i = tl.full([BLOCK_M], -1, dtype=tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if SOFTCAP:
-        qk_scale = sm_scale / softcap
-        cap2 = softcap * 1.4426950408889634
-    else:
-        qk_scale = sm_scale * 1.4426950408889634
-        cap2 = 1.0
+    qk_scale, cap2 = _logit_scales(sm_scale, softcap, SOFTCAP)
 
     # Keys in [mid_lo, full_hi) are in range and visible to every row of the tile: no mask at all.
     first_pos = start_m * BLOCK_M + (N - M)

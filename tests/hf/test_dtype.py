@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from retmask.hf import loading
+from tests.kernels.test_cpu_builds import cpu_flags
 
 
 def _fake_cpu(monkeypatch, *, amx: bool, avx512_bf16: bool) -> None:
@@ -37,11 +38,7 @@ def test_explicit_names_are_kept(monkeypatch):
 
 def test_this_machine_matches_its_cpu_flags():
     """No monkeypatching: auto is bf16 exactly when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16."""
-    flags = set()
-    for line in open("/proc/cpuinfo").read().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
+    flags = cpu_flags()
     native = bool({"amx_bf16", "amx_tile", "avx512_bf16"} & flags)
     assert loading.native_bf16("cpu") == native
     assert loading.resolve_dtype_name("auto") == ("bfloat16" if native else "float32")
