@@ -20,14 +20,33 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="hub id, HF folder or .gguf file (default: embedded SmolLM2)"
     )
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (or a path)")
+    add_dtype_arg(p)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+
+
+def add_dtype_arg(p: argparse.ArgumentParser, *, training: bool = False, help: str | None = None) -> None:
+    """``--dtype auto|float32|bfloat16|...``. ``training=True``: float32 or bfloat16 only, the precision of
+    the forward and backward passes (bf16 autocast over float32 master weights, as transformers' Trainer
+    does with ``bf16=True``). ``help`` replaces the default help text."""
+    if training:
+        p.add_argument(
+            "--dtype",
+            default="float32",
+            choices=["auto", "float32", "bfloat16"],
+            help=help
+            or "training precision: bfloat16 = bf16 autocast with float32 master weights and optimizer "
+            "state; auto = bfloat16 on CUDA and on CPUs that compute bf16 natively (AMX or AVX512-BF16), "
+            "float32 elsewhere (the resolved choice is recorded)",
+        )
+        return
     p.add_argument(
         "--dtype",
         default="float32",
         choices=["auto", "float32", "bfloat16", "float16", "float64"],
-        help="dtype of the weights and activations; auto = bfloat16 on CUDA and on CPUs that compute bf16 "
+        help=help
+        or "dtype of the weights and activations; auto = bfloat16 on CUDA and on CPUs that compute bf16 "
         "natively (AMX or AVX512-BF16), float32 elsewhere (the resolved dtype is recorded)",
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
 
 
 def add_grid_args(

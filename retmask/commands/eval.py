@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import nonneg_int, percent_int, positive_int
-from retmask.commands.common import reports_errors
+from retmask.commands.common import add_dtype_arg, reports_errors
 from retmask.evaluate.config import DEFAULT_MAX_LEN, TASK_LABELS, EvalConfig
 
 
@@ -27,6 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", action="append", required=True,
                    help="hub id, folder or .gguf; 'embedded' = the embedded SmolLM2 (repeat for each model)")  # fmt: skip
+    add_dtype_arg(p)
     p.add_argument("--label", action="append", help="display name per --model (default: folder name)")
     p.add_argument("--heads", action="append", type=Path, default=[],
                    help="heads JSON (retmask mask) for the score shift; repeatable")  # fmt: skip
@@ -62,10 +63,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    from retmask.hf.loading import resolve_dtype_name
+
     return EvalConfig(
         min_len=args.min_len, max_len=args.max_len, num_lengths=args.num_lengths, num_depths=args.num_depths,
         niah_needles=args.niah_needles, mn_needles=args.mn_needles, kv_depths=list(args.kv_depths),
         max_new_tokens=args.max_new_tokens, seed=args.seed, tasks=list(args.tasks),
+        dtype=resolve_dtype_name(args.dtype),
     )  # fmt: skip
 
 

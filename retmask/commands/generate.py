@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import nonneg_float, nonneg_int, open_unit_float, positive_int
-from retmask.commands.common import reports_errors
+from retmask.commands.common import add_dtype_arg, reports_errors
 from retmask.methods.retmask.instructions import BUILTIN
 
 
@@ -35,6 +35,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     who.add_argument("--rejected-model", help="model giving the rejected responses instead (no masks)")
     p.add_argument("--out", type=Path, required=True, help="pairs JSONL to write")
     p.add_argument("--model", help="policy model: hub id, folder or .gguf (default: the embedded SmolLM2)")
+    add_dtype_arg(p)
     p.add_argument(
         "--temperature", type=nonneg_float, default=0.6, help="0 = greedy (default 0.6, as the paper)"
     )
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import retmask
     from retmask.heads import SelectionError, model_shape, read_heads
+    from retmask.hf.loading import parse_dtype, resolve_dtype_name
     from retmask.methods.retmask.generate import GenerateError, SamplingConfig, generate_pairs, stats_path
     from retmask.methods.retmask.instructions import InstructionError, load_instructions
 
@@ -87,12 +89,15 @@ def _run(args: argparse.Namespace) -> int:
         sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.seed)
         if args.max_prompt_tokens <= 0:
             raise GenerateError(f"--max-prompt-tokens must be positive, got {args.max_prompt_tokens}")
-        model, tokenizer = retmask.load_model(args.model)
+        dtype = resolve_dtype_name(args.dtype)  # "auto" resolved once: recorded and used for both models
+        model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype))
         heads = rejected_model = rejected_tokenizer = None
         if args.heads is not None:
             heads = read_heads(args.heads, model_shape=model_shape(model)).heads
         else:
-            rejected_model, rejected_tokenizer = retmask.load_model(args.rejected_model)
+            rejected_model, rejected_tokenizer = retmask.load_model(
+                args.rejected_model, dtype=parse_dtype(dtype)
+            )
         instructions = load_instructions(
             args.instructions, args.limit, column=args.column, tokenizer=tokenizer,
             max_tokens=args.max_prompt_tokens,
@@ -102,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
             "rejected_model": args.rejected_model,
             "instructions": str(args.instructions),
             "column": args.column,
+            "dtype": dtype,
         }
         stats = generate_pairs(
             instructions, model, tokenizer, args.out, sampling, heads=heads, rejected_model=rejected_model,

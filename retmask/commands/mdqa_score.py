@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import positive_int, unit_float
-from retmask.commands.common import reports_errors
+from retmask.commands.common import add_dtype_arg, reports_errors
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -32,6 +32,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="MDQA JSONL (python -m retmask.methods.mudaf.mdqa writes one)",
     )
     p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
+    add_dtype_arg(p)
     p.add_argument("--out", type=Path, required=True, help="scores JSON to write")
     p.add_argument("--plot", type=Path, help="heatmap PNG of the mean F1 per head")
     p.add_argument("--epsilon", type=unit_float, default=DEFAULT_EPSILON,
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import retmask
+    from retmask.hf.loading import parse_dtype, resolve_dtype_name
     from retmask.methods.mudaf.mdqa import MDQAError, load_mdqa
     from retmask.methods.mudaf.score import (
         MDQAScoreConfig,
@@ -84,9 +86,14 @@ def _run(args: argparse.Namespace) -> int:
         cfg = MDQAScoreConfig(epsilon=args.epsilon, batch_size=args.batch_size, max_length=args.max_length)
         cfg.check()
         examples = load_mdqa(args.data, limit=args.limit)
-        model, tokenizer = retmask.load_model(args.model)
+        dtype = resolve_dtype_name(args.dtype)
+        model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype))
         scores = score_mdqa(model, tokenizer, examples, cfg)
-        extra = {"data": str(args.data), "model": args.model or "embedded SmolLM2-135M-Instruct"}
+        extra = {
+            "data": str(args.data),
+            "model": args.model or "embedded SmolLM2-135M-Instruct",
+            "dtype": dtype,
+        }
         if args.answers:
             extra["answers"] = answer_accuracy(model, tokenizer, examples, max_length=args.max_length)
         paths = write_scores(scores, args.out, args.plot, masses=args.masses, **extra)

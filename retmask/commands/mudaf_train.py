@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import nonneg_float, nonneg_int, positive_float, positive_int, unit_float
-from retmask.commands.common import reports_errors
+from retmask.commands.common import add_dtype_arg, reports_errors
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -24,12 +24,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "key of passage p (a query head uses its KV group's keys), golden passage(s) positive (two golden "
             "passages: one term each against the distractors, averaged). CLM on the answer tokens of the "
             "paper's template. Heads from --heads, or sampled from MDQA scores with P(h) ∝ exp(R_h/τ_h). "
-            "AdamW, constant lr after optional warm-up, fp32; saves an HF checkpoint and mudaf_train.json."
+            "AdamW, constant lr after optional warm-up, fp32 or bf16 autocast (--dtype); saves an HF checkpoint and mudaf_train.json."
         ),
     )
     p.add_argument("--data", type=Path, required=True, help="MDQA training JSONL")
     p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--out", type=Path, required=True, help="folder for the trained model")
+    add_dtype_arg(p, training=True)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--heads", type=Path, help="heads JSON (retmask mask / a list of [layer, head])")
     src.add_argument("--scores", type=Path, help="MDQA scores JSON (retmask mdqa-score): sample the heads")
@@ -129,6 +130,7 @@ def _run(args: argparse.Namespace) -> int:
     import retmask
     from retmask.heads.selection import SelectionError, write_heads
     from retmask.hf.layers import head_layout
+    from retmask.hf.precision import resolve_training_dtype
     from retmask.methods.mudaf.mdqa import MDQAError, load_mdqa
     from retmask.methods.mudaf.train import MuDAFConfig, train_mudaf
 
@@ -137,15 +139,16 @@ def _run(args: argparse.Namespace) -> int:
             raise MDQAError(f"--limit must be >= 1, got {args.limit}")
         if not args.vanilla_sft and args.heads is None and args.scores is None:
             raise MDQAError("MuDAF needs target heads: --heads heads.json or --scores mdqa_scores.json")
+        dtype = resolve_training_dtype(args.dtype)  # before loading: a bad value fails fast
         examples = load_mdqa(args.data, limit=args.limit)
-        model, tokenizer = retmask.load_model(args.model)
+        model, tokenizer = retmask.load_model(args.model)  # float32 master weights whatever --dtype says
         selection = select(args, list(head_layout(model).shape))
         cfg = MuDAFConfig(
             heads=list(selection.heads) if selection else [], lambda_con=args.lambda_con, alpha=args.alpha,
             vanilla_sft=args.vanilla_sft, temperature=args.temperature, similarity=args.similarity,
             learning_rate=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
             max_steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
-            max_length=args.max_length, seed=args.seed, save_every=args.save_every,
+            max_length=args.max_length, seed=args.seed, save_every=args.save_every, dtype=dtype,
         )  # fmt: skip
         cfg.check()
         if selection is not None:

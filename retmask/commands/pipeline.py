@@ -15,7 +15,7 @@ from retmask.commands.argtypes import (
     steps_or_off,
     unit_float,
 )
-from retmask.commands.common import reports_errors
+from retmask.commands.common import add_dtype_arg, reports_errors
 from retmask.methods.retmask.pipeline_config import STAGES, VARIANTS, PipelineConfig
 from retmask.niah.grid import PROTOCOLS
 
@@ -32,6 +32,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
+    add_dtype_arg(p, training=True, help=(
+        "float32 (default) or bfloat16: the weights of detect, generate and eval, and bf16 autocast over float32 "
+        "master weights in train; auto = bfloat16 on CUDA and on CPUs that compute bf16 natively (AMX or "
+        "AVX512-BF16), float32 elsewhere (recorded resolved)"
+    ))  # fmt: skip
     p.add_argument("--run-dir", type=Path, default=Path("runs/pipeline"), help="default runs/pipeline")
     p.add_argument("--baseline", choices=VARIANTS, default=d.baseline,
                    help="heads masked for the rejected responses: retrieval heads (retmask, default) or a baseline")  # fmt: skip
@@ -91,6 +96,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 @reports_errors(interrupt_hint="run the same command again to resume")
 def run(args: argparse.Namespace) -> int:
     from retmask.heads.selection import SelectionError
+    from retmask.hf.precision import resolve_training_dtype
     from retmask.methods.retmask.generate import GenerateError
     from retmask.methods.retmask.instructions import InstructionError
     from retmask.methods.retmask.pairs import PairsError
@@ -98,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     threshold = args.threshold if args.threshold is not None else (None if args.top_k is not None else 0.1)
     cfg = PipelineConfig(
-        model=args.model, baseline=args.baseline, scores=args.scores, protocol=args.protocol,
+        model=args.model, dtype=resolve_training_dtype(args.dtype), baseline=args.baseline, scores=args.scores, protocol=args.protocol,
         detect_min_len=args.detect_min_len, detect_max_len=args.detect_max_len, detect_lengths=args.detect_lengths,
         detect_depths=args.detect_depths, threshold=threshold, top_k=args.top_k, mask_seed=args.mask_seed,
         instructions=args.instructions, num_instructions=args.num_instructions, temperature=args.temperature,

@@ -16,7 +16,7 @@ from retmask.commands.argtypes import (
     steps_or_off,
     unit_float,
 )
-from retmask.commands.common import reports_errors
+from retmask.commands.common import add_dtype_arg, reports_errors
 from retmask.heads.selection import SelectionError
 from retmask.methods.retmask.pairs import PairsError
 from retmask.methods.retmask.train_config import TrainConfig
@@ -62,7 +62,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"prompt + response tokens (default {d.max_length}); longer responses are truncated")  # fmt: skip
     p.add_argument("--seed", type=nonneg_int, default=d.seed)
     p.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for memory")
-    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU only; CPU stays fp32)")
+    add_dtype_arg(p, training=True)
+    p.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
     p.add_argument(
         "--sft", action="store_true", help="SFT on the chosen responses only (the paper's baseline)"
     )
@@ -85,8 +86,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 @reports_errors(interrupt_hint="nothing resumable was written (training restarts from the beginning)")
 def run(args: argparse.Namespace) -> int:
-    import torch
-
+    from retmask.hf.precision import resolve_training_dtype
     from retmask.methods.retmask.dpo import train_dpo, train_sft
     from retmask.methods.retmask.pair_file import unfinished_generation
     from retmask.runfiles import RunLock, check_writable
@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         learning_rate=args.lr, min_lr_rate=args.min_lr_rate, warmup_ratio=args.warmup_ratio,
         weight_decay=args.weight_decay, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
         grad_accum=args.grad_accum, max_length=args.max_length, seed=args.seed,
-        gradient_checkpointing=args.gradient_checkpointing, beta=args.beta, bf16=args.bf16,
+        gradient_checkpointing=args.gradient_checkpointing, beta=args.beta,
+        dtype=resolve_training_dtype("bfloat16" if args.bf16 else args.dtype),
     )  # fmt: skip
     try:
         for name in ("batch_size", "grad_accum", "max_length"):
@@ -103,8 +104,6 @@ def run(args: argparse.Namespace) -> int:
                 raise PairsError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
         if not (0.0 <= cfg.warmup_ratio < 1.0) or not (0.0 <= cfg.min_lr_rate <= 1.0):
             raise PairsError("--warmup-ratio must be in [0, 1) and --min-lr-rate in [0, 1]")
-        if cfg.bf16 and not torch.cuda.is_available():
-            raise PairsError("--bf16 needs a GPU; on CPU training runs in fp32")
         unfinished = unfinished_generation(args.pairs)
         if unfinished and not args.allow_incomplete:
             raise PairsError(f"{unfinished}, or pass --allow-incomplete to train on it as it is")

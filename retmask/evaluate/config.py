@@ -29,6 +29,7 @@ class EvalConfig:
     max_new_tokens: int = 32
     seed: int = 0
     tasks: list[str] = field(default_factory=lambda: ["niah", "multi_needle", "kv"])
+    dtype: str = "float32"  # of the weights and activations (a resolved name: never "auto")
 
     def lengths(self, model: Any) -> list[int]:
         from retmask.hf.loading import max_context
@@ -55,3 +56,9 @@ class EvalConfig:
             raise ValueError(f"unknown task(s) {bad}; choose from {list(TASK_LABELS)}")
         if self.niah_needles < 1 or self.mn_needles < 1 or self.max_new_tokens < 1:
             raise ValueError("needle counts and max_new_tokens must be >= 1")
+        from retmask.hf.loading import DTYPES
+
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"dtype must be one of {sorted(DTYPES)} (resolve 'auto' first), got {self.dtype!r}"
+            )

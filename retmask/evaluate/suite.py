@@ -39,7 +39,7 @@ from retmask.evaluate.shift import build_probe, probe_scores, split_means
 from retmask.evaluate.synthetic import run_task
 from retmask.heads import model_shape
 from retmask.heads.selection import read_heads
-from retmask.hf.loading import default_model_path, load_model
+from retmask.hf.loading import DTYPES, default_model_path, load_model
 from retmask.niah import depth_grid
 from retmask.runfiles import atomic_write_json, digest, read_json
 
@@ -124,7 +124,10 @@ def evaluate_model(model: Any, tokenizer: Any, cfg: EvalConfig, *, progress: boo
 
 
 def _fingerprint(cfg: EvalConfig, identity: str) -> str:
-    return digest({"version": RESULT_VERSION, "config": asdict(cfg), "model": identity})
+    config = asdict(cfg)
+    if config["dtype"] == "float32":  # the default: cache entries written before --dtype existed stay valid
+        del config["dtype"]
+    return digest({"version": RESULT_VERSION, "config": config, "model": identity})
 
 
 def run_suite(
@@ -176,7 +179,7 @@ def run_suite(
         else:
             log(f"[eval] {label}: evaluating {spec or 'the embedded model'}")
             start = time.perf_counter()
-            model, tok = load_model(spec)
+            model, tok = load_model(spec, dtype=DTYPES[cfg.dtype])
             res = evaluate_model(model, tok, cfg, progress=progress)
             del model
             res.update({"fingerprint": fp, "model": spec or "embedded", "identity": identity,

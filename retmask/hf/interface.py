@@ -120,6 +120,20 @@ def _skip_heads(module: torch.nn.Module, batch: int, device: torch.device) -> to
     return skip
 
 
+def _autocast_inputs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under ``torch.autocast``, q, k, v in the autocast dtype, as SDPA gets them (it is on autocast's
+    lower-precision list). Needed because they arrive mixed: Llama's rotary embedding multiplies the bf16
+    q and k by float32 cos/sin, which promotes them to float32, while v stays bf16. Outside autocast the
+    tensors pass unchanged (and mixed dtypes stay an error that names them)."""
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def retmask_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -143,6 +157,7 @@ def retmask_attention(
     features = dict(
         window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
     )
+    query, key, value = _autocast_inputs(query, key, value)
     B, _, S, _ = query.shape
     kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
     skip = _skip_heads(module, B, query.device)

@@ -99,3 +99,16 @@ def test_niah_checks_mask_flags_before_loading_the_model(tmp_path, capsys):
     rc = main(["niah", "--model", str(tmp_path / "no-model"), "--mask-top", "3", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "--mask-top K needs --scores" in err
+
+
+MODEL_COMMANDS = ["ablate", "detect", "eval", "generate", "mdqa-score", "niah"]
+TRAINING_COMMANDS = ["mudaf-train", "pipeline", "train"]  # float32 or bf16 autocast only
+
+
+@pytest.mark.parametrize("name", MODEL_COMMANDS + TRAINING_COMMANDS)
+def test_every_command_that_runs_a_model_takes_dtype(name):
+    parser = _commands()[name]
+    (action,) = [a for a in parser._actions if "--dtype" in a.option_strings]
+    assert action.default == "float32" and {"auto", "float32", "bfloat16"} <= set(action.choices)
+    # training keeps float32 master weights: a float16 or float64 "training dtype" is refused by the parser
+    assert ("float16" in action.choices) == (name in MODEL_COMMANDS)

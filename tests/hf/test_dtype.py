@@ -54,3 +54,26 @@ def test_cuda_without_a_gpu_is_not_bf16():
         assert loading.native_bf16("cuda") == torch.cuda.is_bf16_supported()
     else:
         assert loading.native_bf16("cuda") is False
+
+
+def test_bf16_autocast_forward_and_backward_follow_sdpa():
+    """Under CPU bf16 autocast the rotary embedding leaves q, k in float32 and v in bf16; retmask attention
+    casts them to the autocast dtype as SDPA does, so logits and gradients follow SDPA's."""
+    from retmask.detect.core import attn_implementation
+    from tests.tiny import tiny_llama
+
+    model = tiny_llama()
+    ids = torch.randint(3, 16, (2, 40), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for impl in ("retmask", "sdpa"):
+        model.zero_grad(set_to_none=True)
+        with attn_implementation(model, impl), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        assert logits.dtype == torch.bfloat16
+        logits.float().logsumexp(-1).mean().backward()
+        got[impl] = (logits.float(), model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    torch.testing.assert_close(got["retmask"][0], got["sdpa"][0], rtol=0.05, atol=0.05)
+    grad, want = got["retmask"][1], got["sdpa"][1]
+    assert (
+        want.norm() > 0 and (grad - want).norm() < 0.03 * want.norm()
+    )  # bf16 rounding, not a wrong gradient

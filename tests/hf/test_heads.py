@@ -35,6 +35,21 @@ def test_head_mask_equals_zeroed_o_proj(arch):
     )
 
 
+def test_head_mask_equals_zeroed_o_proj_in_bf16(arch):
+    """Both sides in bf16 on retmask attention: the same, bit for bit. A masked head's output is exactly 0
+    where the zeroed checkpoint multiplies it by exact zeros, so every o_proj sum has the same non-zero
+    terms. (Against SDPA the other heads differ by bf16 rounding, as any two bf16 kernels do.)"""
+    model = tiny_model(arch).to(torch.bfloat16)
+    zeroed = zeroed_copy(model, HEADS, attn="retmask")
+    ids, mask = random_batch(2, 12, left_pad=[0, 3])
+    valid = mask.bool()
+    with retmask.head_mask(model, HEADS):
+        masked = logits(model, ids, mask)[valid]
+    want = logits(zeroed, ids, mask)[valid]
+    assert masked.dtype == torch.bfloat16 and torch.equal(masked, want)
+    assert not torch.equal(logits(model, ids, mask)[valid], want)  # the mask changed something
+
+
 def test_mask_forms_agree_and_context_manager_restores():
     model = tiny_model("qwen3")
     ids, mask = random_batch(2, 8)

@@ -50,6 +50,7 @@ class MuDAFConfig:
     max_length: int | None = None  # None = the model's context
     seed: int = 0
     save_every: int = 0  # optimizer steps between resume checkpoints; 0 = none
+    dtype: str = "float32"  # or "bfloat16": bf16 autocast over float32 master weights
 
     def check(self) -> None:
         if self.vanilla_sft and self.alpha not in (None, 0):
@@ -65,6 +66,8 @@ class MuDAFConfig:
         for name in ("max_steps", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise MDQAError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise MDQAError(f"dtype must be float32 or bfloat16 (bf16 autocast), got {self.dtype!r}")
         if self.learning_rate <= 0 or self.warmup_steps < 0 or self.save_every < 0:
             raise MDQAError("learning rate must be > 0, warm-up steps and save-every >= 0")
         if not self.vanilla_sft and not self.heads:

@@ -30,6 +30,7 @@ import torch
 
 from retmask.hf.layers import head_layout
 from retmask.hf.loading import max_context
+from retmask.hf.precision import training_autocast
 from retmask.hf.taps import tap_qk
 from retmask.methods.mudaf.config import MuDAFConfig
 from retmask.methods.mudaf.loss import Head, combine, contrastive_loss
@@ -140,6 +141,8 @@ def _batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
 def _resume_settings(cfg: MuDAFConfig, examples: int) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint (more --steps or another --save-every is fine)."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "save_every")}
+    if settings["dtype"] == "float32":  # the default: checkpoints written before --dtype existed still resume
+        del settings["dtype"]
     return settings | {"heads": [list(h) for h in cfg.heads], "examples": examples}
 
 
@@ -232,7 +235,8 @@ def train_mudaf(
             epoch, pos = divmod(micro, micro_per_epoch)
             idx = _batches(len(items), cfg.batch_size, cfg.seed, epoch)[pos]
             micro += 1
-            loss, clm, con = mudaf_losses(model, collate([items[i] for i in idx], pad_id), cfg)
+            with training_autocast(cfg.dtype, model.device.type):
+                loss, clm, con = mudaf_losses(model, collate([items[i] for i in idx], pad_id), cfg)
             (loss / cfg.grad_accum).backward()
             sums["loss"] += float(loss.detach()) / cfg.grad_accum
             sums["clm"] += float(clm.detach()) / cfg.grad_accum

@@ -144,6 +144,7 @@ def generate_pairs(
     bar.close()
     stats = compute_stats(read_pairs(writer.out), writer.progress.dropped)
     data = asdict(stats)
+    data["settings"] = fp  # models, dtype, heads, sampling: what produced these pairs
     data["generation_seconds"] = round(writer.progress.seconds, 2)
     data["generated_tokens"] = writer.progress.generated_tokens
     data["tokens_per_second"] = round(

@@ -35,7 +35,7 @@ from retmask.detect import DetectConfig, run_detect
 from retmask.evaluate.suite import EvalConfig, run_suite
 from retmask.heads import model_shape
 from retmask.heads.selection import load_scores, read_heads, select_heads, write_heads
-from retmask.hf.loading import default_model_path, load_model
+from retmask.hf.loading import DTYPES, default_model_path, load_model
 from retmask.methods.retmask.dpo import train_dpo
 from retmask.methods.retmask.generate import SamplingConfig, generate_pairs
 from retmask.methods.retmask.instructions import load_instructions
@@ -93,6 +93,20 @@ class Pipeline:
         atomic_write_json(self.state_path, self.state)
 
     def stage_config(self, name: str) -> dict:
+        return {**self._stage_config(name), **self._dtype_entry(name)}
+
+    def _dtype_entry(self, name: str) -> dict:
+        """The dtype of the stages that run the model, only when not the default float32, so run dirs
+        written before ``--dtype`` existed keep their fingerprints (and their finished stages)."""
+        if (
+            self.cfg.dtype == "float32"
+            or name == "mask"
+            or (name == "detect" and self.cfg.scores is not None)
+        ):
+            return {}
+        return {"dtype": self.cfg.dtype}
+
+    def _stage_config(self, name: str) -> dict:
         c = self.cfg
         model = c.model or "embedded"
         if name == "detect":
@@ -110,12 +124,14 @@ class Pipeline:
             return {"model": model, "lr": c.lr, "epochs": c.epochs, "max_steps": c.max_steps, "batch_size": c.batch_size,
                     "grad_accum": c.grad_accum, "max_length": c.max_length, "beta": c.beta, "seed": c.train_seed,
                     "telemetry_every": c.telemetry_every}  # fmt: skip
-        return {"model": model, **self.eval_config_dict()}
+        eval_config = {k: v for k, v in self.eval_config_dict().items() if k != "dtype"}  # see _dtype_entry
+        return {"model": model, **eval_config}
 
     def eval_config_dict(self) -> dict:
         c = self.cfg
         return {"min_len": c.eval_min_len, "max_len": c.eval_max_len, "num_lengths": c.eval_lengths,
-                "num_depths": c.eval_depths, "niah_needles": c.eval_needles, "tasks": list(c.eval_tasks)}  # fmt: skip
+                "num_depths": c.eval_depths, "niah_needles": c.eval_needles, "tasks": list(c.eval_tasks),
+                "dtype": c.dtype}  # fmt: skip
 
     def fingerprint(self, name: str) -> str:
         i = STAGES.index(name)
@@ -188,7 +204,7 @@ class Pipeline:
                 shutil.copyfile(run, out.with_name("scores.run.json"))
             return {"source": str(c.scores)}
         cfg = DetectConfig(model=c.model, protocol=c.protocol, min_len=c.detect_min_len, max_len=c.detect_max_len,
-                           num_lengths=c.detect_lengths, num_depths=c.detect_depths)  # fmt: skip
+                           num_lengths=c.detect_lengths, num_depths=c.detect_depths, dtype=c.dtype)  # fmt: skip
         res = run_detect(cfg, out, plot=out.with_suffix(".png"), resume=resume, progress_bar=self.progress)
         return {"tests_counted": res.record["tests_counted"]}
 
@@ -218,7 +234,7 @@ class Pipeline:
     def _generate(self, resume: bool) -> dict:
 
         c = self.cfg
-        model, tok = load_model(c.model)
+        model, tok = load_model(c.model, dtype=DTYPES[c.dtype])
         heads = read_heads(self.dir / "mask" / "heads.json", model_shape=model_shape(model)).heads
         insts = stratified(
             load_instructions(c.instructions, tokenizer=tok, max_tokens=512), c.num_instructions
@@ -227,7 +243,7 @@ class Pipeline:
         out.parent.mkdir(parents=True, exist_ok=True)
         sampling = SamplingConfig(c.temperature, c.top_p, c.gen_max_new_tokens, c.gen_seed)
         fp = {"model": c.model or "embedded", "rejected_model": None, "instructions": f"{c.instructions}[:{c.num_instructions}]",
-              "column": None}  # fmt: skip
+              "column": None, "dtype": c.dtype}  # fmt: skip
         stats = generate_pairs(insts, model, tok, out, sampling, heads=heads, batch_size=c.gen_batch_size,
                                resume=resume, fingerprint=fp, progress_bar=self.progress)  # fmt: skip
         self.log(stats.table())
@@ -239,7 +255,8 @@ class Pipeline:
         out = self.dir / "train" / "model"
         shutil.rmtree(out, ignore_errors=True)  # no checkpoints: an interrupted training starts over
         cfg = TrainConfig(learning_rate=c.lr, epochs=c.epochs, max_steps=c.max_steps, batch_size=c.batch_size,
-                          grad_accum=c.grad_accum, max_length=c.max_length, beta=c.beta, seed=c.train_seed)  # fmt: skip
+                          grad_accum=c.grad_accum, max_length=c.max_length, beta=c.beta, seed=c.train_seed,
+                          dtype=c.dtype)  # fmt: skip
         callbacks = None
         if c.telemetry_every:
             heads = read_heads(self.dir / "mask" / "heads.json").heads

@@ -18,6 +18,8 @@ class PipelineConfig:
     model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
     baseline: str = "retmask"  # which heads make the rejected responses: retmask | random | non-retrieval
     scores: str | None = None  # reuse this scores JSON instead of running detect
+    # float32 | bfloat16 (resolved, never "auto"): weights of detect / generate / eval, bf16 autocast in train
+    dtype: str = "float32"
     # detect (the protocol's grid unless overridden)
     protocol: str = "default"
     detect_min_len: int | None = None
@@ -56,6 +58,8 @@ class PipelineConfig:
     eval_tasks: list[str] = field(default_factory=lambda: ["niah", "multi_needle", "kv"])
 
     def check(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise PipelineError(f"--dtype must resolve to float32 or bfloat16, got {self.dtype!r}")
         if self.baseline not in VARIANTS:
             raise PipelineError(f"--baseline must be one of {VARIANTS}, got {self.baseline!r}")
         if (self.threshold is None) == (self.top_k is None):

@@ -2,8 +2,9 @@
 
 Paper set-up (RetMask): AdamW β1 = 0.9, β2 = 0.95, weight decay 0.1, linear warm-up over 10% of the
 steps to the peak lr 5e-7, then cosine down to 5e-8 (transformers' ``cosine_with_min_lr`` with
-``min_lr_rate = 0.1``), DPO sigmoid loss with β = 0.1, 2 epochs. On CPU: fp32 (``use_cpu=True,
-bf16=False``; TRL 1.16 defaults to bf16).
+``min_lr_rate = 0.1``), DPO sigmoid loss with β = 0.1, 2 epochs. Precision: ``dtype="float32"`` (the
+default here; TRL 1.16 itself defaults to bf16) or ``"bfloat16"`` (the papers' choice: the Trainer's bf16
+autocast over float32 master weights and optimizer state, on CPU too).
 
 Prompt length. TRL 1.16 has no ``max_prompt_length`` any more: every sequence (prompt + response) is
 truncated to ``max_length`` keeping its start, and an example whose prompt *alone* reaches ``max_length``
@@ -41,7 +42,7 @@ class TrainConfig:
     logging_steps: int = 1
     gradient_checkpointing: bool = False  # TRL 1.16 turns it on by default (as activation_checkpointing); not needed for small models on CPU
     beta: float = 0.1  # DPO only
-    bf16: bool = False  # GPUs only; CPU training stays fp32
+    dtype: str = "float32"  # or "bfloat16": bf16 autocast, float32 master weights (Trainer's bf16=True)
 
     def trainer_kwargs(self, output_dir: str, use_cpu: bool) -> dict[str, Any]:
         """Keyword arguments shared by ``DPOConfig`` and ``SFTConfig``."""
@@ -53,7 +54,7 @@ class TrainConfig:
             per_device_train_batch_size=self.batch_size, gradient_accumulation_steps=self.grad_accum,
             max_length=self.max_length, truncation_mode="keep_start", seed=self.seed,
             logging_steps=self.logging_steps, activation_checkpointing=self.gradient_checkpointing,
-            use_cpu=use_cpu, bf16=self.bf16 and not use_cpu, fp16=False, save_strategy="no", report_to=[],
+            use_cpu=use_cpu, bf16=self.dtype == "bfloat16", fp16=False, save_strategy="no", report_to=[],
             dataloader_num_workers=0,
         )  # fmt: skip
 

@@ -12,7 +12,7 @@ from retmask.cli import main as cli_main
 from retmask.heads.selection import read_heads
 from retmask.methods.mudaf import train as mudaf_mod
 from retmask.methods.mudaf.loss import _contrastive_logits_terms
-from retmask.methods.mudaf.mdqa import write_mdqa
+from retmask.methods.mudaf.mdqa import MDQAError, write_mdqa
 from retmask.methods.mudaf.score import score_mdqa
 from retmask.methods.mudaf.train import MuDAFConfig, collate, encode, mudaf_losses, read_record, train_mudaf
 from tests.tiny import tiny_llama_for
@@ -178,3 +178,30 @@ def test_command_samples_heads_and_errors(tmp_path, mdqa_examples, bpe_tokenizer
     # the finished run in `out` is not replaced by accident
     assert cli_main(["mudaf-train", "--data", str(data), "--model", str(folder), "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_bf16_autocast_tracks_float32(tmp_path, mdqa_examples, bpe_tokenizer):
+    """--dtype bfloat16: bf16 matmuls under autocast, float32 master weights, a loss curve that follows
+    float32's over a few steps (same initial weights, same batches)."""
+    data = mdqa_examples[:6]
+    logs, models = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model = tiny_llama_for(bpe_tokenizer)
+        seen = []
+        model.model.layers[1].self_attn.k_proj.register_forward_hook(
+            lambda m, i, o, s=seen: s.append(o.dtype)
+        )
+        cfg = MuDAFConfig(heads=[(1, 0)], learning_rate=1e-3, max_steps=4, batch_size=2, seed=1, dtype=dtype)
+        logs[dtype] = train_mudaf(model, bpe_tokenizer, data, tmp_path / dtype, cfg, progress=False).log
+        models[dtype] = model
+        assert set(seen) == {torch.float32 if dtype == "float32" else torch.bfloat16}
+        assert read_record(tmp_path / dtype)["config"]["dtype"] == dtype
+    assert all(p.dtype == torch.float32 for p in models["bfloat16"].parameters())
+    for key in ("clm", "con"):
+        a = torch.tensor([r[key] for r in logs["float32"]])
+        b = torch.tensor([r[key] for r in logs["bfloat16"]])
+        assert not torch.equal(a, b)  # bf16 really changed the arithmetic
+        torch.testing.assert_close(b, a, rtol=0.03, atol=0.02)
+    with pytest.raises(MDQAError, match="dtype must be float32 or bfloat16"):
+        MuDAFConfig(heads=[(1, 0)], dtype="float16").check()
