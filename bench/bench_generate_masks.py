@@ -10,7 +10,9 @@ one from the head-masked model (rejected). Two ways to get both for a batch of 1
 
 Throughput = generated tokens (up to and including each row's EOS) / wall time. The runs are interleaved
 and repeated; the fastest repeat of each run is reported (the machine is shared: slower repeats measure
-other people's jobs), all times are in the JSON. The completions of (b) must be identical to those of (a). Writes bench/results/generate_masks.{md,json,png}.
+other people's jobs), all times are in the JSON. The completions of (b) must be identical to those of (a).
+Writes bench/results/generate_masks_<cpu kind>.{md,json,png} (one page per CPU kind: speed holds only for
+the CPU it was measured on).
 
 Why the gain is modest on a 2-core CPU: a decode step is compute-bound in the linear layers (about 75% of
 the step time in a profile; attention with the per-row skip is about 6%), so one batch of 32 costs nearly
@@ -152,7 +154,8 @@ def _fmt(xs: list[float]) -> str:
 
 def write_report(r: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "generate_masks.json").write_text(json.dumps(r, indent=1))
+    stem = f"generate_masks_{common.cpu_kind(r['machine'])}"
+    (out / f"{stem}.json").write_text(json.dumps(r, indent=1))
     rows = [
         [f"(a) 2 runs x batch {r['batch_prompts']}, SDPA: original + zeroed copy",
          common.fmt_seconds(r["a_best_seconds"]), f"{r['a_tok_per_s']:.1f}", "1.00x"],
@@ -166,7 +169,8 @@ def write_report(r: dict, out: Path) -> None:
         f"{r['model']}; {r['batch_prompts']} chat prompts from the shipped instruction set; greedy, at most "
         f"{r['max_new_tokens']} new tokens; {len(r['masked_heads'])} seeded random heads masked; "
         f"{r['generated_tokens']} generated tokens (to EOS) per method. Machine: {m['cpu']}, "
-        f"{m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); shared with other jobs.\n\n"
+        f"{m['cores']} cores, SIMD {m['simd']}, kernel build {m.get('kernel build', '?')}, torch {m['torch']} "
+        f"({m['torch_threads']} threads); shared with other jobs.\n\n"
         f"{table}\n\n"
         f"Identical completions (b) vs (a): {r['identical_completions']} / {r['completions']}. "
         f"Masked completions that differ from the original: "
@@ -175,7 +179,7 @@ def write_report(r: dict, out: Path) -> None:
         f"All repeats (s): (a) original {_fmt(r['a_original_seconds'])}, zeroed {_fmt(r['a_zeroed_seconds'])}; "
         f"(b) {_fmt(r['b_seconds'])}.\n"
     )
-    (out / "generate_masks.md").write_text(text)
+    (out / f"{stem}.md").write_text(text)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,7 +197,7 @@ def write_report(r: dict, out: Path) -> None:
         f"SmolLM2-135M, greedy, {r['identical_completions']}/{r['completions']} identical", fontsize=9
     )
     fig.tight_layout()
-    fig.savefig(out / "generate_masks.png", dpi=120)
+    fig.savefig(out / f"{stem}.png", dpi=120)
     print(text)
 
 

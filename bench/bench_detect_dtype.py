@@ -1,0 +1,179 @@
+"""Benchmark: `retmask detect` in bfloat16 against float32 on the same grid: do the scores, the retrieval
+heads and the answers agree, and what does bf16 cost or save on this CPU?
+
+Runs ``run_detect`` once per dtype (resumable: the runs live in ``--run-dir``; run the command again after
+an interruption), then compares per test (greedy answers, counted or not, per-head copy counts) and per
+head (mean retrieval score: Spearman over heads, the τ = 0.1 sets, the top 10). Time is the sum of the
+per-test prefill and decode seconds, so a resumed run is timed correctly.
+
+bf16 and fp32 are different arithmetic: a greedy answer may change where the model's top two logits are
+within bf16 rounding of each other. The page reports how often that happens and what it does to the scores.
+
+Writes bench/results/detect_dtype_<cpu kind>.{md,json,png}.
+
+    flock /tmp/retmask-heavy.lock python bench/bench_detect_dtype.py               # the default grid
+    python bench/bench_detect_dtype.py --num-lengths 2 --num-depths 2 --out /tmp/dd  # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_kind, machine_description, markdown_table  # noqa: E402
+
+from retmask.detect import DetectConfig, run_detect  # noqa: E402
+from retmask.detect.scores import ranking  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TAU = 0.1
+
+
+def mean_scores(scores: dict[str, list[float]]) -> dict[str, float]:
+    return {head: float(np.mean(v)) if v else 0.0 for head, v in scores.items()}
+
+
+def compare(runs: dict[str, object], base: str, other: str) -> dict:
+    """Per-test and per-head agreement of two ``DetectResult``s of the same grid."""
+    from scipy.stats import spearmanr
+
+    a, b = runs[base], runs[other]
+    common = sorted(set(a.results) & set(b.results))
+    same_answer = [i for i in common if a.results[i]["tokens"] == b.results[i]["tokens"]]
+    same_copies = [i for i in same_answer if a.results[i]["copies"] == b.results[i]["copies"]]
+    same_counted = sum(a.results[i]["counted"] == b.results[i]["counted"] for i in common)
+    ma, mb = mean_scores(a.scores), mean_scores(b.scores)
+    heads = sorted(ma)
+    va, vb = np.array([ma[h] for h in heads]), np.array([mb[h] for h in heads])
+    set_a = {h for h in heads if ma[h] >= TAU}
+    set_b = {h for h in heads if mb[h] >= TAU}
+    shape = max(int(h.split("-")[0]) for h in heads) + 1, max(int(h.split("-")[1]) for h in heads) + 1
+
+    def top10(m):
+        matrix = np.zeros(shape)
+        for h, v in m.items():
+            ly, hd = map(int, h.split("-"))
+            matrix[ly, hd] = v
+        return {f"{ly}-{hd}" for ly, hd in ranking(matrix)[:10]}
+
+    return {
+        "tests": len(common),
+        "identical_answers": len(same_answer),
+        "identical_copies_where_answers_agree": f"{len(same_copies)}/{len(same_answer)}",
+        "same_counted_decision": same_counted,
+        "counted": {base: sum(a.results[i]["counted"] for i in common), other: sum(b.results[i]["counted"] for i in common)},
+        "spearman_over_heads": float(spearmanr(va, vb).statistic),
+        "max_abs_score_difference": float(np.abs(va - vb).max()),
+        "tau_sets": {base: sorted(set_a), other: sorted(set_b)},
+        "tau_sets_equal": set_a == set_b,
+        "tau_jaccard": len(set_a & set_b) / max(len(set_a | set_b), 1),
+        "top10_overlap": len(top10(ma) & top10(mb)),
+        "scores": {base: ma, other: mb},
+    }  # fmt: skip
+
+
+def compute_seconds(result) -> float:
+    return sum(e.get("prefill_s", 0.0) + e.get("decode_s", 0.0) for e in result.results.values())
+
+
+def plot(cmp: dict, base: str, other: str, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ma, mb = cmp["scores"][base], cmp["scores"][other]
+    heads = sorted(ma)
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter([ma[h] for h in heads], [mb[h] for h in heads], s=10)
+    top = max(max(ma.values()), max(mb.values()), TAU) * 1.05
+    ax.plot([0, top], [0, top], color="grey", lw=0.8)
+    ax.axvline(TAU, color="red", lw=0.6, ls="--")
+    ax.axhline(TAU, color="red", lw=0.6, ls="--")
+    ax.set_xlabel(f"retrieval score, {base}")
+    ax.set_ylabel(f"retrieval score, {other}")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="baseline first")
+    ap.add_argument("--num-lengths", type=int, default=None, help="override the protocol's grid")
+    ap.add_argument("--num-depths", type=int, default=None, help="override the protocol's grid")
+    ap.add_argument("--max-len", type=int, default=None, help="override the protocol's grid")
+    ap.add_argument(
+        "--run-dir", type=Path, default=Path("runs/detect_dtype"), help="resumable runs live here"
+    )
+    ap.add_argument(
+        "--out", default=None, help="output path without suffix (default: results/detect_dtype_<cpu>)"
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    dtypes = args.dtypes.split(",")
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for dtype in dtypes:
+        cfg = DetectConfig(
+            model=args.model, dtype=dtype, num_lengths=args.num_lengths, num_depths=args.num_depths,
+            max_len=args.max_len,
+        )  # fmt: skip
+        out = args.run_dir / f"{dtype}.json"
+        print(f"== retmask detect --dtype {dtype} -> {out}", flush=True)
+        runs[dtype] = run_detect(cfg, out, resume=out.is_file(), progress_bar=True)
+    base, other = dtypes[0], dtypes[1]
+    cmp = compare(runs, base, other)
+    secs = {d: compute_seconds(r) for d, r in runs.items()}
+    machine = machine_description()
+    target = Path(args.out) if args.out else RESULTS / f"detect_dtype_{cpu_kind(machine)}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    model_name = args.model or "embedded SmolLM2-135M-Instruct"
+    grid = runs[base].record.get("grid", {})
+    rows = [
+        ["tests", str(cmp["tests"])],
+        ["identical greedy answers", f"{cmp['identical_answers']}/{cmp['tests']}"],
+        ["identical per-head copy counts where the answers agree", cmp["identical_copies_where_answers_agree"]],
+        ["same counted / not-counted decision (recall > 0.5)", f"{cmp['same_counted_decision']}/{cmp['tests']}"],
+        ["tests counted", f"{base} {cmp['counted'][base]}, {other} {cmp['counted'][other]}"],
+        ["Spearman over heads (mean score)", f"{cmp['spearman_over_heads']:.4f}"],
+        ["largest per-head score difference", f"{cmp['max_abs_score_difference']:.4f}"],
+        [f"τ = {TAU} sets", f"equal: {cmp['tau_sets_equal']} ({len(cmp['tau_sets'][base])} vs "
+         f"{len(cmp['tau_sets'][other])} heads, Jaccard {cmp['tau_jaccard']:.2f})"],
+        ["top-10 overlap", f"{cmp['top10_overlap']}/10"],
+        ["compute time (sum of per-test prefill + decode)", f"{base} {secs[base]:.0f} s, {other} {secs[other]:.0f} s "
+         f"({secs[other] / secs[base]:.2f}x)"],
+    ]  # fmt: skip
+    only = {
+        base: sorted(set(cmp["tau_sets"][base]) - set(cmp["tau_sets"][other])),
+        other: sorted(set(cmp["tau_sets"][other]) - set(cmp["tau_sets"][base])),
+    }
+    md = [
+        f"# `retmask detect`: {other} vs {base} ({machine['cpu']}, SIMD {machine['simd']}, native bf16 "
+        f"{machine['native bf16']}, kernel build {machine['kernel build']})",
+        "",
+        f"{model_name}, the same grid in both dtypes ({grid}), weights and activations in the dtype named "
+        "(the kernel accumulates in fp32 and takes the argmax of fp32 logits in both).",
+        "",
+        markdown_table(["", "result"], rows),
+        "",
+        f"Heads at τ = {TAU} in one run only: {base}: {only[base] or 'none'}; {other}: {only[other] or 'none'}.",
+        "",
+        f"Machine: {', '.join(f'{k} {v}' for k, v in machine.items())}.",
+    ]
+    target.with_suffix(".md").write_text("\n".join(md) + "\n")
+    summary = {k: v for k, v in cmp.items()} | {"seconds": secs, "machine": machine, "model": model_name}
+    target.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    plot(cmp, base, other, target.with_suffix(".png"), f"{model_name}: per-head retrieval score")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
