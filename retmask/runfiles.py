@@ -117,6 +117,12 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
+def without_default_dtype(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` without its ``"dtype"`` entry when that is the default ``"float32"``: fingerprints of
+    float32 runs stay those written before the dtype was a setting, so their results remain valid."""
+    return {k: v for k, v in settings.items() if not (k == "dtype" and v == "float32")}
+
+
 def file_digest(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     """sha256 (hex) of a file's bytes, read in chunks."""
     h = hashlib.sha256()

@@ -24,7 +24,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
 
 
-def add_dtype_arg(p: argparse.ArgumentParser, *, training: bool = False, help: str | None = None) -> None:
+def add_dtype_arg(
+    p: argparse.ArgumentParser | argparse._ActionsContainer,
+    *,
+    training: bool = False,
+    help: str | None = None,
+) -> None:
     """``--dtype auto|float32|bfloat16|...``. ``training=True``: float32 or bfloat16 only, the precision of
     the forward and backward passes (bf16 autocast over float32 master weights, as transformers' Trainer
     does with ``bf16=True``). ``help`` replaces the default help text."""

@@ -62,8 +62,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"prompt + response tokens (default {d.max_length}); longer responses are truncated")  # fmt: skip
     p.add_argument("--seed", type=nonneg_int, default=d.seed)
     p.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for memory")
-    add_dtype_arg(p, training=True)
-    p.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
+    precision = p.add_mutually_exclusive_group()  # --bf16 --dtype float32 would be a contradiction
+    add_dtype_arg(precision, training=True)
+    precision.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
     p.add_argument(
         "--sft", action="store_true", help="SFT on the chosen responses only (the paper's baseline)"
     )

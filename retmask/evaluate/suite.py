@@ -41,7 +41,7 @@ from retmask.heads import model_shape
 from retmask.heads.selection import read_heads
 from retmask.hf.loading import DTYPES, default_model_path, load_model
 from retmask.niah import depth_grid
-from retmask.runfiles import atomic_write_json, digest, read_json
+from retmask.runfiles import atomic_write_json, digest, read_json, without_default_dtype
 
 RESULT_VERSION = 1
 
@@ -124,9 +124,7 @@ def evaluate_model(model: Any, tokenizer: Any, cfg: EvalConfig, *, progress: boo
 
 
 def _fingerprint(cfg: EvalConfig, identity: str) -> str:
-    config = asdict(cfg)
-    if config["dtype"] == "float32":  # the default: cache entries written before --dtype existed stay valid
-        del config["dtype"]
+    config = without_default_dtype(asdict(cfg))
     return digest({"version": RESULT_VERSION, "config": config, "model": identity})
 
 

@@ -35,7 +35,7 @@ from retmask.hf.taps import tap_qk
 from retmask.methods.mudaf.config import MuDAFConfig
 from retmask.methods.mudaf.loss import Head, combine, contrastive_loss
 from retmask.methods.mudaf.mdqa import MDQAError, MDQAExample, build_prompt, example_from_json
-from retmask.runfiles import RunFileError, atomic_write_json, check_same_settings
+from retmask.runfiles import RunFileError, atomic_write_json, check_same_settings, without_default_dtype
 
 
 @dataclass
@@ -141,9 +141,7 @@ def _batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
 def _resume_settings(cfg: MuDAFConfig, examples: int) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint (more --steps or another --save-every is fine)."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "save_every")}
-    if settings["dtype"] == "float32":  # the default: checkpoints written before --dtype existed still resume
-        del settings["dtype"]
-    return settings | {"heads": [list(h) for h in cfg.heads], "examples": examples}
+    return without_default_dtype(settings) | {"heads": [list(h) for h in cfg.heads], "examples": examples}
 
 
 def _save_resume(path: Path, model, optimizer, step: int, log: list, seconds: float, settings: dict) -> None:

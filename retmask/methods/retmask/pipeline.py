@@ -42,7 +42,15 @@ from retmask.methods.retmask.instructions import load_instructions
 from retmask.methods.retmask.pipeline_config import STAGES, PipelineConfig, PipelineError
 from retmask.methods.retmask.telemetry import RetrievalTelemetry
 from retmask.methods.retmask.train_config import TrainConfig
-from retmask.runfiles import RunLock, atomic_write_json, check_writable, digest, file_digest, read_json
+from retmask.runfiles import (
+    RunLock,
+    atomic_write_json,
+    check_writable,
+    digest,
+    file_digest,
+    read_json,
+    without_default_dtype,
+)
 
 VERSION = 1
 
@@ -93,18 +101,7 @@ class Pipeline:
         atomic_write_json(self.state_path, self.state)
 
     def stage_config(self, name: str) -> dict:
-        return {**self._stage_config(name), **self._dtype_entry(name)}
-
-    def _dtype_entry(self, name: str) -> dict:
-        """The dtype of the stages that run the model, only when not the default float32, so run dirs
-        written before ``--dtype`` existed keep their fingerprints (and their finished stages)."""
-        if (
-            self.cfg.dtype == "float32"
-            or name == "mask"
-            or (name == "detect" and self.cfg.scores is not None)
-        ):
-            return {}
-        return {"dtype": self.cfg.dtype}
+        return without_default_dtype(self._stage_config(name))
 
     def _stage_config(self, name: str) -> dict:
         c = self.cfg
@@ -113,19 +110,18 @@ class Pipeline:
             if c.scores is not None:
                 return {"scores_file_sha256": file_digest(c.scores)[:20]}
             return {"model": model, "protocol": c.protocol, "min_len": c.detect_min_len, "max_len": c.detect_max_len,
-                    "lengths": c.detect_lengths, "depths": c.detect_depths}  # fmt: skip
+                    "lengths": c.detect_lengths, "depths": c.detect_depths, "dtype": c.dtype}  # fmt: skip
         if name == "mask":
             return {"baseline": c.baseline, "threshold": c.threshold, "top_k": c.top_k, "seed": c.mask_seed}
         if name == "generate":
             return {"model": model, "instructions": c.instructions, "n": c.num_instructions, "temperature": c.temperature,
                     "top_p": c.top_p, "max_new_tokens": c.gen_max_new_tokens, "batch_size": c.gen_batch_size,
-                    "seed": c.gen_seed}  # fmt: skip
+                    "seed": c.gen_seed, "dtype": c.dtype}  # fmt: skip
         if name == "train":
             return {"model": model, "lr": c.lr, "epochs": c.epochs, "max_steps": c.max_steps, "batch_size": c.batch_size,
                     "grad_accum": c.grad_accum, "max_length": c.max_length, "beta": c.beta, "seed": c.train_seed,
-                    "telemetry_every": c.telemetry_every}  # fmt: skip
-        eval_config = {k: v for k, v in self.eval_config_dict().items() if k != "dtype"}  # see _dtype_entry
-        return {"model": model, **eval_config}
+                    "telemetry_every": c.telemetry_every, "dtype": c.dtype}  # fmt: skip
+        return {"model": model, **self.eval_config_dict()}
 
     def eval_config_dict(self) -> dict:
         c = self.cfg
