@@ -151,6 +151,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     print(f"{name}: scores {args.scores}; grid lengths {lengths} x depths {depths} x {len(needles)} needles")
     print(res.table())
+    print()
+    print(res.kinds_table())
     left = res.meta["configs_total"] - res.meta["configs_done"]
     if left:
         print(f"{left} configurations left: run the same command with --resume to continue")

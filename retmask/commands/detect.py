@@ -62,6 +62,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="drafts do not reuse the model's earlier answers to the same needle (slower; answers are the "
         "same either way) and processes shard single tests instead of whole needles",
     )
+    p.add_argument(
+        "--span-rule",
+        default="reference",
+        choices=["reference", "tolerant"],
+        help="how the needle's answer is located in the prompt: reference = the published rule (a window "
+        "whose token set covers > 90%% of the answer's ids, answer tokenised alone); tolerant = the same, "
+        "then, where it finds nothing, the answer tokenised mid-sentence (after a space), for tokenizers "
+        "that split a sentence's first word differently, e.g. Gemma (scores are identical on every test "
+        "the reference rule locates)",
+    )
     p.add_argument("--seed", type=nonneg_int, default=0, help="torch seed (answers are greedy; default 0)")
     p.add_argument(
         "--no-progress",
@@ -101,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         patience=args.patience,
         seed=args.seed,
         prompt_style=args.prompt_style,
+        span_rule=args.span_rule,
     )
     try:
         run_detect(

@@ -72,6 +72,9 @@ class DetectConfig:
     patience: int = 20  # --until-stable: consecutive counted tests without change of the τ-set and top-10
     seed: int = 0
     prompt_style: str = "auto"  # "auto" | "base" | "chat"; the run record holds the resolved one
+    # "reference" (the published rule) or "tolerant" (also the answer tokenised mid-sentence when the
+    # reference misses; same span and scores wherever the reference finds one)
+    span_rule: str = "reference"
 
     def grid(self) -> tuple[list[int], list[int]]:
         return resolve_grid(
@@ -115,6 +118,8 @@ def _fingerprint(
         "chunk": cfg.chunk,
         "draft_history": cfg.draft_history,
         "prompt_style": prompt_style,  # resolved: "base" or "chat"
+        # only when not the default, so progress files of runs started before the option still resume
+        **({"span_rule": cfg.span_rule} if cfg.span_rule != "reference" else {}),
     }
 
 
@@ -130,6 +135,7 @@ def _test_entry(t: NiahTest, needles) -> dict:
         "prompt_tokens": int(len(t.prompt_ids)),
         "span": list(t.span) if t.span else None,
         "answer_tokens": len(t.answer_ids),
+        **({"answer_form": t.meta["answer_form"]} if "answer_form" in t.meta else {}),
     }
 
 
@@ -329,7 +335,11 @@ def _earlier_run_files(out: Path) -> list[Path]:
 
 
 def _nothing_counted(
-    tests: list[NiahTest], runnable: list[NiahTest], done: dict[int, dict], record: str
+    tests: list[NiahTest],
+    runnable: list[NiahTest],
+    done: dict[int, dict],
+    record: str,
+    cfg_span_rule: str = "reference",
 ) -> str:
     """Why a detection has no counted test, with the counts and what to change."""
     if not runnable:
@@ -341,7 +351,8 @@ def _nothing_counted(
             )
         if len(short) < len(tests):
             parts.append(
-                f"{len(tests) - len(short)} whose needle answer is not found in the prompt (span rule)"
+                f"{len(tests) - len(short)} whose needle answer is not found in the prompt (span rule"
+                + ("; try --span-rule tolerant)" if cfg_span_rule == "reference" else ")")
             )
         return (
             f"no test could run: all {len(tests)} tests were skipped: {'; '.join(parts)}; raise "
@@ -430,7 +441,9 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
     fingerprint = _fingerprint(cfg, model, needles, haystack_text, lengths, depths, style)
 
     t0 = time.perf_counter()
-    tests = build_tests(tokenizer, needles, haystack_text, lengths, depths, chat=style == "chat")
+    tests = build_tests(
+        tokenizer, needles, haystack_text, lengths, depths, chat=style == "chat", span_rule=cfg.span_rule
+    )
     build_s = time.perf_counter() - t0
     skipped = [t for t in tests if t.skip_reason]
     for t in skipped:
@@ -484,7 +497,9 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
         if rank == 0 and out is not None:
             atomic_write_json(record_path(out), record)  # the answers show why nothing counted
         raise DetectError(
-            _nothing_counted(tests, runnable, done, str(record_path(out)) if out else "the run record")
+            _nothing_counted(
+                tests, runnable, done, str(record_path(out)) if out else "the run record", cfg.span_rule
+            )
         )
     if rank != 0:  # rank 0 writes the outputs
         return DetectResult(scores, summary, record, done)

@@ -182,6 +182,25 @@ class AblationResult:
             lines.append(f"| {r['k']} | {f(r['top'])} | {rand} | {r['random_n'] or '-'} |")
         return "\n".join(lines)
 
+    def kinds_table(self) -> str:
+        """Markdown table, one row per configuration run: its masked heads, NIAH score and how many answers
+        are of each kind (``retmask.niah.answer_kind``: complete, cut short, partial, none, empty)."""
+        from retmask.niah.answer_kind import ANSWER_KINDS
+
+        lines = [
+            "| configuration | heads masked | NIAH | " + " | ".join(ANSWER_KINDS) + " |",
+            "|---|---|---|" + "---|" * len(ANSWER_KINDS),
+        ]
+        for c in self.configs:
+            if c.name not in self.results:
+                continue
+            res = self.results[c.name]
+            heads = ", ".join(f"{a}-{b}" for a, b in self.heads[c.name]) or "–"
+            kinds = res.answer_kinds()
+            cells = " | ".join(str(kinds[k]) for k in ANSWER_KINDS)
+            lines.append(f"| {c.name} | {heads} | {res.mean:.3f} | {cells} |")
+        return "\n".join(lines)
+
     def to_json(self, keep_tokens: bool = False) -> dict:
         configs = []
         for c in self.configs:
@@ -328,7 +347,9 @@ def run_ablation(
     if out_dir is not None:
         out_dir = Path(out_dir)
         atomic_write_json(out_dir / f"{prefix}.json", out.to_json())
-        (out_dir / f"{prefix}.md").write_text(out.table() + "\n", encoding="utf-8")
+        (out_dir / f"{prefix}.md").write_text(
+            out.table() + "\n\n" + out.kinds_table() + "\n", encoding="utf-8"
+        )
     return out
 
 

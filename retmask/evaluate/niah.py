@@ -31,6 +31,7 @@ from retmask.heads import model_shape, normalize_head_mask
 from retmask.hf.heads import head_mask
 from retmask.hf.layers import head_layout
 from retmask.niah import Needle, build_tests, load_haystack, load_needles, resolve_prompt_style
+from retmask.niah.answer_kind import classify_answer, count_kinds
 from retmask.plotting import niah_cmap, pyplot, save_figure
 
 RESULT_VERSION = 1
@@ -76,6 +77,24 @@ class NiahResult:
         if not self.entries:
             return float("nan")
         return math.fsum(float(e["rouge1_recall"]) for e in self.entries) / len(self.entries)
+
+    def answer_kinds(self) -> dict[str, int]:
+        """``{kind: tests}`` over ``retmask.niah.answer_kind.ANSWER_KINDS`` (complete, cut short, partial,
+        none, empty). Entries written before the kind was recorded are classified from ``meta["needles"]``."""
+        kinds = []
+        for e in self.entries:
+            if "answer_kind" in e:
+                kinds.append(e["answer_kind"])
+                continue
+            try:
+                real = self.meta["needles"][e["needle_index"]]["real_needle"]
+            except (KeyError, IndexError, TypeError):
+                raise ValueError(
+                    f"entry {e.get('key')} has no answer_kind and meta has no needles to classify it; "
+                    "rerun the evaluation"
+                ) from None
+            kinds.append(classify_answer(real, e["response"]))
+        return count_kinds(kinds)
 
     def to_json(self) -> dict:
         """A JSON-ready dict (the grid and mean are included for readers; ``from_json`` recomputes them)."""
@@ -241,6 +260,7 @@ def evaluate_niah(
                 "depth": t.depth,
                 "response": ans.response,
                 "rouge1_recall": ans.recall,
+                "answer_kind": classify_answer(needle_list[t.needle_index].real_needle, ans.response),
                 "prompt_tokens": int(len(t.prompt_ids)),
                 "tokens": ans.outcome.tokens,
             }

@@ -14,6 +14,7 @@ from pathlib import Path
 from retmask.evaluate.niah import NiahResult, evaluate_niah, grid_fingerprint
 from retmask.heads.selection import Head
 from retmask.niah import resolve_prompt_style
+from retmask.niah.answer_kind import ANSWER_KINDS
 from retmask.runfiles import atomic_write_json, check_same_settings, read_json
 
 SWEEP_VERSION = 1
@@ -81,7 +82,12 @@ def sweep_single_heads(
 
     if state["baseline"] is None:
         base = run([], "no heads masked")
-        state["baseline"] = {"mean": base.mean, "exact": _exact(base), "tests": len(base.entries)}
+        state["baseline"] = {
+            "mean": base.mean,
+            "exact": _exact(base),
+            "tests": len(base.entries),
+            "kinds": base.answer_kinds(),
+        }
         save()
     for head in heads:
         name = f"{head[0]}-{head[1]}"
@@ -94,6 +100,7 @@ def sweep_single_heads(
             "score": None if scores is None else float(scores.get(tuple(head), 0.0)),
             "mean": res.mean,
             "exact": _exact(res),
+            "kinds": res.answer_kinds(),
             "drop": state["baseline"]["mean"] - res.mean,
             "examples": [e["response"] for e in res.entries[:3]],
         }
@@ -113,16 +120,25 @@ def _summary(state: dict, heads: Sequence[Head]) -> dict:
 
 def sweep_table(sweep: dict) -> str:
     """Markdown table, the largest drop first; drop = NIAH without a mask - NIAH with the head masked (a
-    plain signed number: positive = the head mattered, negative = masking it helped)."""
+    plain signed number: positive = the head mattered, negative = masking it helped). When the sweep
+    recorded answer kinds, the last column counts them: complete / cut short / partial / none / empty."""
     base = sweep["baseline"]
+    with_kinds = "kinds" in base and all("kinds" in r for r in sweep["heads"])
+
+    def answers(r: dict) -> str:
+        if with_kinds:
+            return " / ".join(str(r["kinds"][k]) for k in ANSWER_KINDS)
+        return f"{r['exact']}/{base['tests']}"
+
+    what = "answers: " + " / ".join(ANSWER_KINDS) if with_kinds else "exact answers"
     lines = [
-        "| head masked alone | retrieval score | NIAH | drop (= none - masked) | exact answers |",
+        f"| head masked alone | retrieval score | NIAH | drop (= none - masked) | {what} |",
         "|---|---|---|---|---|",
-        f"| none | - | {base['mean']:.3f} | - | {base['exact']}/{base['tests']} |",
+        f"| none | - | {base['mean']:.3f} | - | {answers(base)} |",
     ]
     for r in sorted(sweep["heads"], key=lambda r: -r["drop"]):
         score = "-" if r["score"] is None else f"{r['score']:.3f}"
         lines.append(
-            f"| {r['name']} | {score} | {r['mean']:.3f} | {round(r['drop'], 3) + 0.0:.3f} | {r['exact']}/{base['tests']} |"
+            f"| {r['name']} | {score} | {r['mean']:.3f} | {round(r['drop'], 3) + 0.0:.3f} | {answers(r)} |"
         )
     return "\n".join(lines)

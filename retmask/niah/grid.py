@@ -10,7 +10,7 @@ from retmask.niah.context import DEFAULT_BUFFER, build_context_ids, period_token
 from retmask.niah.haystack import haystack_token_ids
 from retmask.niah.needles import Needle
 from retmask.niah.prompt import build_prompt_ids
-from retmask.niah.span import find_needle_span
+from retmask.niah.span import answer_forms, locate_answer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -103,8 +103,11 @@ def build_tests(
     depths: Sequence[int],
     chat: bool | None = None,
     buffer: int = DEFAULT_BUFFER,
+    span_rule: str = "reference",
 ) -> list[NiahTest]:
-    """All tests in the canonical order: for each needle, each length, each depth (the reference's loops)."""
+    """All tests in the canonical order: for each needle, each length, each depth (the reference's loops).
+    ``span_rule``: ``"reference"`` or ``"tolerant"`` (see :mod:`retmask.niah.span`); a test located through
+    the mid-sentence answer form has ``meta["answer_form"] == "mid-sentence"``."""
     import numpy as np
 
     hay = haystack_token_ids(tokenizer, haystack_text, max(lengths))
@@ -112,7 +115,8 @@ def build_tests(
     tests: list[NiahTest] = []
     for ni, nd in enumerate(needles):
         needle_ids = tokenizer(nd.needle, add_special_tokens=False)["input_ids"]
-        answer_ids = tokenizer(nd.real_needle, add_special_tokens=False)["input_ids"]
+        forms = answer_forms(tokenizer, nd.real_needle, span_rule)
+        answer_ids = forms[0][1]
         for length in lengths:
             for depth in depths:
                 idx = len(tests)
@@ -127,7 +131,17 @@ def build_tests(
                     continue
                 context = tokenizer.decode(ctx_ids)
                 prompt = np.asarray(build_prompt_ids(tokenizer, context, nd.question, chat), dtype=np.int64)
-                span = find_needle_span(prompt.tolist(), answer_ids)
-                reason = None if span is not None else "needle answer not found in the prompt (span rule)"
-                tests.append(NiahTest(idx, ni, length, depth, p, prompt, span, answer_ids, reason))
+                span, form, ids = locate_answer(prompt.tolist(), forms)
+                reason = None if span is not None else _span_miss(span_rule)
+                meta = {"answer_form": form} if form != "alone" else {}
+                tests.append(NiahTest(idx, ni, length, depth, p, prompt, span, ids, reason, meta))
     return tests
+
+
+def _span_miss(span_rule: str) -> str:
+    if span_rule == "reference":
+        return (
+            "needle answer not found in the prompt (span rule; --span-rule tolerant also tries the answer "
+            "tokenised mid-sentence)"
+        )
+    return "needle answer not found in the prompt (span rule, either answer form)"

@@ -161,3 +161,40 @@ def test_cli_lists_detect():
         [sys.executable, "-m", "retmask", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "detect" in out
+
+
+def test_span_rule_tolerant_runs_tests_the_reference_skips(tmp_path):
+    """A short answer whose first word SmolLM2 splits differently alone ("ze" "bra") than mid-sentence
+    (" zebra"): the reference rule skips every test and says to try --span-rule tolerant; the tolerant rule
+    runs them, records the answer form per test and the rule in the config."""
+    from transformers import AutoTokenizer
+
+    import retmask
+    from retmask.detect.run import DetectError
+    from tests.tiny import tiny_llama_for
+
+    tok = AutoTokenizer.from_pretrained(str(retmask.default_model_path()))
+    model = tiny_llama_for(tok)
+    needles = tmp_path / "needles.jsonl"
+    needles.write_text(
+        json.dumps(
+            {
+                "needle": "The birds in the old barn are zebra finches.",
+                "question": "What birds live in the old barn?",
+                "real_needle": "zebra finches",
+            }
+        )
+        + "\n"
+    )
+    kw = dict(needles=str(needles), min_len=400, max_len=400, num_lengths=1, num_depths=2, max_new_tokens=4)
+    quiet = dict(model=model, tokenizer=tok, progress_bar=False, log=lambda *a, **k: None)
+    with pytest.raises(DetectError, match="no test could run.*span rule; try --span-rule tolerant"):
+        run_detect(DetectConfig(**kw), tmp_path / "ref" / "s.json", **quiet)
+    # a random tiny model answers nothing useful, so no test counts; the record still shows what ran
+    out = tmp_path / "tol" / "s.json"
+    with pytest.raises(DetectError, match="no test counted"):
+        run_detect(DetectConfig(**kw, span_rule="tolerant"), out, **quiet)
+    record = json.loads(out.with_name("s.run.json").read_text())
+    assert record["config"]["span_rule"] == "tolerant" and record["skipped"] == []
+    assert [t["answer_form"] for t in record["tests"]] == ["mid-sentence", "mid-sentence"]
+    assert all(t["answer_tokens"] == 3 for t in record["tests"])

@@ -131,6 +131,10 @@ def test_commands_write_outputs(tiny_dir, tmp_path, capsys):
     assert main([*argv, *grid, "--out-dir", str(out), "--resume"]) == 0
     printed = capsys.readouterr().out
     assert "| 2 |" in printed and "± " in printed and "left" not in printed
+    assert (
+        "| configuration | heads masked | NIAH | complete | cut short | partial | none | empty |" in printed
+    )
+    assert "| configuration |" in (out / "ablate.md").read_text() and "| random-k2-s1 |" in printed
     assert {p.name for p in out.iterdir()} >= {"ablate.json", "ablate.md", "ablate.png", "ablate.configs"}
     meta = json.loads((out / "ablate.json").read_text())["meta"]
     assert meta["tests_per_config"] == 4 and meta["configs_done"] == meta["configs_total"] == 4
@@ -190,9 +194,11 @@ def test_each_head_alone_equals_direct_evaluations_and_resumes(tiny, tokenizer, 
         direct = evaluate_niah(tiny, tokenizer, needles=needles, heads=[head], progress=False, **GRID)
         assert row["head"] == list(head) and row["mean"] == direct.mean
         assert row["drop"] == pytest.approx(base.mean - direct.mean) and row["score"] == SCORES[head]
+        assert row["kinds"] == direct.answer_kinds() and sum(row["kinds"].values()) == len(direct.entries)
     base_answers = [e["response"] for e in base.entries[:3]]
     assert any(r["examples"] != base_answers for r in sweep["heads"]), "a masked head must change answers"
     assert "| none |" in sweep_table(sweep) and "| 1-2 |" in sweep_table(sweep)
+    assert "complete / cut short / partial / none / empty" in sweep_table(sweep)
     with pytest.raises(ValueError, match="--resume"):
         sweep_single_heads(tiny, tokenizer, heads, out=out, **GRID, **kw)
     with pytest.raises(ValueError, match="other settings"):

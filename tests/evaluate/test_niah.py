@@ -16,6 +16,7 @@ from retmask.detect import stop_token_ids
 from retmask.evaluate.niah import NiahResult, evaluate_niah, format_grid, plot_niah
 from retmask.hf.export import zero_heads_
 from retmask.niah import build_tests, default_haystack_text, load_needles
+from retmask.niah.answer_kind import classify_answer
 
 from .conftest import greedy_reference
 
@@ -52,7 +53,14 @@ def test_answers_equal_step_by_step_greedy(which, runs, tiny, tokenizer):
             want = greedy_reference(tiny, t.prompt_ids, stops, 12)
             assert e["tokens"] == want, t.key
             assert e["response"] == tokenizer.decode(want, skip_special_tokens=True).strip()
+            real = _needles()[t.needle_index].real_needle
+            assert e["answer_kind"] == classify_answer(real, e["response"])
     assert res.meta["heads"] == [list(h) for h in mask]
+    # entries of results written before the kind was recorded are classified from meta["needles"]
+    old = NiahResult(
+        [{k: v for k, v in e.items() if k != "answer_kind"} for e in res.entries], [], [], res.meta
+    )
+    assert old.answer_kinds() == res.answer_kinds() and sum(res.answer_kinds().values()) == 12
 
 
 def test_answers_equal_hf_generate(runs, tiny, tokenizer):
