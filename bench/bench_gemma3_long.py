@@ -46,12 +46,13 @@ def run(args: argparse.Namespace) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     needles = run_dir / "needles.jsonl"
     shipped = (ROOT / "retmask" / "data" / "needles.jsonl").read_text().splitlines()
-    needles.write_text("\n".join(shipped[: args.num_needles]) + "\n")
+    needles.write_text("\n".join(shipped[args.first_needle : args.first_needle + args.num_needles]) + "\n")
     cmd = [
         sys.executable, "-m", "retmask.cli", "detect", "--model", "gemma3-270m", "--needles", str(needles),
         "--min-len", str(args.min_len), "--max-len", str(args.max_len), "--num-lengths", str(args.num_lengths),
         "--num-depths", str(args.num_depths), "--out", str(run_dir / "scores.json"),
-        "--plot", str(run_dir / "scores.png"), *(["--resume"] if args.resume else []),
+        "--plot", str(run_dir / "scores.png"), "--span-rule", args.span_rule,
+        *(["--resume"] if args.resume else []),
     ]  # fmt: skip
     timer = Path("/usr/bin/time")
     if timer.exists():  # GNU time -v: "Maximum resident set size (kbytes)" of the whole run
@@ -95,9 +96,11 @@ def prompt_style(record: dict) -> str:
     return resolve_prompt_style(tok, record["config"].get("prompt_style", "auto"))
 
 
-def distance_bins(window: int, longest: int) -> list[tuple[int, int]]:
-    """[lo, hi) bins of needle distance: inside the window (two bins), then doubling ranges beyond it."""
-    bins = [(0, window // 2), (window // 2, window)]
+def distance_bins(window: int, longest: int, inside: int = 2) -> list[tuple[int, int]]:
+    """[lo, hi) bins of needle distance: ``inside`` equal bins inside the window, then ranges growing 4×
+    beyond it."""
+    step = window // inside
+    bins = [(i * step, (i + 1) * step) for i in range(inside - 1)] + [((inside - 1) * step, window)]
     lo = window
     while lo < longest:
         bins.append((lo, lo * 4))
@@ -105,22 +108,40 @@ def distance_bins(window: int, longest: int) -> list[tuple[int, int]]:
     return bins
 
 
+def load_runs(run_dirs: list[Path]) -> tuple[np.ndarray, list[dict], list[dict], list[dict]]:
+    """The counted tests of one or more detection runs of the same model, concatenated: per-test scores
+    float [L, H, T], the counted tests' records (in that order), every test record, and the run records."""
+    blocks, counted, tests, records = [], [], [], []
+    for run_dir in run_dirs:
+        scores = json.loads((run_dir / "scores.json").read_text())
+        record = json.loads((run_dir / "scores.run.json").read_text())
+        L, H = record["layers"], record["query_heads"]
+        mine = sorted((t for t in record["tests"] if t["counted"]), key=lambda t: t["index"])
+        block = np.array([[scores[f"{layer}-{h}"] for h in range(H)] for layer in range(L)])  # [L, H, T]
+        assert block.shape[2] == len(mine), (run_dir, block.shape, len(mine))
+        blocks.append(block)
+        counted += mine
+        tests += record["tests"]
+        records.append(record)
+    shapes = {(r["layers"], r["query_heads"]) for r in records}
+    assert len(shapes) == 1, f"runs of different models: {shapes}"
+    return np.concatenate(blocks, axis=2), counted, tests, records
+
+
 def report(args: argparse.Namespace) -> None:
-    run_dir = Path(args.run_dir)
-    scores = json.loads((run_dir / "scores.json").read_text())
-    record = json.loads((run_dir / "scores.run.json").read_text())
-    L, H = record["layers"], record["query_heads"]
+    run_dirs = [Path(d) for d in (args.run_dir or [ROOT / "runs" / "gemma3_long"])]
+    per_test, counted, tests, records = load_runs(run_dirs)
+    record = records[0]
+    L = record["layers"]
     kinds = layer_kinds(L)
     window = args.window
-    counted = sorted((t for t in record["tests"] if t["counted"]), key=lambda t: t["index"])
-    per_test = np.array([[scores[f"{layer}-{h}"] for h in range(H)] for layer in range(L)])  # [L, H, T]
-    assert per_test.shape[2] == len(counted), (per_test.shape, len(counted))
+    stem = args.stem
     distance = np.array([t["prompt_tokens"] - 1 - t["span"][0] for t in counted])
     mean = per_test.mean(axis=2)  # the published retrieval score: mean over counted tests
     is_global = np.array([k == "full_attention" for k in kinds])
 
     rows, summary = [], {}
-    for lo, hi in distance_bins(window, int(distance.max()) + 1):
+    for lo, hi in distance_bins(window, int(distance.max()) + 1, args.bins_inside):
         sel = (distance >= lo) & (distance < hi)
         if not sel.any():
             continue
@@ -143,15 +164,18 @@ def report(args: argparse.Namespace) -> None:
            for a, b in order]  # fmt: skip
 
     # Time and memory of the run.
-    timings = record.get("timings", {})
-    tests = record["tests"]
+    total_s = sum(r.get("timings", {}).get("total_s", 0.0) for r in records)
     prefill = sum(t.get("prefill_s", 0) for t in tests)
     decode = sum(t.get("decode_s", 0) for t in tests)
     rss = None
-    time_txt = run_dir / "time.txt"
-    if time_txt.exists():
-        m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_txt.read_text())
-        rss = int(m.group(1)) * 1024 if m else None
+    for run_dir in run_dirs:
+        time_txt = run_dir / "time.txt"
+        m = (
+            re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_txt.read_text())
+            if time_txt.exists()
+            else None
+        )
+        rss = max(rss or 0, int(m.group(1)) * 1024) if m else rss
     longest = max(t["prompt_tokens"] for t in tests)
     eager_one_layer = 4 * longest * longest * 4  # fp32 [Hq = 4, N, N] logits of one global layer
     by_length: dict[int, list[dict]] = {}
@@ -164,19 +188,26 @@ def report(args: argparse.Namespace) -> None:
                     common.fmt_seconds(sum(t["decode_s"] for t in ts))]
                    for n, ts in sorted(by_length.items())]  # fmt: skip
 
-    _plot(per_test, distance, is_global, window, RESULTS / "gemma3_270m_distance.png")
+    lengths = sorted({t["length"] for t in tests})
+    span = f"{lengths[0] // 1024}K-{lengths[-1] // 1024}K" if len(lengths) > 1 else f"{lengths[0] // 1024}K"
+    _plot(per_test, distance, is_global, window, RESULTS / f"{stem}_distance.png", log_x=not args.linear)
     from retmask.plotting import head_heatmap
 
-    head_heatmap(mean, RESULTS / "gemma3_270m_scores.png",
-                 title=f"Gemma-3-270M retrieval scores ({len(counted)} tests, 2K-32K)")  # fmt: skip
+    head_heatmap(mean, RESULTS / f"{stem}_scores.png",
+                 title=f"Gemma-3-270M retrieval scores ({len(counted)} tests, {span})")  # fmt: skip
+    needle_texts = [n for r in records for n in r["needles"]]
+    span_rules = sorted({r["config"].get("span_rule", "reference") for r in records})
+    runs_line = " and ".join(f"`{_shown(d)}`" for d in run_dirs)
+    grids = "; ".join(
+        f"lengths {r['grid']['lengths']} × depths {r['grid']['depths']} × {len(r['needles'])} needles"
+        for r in records
+    )
 
     machine = common.machine_description()
     md = [
         "# Gemma-3-270M: retrieval heads at long context (local/global layers)",
         "",
-        f"Generated by `bench/bench_gemma3_long.py report` from the run in `{_shown(run_dir)}` (its scores "
-        "and run record are copied beside this page as `gemma3_270m_scores.json` / `.run.json`); what it shows: "
-        "`gemma3_270m.notes.md`.",
+        f"Generated by `bench/bench_gemma3_long.py report` from {runs_line}; what it shows: `{args.notes}`.",
         "",
         f"Machine: {machine['cpu']} ({machine['cores']} cores, SIMD {machine['simd']}, kernel build "
         f"{machine['kernel build']}), torch {machine['torch']}.",
@@ -189,9 +220,9 @@ def report(args: argparse.Namespace) -> None:
         "",
         "## The run",
         "",
-        f"Grid: lengths {record['grid']['lengths']} × depths {record['grid']['depths']} × "
-        f"{len(record['needles'])} needles = {len(tests)} tests; {len(counted)} passed the ROUGE-1 filter "
-        f"(recall > 0.5) and score heads. Total {common.fmt_seconds(timings.get('total_s'))}: prefill "
+        f"Grid: {grids} = {len(tests)} tests ({len(needle_texts)} needles; span rule "
+        f"{', '.join(span_rules)}); {len(counted)} passed the ROUGE-1 filter "
+        f"(recall > 0.5) and score heads. Total {common.fmt_seconds(total_s)}: prefill "
         f"{common.fmt_seconds(prefill)} ({prefill / max(prefill + decode, 1e-9):.0%} of the test time), "
         f"answers {common.fmt_seconds(decode)}. Peak RSS of the whole process: "
         f"{common.fmt_bytes(rss) if rss else 'not measured'}; one layer's eager attention matrix at "
@@ -229,19 +260,19 @@ def report(args: argparse.Namespace) -> None:
             ["head", "layer", "score", f"distance < {window}", f"distance ≥ {window}"], top
         ),
         "",
-        "![distance](gemma3_270m_distance.png)",
+        f"![distance]({stem}_distance.png)",
         "",
-        "![scores](gemma3_270m_scores.png)",
+        f"![scores]({stem}_scores.png)",
         "",
     ]
-    (RESULTS / "gemma3_270m.md").write_text("\n".join(md) + "\n")
-    (RESULTS / "gemma3_270m.json").write_text(json.dumps(
+    (RESULTS / f"{stem}.md").write_text("\n".join(md) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(
         {"machine": machine, "by_distance": summary, "mean_scores": mean.round(4).tolist(),
          "layer_kinds": kinds, "distances": distance.tolist(), "peak_rss_bytes": rss}, indent=1))  # fmt: skip
     print("\n".join(md))
 
 
-def _plot(per_test, distance, is_global, window, path: Path) -> None:
+def _plot(per_test, distance, is_global, window, path: Path, log_x: bool = True) -> None:
     from retmask.plotting import pyplot
 
     plt = pyplot()
@@ -256,8 +287,9 @@ def _plot(per_test, distance, is_global, window, path: Path) -> None:
                 label=label.replace("mean", "best"))  # fmt: skip
     ax.axvline(window, color="gray", ls="--", lw=1)
     ax.text(window, ax.get_ylim()[1] * 0.95, f" window {window}", color="gray", fontsize=8, va="top")
-    ax.set_xscale("log")
-    ax.set_xlim(max(1.0, x.min() / 1.5), x.max() * 1.5)
+    if log_x:
+        ax.set_xscale("log")
+        ax.set_xlim(max(1.0, x.min() / 1.5), x.max() * 1.5)
     ax.set_xlabel("needle distance from the first answer position (keys)")
     ax.set_ylabel("retrieval score in the test")
     ax.set_title("Gemma-3-270M: retrieval by layer kind and needle distance")
@@ -272,6 +304,8 @@ def main() -> None:
     sub = ap.add_subparsers(dest="step", required=True)
     r = sub.add_parser("run", help="run retmask detect on Gemma-3-270M (long grid)")
     r.add_argument("--num-needles", type=int, default=2)
+    r.add_argument("--first-needle", type=int, default=0, help="index of the first shipped needle used")
+    r.add_argument("--span-rule", default="reference", choices=["reference", "tolerant"])
     # 32000, not 32768: the prompt template and 50 answer tokens must fit the 32,768 positions.
     r.add_argument("--min-len", type=int, default=2048)
     r.add_argument("--max-len", type=int, default=32000)
@@ -280,8 +314,12 @@ def main() -> None:
     r.add_argument("--resume", action="store_true")
     p = sub.add_parser("report", help="write bench/results/gemma3_270m.md from a finished run")
     p.add_argument("--window", type=int, default=512, help="sliding window of the local layers")
-    for s in (r, p):
-        s.add_argument("--run-dir", default=str(ROOT / "runs" / "gemma3_long"))
+    p.add_argument("--bins-inside", type=int, default=2, help="distance bins inside the window")
+    p.add_argument("--stem", default="gemma3_270m", help="file stem of the page, JSON and plots")
+    p.add_argument("--notes", default="gemma3_270m.notes.md", help="the notes page the report points to")
+    p.add_argument("--linear", action="store_true", help="linear distance axis (default log)")
+    p.add_argument("--run-dir", action="append", help="a detection run (repeat to pool runs of the model)")
+    r.add_argument("--run-dir", default=str(ROOT / "runs" / "gemma3_long"))
     args = ap.parse_args()
     run(args) if args.step == "run" else report(args)
 
