@@ -13,7 +13,7 @@ import hashlib
 import json
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,22 +184,10 @@ class AblationResult:
 
     def kinds_table(self) -> str:
         """Markdown table, one row per configuration run: its masked heads, NIAH score and how many answers
-        are of each kind (``retmask.niah.answer_kind``: complete, cut short, partial, none, empty)."""
-        from retmask.niah.answer_kind import ANSWER_KINDS
-
-        lines = [
-            "| configuration | heads masked | NIAH | " + " | ".join(ANSWER_KINDS) + " |",
-            "|---|---|---|" + "---|" * len(ANSWER_KINDS),
-        ]
-        for c in self.configs:
-            if c.name not in self.results:
-                continue
-            res = self.results[c.name]
-            heads = ", ".join(f"{a}-{b}" for a, b in self.heads[c.name]) or "–"
-            kinds = res.answer_kinds()
-            cells = " | ".join(str(kinds[k]) for k in ANSWER_KINDS)
-            lines.append(f"| {c.name} | {heads} | {res.mean:.3f} | {cells} |")
-        return "\n".join(lines)
+        are of each kind (:func:`answer_kinds_table`)."""
+        return answer_kinds_table(
+            (c.name, self.heads[c.name], self.results[c.name]) for c in self.configs if c.name in self.results
+        )
 
     def to_json(self, keep_tokens: bool = False) -> dict:
         configs = []
@@ -220,6 +208,26 @@ class AblationResult:
                 }
             )
         return {"version": SUMMARY_VERSION, "meta": self.meta, "rows": self.rows(), "configs": configs}
+
+
+def answer_kinds_table(rows: Iterable[tuple[str, Sequence[Head], NiahResult]], max_heads: int = 8) -> str:
+    """Markdown table of ``(configuration name, masked heads, NIAH result)`` rows: the heads (the first
+    ``max_heads``, then the count), the NIAH score and the answers of each kind
+    (``retmask.niah.answer_kind``: complete, cut short, partial, none, empty)."""
+    from retmask.niah.answer_kind import ANSWER_KINDS
+
+    lines = [
+        "| configuration | heads masked | NIAH | " + " | ".join(ANSWER_KINDS) + " |",
+        "|---|---|---|" + "---|" * len(ANSWER_KINDS),
+    ]
+    for name, heads, res in rows:
+        shown = ", ".join(f"{a}-{b}" for a, b in list(heads)[:max_heads]) or "–"
+        if len(heads) > max_heads:
+            shown += f", … ({len(heads)} heads)"
+        kinds = res.answer_kinds()
+        cells = " | ".join(str(kinds[k]) for k in ANSWER_KINDS)
+        lines.append(f"| {name} | {shown} | {res.mean:.3f} | {cells} |")
+    return "\n".join(lines)
 
 
 def run_ablation(
