@@ -249,7 +249,12 @@ def test_real_sigint_during_detect(tiny_dir, tmp_path):
     cmd = [sys.executable, "-m", "retmask", "detect", "--model", str(tiny_dir), "--needles",
            str(DEFAULT_NEEDLES_PATH), "--min-len", "300", "--max-len", "500", "--num-lengths", "3", "--num-depths",
            "5", "--out", str(out), "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell without job control starts background commands with SIGINT ignored, and the child inherits
+    # that (Python then installs no KeyboardInterrupt handler): restore the default, as in a terminal.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     deadline = time.time() + 120
     while not progress.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
