@@ -339,7 +339,7 @@ def _nothing_counted(
     runnable: list[NiahTest],
     done: dict[int, dict],
     record: str,
-    cfg_span_rule: str = "reference",
+    span_rule: str = "reference",
 ) -> str:
     """Why a detection has no counted test, with the counts and what to change."""
     if not runnable:
@@ -352,7 +352,7 @@ def _nothing_counted(
         if len(short) < len(tests):
             parts.append(
                 f"{len(tests) - len(short)} whose needle answer is not found in the prompt (span rule"
-                + ("; try --span-rule tolerant)" if cfg_span_rule == "reference" else ")")
+                + ("; try --span-rule tolerant)" if span_rule == "reference" else ")")
             )
         return (
             f"no test could run: all {len(tests)} tests were skipped: {'; '.join(parts)}; raise "

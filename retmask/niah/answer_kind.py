@@ -19,21 +19,11 @@ Words are ROUGE's (lower-cased, punctuation dropped, Porter-stemmed), so the kin
 from __future__ import annotations
 
 from collections import Counter
-from functools import lru_cache
+
+from retmask.niah.rouge import rouge_words
 
 ANSWER_KINDS = ("complete", "cut short", "partial", "none", "empty")
 MIN_RUN = 2  # consecutive answer words that count as copied needle content
-
-
-@lru_cache(maxsize=1)
-def _tokenizer():
-    from rouge_score import tokenizers
-
-    return tokenizers.DefaultTokenizer(use_stemmer=True)
-
-
-def _words(text: str) -> list[str]:
-    return list(_tokenizer().tokenize(text))
 
 
 def _longest_run(answer: list[str], response: list[str], from_start: bool) -> int:
@@ -52,7 +42,7 @@ def _longest_run(answer: list[str], response: list[str], from_start: bool) -> in
 
 def classify_answer(real_needle: str, response: str) -> str:
     """One of :data:`ANSWER_KINDS` for ``response`` against the needle's answer ``real_needle``."""
-    answer, said = _words(real_needle), _words(response)
+    answer, said = rouge_words(real_needle), rouge_words(response)
     if not said:
         return "empty"
     if not answer:
