@@ -7,7 +7,7 @@ For a kernel change: copy the built ``retmask/_C*.so`` away first, change and re
     flock /tmp/retmask-heavy.lock python bench/bench_kernel_ab.py --baseline /tmp/old_C.so --tag <name>
 
 Both builds run the same inputs interleaved (A B A B ..., so drift of a shared machine hits both), on the
-attention shapes of detection and generation: full-prefill argmax, a 256-row prefill chunk, a 1-row decode
+attention shapes of detection and generation: full-prefill argmax (2K and 8K keys), a 256-row prefill chunk, a 1-row decode
 step and a 9-row verification pass, for SmolLM2-135M (9 query / 3 KV heads, D 64) and Llama-3.1-8B
 (32 / 8, D 128), fp32, B = 1. Outputs and argmaxes must be bit-identical between the builds unless the
 change is meant to alter arithmetic (reported per shape). Writes bench/results/kernel_ab_<tag>.{md,json,png}.
@@ -35,6 +35,7 @@ HEADS = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128)}
 # (name, M query rows, N keys, argmax rows)
 CASES = [
     ("prefill argmax all", 2048, 2048, 2048),
+    ("prefill argmax all 8K", 8192, 8192, 8192),  # 256 tile rows per item (default_block_m at 8K)
     ("prefill chunk", 256, 4096, 0),
     ("decode step", 1, 5000, 1),
     ("verify 9 rows", 9, 5000, 9),

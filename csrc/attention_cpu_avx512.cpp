@@ -13,6 +13,7 @@
 #include <limits>
 #include <new>
 #include <stdexcept>
+#include <utility>
 #include <string>
 #include <type_traits>
 #include <vector>

@@ -10,6 +10,7 @@
 #include <limits>
 #include <new>
 #include <stdexcept>
+#include <utility>
 #include <string>
 #include <type_traits>
 #include <vector>

@@ -52,34 +52,42 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 inline vf vload(const float* p) { return *reinterpret_cast<const vf*>(p); }
 inline void vstore(float* p, vf x) { *reinterpret_cast<vf*>(p) = x; }
 inline vf vloadu(const float* p) { return *reinterpret_cast<const vfu*>(p); }
-inline vf vbroadcast(float x) { return vf{} + x; }
+// All lanes in one initializer, so that GCC emits a single `vbroadcastss` (from memory when x was just
+// loaded). `vf{} + x` adds +0 first (not a no-op for x = -0): an extra scalar add on the way to the FMAs,
+// and a zero register that pushed the AVX2 micro-kernels to 17 live ymm values (one accumulator spilled).
+template <std::size_t... I>
+inline vf broadcast_lanes(float x, std::index_sequence<I...>) {
+    return vf{(static_cast<void>(I), x)...};
+}
+inline vf vbroadcast(float x) { return broadcast_lanes(x, std::make_index_sequence<VL>{}); }
 
-// exp(x) for x <= 0 (softmax arguments). Cephes-style: 2^n * p(r), |rel err| ~ 2e-7.
-// Arguments below -87 (incl. -inf of masked keys) give exactly 0.
+// exp(x) for x <= 0 (softmax arguments): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, and p the
+// degree-5 polynomial closest to e^r in relative error (Lawson fit, 9e-8); |rel err| <= 1.7e-7 over
+// [-87, 0] in fp32. Arguments are clamped at -88, where n = -127 makes the scale 2^n exactly +0, so
+// -inf (masked keys) and everything below about -87.7 give exactly 0 without a final select; NaN stays
+// NaN (the clamp keeps NaN lanes).
 inline vf vexp(vf x) {
-    const vf lo = vbroadcast(-87.0f);
-    vf xc = x < lo ? lo : x;
-    vf t = xc * 1.44269504088896341f;
+    const vf lo = vbroadcast(-88.0f);
+    const vf xc = x < lo ? lo : x;
+    const vf t = xc * 1.44269504088896341f;
     const vf magic = vbroadcast(12582912.0f);  // 1.5 * 2^23: round to nearest integer
-    vf n = (t + magic) - magic;
-    vf r = xc - n * 0.693359375f;
+    const vf n = (t + magic) - magic;
+    vf r = xc - n * 0.693359375f;  // ln2 in two parts, so r keeps its low bits
     r = r - n * -2.12194440e-4f;
-    vf p = vbroadcast(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    vf p = vbroadcast(8.29031505e-3f);
+    p = p * r + 4.18979302e-2f;
+    p = p * r + 1.66676357e-1f;
+    p = p * r + 4.99991506e-1f;
+    p = p * r + 9.99999702e-1f;
+    p = p * r + 1.0f;
     vi e = (__builtin_convertvector(n, vi) + 127) << 23;
     vf scale;
     std::memcpy(&scale, &e, sizeof(scale));
-    vf res = p * scale;
-    return x < lo ? vf{} : res;
+    return p * scale;
 }
 
 // tanh(x) (Cephes tanhf): x + x^3 P(x^2) for |x| < 0.625, else (1 - e) / (1 + e) with e = exp(-2|x|)
-// from vexp (0 below -87, so large |x| give exactly 1), sign restored. |rel err| ~ 2e-7 over the whole
+// from vexp (0 below about -87.7, so large |x| give exactly 1), sign restored. |rel err| ~ 2e-7 over the whole
 // range; +-inf -> +-1, NaN -> NaN, -0 -> -0.
 inline vf vtanh(vf x) {
     vi bits;
