@@ -7,9 +7,9 @@ For a kernel change: copy the built ``retmask/_C*.so`` away first, change and re
     flock /tmp/retmask-heavy.lock python bench/bench_kernel_ab.py --baseline /tmp/old_C.so --tag <name>
 
 Both builds run the same inputs interleaved (A B A B ..., so drift of a shared machine hits both), on the
-attention shapes of detection and generation: full-prefill argmax (2K and 8K keys), a 256-row prefill chunk, a 1-row decode
-step and a 9-row verification pass, for SmolLM2-135M (9 query / 3 KV heads, D 64) and Llama-3.1-8B
-(32 / 8, D 128), fp32, B = 1. Outputs and argmaxes must be bit-identical between the builds unless the
+attention shapes of detection and generation: full-prefill argmax (2K and 8K keys), a 256-row prefill
+chunk, a 1-row decode step and a 9-row verification pass, for SmolLM2-135M (9 query / 3 KV heads, D 64)
+and Llama-3.1-8B (32 / 8, D 128), fp32, B = 1. Outputs and argmaxes must be bit-identical between the builds unless the
 change is meant to alter arithmetic (reported per shape). Writes bench/results/kernel_ab_<tag>.{md,json,png}.
 """
 

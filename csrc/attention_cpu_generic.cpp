@@ -10,9 +10,9 @@
 #include <limits>
 #include <new>
 #include <stdexcept>
-#include <utility>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP

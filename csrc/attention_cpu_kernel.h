@@ -87,8 +87,8 @@ inline vf vexp(vf x) {
 }
 
 // tanh(x) (Cephes tanhf): x + x^3 P(x^2) for |x| < 0.625, else (1 - e) / (1 + e) with e = exp(-2|x|)
-// from vexp (0 below about -87.7, so large |x| give exactly 1), sign restored. |rel err| ~ 2e-7 over the whole
-// range; +-inf -> +-1, NaN -> NaN, -0 -> -0.
+// from vexp (0 below about -87.7, so large |x| give exactly 1), sign restored. |rel err| ~ 2e-7 over
+// the whole range; +-inf -> +-1, NaN -> NaN, -0 -> -0.
 inline vf vtanh(vf x) {
     vi bits;
     std::memcpy(&bits, &x, sizeof(bits));
