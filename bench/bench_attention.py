@@ -1,7 +1,8 @@
 """CPU attention benchmark: eager softmax(QK^T)V + argmax vs PyTorch SDPA vs retmask's fused kernel.
 
 Every (method, shape) runs in a fresh subprocess (bench/common.py: peak RSS above the inputs, median
-wall time), so memory numbers do not leak between configs. fp32, B = 1, causal prefill (M = N).
+wall time), so memory numbers do not leak between configs. B = 1, causal prefill (M = N), in one dtype
+per run (``--dtype``, default float32; every ratio compares two methods in that dtype).
 
 Methods:
   eager        what ``output_attentions=True`` forces: repeat KV for GQA, materialise the [Hq, N, N]
@@ -12,11 +13,17 @@ Methods:
   ours_last64  the same with argmax_rows=64 (teacher-forced retrieval scoring needs only the last rows).
   cpp_* / blocked_*   the two CPU paths called directly (evidence for the dispatch in kernels/cpu.py).
 
+Before the run, the driver asks the CPU backend which path it picks (it measures each kind of call once
+per machine and caches the choice, ``retmask.kernels.cpu_autotune``) for the calls of this benchmark and
+of detection (prefill, prefill chunks, decode, verification) at both shapes; the page lists the decisions.
+
 Usage:
   flock /tmp/retmask-heavy.lock python bench/bench_attention.py            # full run (~15 min, 2 cores)
                                             # -> bench/results/attention_cpu_<cpu kind>.{md,json,png}
   python bench/bench_attention.py --quick                                  # 1K-2K, a smoke test
   python bench/bench_attention.py --max-n 8192 --out /tmp/attn             # cap N, other output prefix
+  python bench/bench_attention.py --dtype bfloat16 --max-n 8192 --no-paths
+                                            # -> bench/results/attention_cpu_<cpu kind>_bf16.{md,json,png}
 """
 
 from __future__ import annotations
@@ -42,20 +49,22 @@ MAIN_METHODS = ["eager", "sdpa", "ours_all", "ours_last64"]
 SKIP_FRACTIONS = [0.0, 0.25, 0.5, 0.9]
 EAGER_MEMORY_FRACTION = 0.4  # run eager only if its estimated bytes fit in this share of MemAvailable
 LAST_ROWS = 64
+DTYPE_TAGS = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}  # result file suffix per dtype
 
 
 # ---- worker (runs in the subprocess) ---------------------------------------------------------------
 
 
 def _make_inputs(cfg: dict[str, Any]):
-    """Random fp32 q [1, Hq, M, D], k, v [1, Hkv, N, D] for one config (seeded)."""
+    """Random q [1, Hq, M, D], k, v [1, Hkv, N, D] in the config's dtype (seeded)."""
     import torch
 
     Hq, Hkv, D, N, M = cfg["Hq"], cfg["Hkv"], cfg["D"], cfg["N"], cfg.get("M", cfg["N"])
+    dtype = getattr(torch, cfg.get("dtype", "float32"))
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, Hq, M, D, generator=gen)
-    k = torch.randn(1, Hkv, N, D, generator=gen)
-    v = torch.randn(1, Hkv, N, D, generator=gen)
+    q = torch.randn(1, Hq, M, D, generator=gen).to(dtype)
+    k = torch.randn(1, Hkv, N, D, generator=gen).to(dtype)
+    v = torch.randn(1, Hkv, N, D, generator=gen).to(dtype)
     return q, k, v
 
 
@@ -220,14 +229,54 @@ def eager_bytes(Hq: int, Hkv: int, N: int, D: int) -> int:
     return 2 * Hq * N * N * 4 + N * N + 2 * Hq * N * D * 4 + Hq * N * D * 4
 
 
+# (label, M, N, argmax rows) of the calls whose path is reported: this benchmark's and detection's.
+DECISION_CALLS = [
+    ("prefill, argmax of every row", 1024, 1024, 1024),
+    ("prefill, argmax of the last 64 rows", 1024, 1024, 64),
+    ("prefill, no argmax", 1024, 1024, 0),
+    ("chunk of 256 against a cache, no argmax", 256, 2048, 0),
+    ("verification of 5 tokens, argmax", 5, 2048, 5),
+    ("decode, argmax", 1, 2048, 1),
+]
+
+
+def path_decisions(models: list[str], dtype: str, threads: int) -> list[dict[str, Any]]:
+    """The CPU backend's path for each of ``DECISION_CALLS`` at each model's shape, as ``attention`` picks
+    it (measuring now what this machine has not measured before). Runs in the driver, so that the workers
+    read the decisions from the cache instead of measuring inside a timed call."""
+    import torch
+
+    from retmask.kernels import cpu as cpu_backend
+    from retmask.kernels import cpu_autotune
+
+    torch.set_num_threads(threads)
+    rows = []
+    for model in models:
+        Hq, Hkv, D = MODELS[model]
+        for label, M, N, argmax_rows in DECISION_CALLS:
+            q = torch.empty(1, Hq, M, D, dtype=getattr(torch, dtype))
+            k = torch.empty(1, Hkv, N, D, dtype=q.dtype)
+            path = cpu_backend.choose_path(
+                q, k, causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=argmax_rows
+            )
+            name = cpu_autotune.case_of(
+                q, k, causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=argmax_rows
+            ).name()
+            d = cpu_autotune.decisions().get(name)
+            rows.append({"model": model, "call": label, "path": path, "case": name,
+                         "ratio": f"{d['ratio']:.2f}" if d else "not measured",
+                         "proxy": d["proxy"] if d else "-"})  # fmt: skip
+    return rows
+
+
 PAIR_LIMIT_S = 20.0  # pair a method with SDPA in its worker while one SDPA call is estimated below this
 
 
 class Runner:
     """Runs configs in fresh subprocesses and logs one line each."""
 
-    def __init__(self, threads: int, quick: bool, log) -> None:
-        self.threads, self.quick, self.log = threads, quick, log
+    def __init__(self, threads: int, quick: bool, log, dtype: str = "float32") -> None:
+        self.threads, self.quick, self.log, self.dtype = threads, quick, log, dtype
         self.results: list[dict[str, Any]] = []
 
     def run(self, model: str, N: int, method: str, M: int | None = None, skip_frac: float = 0.0,
@@ -248,7 +297,7 @@ class Runner:
             if method != "sdpa" and flops / 150e9 <= PAIR_LIMIT_S:
                 variants.append({"method": "sdpa", "skip_frac": 0.0})
         cfg = dict(Hq=Hq, Hkv=Hkv, D=D, N=N, M=M, variants=variants, repeats=reps, warmup=warm,
-                   threads=threads or self.threads)  # fmt: skip
+                   threads=threads or self.threads, dtype=self.dtype)  # fmt: skip
         t0 = time.time()
         res = common.run_worker(__file__, cfg, timeout=900)
         res.update(model=model, N=N, M=M, method=method, skip_frac=skip_frac, kind=kind,
@@ -316,7 +365,7 @@ def main_table(results: list[dict], models: list[str], ns: list[int]) -> tuple[l
     return headers, rows
 
 
-def plot(results: list[dict], models: list[str], ns: list[int], path: Path) -> None:
+def plot(results: list[dict], models: list[str], ns: list[int], path: Path, dtype: str = "float32") -> None:
     """Rows: median time, time / SDPA (paired where available) with the targets, peak memory."""
     import matplotlib
 
@@ -350,7 +399,7 @@ def plot(results: list[dict], models: list[str], ns: list[int], path: Path) -> N
         axes[1][col].axhline(1.3, color="gray", ls=":", lw=1, label="target, argmax all rows (1.3x)")
         axes[1][col].axhline(1.05, color="gray", ls="--", lw=1, label="target, last 64 rows (1.05x)")
         Hq, Hkv, D = MODELS[model]
-        axes[0][col].set_title(f"{model} shape (Hq={Hq}, Hkv={Hkv}, D={D}), fp32, causal")
+        axes[0][col].set_title(f"{model} shape (Hq={Hq}, Hkv={Hkv}, D={D}), {dtype}, causal")
         axes[0][col].set_ylabel("median time (s)")
         axes[1][col].set_ylabel("time / SDPA time (paired)")
         axes[2][col].set_ylabel("peak RSS above inputs (MB)")
@@ -379,6 +428,8 @@ def main() -> None:
                     "e.g. attention_cpu_amd-epyc-avx2, or /tmp/attention_cpu_quick with --quick)")  # fmt: skip
     ap.add_argument("--no-paths", action="store_true", help="skip the cpp-vs-blocked path comparison")
     ap.add_argument("--paths-only", action="store_true", help="run only the cpp-vs-blocked path comparison")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPE_TAGS),
+                    help="dtype of q, k, v for every method (default float32)")  # fmt: skip
     args = ap.parse_args()
 
     import os
@@ -389,8 +440,9 @@ def main() -> None:
         ns = [n for n in ns if n <= args.max_n]
     machine = common.machine_description()
     machine_tag = common.cpu_kind(machine)
+    name = f"attention_cpu_{machine_tag}{DTYPE_TAGS[args.dtype]}"
     out_prefix = Path(args.out or ("/tmp/attention_cpu_quick" if args.quick else
-                                   Path(__file__).parent / "results" / f"attention_cpu_{machine_tag}"))  # fmt: skip
+                                   Path(__file__).parent / "results" / name))  # fmt: skip
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
 
@@ -400,11 +452,18 @@ def main() -> None:
 
     machine["threads used"] = str(threads)
     log("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
-    runner = Runner(threads, args.quick, log)
+    runner = Runner(threads, args.quick, log, args.dtype)
     t_start = time.time()
     mem_avail = common.mem_available_bytes()
 
-    log("== main: eager vs SDPA vs ours (causal prefill, B=1, fp32) ==")
+    log("== CPU path decisions (measured once per machine and cached) ==")
+    decisions = path_decisions(args.models, args.dtype, threads)
+    from retmask.kernels import cpu_autotune
+
+    for d in decisions:
+        log(f"  {d['model']:13s} {d['call']:34s} {d['path']:8s} blocked/cpp {d['ratio']}")
+
+    log(f"== main: eager vs SDPA vs ours (causal prefill, B=1, {args.dtype}) ==")
     eager_skipped = []
     for model in [] if args.paths_only else args.models:
         Hq, Hkv, D = MODELS[model]
@@ -465,11 +524,19 @@ def main() -> None:
            "cell).", ""]  # fmt: skip
     headers, rows = main_table(runner.results, args.models, ns)
     md += [
-        "## Eager vs SDPA vs ours (causal prefill M = N, B = 1, fp32)",
+        f"## Eager vs SDPA vs ours (causal prefill M = N, B = 1, {args.dtype})",
         "",
         common.markdown_table(headers, rows),
         "",
     ]
+    md += ["## Which CPU path the backend picks (measured on this machine, cached)", "",
+           "`retmask.kernels.attention(backend=\"cpu\")` measures, once per machine and kind of call, the fused "
+           "kernel (`cpp`) against SDPA + a blocked argmax scan (`blocked`) on a small proxy call, and takes "
+           f"`blocked` only at <= {cpu_autotune.BLOCKED_MAX_RATIO}x the fused kernel's time. An argmax of "
+           f"more than {cpu_autotune.BLOCKED_MAX_ARGMAX_ROWS} rows always takes `cpp` (nothing measured).", "",
+           common.markdown_table(["model", "call", "path", "blocked / cpp time", "proxy"],
+                                 [[d["model"], d["call"], d["path"], d["ratio"], d["proxy"]] for d in decisions]),
+           ""]  # fmt: skip
     if eager_skipped:
         md += ["Eager runs skipped because their materialised logits/probabilities would not fit "
                f"(> {EAGER_MEMORY_FRACTION:.0%} of {common.fmt_bytes(mem_avail)} available):", ""]  # fmt: skip
@@ -504,10 +571,13 @@ def main() -> None:
     md_path = out_prefix.with_suffix(".md")
     md_path.write_text("\n".join(md))
     (out_prefix.parent / (out_prefix.name + ".json")).write_text(
-        json.dumps({"machine": machine, "results": runner.results}, indent=1)
+        json.dumps(
+            {"machine": machine, "dtype": args.dtype, "path_decisions": decisions, "results": runner.results},
+            indent=1,
+        )  # fmt: skip
     )
     if any(r["kind"] == "main" for r in runner.results):
-        plot(runner.results, args.models, ns, out_prefix.with_suffix(".png"))
+        plot(runner.results, args.models, ns, out_prefix.with_suffix(".png"), args.dtype)
     print()
     print(common.text_table(headers, rows))
     print(f"\nwrote {md_path}, {out_prefix.with_suffix('.png')}, {out_prefix.name}.json")

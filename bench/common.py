@@ -65,8 +65,8 @@ def mem_total_bytes() -> int:
 
 
 def machine_description() -> dict[str, str]:
-    """CPU model, cores, SIMD level, the C++ kernel build it runs, memory, torch / python versions,
-    threads used by torch."""
+    """CPU model, cores, SIMD level, the C++ kernel build it runs, how the CPU attention path is chosen,
+    memory, torch / python versions, threads used by torch."""
     import torch
 
     from retmask.kernels import cpu as cpu_kernel
@@ -74,10 +74,17 @@ def machine_description() -> dict[str, str]:
     flags = cpu_flags()
     simd = "avx512f" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")
     bf16 = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    from retmask.kernels import cpu_autotune
+
     try:
         build = cpu_kernel.selected_isa() or "not built"
     except ValueError as err:  # a bad $RETMASK_CPU_ISA: say so in the header rather than fail
         build = str(err)
+    try:
+        path_mode = cpu_autotune.forced_path()
+        path_mode = "measured per kind of call (auto)" if path_mode == "auto" else f"{path_mode} (forced)"
+    except ValueError as err:
+        path_mode = str(err)
     return {
         "cpu": cpu_model(),
         "cores": str(os.cpu_count()),
@@ -85,6 +92,7 @@ def machine_description() -> dict[str, str]:
         "simd": simd,
         "native bf16": ", ".join(bf16) or "none",
         "kernel build": build,
+        "cpu attention path": path_mode,
         "memory": f"{mem_total_bytes() / 2**30:.1f} GiB",
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# The CPU backend measures which of its two paths is faster for each kind of call and caches the choice
+# (retmask.kernels.cpu_autotune). Tests pin the fused kernel so that no result depends on this machine's
+# timing; tests of the measurement set "auto" themselves (and subprocesses inherit the pin).
+os.environ.setdefault("RETMASK_CPU_PATH", "cpp")
+
 
 @pytest.fixture(scope="session")
 def embedded():

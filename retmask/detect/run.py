@@ -21,6 +21,7 @@ from retmask.detect.stopping import stop_token_ids
 from retmask.errors import UsageError
 from retmask.heads import model_shape
 from retmask.hf.loading import load_model, max_context, parse_dtype
+from retmask.kernels import cpu_autotune
 from retmask.niah import (
     NiahTest,
     build_tests,
@@ -307,6 +308,14 @@ def _run_record(
         else {"stable": tracker.stable, "patience": tracker.patience, "counted_tests_used": tracker.count},
         "summary": summary,
         "timings": {k: round(v, 3) for k, v in timings.items()},
+        # which CPU attention path each kind of call took on this machine, and the times that decided it
+        "cpu_attention_paths": {
+            "mode": cpu_autotune.forced_path(),  # "auto", or the path $RETMASK_CPU_PATH forced
+            "decisions": {
+                name: {"path": d["path"], "blocked_over_cpp": d["ratio"]}
+                for name, d in cpu_autotune.decisions().items()
+            },
+        },
         "tests": [
             {k: v for k, v in e.items() if k != "copies"}
             for e in sorted(done.values(), key=lambda e: e["index"])

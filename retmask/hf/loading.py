@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from retmask.cache_dir import cache_root
 from retmask.errors import UsageError
 from retmask.hf.patch import check_supported  # importing retmask.hf registers "retmask" with transformers
 
@@ -45,14 +46,6 @@ class ModelLoadError(UsageError):
 
 class ModelNotFoundError(ModelLoadError, FileNotFoundError):
     """A model path (folder or GGUF file) that does not exist."""
-
-
-def cache_root() -> Path:
-    """Folder holding converted models: ``$RETMASK_CACHE``, else ``$XDG_CACHE_HOME/retmask``, else
-    ``~/.cache/retmask``. Deleting it is safe (the next load converts again)."""
-    if os.environ.get("RETMASK_CACHE"):
-        return Path(os.environ["RETMASK_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "retmask"
 
 
 def embedded_gguf_path() -> Path:

@@ -11,10 +11,10 @@ generic: 8 lanes for whatever the compiler targets) and runs the widest one this
 time from its feature bits (``builds()``). ``RETMASK_CPU_ISA=avx2`` (or another name from ``builds()``)
 makes every call run that build instead, e.g. to compare them on one machine.
 
-``forward`` picks the faster path per case, by measurement (bench/results/attention_cpu_amd-epyc-avx512f.md): see
-``choose_path`` (today: the C++ kernel whenever it is built). The kernel also runs the sliding window,
-soft-capping and sinks of the contract (``reference.py``); a build from before them (no ``FEATURES`` in
-the module) sends calls that use them to the blocked path, with one warning.
+``forward`` picks the faster path per case by measuring both on this machine, once, cached on disk
+(``choose_path``, ``cpu_autotune``); ``RETMASK_CPU_PATH=cpp|blocked`` forces one. The kernel also runs
+the sliding window, soft-capping and sinks of the contract (``reference.py``); a build from before them
+(no ``FEATURES`` in the module) sends calls that use them to the blocked path, with one warning.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import cpu_blocked
+from . import cpu_autotune, cpu_blocked
 
 BLOCK_N = 64  # keys per block (multiple of 32)
 
@@ -240,19 +240,29 @@ def cpp_forward(
     return out, argmax
 
 
-def choose_path(M: int, N: int, argmax_rows: int) -> str:
-    """Which CPU path is faster for this case: "cpp" (fused C++) or "blocked" (SDPA + torch argmax scan).
+def _run_path(path: str, call: dict[str, Any]) -> Any:
+    """Run one CPU path on a call given as keyword arguments (the autotuner's proxy calls)."""
+    if path == "cpp":
+        return cpp_forward(**call)
+    return cpu_blocked.forward(**call)
 
-    Measured on two CPU kinds (each path timed interleaved with SDPA, fp32, 2 cores, SmolLM2 and
-    Llama-3.1-8B shapes): the fused kernel is faster or tied in every case, so it is always chosen when
-    built. AVX-512 EPYC (bench/results/attention_cpu_amd-epyc-avx512f.md, attention_cpu_paths_...): argmax
-    of all rows C++ 0.42-0.55x SDPA vs blocked 3.2-6.4x (the scan recomputes every logit); last 64 rows
-    0.41-0.53x vs 1.04-1.17x; decode 0.23-0.61x vs 1.30-2.14x. AVX2-only EPYC, avx2 build
-    (bench/results/attention_cpu_amd-epyc-avx2.md): all rows 0.98-1.07x vs 3.2-4.9x; last 64 rows
-    0.97-1.11x vs 1.02-1.09x (a tie within noise); decode 0.34-1.14x vs 1.33-3.31x. The blocked path
-    stays as the fallback when ``retmask._C`` is not built.
+
+def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
+    """Which CPU path runs this call: "cpp" (fused C++) or "blocked" (SDPA + a blocked argmax scan).
+    q: [B, Hq, M, D]; k: [B, Hkv, N, D]; ``call``: the keyword arguments of ``forward`` except v and
+    sm_scale (causal, key_padding_mask, skip_heads, argmax_rows, window, softcap, sinks).
+
+    Measured per case on the machine itself and cached (``cpu_autotune``); ``$RETMASK_CPU_PATH`` forces
+    one. On the two CPU kinds measured so far the fused kernel wins every case (fp32, 2 cores, SmolLM2 and
+    Llama-3.1-8B shapes, each path timed interleaved with SDPA). AVX-512 EPYC
+    (bench/results/attention_cpu_amd-epyc-avx512f.md, attention_cpu_paths_...): argmax of all rows C++
+    0.42-0.55x SDPA vs blocked 3.2-6.4x (the scan recomputes every logit); last 64 rows 0.41-0.53x vs
+    1.04-1.17x; decode 0.23-0.61x vs 1.30-2.14x. AVX2-only EPYC (bench/results/attention_cpu_amd-epyc-avx2.md):
+    all rows 0.98-1.07x vs 3.2-4.9x; last 64 rows 0.97-1.11x vs 1.02-1.09x; decode 0.34-1.14x vs
+    1.33-3.31x. Where torch's bf16 SDPA runs on AMX tiles, "blocked" can win calls without an argmax of
+    every row; the measurement finds out.
     """
-    return "cpp"
+    return cpu_autotune.path_for(q, k, _run_path, **call)
 
 
 def forward(
@@ -272,10 +282,22 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Backend interface: q [B, Hq, M, D], k/v [B, Hkv, N, D] ->
     (out [B, Hq, M, D] q.dtype, argmax int64 [B, Hq, argmax_rows] | None, None)."""
-    M, N = q.shape[2], k.shape[2]
     features = dict(window=window, softcap=softcap, sinks=sinks)
     lib = _library()
-    if lib is None or choose_path(M, N, argmax_rows) == "blocked" or not _supports(lib, features):
+    if (
+        lib is None
+        or not _supports(lib, features)
+        or choose_path(
+            q,
+            k,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            skip_heads=skip_heads,
+            argmax_rows=argmax_rows,
+            **features,
+        )  # fmt: skip
+        == "blocked"
+    ):
         return cpu_blocked.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, argmax_rows=argmax_rows, **features,

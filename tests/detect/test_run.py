@@ -163,10 +163,16 @@ def test_cli_lists_detect():
     assert "detect" in out
 
 
-def test_span_rule_tolerant_runs_tests_the_reference_skips(tmp_path):
+def test_span_rule_tolerant_runs_tests_the_reference_skips(tmp_path, monkeypatch):
     """A short answer whose first word SmolLM2 splits differently alone ("ze" "bra") than mid-sentence
     (" zebra"): the reference rule skips every test and says to try --span-rule tolerant; the tolerant rule
-    runs them, records the answer form per test and the rule in the config."""
+    runs them, records the answer form per test and the rule in the config. Run with the CPU path chosen
+    by measurement (the suite's default pins it): the record lists the choice per kind of call."""
+    from retmask.kernels import cpu_autotune
+
+    monkeypatch.setenv("RETMASK_CPU_PATH", "auto")
+    monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
+    cpu_autotune.clear_memory()
     from transformers import AutoTokenizer
 
     import retmask
@@ -198,3 +204,11 @@ def test_span_rule_tolerant_runs_tests_the_reference_skips(tmp_path):
     assert record["config"]["span_rule"] == "tolerant" and record["skipped"] == []
     assert [t["answer_form"] for t in record["tests"]] == ["mid-sentence", "mid-sentence"]
     assert all(t["answer_tokens"] == 3 for t in record["tests"])
+    paths = record["cpu_attention_paths"]
+    assert paths["mode"] == "auto" and paths["decisions"]
+    shapes = {name.split()[4] for name in paths["decisions"]}
+    assert "decode" in shapes and shapes & {"prefill", "chunk"}  # the prompt, then one token at a time
+    assert all(
+        d["path"] in ("cpp", "blocked") and d["blocked_over_cpp"] > 0 for d in paths["decisions"].values()
+    )
+    cpu_autotune.clear_memory()
