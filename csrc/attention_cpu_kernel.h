@@ -424,12 +424,12 @@ inline int thread_num() {
 }
 
 // K or V rows [j0, j0 + nj) of one (batch, kv head) as fp32 rows: the input itself when it already is
-// contiguous fp32 along D, else a converted copy in buf [nj][D].
+// contiguous fp32 along D (unless copy_fp32), else a converted copy in buf [nj][D].
 template <class E>
 const float* rows_fp32(const typename E::T* base, const int64_t* st, int64_t j0, int nj, int64_t D,
-                       float* buf, int64_t* ld) {
+                       float* buf, int64_t* ld, bool copy_fp32 = false) {
     if constexpr (std::is_same_v<E, F32>) {
-        if (st[3] == 1) {
+        if (st[3] == 1 && !copy_fp32) {
             *ld = st[2];
             return base + j0 * st[2];
         }
@@ -758,7 +758,11 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
     const int BN = a.block_n;
     const int Di = static_cast<int>(D);
     const int64_t max_rp = round_up(plan.max_rows, VL);
-    const bool convert = !std::is_same_v<E, F32> || a.ks[3] != 1 || a.vs[3] != 1;
+    // fp32 blocks are copied too from D = 128 on: a block then sits in a buffer reused at one address
+    // (L1/L2-resident, no TLB walks over the whole K/V), which made bf16 calls 15% faster than fp32 ones
+    // at D = 128 (docs/kernel_optimisation.md, v11); at D = 64 reading in place ties.
+    const bool copy_fp32 = D >= 128;
+    const bool convert = !std::is_same_v<E, F32> || a.ks[3] != 1 || a.vs[3] != 1 || copy_fp32;
     struct Bufs {
         float *Qt, *Ot, *St, *m, *l;
         int32_t *am, *pos, *want;
@@ -798,8 +802,8 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
 
         for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
             int64_t ldk, ldv;
-            const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk);
-            const float* Vr = rows_fp32<E>(vb, a.vs, j0, nj, D, buf.Vbuf, &ldv);
+            const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk, copy_fp32);
+            const float* Vr = rows_fp32<E>(vb, a.vs, j0, nj, D, buf.Vbuf, &ldv, copy_fp32);
 
             qk_block(Kr, ldk, Qt, RP, St, Di, nj);
             if (a.softcap > 0.f) softcap_block(St, static_cast<int64_t>(nj) * RP, a.softcap, a.cap_inv, a.cap_post);
