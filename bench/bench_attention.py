@@ -391,9 +391,7 @@ def plot(results: list[dict], models: list[str], ns: list[int], path: Path, dtyp
             axes[0][col].plot(x, t, styles[method], **kw)
             if method != "sdpa":
                 xr = [xi for xi, ri in zip(x, ratio, strict=True) if ri is not None]
-                axes[1][col].plot(
-                    xr, [ri for ri in ratio if ri is not None], styles[method], label=labels[method]
-                )
+                axes[1][col].plot(xr, [ri for ri in ratio if ri is not None], styles[method], **kw)
             axes[2][col].plot(x, [b / 1e6 for b in m], styles[method], **kw)
         axes[1][col].axhline(1.0, color="tab:orange", lw=1, label="SDPA")
         axes[1][col].axhline(1.3, color="gray", ls=":", lw=1, label="target, argmax all rows (1.3x)")
