@@ -24,7 +24,8 @@ run several times faster than FMAs. So the choice is measured on the machine its
   than ``BLOCKED_MAX_ARGMAX_ROWS`` rows (its scan holds [g * rows, 2048] logits) or an explicit SDPA mask
   (padding, or a chunk against a cache) of more than ``BLOCKED_MAX_MASK`` elements.
 * Decisions live in memory and in ``<cache>/cpu_paths.json`` (``retmask.cache_dir.cache_root``) under a
-  key of the machine: CPU model and feature flags, torch version, kernel build. Deleting the file is safe.
+  key of the machine: CPU model and feature flags, torch version, kernel build and the compiled
+  extension's bytes (so a rebuilt kernel is measured again). Deleting the file is safe.
 
 ``RETMASK_CPU_PATH=cpp|blocked`` forces a path for every call (``auto``, the default, measures).
 :func:`decisions` lists the decisions this process used, for run records and benchmark pages.
@@ -166,17 +167,28 @@ def _cpuinfo_field(name: str) -> str:
     return ""
 
 
+def _file_sha256(path: str | None) -> str:
+    try:
+        with open(path or "", "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        return "unknown"
+
+
 @cache
 def machine() -> dict[str, str]:
-    """What the decisions are valid for: CPU model and feature flags, torch version, kernel build."""
+    """What the decisions are valid for: CPU model and feature flags, torch version, the kernel build
+    that runs and the bytes of the compiled extension (a rebuilt kernel is measured again)."""
     from . import cpu  # the kernel build; imported here because cpu imports this module
 
     flags = _cpuinfo_field("flags")
+    lib = cpu._library()
     return {
         "cpu": _cpuinfo_field("model name") or platform.processor() or platform.machine(),
         "flags_sha256": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16],
         "torch": torch.__version__,
-        "kernel_build": cpu.selected_isa() if cpu.cpp_available() else "not built",
+        "kernel_build": cpu.selected_isa() if lib is not None else "not built",
+        "extension_sha256": _file_sha256(getattr(lib.module, "__file__", None)) if lib is not None else "-",
     }
 
 

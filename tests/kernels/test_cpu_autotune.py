@@ -7,6 +7,7 @@ these tests set ``auto`` themselves, with the cache in a temporary folder.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 
@@ -118,6 +119,9 @@ def test_decisions_persist_on_disk_per_machine(auto, monkeypatch, caplog):
     data = json.loads(auto.read_text())
     entry = data["machines"][cpu_autotune.machine_key()]
     assert entry["machine"] == cpu_autotune.machine()
+    # a rebuilt kernel is another machine: the key holds the bytes of the loaded extension
+    so_path = cpu_backend._library().module.__file__
+    assert entry["machine"]["extension_sha256"] == hashlib.sha256(open(so_path, "rb").read()).hexdigest()[:16]
     assert entry["cases"][case.name()]["path"] == "blocked"
 
     # A new process (memory cleared) reads the decision instead of measuring again.
