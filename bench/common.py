@@ -27,24 +27,18 @@ from typing import Any
 
 
 def cpu_model() -> str:
-    """CPU model name from /proc/cpuinfo (falls back to platform.processor())."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    """CPU model name (``retmask.kernels.cpuinfo``; imported here, not at the top, so that a worker that
+    imports only ``retmask.kernels`` does not load the whole package)."""
+    from retmask.kernels.cpuinfo import cpu_model as model
+
+    return model()
 
 
 def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """The CPU's feature flags (``retmask.kernels.cpuinfo``; imported lazily, see ``cpu_model``)."""
+    from retmask.kernels.cpuinfo import cpu_flags as flags
+
+    return flags()
 
 
 def mem_available_bytes() -> int:

@@ -37,16 +37,16 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from .cpuinfo import cpu_flags, cpu_model
 
 PATH_ENV = "RETMASK_CPU_PATH"
 PATH_CHOICES = ("auto", "cpp", "blocked")
@@ -61,9 +61,9 @@ _FORMAT = 1
 log = logging.getLogger("retmask.kernels")
 
 
-@dataclass(frozen=True)
-class Case:
-    """What decides which CPU path is faster for a call (see the module docstring)."""
+class Case(NamedTuple):
+    """What decides which CPU path is faster for a call (see the module docstring). A named tuple: built
+    and hashed on every call, as the key of the per-process memo."""
 
     dtype: str  # "float32" | "bfloat16" | "float16"
     head_dim: int
@@ -119,20 +119,22 @@ def case_of(
     the blocked path's work (an explicit SDPA mask; the per-row head gather), and it needs no reduction
     over a tensor on every call.
     """
-    named = {"window": window, "softcap": softcap, "sinks": sinks}
+    _, Hq, M, D = q.shape
+    _, Hkv, N, _ = k.shape
+    named = (("window", window), ("softcap", softcap), ("sinks", sinks))
     return Case(
-        dtype=str(q.dtype).removeprefix("torch."),
-        head_dim=q.shape[3],
-        group=q.shape[1] // k.shape[1],
-        causal=bool(causal),
-        shape=_shape_class(q.shape[2], k.shape[2]),
-        argmax=_argmax_class(argmax_rows),
-        padding=key_padding_mask is not None,
-        skipped=skip_heads is not None,
-        features="+".join(name for name, value in named.items() if value is not None) or "-",
-        keys="short" if k.shape[2] <= SHORT_KEYS else "long",
-        threads=torch.get_num_threads(),
-    )
+        str(q.dtype).removeprefix("torch."),
+        D,
+        Hq // Hkv,
+        bool(causal),
+        _shape_class(M, N),
+        _argmax_class(argmax_rows),
+        key_padding_mask is not None,
+        skip_heads is not None,
+        "+".join(name for name, value in named if value is not None) or "-",
+        "short" if N <= SHORT_KEYS else "long",
+        torch.get_num_threads(),
+    )  # positional, in the field order of Case: this runs on every call
 
 
 def blocked_allowed(M: int, N: int, argmax_rows: int, causal: bool, padding: bool) -> bool:
@@ -156,17 +158,6 @@ def forced_path() -> str:
 # ---- the machine key ---------------------------------------------------------------------------------
 
 
-def _cpuinfo_field(name: str) -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.split(":", 1)[0].strip() == name:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def _file_sha256(path: str | None) -> str:
     try:
         with open(path or "", "rb") as f:
@@ -181,11 +172,10 @@ def machine() -> dict[str, str]:
     that runs and the bytes of the compiled extension (a rebuilt kernel is measured again)."""
     from . import cpu  # the kernel build; imported here because cpu imports this module
 
-    flags = _cpuinfo_field("flags")
     lib = cpu._library()
     return {
-        "cpu": _cpuinfo_field("model name") or platform.processor() or platform.machine(),
-        "flags_sha256": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16],
+        "cpu": cpu_model(),
+        "flags_sha256": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
         "torch": torch.__version__,
         "kernel_build": cpu.selected_isa() if lib is not None else "not built",
         "extension_sha256": _file_sha256(getattr(lib.module, "__file__", None)) if lib is not None else "-",
@@ -200,7 +190,7 @@ def machine_key() -> str:
 
 _lock = threading.Lock()
 _decided: dict[str, dict[str, Any]] = {}  # case name -> decision, for this process and machine key
-_paths: dict[tuple, str] = {}  # cheap per-call key -> path, so a decided case costs a few microseconds
+_paths: dict[Case, str] = {}  # case -> path, so a call of a decided case costs a few microseconds
 
 
 def cache_path() -> Path:
@@ -323,7 +313,7 @@ def measure(
         "calls": n,
         "proxy": f"q [1, {call['q'].shape[1]}, {M}, {case.head_dim}], k/v [1, {call['k'].shape[1]}, {N}, "
         f"{case.head_dim}], argmax rows {call['argmax_rows']}",
-        "case": asdict(case),
+        "case": case._asdict(),
     }
 
 
@@ -362,25 +352,19 @@ def path_for(
     argmax_rows: int,
     **features: Any,
 ) -> str:
-    """The path for one call (``choose`` on its case), memoised on a tuple that is cheap to build:
-    a call of a decided case costs a few microseconds. q: [B, Hq, M, D]; k: [B, Hkv, N, D];
+    """The path for one call (``choose`` on its case), memoised on the case: a call of a decided case
+    costs a few microseconds. q: [B, Hq, M, D]; k: [B, Hkv, N, D];
     ``features``: window, softcap, sinks (as in ``case_of``)."""
     forced = forced_path()
     if forced != "auto":
         return forced
-    M, N = q.shape[2], k.shape[2]
-    if not blocked_allowed(M, N, argmax_rows, causal, key_padding_mask is not None):
+    if not blocked_allowed(q.shape[2], k.shape[2], argmax_rows, causal, key_padding_mask is not None):
         return "cpp"
-    key = (
-        q.dtype, q.shape[3], q.shape[1] // k.shape[1], causal, _shape_class(M, N), _argmax_class(argmax_rows),
-        key_padding_mask is not None, skip_heads is not None, N <= SHORT_KEYS, torch.get_num_threads(),
-        *sorted(name for name, value in features.items() if value is not None),
+    case = case_of(
+        q, k, causal=causal, key_padding_mask=key_padding_mask, skip_heads=skip_heads,
+        argmax_rows=argmax_rows, **features,
     )  # fmt: skip
-    path = _paths.get(key)
+    path = _paths.get(case)
     if path is None:
-        case = case_of(
-            q, k, causal=causal, key_padding_mask=key_padding_mask, skip_heads=skip_heads,
-            argmax_rows=argmax_rows, **features,
-        )  # fmt: skip
-        path = _paths[key] = choose(case, run)
+        path = _paths[case] = choose(case, run)
     return path

@@ -1,0 +1,28 @@
+"""The CPU this process runs on, as Linux reports it in /proc/cpuinfo (torch-free)."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def _field(name: str) -> str | None:
+    """The value of the first ``name : value`` line of /proc/cpuinfo, or None (no such line, no file)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == name:
+                return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_model() -> str:
+    """CPU model name from /proc/cpuinfo (falls back to platform.processor())."""
+    return _field("model name") or platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> set[str]:
+    """The feature flags of the first CPU (empty off Linux)."""
+    return set((_field("flags") or "").split())
