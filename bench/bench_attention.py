@@ -11,7 +11,8 @@ Methods:
                no argmax.
   ours_all     retmask.kernels.attention(backend="cpu", return_argmax=True): argmax of every row.
   ours_last64  the same with argmax_rows=64 (teacher-forced retrieval scoring needs only the last rows).
-  cpp_* / blocked_*   the two CPU paths called directly (evidence for the dispatch in kernels/cpu.py).
+  cpp_* / gemm_* / blocked_*   the three CPU paths called directly (evidence for the dispatch in
+               kernels/cpu.py): the fused kernel, the same on torch's block GEMM, SDPA + a blocked argmax.
 
 Before the run, the driver asks the CPU backend which path it picks (it measures each kind of call once
 per machine and caches the choice, ``retmask.kernels.cpu_autotune``) for the calls of this benchmark and
@@ -111,16 +112,16 @@ def _make_fn(method: str, skip_frac: float, q, k, v):
         def fn():
             return attention(q, k, v, skip_heads=skip, return_argmax=True, argmax_rows=T, backend="cpu")
 
-    elif method.startswith(("cpp_", "blocked_")):
+    elif method.startswith(("cpp_", "gemm_", "blocked_")):
         path, which = method.split("_", 1)
         T = rows[which]
         skip_b = skip.expand(1, Hq).contiguous() if skip is not None else None
-        if path == "cpp":
+        if path in ("cpp", "gemm"):
 
             def fn():
                 return cpu_backend.cpp_forward(
                     q, k, v, causal=True, sm_scale=scale, key_padding_mask=None, skip_heads=skip_b,
-                    argmax_rows=T,
+                    argmax_rows=T, gemm=path == "gemm",
                 )  # fmt: skip
 
         else:
@@ -263,8 +264,11 @@ def path_decisions(models: list[str], dtype: str, threads: int) -> list[dict[str
                 q, k, causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=argmax_rows
             ).name()
             d = cpu_autotune.decisions().get(name)
+            ratios = d.get("ratios", {}) if d else {}
             rows.append({"model": model, "call": label, "path": path, "case": name,
-                         "ratio": f"{d['ratio']:.2f}" if d else "not measured",
+                         "gemm": f"{ratios['gemm']:.2f}" if "gemm" in ratios else "-",
+                         "blocked": f"{ratios['blocked']:.2f}" if "blocked" in ratios else "-",
+                         "rejected": ", ".join(f"{p}: {why}" for p, why in d.get("rejected", {}).items()) if d else "",
                          "proxy": d["proxy"] if d else "-"})  # fmt: skip
     return rows
 
@@ -424,8 +428,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--out", default=None, help="output prefix (default bench/results/attention_cpu_<cpu kind>, "
                     "e.g. attention_cpu_amd-epyc-avx2, or /tmp/attention_cpu_quick with --quick)")  # fmt: skip
-    ap.add_argument("--no-paths", action="store_true", help="skip the cpp-vs-blocked path comparison")
-    ap.add_argument("--paths-only", action="store_true", help="run only the cpp-vs-blocked path comparison")
+    ap.add_argument("--no-paths", action="store_true", help="skip the comparison of the CPU paths")
+    ap.add_argument("--paths-only", action="store_true", help="run only the comparison of the CPU paths")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPE_TAGS),
                     help="dtype of q, k, v for every method (default float32)")  # fmt: skip
     args = ap.parse_args()
@@ -459,7 +463,10 @@ def main() -> None:
     from retmask.kernels import cpu_autotune
 
     for d in decisions:
-        log(f"  {d['model']:13s} {d['call']:34s} {d['path']:8s} blocked/cpp {d['ratio']}")
+        log(
+            f"  {d['model']:13s} {d['call']:34s} {d['path']:8s} gemm/cpp {d['gemm']:5s} blocked/cpp {d['blocked']}"
+            + (f"  rejected: {d['rejected']}" if d["rejected"] else "")
+        )
 
     log(f"== main: eager vs SDPA vs ours (causal prefill, B=1, {args.dtype}) ==")
     eager_skipped = []
@@ -486,13 +493,22 @@ def main() -> None:
 
     paths = []
     if not args.no_paths:
-        log("== CPU path comparison (dispatch evidence): fused C++ vs blocked torch ==")
+        log(
+            "== CPU path comparison (dispatch evidence): fused C++ vs C++ on torch's GEMM vs blocked torch =="
+        )
         prefill_ns = [2048, 4096] if not args.quick else [1024]
         for model in args.models:
             for N in prefill_ns:
                 if args.max_n and N > args.max_n:
                     continue
-                for method in ("cpp_all", "blocked_all", "cpp_last64", "blocked_last64"):
+                for method in (
+                    "cpp_all",
+                    "gemm_all",
+                    "blocked_all",
+                    "cpp_last64",
+                    "gemm_last64",
+                    "blocked_last64",
+                ):
                     paths.append(runner.run(model, N, method, kind="path"))
             for N in [n for n in (2048, 8192, 32768) if not args.max_n or n <= args.max_n]:
                 if args.quick and N > 2048:
@@ -500,7 +516,7 @@ def main() -> None:
                 # Decode: M = 1, argmax of the one row. Up to 8K one call takes well under a millisecond, and
                 # with 2 threads on the shared VM it measures the scheduler's wake-up of the second thread
                 # (4-16 ms when the other core is busy), not the kernel: those run single-threaded.
-                for method in ("cpp_all", "blocked_all"):
+                for method in ("cpp_all", "gemm_all", "blocked_all"):
                     th = 1 if N <= 8192 else None
                     paths.append(runner.run(model, N, method, M=1, repeats=(15, 2), kind="path", threads=th))
 
@@ -529,11 +545,15 @@ def main() -> None:
     ]
     md += ["## Which CPU path the backend picks (measured on this machine, cached)", "",
            "`retmask.kernels.attention(backend=\"cpu\")` measures, once per machine and kind of call, the fused "
-           "kernel (`cpp`) against SDPA + a blocked argmax scan (`blocked`) on a small proxy call, and takes "
-           f"`blocked` only at <= {cpu_autotune.BLOCKED_MAX_RATIO}x the fused kernel's time. An argmax of "
-           f"more than {cpu_autotune.BLOCKED_MAX_ARGMAX_ROWS} rows always takes `cpp` (nothing measured).", "",
-           common.markdown_table(["model", "call", "path", "blocked / cpp time", "proxy"],
-                                 [[d["model"], d["call"], d["path"], d["ratio"], d["proxy"]] for d in decisions]),
+           "kernel (`cpp`) against the same kernel on torch's block GEMM (`gemm`) and SDPA + a blocked argmax "
+           "scan (`blocked`) on a small proxy call, and takes another path only at <= "
+           f"{cpu_autotune.ALT_MAX_RATIO}x the fused kernel's time (a candidate must first agree with it on "
+           f"that call). An argmax of more than {cpu_autotune.BLOCKED_MAX_ARGMAX_ROWS} rows never takes "
+           "`blocked`.", "",
+           common.markdown_table(["model", "call", "path", "gemm / cpp time", "blocked / cpp time", "rejected",
+                                  "proxy"],
+                                 [[d["model"], d["call"], d["path"], d["gemm"], d["blocked"], d["rejected"] or "-",
+                                   d["proxy"]] for d in decisions]),
            ""]  # fmt: skip
     if eager_skipped:
         md += ["Eager runs skipped because their materialised logits/probabilities would not fit "

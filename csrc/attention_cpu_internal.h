@@ -24,6 +24,7 @@ struct KernelArgs {
     // overflows (subnormal c), where both are rescaled by 2^64.
     float softcap, cap_inv, cap_post;
     const float* sinks;  // [Hq] fp32, or null
+    const BlockGemm* gemm;  // the "gemm" tile layout's block products, or null (built-in micro-kernels)
 };
 
 // One build of the kernel per instruction set; attention_cpu.cpp calls the one the CPU runs (x86: AVX-512

@@ -614,6 +614,97 @@ RETMASK_INLINE void store_row(const Args& a, int64_t b, int64_t h, int64_t i, co
     if (want) a.argmax[(b * a.Hq + h) * a.T + (i - (a.M - a.T))] = l > 0.f ? am : -1;
 }
 
+// Row state of a row-major tile before its first key block: positions, which rows want an argmax, no
+// max / sum / argmax yet, a zero accumulator Ot[r][0..Dp).
+RETMASK_INLINE void start_rows(const Args& a, const Tile& t, float* Ot, int Dp, float* m, float* l, int64_t* am,
+                               int64_t* pos, uint8_t* want) {
+    for (int r = 0; r < t.R; ++r) {
+        const int64_t i = t.row_i[r];
+        pos[r] = a.N - a.M + i;
+        want[r] = a.argmax && a.T && i >= a.M - a.T;
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+        am[r] = -1;
+        std::memset(Ot + static_cast<int64_t>(r) * Dp, 0, sizeof(float) * Dp);
+    }
+}
+
+// ---- row-major online softmax (the row-major and block-GEMM layouts share it) ----------------------
+// One key block [j0, j0 + nj) of a tile whose logits S [R][BN] are row-major (columns from nj on hold
+// finite filler): masks padding, the tail past nj, future keys (causal) and keys before a row's window to
+// -inf (a select), folds the block into each row's running max m[r], argmax am[r] (rows with want[r]) and
+// sum l[r], rescales the row's accumulator Ot[r][0..Dp) when its max grows, and leaves e^{s - m} in S
+// (0 for masked keys and for rows with nothing valid in the block).
+// Distinct arrays (restrict): stores to them cannot change a, t, or each other.
+RETMASK_INLINE void softmax_rows(const Args& a, const Tile& t, int64_t j0, int nj, uint8_t st, float* __restrict S,
+                                 int BN, float* __restrict Ot, int Dp, float* __restrict m, float* __restrict l,
+                                 int64_t* __restrict am, const int64_t* __restrict pos,
+                                 const uint8_t* __restrict want, float* __restrict kbias) {
+    const int64_t b = t.b, N = a.N;
+    const int R = t.R;
+    // Key validity for this block: 0 = valid, -inf = padding or tail past key_end (a select mask).
+    const bool need_bias = st == 1 || nj < BN;
+    if (need_bias)
+        for (int j = 0; j < BN; ++j)
+            kbias[j] = (j < nj && (!a.kpm || a.kpm[b * N + j0 + j])) ? 0.f : NEG_INF;
+    const bool diag = a.causal && j0 + BN - 1 > t.min_pos;
+    const bool edge = a.window && j0 < t.win_edge;  // keys below some row's window
+
+    for (int r = 0; r < R; ++r) {
+        float* s = S + static_cast<int64_t>(r) * BN;
+        if (need_bias)
+            for (int j = 0; j < BN; j += VL)
+                vstore(s + j, vload(kbias + j) == vf{} ? vload(s + j) : vbroadcast(NEG_INF));
+        if (diag) {
+            const int64_t lim = pos[r] - j0;  // keys j > lim are in the future
+            for (int64_t j = std::max<int64_t>(0, lim + 1); j < BN; ++j) s[j] = NEG_INF;
+        }
+        if (edge) {  // keys j < lo are before this row's window
+            const int64_t lo = std::min<int64_t>(BN, pos[r] - a.window + 1 - j0);
+            for (int64_t j = 0; j < lo; ++j) s[j] = NEG_INF;
+        }
+        vf mx = vload(s);
+        for (int j = VL; j < BN; j += VL) {
+            vf x = vload(s + j);
+            mx = x > mx ? x : mx;
+        }
+        const float bmax = hmax(mx);
+        float* o = Ot + static_cast<int64_t>(r) * Dp;
+        if (bmax == NEG_INF) {  // nothing valid for this row in this block ...
+            // ... unless a NaN logit hid from the max (comparisons drop NaN lanes): then go on, and
+            // e^{NaN} poisons l and o (a NaN row), as the contract asks.
+            bool nan = false;
+            for (int j = 0; j < BN; ++j) nan |= s[j] != s[j];
+            if (!nan) {
+                std::memset(s, 0, sizeof(float) * BN);
+                continue;
+            }
+        }
+        if (bmax > m[r]) {  // strictly greater: earlier blocks win ties
+            if (want[r]) {
+                int j = 0;
+                while (s[j] != bmax) ++j;
+                am[r] = j0 + j;
+            }
+            if (m[r] != NEG_INF) {
+                const float alpha = std::exp(m[r] - bmax);
+                l[r] *= alpha;
+                const vf av = vbroadcast(alpha);
+                for (int d = 0; d < Dp; d += VL) vstore(o + d, vload(o + d) * av);
+            }
+            m[r] = bmax;
+        }
+        const vf mv = vbroadcast(m[r]);
+        vf sum = vf{};
+        for (int j = 0; j < BN; j += VL) {
+            vf p = vexp(vload(s + j) - mv);
+            vstore(s + j, p);
+            sum += p;
+        }
+        l[r] += hsum(sum);
+    }
+}
+
 // ---- row-major tiles (decode) ------------------------------------------------------------------------
 
 template <class E>
@@ -622,7 +713,7 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
     using namespace rowmajor;
     const T* k = static_cast<const T*>(a.k);
     const T* v = static_cast<const T*>(a.v);
-    const int64_t M = a.M, N = a.N, D = a.D, T_ = a.T;
+    const int64_t D = a.D;
     const int BN = a.block_n;
     const int Dp = static_cast<int>(round_up(D, VL));
     const int64_t max_rows = plan.max_rows;
@@ -645,16 +736,8 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
         uint8_t* const want = buf.want;
         const int64_t b = t.b;
         const int R = t.R;
-        for (int r = 0; r < R; ++r) {
-            const int64_t i = t.row_i[r];
-            pos[r] = N - M + i;
-            want[r] = a.argmax && T_ && i >= M - T_;
-            load_q_row<E>(a, b, t.row_h[r], i, Qt + static_cast<int64_t>(r) * Dp, 1);
-            m[r] = NEG_INF;
-            l[r] = 0.f;
-            am[r] = -1;
-            std::memset(Ot + static_cast<int64_t>(r) * Dp, 0, sizeof(float) * Dp);
-        }
+        start_rows(a, t, Ot, Dp, m, l, am, pos, want);
+        for (int r = 0; r < R; ++r) load_q_row<E>(a, b, t.row_h[r], t.row_i[r], Qt + static_cast<int64_t>(r) * Dp, 1);
         const T* kb = k + b * a.ks[0] + t.hk * a.ks[1];
         const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
 
@@ -676,67 +759,7 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
             qk_dot(Qt, Dp, R, Kr, ldk, static_cast<int>(D), S, BN, nj);
             if (a.softcap > 0.f) softcap_block(S, static_cast<int64_t>(R) * BN, a.softcap, a.cap_inv, a.cap_post);
 
-            // Key validity for this block: 0 = valid, -inf = padding or tail past key_end (a select mask).
-            const bool need_bias = st == 1 || nj < BN;
-            if (need_bias)
-                for (int j = 0; j < BN; ++j)
-                    kbias[j] = (j < nj && (!a.kpm || a.kpm[b * N + j0 + j])) ? 0.f : NEG_INF;
-            const bool diag = a.causal && j0 + BN - 1 > t.min_pos;
-            const bool edge = a.window && j0 < t.win_edge;  // keys below some row's window
-
-            for (int r = 0; r < R; ++r) {
-                float* s = S + static_cast<int64_t>(r) * BN;
-                if (need_bias)
-                    for (int j = 0; j < BN; j += VL)
-                        vstore(s + j, vload(kbias + j) == vf{} ? vload(s + j) : vbroadcast(NEG_INF));
-                if (diag) {
-                    const int64_t lim = pos[r] - j0;  // keys j > lim are in the future
-                    for (int64_t j = std::max<int64_t>(0, lim + 1); j < BN; ++j) s[j] = NEG_INF;
-                }
-                if (edge) {  // keys j < lo are before this row's window
-                    const int64_t lo = std::min<int64_t>(BN, pos[r] - a.window + 1 - j0);
-                    for (int64_t j = 0; j < lo; ++j) s[j] = NEG_INF;
-                }
-                vf mx = vload(s);
-                for (int j = VL; j < BN; j += VL) {
-                    vf x = vload(s + j);
-                    mx = x > mx ? x : mx;
-                }
-                const float bmax = hmax(mx);
-                float* o = Ot + static_cast<int64_t>(r) * Dp;
-                if (bmax == NEG_INF) {  // nothing valid for this row in this block ...
-                    // ... unless a NaN logit hid from the max (comparisons drop NaN lanes): then go on, and
-                    // e^{NaN} poisons l and o (a NaN row), as the contract asks.
-                    bool nan = false;
-                    for (int j = 0; j < BN; ++j) nan |= s[j] != s[j];
-                    if (!nan) {
-                        std::memset(s, 0, sizeof(float) * BN);
-                        continue;
-                    }
-                }
-                if (bmax > m[r]) {  // strictly greater: earlier blocks win ties
-                    if (want[r]) {
-                        int j = 0;
-                        while (s[j] != bmax) ++j;
-                        am[r] = j0 + j;
-                    }
-                    if (m[r] != NEG_INF) {
-                        const float alpha = std::exp(m[r] - bmax);
-                        l[r] *= alpha;
-                        const vf av = vbroadcast(alpha);
-                        for (int d = 0; d < Dp; d += VL) vstore(o + d, vload(o + d) * av);
-                    }
-                    m[r] = bmax;
-                }
-                const vf mv = vbroadcast(m[r]);
-                vf sum = vf{};
-                for (int j = 0; j < BN; j += VL) {
-                    vf p = vexp(vload(s + j) - mv);
-                    vstore(s + j, p);
-                    sum += p;
-                }
-                l[r] += hsum(sum);
-            }
+            softmax_rows(a, t, j0, nj, st, S, BN, Ot, Dp, m, l, am, pos, want, kbias);
 
             pv_rows<MR_PV>(S, BN, Vp, Dp, Ot, Dp, Dp, nj, R);
         });
@@ -744,6 +767,114 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
         for (int r = 0; r < R; ++r)
             store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + static_cast<int64_t>(r) * Dp, 1, m[r], l[r], want[r],
                          am[r]);
+    });
+}
+
+// ---- block-GEMM tiles (an external GEMM: matrix units, native bf16 dot products) ----------------------
+// Row-major tiles like the decode path, but both block products go through the caller's GEMM
+// (KernelArgs::gemm, torch's CPU block GEMM): S [R][BN] = Q K^T, then the shared online softmax in fp32,
+// then O [R][Dp] += P V. fp16 / bf16 operands stay in their dtype (Q unscaled, S scaled in fp32 after the
+// product; P rounded to the dtype before P V, as torch's SDPA does), so a CPU with AMX or AVX512-BF16 runs
+// the products natively; fp32 operands are Q pre-scaled, as in the other layouts. Per block, K is copied
+// transposed to Kt [D][BN] and V to Vb [BN][D], zero past the last key, so every product has the full
+// block width (with vnni both are then packed into the matrix unit's paired-k layout).
+constexpr int64_t VNNI_N = 64;  // columns per packed V chunk (attention_cpu.cpp: vnni needs D % 64 == 0)
+
+template <class E>
+void run_gemm(const Args& a, const Plan& plan, int threads) {
+    using T = typename E::T;
+    constexpr bool f32 = std::is_same_v<E, F32>;
+    const BlockGemm& G = *a.gemm;
+    const bool vnni = G.vnni && !f32;
+    const T* k = static_cast<const T*>(a.k);
+    const T* v = static_cast<const T*>(a.v);
+    const int64_t D = a.D;
+    const int BN = a.block_n;
+    const int Dp = static_cast<int>(round_up(D, VL));
+    const int64_t max_rows = plan.max_rows;
+    struct Bufs {
+        T *Q, *Kt, *Vb, *Kp, *Vp, *P;
+        float *Ot, *S, *m, *l, *kbias;
+        int64_t *am, *pos;
+        uint8_t* want;
+    };
+    const auto carve = [&](Carve& c) RETMASK_LAMBDA_INLINE {
+        return Bufs{c.take<T>(max_rows * D),           c.take<T>(D * BN),
+                    c.take<T>(static_cast<int64_t>(BN) * D), c.take<T>(vnni ? D * BN : 0),
+                    c.take<T>(vnni ? D * BN : 0),      c.take<T>(f32 ? 0 : max_rows * BN),
+                    c.take<float>(max_rows * Dp),      c.take<float>(max_rows * BN),
+                    c.take<float>(max_rows),           c.take<float>(max_rows),
+                    c.take<float>(BN),                 c.take<int64_t>(max_rows),
+                    c.take<int64_t>(max_rows),         c.take<uint8_t>(max_rows)};
+    };
+    for_each_item(a, plan, threads, carve, [&](const Bufs& buf, const Tile& t) RETMASK_LAMBDA_INLINE {
+        T *const Q = buf.Q, *const Kt = buf.Kt, *const Vb = buf.Vb;
+        float *const Ot = buf.Ot, *const S = buf.S, *const m = buf.m, *const l = buf.l;
+        int64_t *const am = buf.am, *const pos = buf.pos;
+        uint8_t* const want = buf.want;
+        const int64_t b = t.b;
+        const int R = t.R;
+        start_rows(a, t, Ot, Dp, m, l, am, pos, want);
+        for (int r = 0; r < R; ++r) {
+            const int64_t h = t.row_h[r], i = t.row_i[r];
+            T* qr = Q + static_cast<int64_t>(r) * D;
+            if constexpr (f32) {
+                load_q_row<E>(a, b, h, i, qr, 1);
+            } else {  // unscaled, in the input dtype: the GEMM's operand
+                const T* src = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+                for (int64_t d = 0; d < D; ++d) qr[d] = src[d * a.qs[3]];
+            }
+        }
+        const T* kb = k + b * a.ks[0] + t.hk * a.ks[1];
+        const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
+
+        for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
+            for (int j = 0; j < BN; ++j) {
+                const bool in = j < nj;
+                const T* kr = kb + (j0 + j) * a.ks[2];
+                const T* vr = vb + (j0 + j) * a.vs[2];
+                T* vo = Vb + static_cast<int64_t>(j) * D;
+                for (int64_t d = 0; d < D; ++d) {
+                    Kt[d * BN + j] = in ? kr[d * a.ks[3]] : T{};
+                    vo[d] = in ? vr[d * a.vs[3]] : T{};
+                }
+            }
+            // With vnni, V is packed in chunks of VNNI_N columns (a packed operand's row length is at most 64
+            // on AMX, as in torch's own attention): one P V product per chunk.
+            const T* Kop = Kt;
+            if (vnni) {
+                G.pack(D, BN, BN, BN, G.pack_dtype, G.pack_dtype, Kt, buf.Kp);
+                for (int64_t c0 = 0; c0 < D; c0 += VNNI_N)
+                    G.pack(BN, VNNI_N, D, VNNI_N, G.pack_dtype, G.pack_dtype, Vb + c0, buf.Vp + c0 * BN);
+                Kop = buf.Kp;
+            }
+            G.gemm(R, BN, D, D, BN, BN, false, Q, Kop, S, vnni);
+            if constexpr (!f32) {
+                const vf sc = vbroadcast(a.scale);
+                for (int64_t x = 0; x < static_cast<int64_t>(R) * BN; x += VL) vstore(S + x, vload(S + x) * sc);
+            }
+            if (a.softcap > 0.f) softcap_block(S, static_cast<int64_t>(R) * BN, a.softcap, a.cap_inv, a.cap_post);
+
+            softmax_rows(a, t, j0, nj, st, S, BN, Ot, Dp, m, l, am, pos, want, buf.kbias);
+
+            if constexpr (f32) {
+                G.gemm(R, D, BN, BN, D, Dp, true, S, Vb, Ot, false);
+            } else {
+                T* const P = buf.P;
+                for (int64_t x = 0; x < static_cast<int64_t>(R) * BN; ++x) E::store(P + x, S[x]);
+                if (vnni) {
+                    for (int64_t c0 = 0; c0 < D; c0 += VNNI_N)
+                        G.gemm(R, VNNI_N, BN, BN, VNNI_N, Dp, true, P, buf.Vp + c0 * BN, Ot + c0, true);
+                } else {
+                    G.gemm(R, D, BN, BN, D, Dp, true, P, Vb, Ot, false);
+                }
+            }
+        });
+
+        for (int r = 0; r < R; ++r)
+            store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + static_cast<int64_t>(r) * Dp, 1, m[r], l[r], want[r],
+                         am[r]);
+        if (G.release) G.release(vnni);
     });
 }
 
@@ -883,13 +1014,16 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
     });
 }
 
-// Lanes path when a tile fills at least one VL-row vector, row-major path otherwise (decode). Calls too
-// small to split run on the calling thread; others on `threads` threads, at most one per work item.
+// Block-GEMM path when the caller passed a GEMM; else the lanes path when a tile fills at least one
+// VL-row vector, the row-major path otherwise (decode). Calls too small to split run on the calling
+// thread; others on `threads` threads, at most one per work item.
 template <class E>
 void run(const Args& a, int threads) {
     const Plan plan = make_plan<E>(a);
     threads = plan.parallel() ? static_cast<int>(std::min<int64_t>(threads, plan.items.size())) : 1;
-    if (plan.max_rows >= VL)
+    if (a.gemm)
+        run_gemm<E>(a, plan, threads);
+    else if (plan.max_rows >= VL)
         run_lanes<E>(a, plan, threads);
     else
         run_rows<E>(a, plan, threads);

@@ -312,7 +312,11 @@ def _run_record(
         "cpu_attention_paths": {
             "mode": cpu_autotune.forced_path(),  # "auto", or the path $RETMASK_CPU_PATH forced
             "decisions": {
-                name: {"path": d["path"], "blocked_over_cpp": d["ratio"]}
+                name: {
+                    "path": d["path"],
+                    "time_over_cpp": d.get("ratios", {}),
+                    "rejected": d.get("rejected", {}),
+                }
                 for name, d in cpu_autotune.decisions().items()
             },
         },

@@ -11,8 +11,10 @@ generic: 8 lanes for whatever the compiler targets) and runs the widest one this
 time from its feature bits (``builds()``). ``RETMASK_CPU_ISA=avx2`` (or another name from ``builds()``)
 makes every call run that build instead, e.g. to compare them on one machine.
 
-``forward`` picks the faster path per case by measuring both on this machine, once, cached on disk
-(``choose_path``, ``cpu_autotune``); ``RETMASK_CPU_PATH=cpp|blocked`` forces one. The kernel also runs
+``cpp_forward(gemm=True)`` runs the same kernel with its block products on torch's CPU block GEMM
+(``cpu_gemm``: AMX tiles, native bf16 dot products or a tuned fp32 GEMM, whatever the CPU has).
+``forward`` picks the fastest path per case by measuring them on this machine, once, cached on disk
+(``choose_path``, ``cpu_autotune``); ``RETMASK_CPU_PATH=cpp|gemm|blocked`` forces one. The kernel also runs
 the sliding window, soft-capping and sinks of the contract (``reference.py``); a build from before them
 (no ``FEATURES`` in the module) sends calls that use them to the blocked path, with one warning.
 """
@@ -31,13 +33,17 @@ from typing import Any
 
 import torch
 
-from . import cpu_autotune, cpu_blocked
+from . import cpu_autotune, cpu_blocked, cpu_gemm
 
 BLOCK_N = 64  # keys per block (multiple of 32)
 
 
-def default_block_m(N: int, window: int | None = None) -> int:
+def default_block_m(N: int, window: int | None = None, *, gemm: bool = False) -> int:
     """Tile rows per work item (query rows x active heads of one KV group) for N keys.
+
+    ``gemm`` (the block-GEMM tile layout): 256 rows whatever N, the M of its GEMMs (AVX2 EPYC, fp32 and
+    bf16, N = 1K-4K: 256 rows 5-15% faster than 128, flat up to 768; docs/kernel_optimisation.md, v12);
+    a sliding window as below.
 
     Each item streams K/V of its KV head once, so more rows per item means fewer passes over K/V. Paired
     A/B runs (docs/kernel_optimisation.md, v4): 256 rows cut time 23-33% at N = 8K-16K, where a head's K/V (N*D*8
@@ -52,7 +58,7 @@ def default_block_m(N: int, window: int | None = None) -> int:
     """
     if window is not None and window < N:
         return 64 if window <= 1024 else default_block_m(window)
-    return 256 if N >= 8192 else 128
+    return 256 if N >= 8192 or gemm else 128
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,7 @@ def cpp_forward(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     isa: str | None = None,
+    gemm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the fused C++ kernel.
 
@@ -200,7 +207,10 @@ def cpp_forward(
     contiguous) may be given by the caller; the kernel writes every element of both (tests pre-fill
     them with NaN / sentinels to prove it). ``block_m``: tile rows per work item (default
     ``default_block_m(N, window)``); ``block_n``: keys per block; ``isa``: the build to run (see
-    ``selected_isa``; default: ``$RETMASK_CPU_ISA`` or the widest). Returns (out, argmax or None).
+    ``selected_isa``; default: ``$RETMASK_CPU_ISA`` or the widest). ``gemm``: run the block products
+    through torch's CPU block GEMM (``cpu_gemm``: AMX / native bf16 where the CPU has them) instead of
+    the kernel's FMA micro-kernels; RuntimeError where this torch or build has none.
+    Returns (out, argmax or None).
     Raises ValueError (from the binding, naming the argument) for inconsistent tensors or settings.
     """
     lib = _library()
@@ -228,13 +238,21 @@ def cpp_forward(
         features["sinks"] = _tensor_arg("sinks", sinks32, codes)
     if lib.builds:  # builds from before the per-ISA ones take no isa
         features["isa"] = selected_isa(isa)
+    if gemm:
+        block = cpu_gemm.block_gemm(q.dtype, q.shape[-1], block_n) if "block_gemm" in lib.features else None
+        if block is None:
+            raise RuntimeError(
+                f"the 'gemm' CPU path needs torch's block GEMM for {q.dtype} and a build of retmask._C with "
+                "block_gemm; this torch or build has none (use RETMASK_CPU_PATH=cpp)"
+            )
+        features["block_gemm"] = tuple(block)
     lib.module.attention_fwd(
         _tensor_arg("q", q, codes), _tensor_arg("k", k, codes), _tensor_arg("v", v, codes),
         _tensor_arg("out", out, codes),
         _tensor_arg("argmax", argmax, codes) if argmax is not None else None,
         _tensor_arg("key_padding_mask", kpm, codes) if kpm is not None else None,
         _tensor_arg("skip_heads", skip, codes) if skip is not None else None,
-        bool(causal), float(sm_scale), block_m or default_block_m(k.shape[2], window), block_n,
+        bool(causal), float(sm_scale), block_m or default_block_m(k.shape[2], window, gemm=gemm), block_n,
         torch.get_num_threads(), **features,
     )  # fmt: skip
     return out, argmax
@@ -244,11 +262,21 @@ def _run_path(path: str, call: dict[str, Any]) -> Any:
     """Run one CPU path on a call given as keyword arguments (the autotuner's proxy calls)."""
     if path == "cpp":
         return cpp_forward(**call)
+    if path == "gemm":
+        return cpp_forward(**call, gemm=True)
     return cpu_blocked.forward(**call)
 
 
+def gemm_available(dtype: torch.dtype) -> bool:
+    """Whether the "gemm" path (the kernel's products on torch's block GEMM) exists for ``dtype``: this
+    build of the kernel takes ``block_gemm`` and this torch exports the GEMM (``cpu_gemm``)."""
+    lib = _library()
+    return lib is not None and "block_gemm" in lib.features and cpu_gemm.available(dtype)
+
+
 def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
-    """Which CPU path runs this call: "cpp" (fused C++) or "blocked" (SDPA + a blocked argmax scan).
+    """Which CPU path runs this call: "cpp" (fused C++), "gemm" (the same kernel with its block products
+    on torch's block GEMM) or "blocked" (SDPA + a blocked argmax scan).
     q: [B, Hq, M, D]; k: [B, Hkv, N, D]; ``call``: the keyword arguments of ``forward`` except v and
     sm_scale (causal, key_padding_mask, skip_heads, argmax_rows, window, softcap, sinks).
 
@@ -262,7 +290,7 @@ def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
     1.33-3.31x. Where torch's bf16 SDPA runs on AMX tiles, "blocked" can win calls without an argmax of
     every row; the measurement finds out.
     """
-    return cpu_autotune.path_for(q, k, _run_path, **call)
+    return cpu_autotune.path_for(q, k, _run_path, gemm=gemm_available(q.dtype), **call)
 
 
 def forward(
@@ -284,27 +312,20 @@ def forward(
     (out [B, Hq, M, D] q.dtype, argmax int64 [B, Hq, argmax_rows] | None, None)."""
     features = dict(window=window, softcap=softcap, sinks=sinks)
     lib = _library()
-    if (
-        lib is None
-        or not _supports(lib, features)
-        or choose_path(
-            q,
-            k,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            skip_heads=skip_heads,
-            argmax_rows=argmax_rows,
-            **features,
+    path = "blocked"
+    if lib is not None and _supports(lib, features):
+        path = choose_path(
+            q, k, causal=causal, key_padding_mask=key_padding_mask, skip_heads=skip_heads,
+            argmax_rows=argmax_rows, **features,
         )  # fmt: skip
-        == "blocked"
-    ):
+    if path == "blocked":
         return cpu_blocked.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, argmax_rows=argmax_rows, **features,
         )  # fmt: skip
     out, argmax = cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, argmax_rows=argmax_rows, **features,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, gemm=path == "gemm", **features,
     )  # fmt: skip
     return out, argmax, None
 

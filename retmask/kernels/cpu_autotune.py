@@ -1,33 +1,41 @@
 """Which CPU path runs a call, chosen per *case* by measurement and cached on disk (a small autotuner).
 
-The CPU backend has two paths with the same contract:
+The CPU backend has three paths with the same contract:
 
   "cpp"      the fused C++ kernel: online softmax carrying the argmax, skipped heads cost nothing,
-             memory linear in N; bf16 / fp16 are converted to fp32 and multiplied with FMAs.
+             memory linear in N; its block products are FMA micro-kernels (bf16 / fp16 converted to fp32).
+  "gemm"     the same kernel with both block products (Q K^T, P V) run by torch's CPU block GEMM
+             (``cpu_gemm``: oneDNN, on AMX tiles where the CPU has them, native bf16 dot products or a
+             tuned fp32 GEMM elsewhere); softmax, masks and argmax stay the kernel's, in fp32.
   "blocked"  torch's SDPA for the output plus a key-blocked fp32 argmax scan of the wanted rows
-             (``cpu_blocked``); SDPA runs its products through oneDNN, which uses AMX tiles for bf16
-             where the CPU has them.
+             (``cpu_blocked``); SDPA runs its products through oneDNN too.
 
-Which one is faster depends on the CPU and the dtype, not only on the shapes: on AVX2 / AVX-512 CPUs
-without native bf16 the fused kernel wins every measured case, on a CPU with AMX SDPA's bf16 products
-run several times faster than FMAs. So the choice is measured on the machine itself, once per case:
+Which one is faster depends on the CPU and the dtype, not only on the shapes (on the AVX2 EPYC of
+docs/kernel_optimisation.md v12 "gemm" wins fp32 prefill and loses bf16; on a CPU with AMX the torch
+GEMMs run bf16 several times faster than FMAs). So the choice is measured on the machine itself, once
+per case:
 
 * A :class:`Case` holds what decides the winner: dtype, head dim, query heads per KV head, causal,
   decode / verify / chunk / prefill, how many rows want an argmax, padding, skipped heads, window /
   softcap / sinks, short or long keys, threads. Batch size, head count and the exact lengths do not
-  enter: the first call of a case times both paths on a small *proxy* (one KV group, at most
+  enter: the first call of a case times every candidate on a small *proxy* (one KV group, at most
   ``PROXY_LONG_KEYS`` keys, seeded random inputs), interleaved, median of at least 3 calls each.
-* "blocked" is chosen only if it takes at most ``BLOCKED_MAX_RATIO`` of the fused kernel's time: on a
-  near tie the fused kernel stays, as it saves the work of skipped heads and never builds an [M, N]
-  mask, and its argmax comes from the same logits as its output.
+* Another path replaces "cpp" only if it takes at most ``ALT_MAX_RATIO`` of the fused kernel's time
+  (the fastest such one): on a near tie the fused kernel stays, so that a decision does not flip
+  between machines of one kind.
+* A candidate must first agree with the fused kernel on the proxy (same argmax wherever the fp32
+  logits have a clear maximum, output within the dtype's tolerance), so a branch this project could
+  not run on its own machines (AMX packing) is checked on the machine that runs it before it is used;
+  one that disagrees is rejected for good on that machine, with a warning.
 * "blocked" is never a candidate where it would cost memory that grows faster than N: an argmax of more
   than ``BLOCKED_MAX_ARGMAX_ROWS`` rows (its scan holds [g * rows, 2048] logits) or an explicit SDPA mask
-  (padding, or a chunk against a cache) of more than ``BLOCKED_MAX_MASK`` elements.
+  (padding, or a chunk against a cache) of more than ``BLOCKED_MAX_MASK`` elements; a case decided for
+  "blocked" runs such a call on the next fastest path it measured.
 * Decisions live in memory and in ``<cache>/cpu_paths.json`` (``retmask.cache_dir.cache_root``) under a
   key of the machine: CPU model and feature flags, torch version, kernel build and the compiled
   extension's bytes (so a rebuilt kernel is measured again). Deleting the file is safe.
 
-``RETMASK_CPU_PATH=cpp|blocked`` forces a path for every call (``auto``, the default, measures).
+``RETMASK_CPU_PATH=cpp|gemm|blocked`` forces a path for every call (``auto``, the default, measures).
 :func:`decisions` lists the decisions this process used, for run records and benchmark pages.
 """
 
@@ -49,14 +57,14 @@ import torch
 from .cpuinfo import cpu_flags, cpu_model
 
 PATH_ENV = "RETMASK_CPU_PATH"
-PATH_CHOICES = ("auto", "cpp", "blocked")
-BLOCKED_MAX_RATIO = 0.85  # "blocked" must take <= this share of the fused kernel's time to be chosen
+PATH_CHOICES = ("auto", "cpp", "gemm", "blocked")
+ALT_MAX_RATIO = 0.85  # another path must take <= this share of the fused kernel's time to be chosen
 BLOCKED_MAX_ARGMAX_ROWS = 256
 BLOCKED_MAX_MASK = 1 << 26  # elements of an explicit [M, N] SDPA mask (64 MiB as bool)
 SHORT_KEYS = 512  # calls with at most this many keys are "short" and measured at this length
 PROXY_LONG_KEYS = 2048  # longer calls are measured at this length
 CACHE_FILE = "cpu_paths.json"
-_FORMAT = 1
+_FORMAT = 2  # 2: several candidates per case ("gemm"), times by path
 
 log = logging.getLogger("retmask.kernels")
 
@@ -190,7 +198,7 @@ def machine_key() -> str:
 
 _lock = threading.Lock()
 _decided: dict[str, dict[str, Any]] = {}  # case name -> decision, for this process and machine key
-_paths: dict[Case, str] = {}  # case -> path, so a call of a decided case costs a few microseconds
+_paths: dict[Case, dict[str, Any]] = {}  # case -> decision: a call of a decided case costs a few microseconds
 
 
 def cache_path() -> Path:
@@ -215,7 +223,7 @@ def _read_cache(path: Path) -> dict[str, Any]:
 def _stored(case_name: str) -> dict[str, Any] | None:
     entry = _read_cache(cache_path()).get("machines", {}).get(machine_key(), {})
     found = entry.get("cases", {}).get(case_name)
-    return found if isinstance(found, dict) and found.get("path") in ("cpp", "blocked") else None
+    return found if isinstance(found, dict) and found.get("path") in PATH_CHOICES[1:] else None
 
 
 def _store(case_name: str, decision: dict[str, Any]) -> None:
@@ -234,8 +242,9 @@ def _store(case_name: str, decision: dict[str, Any]) -> None:
 
 
 def decisions() -> dict[str, dict[str, Any]]:
-    """The path decisions this process used, by case name: ``{"path", "cpp_s", "blocked_s", "ratio",
-    "proxy"}`` (times of one proxy call, median), plus the machine they were measured on."""
+    """The path decisions this process used, by case name: ``{"path", "fallback", "times_s", "ratios",
+    "rejected", "calls", "proxy", "case"}``: median time of one proxy call per measured path, each
+    other path's time over the fused kernel's, and the candidates that disagreed with it (and why)."""
     with _lock:
         return {name: dict(d) for name, d in _decided.items()}
 
@@ -284,15 +293,79 @@ def proxy_call(case: Case) -> dict[str, Any]:
     }  # fmt: skip
 
 
+OUT_TOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 3e-2}  # |out - cpp out| on a proxy call
+LOGIT_TOL = 1e-3  # a different argmax must point at a key this close to the row's maximum fp32 logit
+
+
+def disagreement(case: Case, call: dict[str, Any], cpp_result: Any, other_result: Any) -> str | None:
+    """Why another path's result on the proxy ``call`` is not the fused kernel's, or None if it agrees:
+    NaN rows and -1 argmaxes in the same places, outputs within ``OUT_TOL``, and each differing argmax
+    (accumulation-order near-ties) at a key whose fp32 logit is within ``LOGIT_TOL`` of the maximum."""
+    from .reference import reference_logits
+
+    out, argmax = cpp_result[0], cpp_result[1]
+    other_out, other_argmax = other_result[0], other_result[1]
+    if other_out.shape != out.shape or other_out.dtype != out.dtype:
+        return f"output {other_out.dtype} {list(other_out.shape)}, expected {out.dtype} {list(out.shape)}"
+    nan, other_nan = torch.isnan(out), torch.isnan(other_out)
+    if not torch.equal(nan, other_nan):
+        return f"NaN in {int((nan != other_nan).sum())} other elements"
+    diff = (out.float() - other_out.float()).abs().masked_fill(nan, 0).max().item() if out.numel() else 0.0
+    if diff > OUT_TOL[case.dtype]:
+        return f"outputs differ by {diff:.3g} (tolerance {OUT_TOL[case.dtype]:g})"
+    if argmax is None or torch.equal(argmax, other_argmax):
+        return None
+    if not torch.equal(argmax == -1, other_argmax == -1):
+        return "argmax -1 (no valid key / poisoned row) in other rows"
+    rows = argmax.shape[-1]
+    logits = reference_logits(
+        call["q"][:, :, -rows:].float(), call["k"].float(), causal=call["causal"], sm_scale=call["sm_scale"],
+        key_padding_mask=call["key_padding_mask"], window=call["window"], softcap=call["softcap"],
+    )[:, :, -rows:]  # fmt: skip
+    top = logits.amax(-1)
+    picked = logits.gather(-1, other_argmax.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    far = (other_argmax >= 0) & (picked < top - LOGIT_TOL)
+    if bool(far.any()):
+        return f"argmax of {int(far.sum())} rows at keys more than {LOGIT_TOL:g} below the maximum logit"
+    return None
+
+
+def decide(times: dict[str, float], exclude: tuple[str, ...] = ()) -> str:
+    """The path to run: the fastest of those taking at most ``ALT_MAX_RATIO`` of the fused kernel's
+    time, else "cpp". times: median seconds per measured path (has "cpp"); ``exclude``: paths not allowed."""
+    best = "cpp"
+    for path, t in times.items():
+        if path in exclude or path == "cpp":
+            continue
+        if t <= ALT_MAX_RATIO * times["cpp"] and (best == "cpp" or t < times[best]):
+            best = path
+    return best
+
+
 def measure(
-    case: Case, run: Runner, *, min_calls: int = 3, max_calls: int = 9, budget_s: float = 0.3
+    case: Case,
+    run: Runner,
+    paths: tuple[str, ...] = ("cpp", "blocked"),
+    *,
+    min_calls: int = 3,
+    max_calls: int = 9,
+    budget_s: float = 0.3,
 ) -> dict:
-    """Time both paths on the proxy of ``case``, interleaved (cpp, blocked, cpp, ...) after one warm-up
-    call each; at least ``min_calls`` each, more (up to ``max_calls``) while under ``budget_s``."""
+    """Check and time ``paths`` (the first is "cpp") on the proxy of ``case``: one warm-up call each,
+    whose result each other path must agree with (``disagreement``), then the agreeing ones interleaved
+    (cpp, gemm, blocked, cpp, ...), at least ``min_calls`` each, more (up to ``max_calls``) while under
+    ``budget_s``."""
     call = proxy_call(case)
-    times: dict[str, list[float]] = {"cpp": [], "blocked": []}
-    for path in times:
-        run(path, call)
+    results = {path: run(path, call) for path in paths}
+    rejected = {}
+    for path in paths[1:]:
+        why = disagreement(case, call, results["cpp"], results[path])
+        if why is not None:
+            rejected[path] = why
+            log.warning("CPU attention path %r disagrees with the fused kernel on [%s]: %s; not used",
+                        path, case.name(), why)  # fmt: skip
+    del results
+    times: dict[str, list[float]] = {path: [] for path in paths if path not in rejected}
     start = time.perf_counter()
     while True:
         for path, ts in times.items():
@@ -302,14 +375,17 @@ def measure(
         n = len(times["cpp"])
         if n >= max_calls or (n >= min_calls and time.perf_counter() - start > budget_s):
             break
-    cpp_s, blocked_s = (sorted(ts)[len(ts) // 2] for ts in times.values())
-    ratio = blocked_s / cpp_s if cpp_s > 0 else float("inf")
+    median = {path: sorted(ts)[len(ts) // 2] for path, ts in times.items()}
+    cpp_s = median["cpp"]
     M, N = call["q"].shape[2], call["k"].shape[2]
     return {
-        "path": "blocked" if ratio <= BLOCKED_MAX_RATIO else "cpp",
-        "cpp_s": cpp_s,
-        "blocked_s": blocked_s,
-        "ratio": round(ratio, 4),
+        "path": decide(median),
+        "fallback": decide(median, exclude=("blocked",)),  # where "blocked" may not run a call
+        "times_s": median,
+        "ratios": {
+            p: round(t / cpp_s, 4) if cpp_s > 0 else float("inf") for p, t in median.items() if p != "cpp"
+        },
+        "rejected": rejected,
         "calls": n,
         "proxy": f"q [1, {call['q'].shape[1]}, {M}, {case.head_dim}], k/v [1, {call['k'].shape[1]}, {N}, "
         f"{case.head_dim}], argmax rows {call['argmax_rows']}",
@@ -317,28 +393,32 @@ def measure(
     }
 
 
-def choose(case: Case, run: Runner, *, allowed: bool = True) -> str:
-    """The path for a call of ``case``: forced by ``$RETMASK_CPU_PATH``, "cpp" if "blocked" is not
-    ``allowed`` for this call's sizes, else the decision measured for the case (memory, disk, or now)."""
-    forced = forced_path()
-    if forced != "auto":
-        return forced
-    if not allowed:
-        return "cpp"
+def candidates(case: Case, gemm: bool) -> tuple[str, ...]:
+    """The paths measured for ``case``: "cpp", "gemm" where ``gemm`` (torch's block GEMM exists for the
+    dtype and the build takes it), "blocked" unless the case wants the argmax of many rows."""
+    paths = ("cpp",) + (("gemm",) if gemm else ())
+    return paths + (("blocked",) if case.argmax != "many" else ())
+
+
+def choose(case: Case, run: Runner, paths: tuple[str, ...] = ("cpp", "blocked")) -> dict[str, Any]:
+    """The decision for ``case`` among ``paths`` (memory, disk, or measured now), or a plain "cpp"
+    decision when ``paths`` offers nothing else. Not for forced paths (see ``path_for``)."""
+    if len(paths) < 2:
+        return {"path": "cpp", "fallback": "cpp"}
     name = case.name()
     with _lock:  # one measurement per case, even with several threads calling
         decision = _decided.get(name)
         if decision is None:
             decision = _stored(name)
             if decision is None:
-                decision = measure(case, run)
+                decision = measure(case, run, paths)
                 log.info(
-                    "CPU attention path for [%s]: %s (blocked/cpp time %.2f on a proxy call)",
-                    name, decision["path"], decision["ratio"],
+                    "CPU attention path for [%s]: %s (time over the fused kernel's on a proxy call: %s)",
+                    name, decision["path"], decision["ratios"],
                 )  # fmt: skip
                 _store(name, decision)
             _decided[name] = decision
-    return decision["path"]
+    return decision
 
 
 def path_for(
@@ -350,21 +430,27 @@ def path_for(
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
     argmax_rows: int,
+    gemm: bool = False,
     **features: Any,
 ) -> str:
-    """The path for one call (``choose`` on its case), memoised on the case: a call of a decided case
-    costs a few microseconds. q: [B, Hq, M, D]; k: [B, Hkv, N, D];
-    ``features``: window, softcap, sinks (as in ``case_of``)."""
+    """The path for one call: forced by ``$RETMASK_CPU_PATH``, else the decision for its case
+    (``choose`` among ``candidates(case, gemm)``), memoised on the case so that a call of a decided case
+    costs a few microseconds; a "blocked" decision gives way to its fallback where this call's sizes
+    would make SDPA build too large a mask. q: [B, Hq, M, D]; k: [B, Hkv, N, D]; ``gemm``: whether the
+    "gemm" path exists for this call; ``features``: window, softcap, sinks (as in ``case_of``)."""
     forced = forced_path()
     if forced != "auto":
         return forced
-    if not blocked_allowed(q.shape[2], k.shape[2], argmax_rows, causal, key_padding_mask is not None):
-        return "cpp"
     case = case_of(
         q, k, causal=causal, key_padding_mask=key_padding_mask, skip_heads=skip_heads,
         argmax_rows=argmax_rows, **features,
     )  # fmt: skip
-    path = _paths.get(case)
-    if path is None:
-        path = _paths[case] = choose(case, run)
+    decision = _paths.get(case)
+    if decision is None:
+        decision = _paths[case] = choose(case, run, candidates(case, gemm))
+    path = decision["path"]
+    if path == "blocked" and not blocked_allowed(
+        q.shape[2], k.shape[2], argmax_rows, causal, key_padding_mask is not None
+    ):
+        return decision["fallback"]
     return path

@@ -1,4 +1,5 @@
-"""Both CPU paths (fused C++ kernel and blocked torch) against the reference oracle.
+"""The CPU paths (fused C++ kernel, the same kernel on torch's block GEMM, blocked torch) against the
+reference oracle.
 
 The C++ kernel writes into caller-provided buffers that each test first fills with NaN (output) and a
 sentinel index (argmax), so an element the kernel forgets to write cannot pass by accident.
@@ -25,7 +26,7 @@ from retmask.kernels import cpu as cpu_backend
 
 from .helpers import POISON_FLOAT, POISON_INDEX, assert_argmax_matches, left_padding_mask, make_qkv
 
-PATHS = ("cpp", "blocked")
+PATHS = ("cpp", "gemm", "blocked")
 OUT_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 ARGMAX_TOL = 1e-4  # logits are computed in fp32 from the same (rounded) inputs in every path
 
@@ -46,14 +47,16 @@ def run_path(
     **features,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One CPU path on [B, Hq, M, D] / [B, Hkv, N, D] inputs; skip_heads bool [B, Hq]; ``features``:
-    window / softcap / sinks. For "cpp" the outputs are pre-poisoned caller buffers (optionally a
-    non-contiguous out view) and ``block_m`` sets the tile rows (small values force row-major tiles)."""
+    window / softcap / sinks (and ``gemm=True``: "cpp" on the block GEMM, as path "gemm"). For "cpp" and
+    "gemm" the outputs are pre-poisoned caller buffers (optionally a non-contiguous out view) and
+    ``block_m`` sets the tile rows (small values force row-major tiles)."""
     if path == "blocked":
         out, argmax, _ = cpu_blocked.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, argmax_rows=argmax_rows, **features,
         )  # fmt: skip
         return out, argmax
+    gemm = features.pop("gemm", False) or path == "gemm"
     B, Hq, M, D = q.shape
     if out_transposed:  # [B, M, Hq, D] storage seen as [B, Hq, M, D], like transformers' layout
         out = torch.full((B, M, Hq, D), POISON_FLOAT, dtype=q.dtype).transpose(1, 2)
@@ -62,7 +65,8 @@ def run_path(
     argmax = torch.full((B, Hq, argmax_rows), POISON_INDEX, dtype=torch.int64) if argmax_rows else None
     got_out, got_argmax = cpu_backend.cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, argmax_rows=argmax_rows, out=out, argmax=argmax, block_m=block_m, **features,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, out=out, argmax=argmax, block_m=block_m, gemm=gemm,
+        **features,
     )  # fmt: skip
     assert got_out is out and got_argmax is argmax
     return out, argmax
@@ -523,12 +527,14 @@ def test_property_random_shapes(data, B, Hkv, group, N, D, causal, dtype, path):
 # -- sliding window, soft-capping, sinks: the C++ kernel directly -----------------------------------------
 
 # Row-major tiles need fewer tile rows than the build's vector lanes (8 or 16): 4 rows per item gives them
-# whenever g < 8, whichever build runs.
-LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 4}
+# whenever g < 8, whichever build runs. "gemm" (block products on torch's block GEMM) takes any tile.
+LAYOUTS = ("lanes", "rowmajor", "gemm")
+LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 4, "gemm": 64}
+LAYOUT_KW = {name: {"block_m": bm, "gemm": name == "gemm"} for name, bm in LAYOUT_BLOCK_M.items()}
 
 
 def tile_layout(Hq: int, Hkv: int, M: int, skip: torch.Tensor | None, block_m: int) -> str:
-    """The tile layout the C++ kernel picks for this call (its make_plan / run, in Python)."""
+    """The FMA tile layout the C++ kernel picks for this call (its make_plan / run, in Python)."""
     g, max_rows = Hq // Hkv, 0
     B = 1 if skip is None else skip.shape[0]
     for b in range(B):
@@ -547,7 +553,7 @@ def check_features(
     B, Hq, M, D = q.shape
     block_m = LAYOUT_BLOCK_M[layout]
     # The parametrisations only generate shapes that can use ``layout`` (``_feature_cases``).
-    assert tile_layout(Hq, k.shape[1], M, skip_heads, block_m) == layout, (
+    assert layout == "gemm" or tile_layout(Hq, k.shape[1], M, skip_heads, block_m) == layout, (
         f"this shape cannot use {layout} tiles"
     )
     rows = M if argmax_rows is None else argmax_rows
@@ -557,7 +563,15 @@ def check_features(
         softcap=softcap,
     )  # fmt: skip
     out, argmax = run_path(
-        "cpp", q, k, v, argmax_rows=rows, block_m=block_m, out_transposed=out_transposed, sinks=sinks, **kw
+        "cpp",
+        q,
+        k,
+        v,
+        argmax_rows=rows,
+        out_transposed=out_transposed,
+        sinks=sinks,
+        **LAYOUT_KW[layout],
+        **kw,
     )
     ref, _ = reference_attention(
         q.double(), k.double(), v.double(), sinks=None if sinks is None else sinks.double(), **kw
@@ -598,10 +612,10 @@ def _feature_cases():
         for softcap, with_sinks in FEATURE_MIXES:
             if window is None and softcap is None and not with_sinks:
                 continue
-            for layout in ("lanes", "rowmajor"):
+            for layout in LAYOUTS:
                 skip = torch.zeros(B, Hq, dtype=torch.bool)
                 skip[0, -1] = True
-                if tile_layout(Hq, Hkv, M, skip, LAYOUT_BLOCK_M[layout]) == layout:
+                if layout == "gemm" or tile_layout(Hq, Hkv, M, skip, LAYOUT_BLOCK_M[layout]) == layout:
                     case_id = "B{}_Hq{}_Hkv{}_M{}_N{}_D{}_w{}_pad{}".format(*shape)
                     yield pytest.param(
                         layout,
@@ -628,7 +642,7 @@ def test_cpp_features_match_reference(layout, shape, softcap, with_sinks):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", ["lanes", "rowmajor"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("D", [64, 256])
 def test_cpp_features_half_precision(layout, dtype, D):
@@ -639,14 +653,14 @@ def test_cpp_features_half_precision(layout, dtype, D):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", ["lanes", "rowmajor"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("softcap,with_sinks", FEATURE_MIXES, ids=lambda x: str(x))
 def test_cpp_window_of_n_or_more_is_bit_identical_to_none(layout, softcap, with_sinks):
     B, Hq, Hkv, M, N, D = 1, 6, 2, 70, 130, 64
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=21)
     pad = left_padding_mask(B, N, [7])
     kw = dict(
-        causal=True, sm_scale=0.125, key_padding_mask=pad, argmax_rows=M, block_m=LAYOUT_BLOCK_M[layout],
+        causal=True, sm_scale=0.125, key_padding_mask=pad, argmax_rows=M, **LAYOUT_KW[layout],
         softcap=softcap, sinks=torch.randn(Hq) if with_sinks else None,
     )  # fmt: skip
     none = run_path("cpp", q, k, v, **kw)
@@ -655,7 +669,7 @@ def test_cpp_window_of_n_or_more_is_bit_identical_to_none(layout, softcap, with_
         assert torch.equal(got[0], none[0]) and torch.equal(got[1], none[1]), window
 
 
-@pytest.mark.parametrize("layout", ["lanes", "rowmajor"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_cpp_softcap_with_huge_logits(layout):
     """Logits in the thousands: the cap saturates (ties at +-c), nothing overflows, matches the oracle."""
     q, k, v = make_qkv(1, 4, 2, 30, 150, 64, seed=22)
@@ -665,13 +679,11 @@ def test_cpp_softcap_with_huge_logits(layout):
     assert torch.isfinite(out).all() and (argmax >= 0).all()
 
 
-@pytest.mark.parametrize("layout", ["lanes", "rowmajor"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_cpp_sinks_above_every_logit(layout):
     B, Hq, Hkv, M, N, D = 1, 4, 2, 24, 100, 64
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=23)
-    kw = dict(
-        causal=True, sm_scale=0.125, argmax_rows=M, block_m=LAYOUT_BLOCK_M[layout], window=30, softcap=None
-    )
+    kw = dict(causal=True, sm_scale=0.125, argmax_rows=M, **LAYOUT_KW[layout], window=30, softcap=None)
     top = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.125).amax((0, 2, 3))
     # A sink 8 above each head's largest logit: the outputs shrink ~e^8-fold and still match the oracle.
     sinks = (top + 8).float()
@@ -694,7 +706,7 @@ def test_cpp_sinks_above_every_logit(layout):
     assert torch.equal(argmax, plain_argmax)
 
 
-@pytest.mark.parametrize("layout", ["lanes", "rowmajor"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     "features", [{}, {"window": 1}, {"window": 3, "softcap": 5.0, "sinks": True}], ids=str
 )
@@ -714,7 +726,7 @@ def test_cpp_non_finite_contract(layout, features):
     q[0, 3, 60, 0] = float("inf")  # +-inf logits: poisoned unless capped
     out, argmax = run_path(
         "cpp", q, k, v, causal=True, sm_scale=D**-0.5, key_padding_mask=pad, argmax_rows=M,
-        block_m=LAYOUT_BLOCK_M[layout], **kw,
+        **LAYOUT_KW[layout], **kw,
     )  # fmt: skip
     ref, ref_argmax = reference_attention(
         q, k, v, sm_scale=D**-0.5, key_padding_mask=pad, argmax_rows=M, **kw
@@ -814,7 +826,7 @@ def test_stale_build_without_features_falls_back(monkeypatch):
     group=st.sampled_from([1, 3, 4]),
     N=st.integers(1, 200),
     D=st.sampled_from([16, 64, 80]),
-    layout=st.sampled_from(["lanes", "rowmajor"]),
+    layout=st.sampled_from(LAYOUTS),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_property_features(data, B, Hkv, group, N, D, layout, dtype):
@@ -829,7 +841,7 @@ def test_property_features(data, B, Hkv, group, N, D, layout, dtype):
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=seed, noncontiguous_q=seed % 2 == 0)
     block_m = LAYOUT_BLOCK_M[layout]
     skip_heads = torch.tensor(skip).reshape(B, Hq)
-    if tile_layout(Hq, Hkv, M, skip_heads, block_m) != layout:
+    if layout != "gemm" and tile_layout(Hq, Hkv, M, skip_heads, block_m) != layout:
         layout = "rowmajor" if layout == "lanes" else "lanes"  # the other one, then (or a skip)
     check_features(
         q * 2, k, v, layout=layout, window=window, softcap=softcap,

@@ -1,5 +1,6 @@
 """The measured choice between the CPU paths (retmask.kernels.cpu_autotune): cases, the decision rule,
-the disk cache, the override, and that the proxy calls it times are valid calls of both paths.
+the check that a candidate agrees with the fused kernel, the disk cache, the override, and that the
+proxy calls it times are valid calls of every path.
 
 The rest of the suite pins ``RETMASK_CPU_PATH=cpp`` (conftest) so that no result depends on timing;
 these tests set ``auto`` themselves, with the cache in a temporary folder.
@@ -31,19 +32,22 @@ def auto(monkeypatch, tmp_path):
 
 
 class FakeClock:
-    """A perf_counter that only the fake runner advances: each path "takes" its given seconds."""
+    """A perf_counter that only the fake runner advances: each path "takes" its given seconds and
+    returns ``results[path]`` (default: the same output for every path, no argmax)."""
 
-    def __init__(self, cost: dict[str, float]):
+    def __init__(self, cost: dict[str, float], results: dict[str, tuple] | None = None):
         self.now = 0.0
         self.cost = cost
+        self.results = results or {}
         self.calls: list[str] = []
 
     def perf_counter(self) -> float:
         return self.now
 
-    def run(self, path: str, call: dict) -> None:
+    def run(self, path: str, call: dict) -> tuple:
         self.calls.append(path)
         self.now += self.cost[path]
+        return self.results.get(path, (torch.ones(2, 3), None))
 
 
 def some_case(**changes) -> cpu_autotune.Case:
@@ -96,26 +100,107 @@ def test_decision_rule(auto, monkeypatch, cpp_s, blocked_s, expected):
     """ "blocked" only at <= 0.85x the fused kernel's time; both paths timed interleaved, warm-up first."""
     clock = FakeClock({"cpp": cpp_s, "blocked": blocked_s})
     monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
-    assert cpu_autotune.choose(some_case(), clock.run) == expected
+    assert cpu_autotune.choose(some_case(), clock.run)["path"] == expected
     assert clock.calls[:4] == ["cpp", "blocked", "cpp", "blocked"]
     assert clock.calls.count("cpp") == clock.calls.count("blocked") >= 1 + 3
     (decision,) = cpu_autotune.decisions().values()
-    assert decision["path"] == expected and decision["ratio"] == pytest.approx(blocked_s / cpp_s, rel=1e-3)
+    assert decision["path"] == expected and decision["fallback"] == "cpp" and decision["rejected"] == {}
+    assert decision["ratios"]["blocked"] == pytest.approx(blocked_s / cpp_s, rel=1e-3)
 
 
-def test_not_allowed_means_cpp_without_measuring(auto):
+@pytest.mark.parametrize(
+    ("gemm_s", "blocked_s", "path", "fallback"),
+    [(3e-3, 2e-3, "blocked", "gemm"), (3e-3, 3.3e-3, "gemm", "gemm"), (2e-3, 3e-3, "gemm", "gemm"),
+     (3.6e-3, 2e-3, "blocked", "cpp"), (3.6e-3, 3.6e-3, "cpp", "cpp")],
+)  # fmt: skip
+def test_three_way_decision(auto, monkeypatch, gemm_s, blocked_s, path, fallback):
+    """The fastest path within 0.85x of the fused kernel (4 ms here); the fallback where "blocked" may
+    not run a call is the best of the others by the same rule."""
+    clock = FakeClock({"cpp": 4e-3, "gemm": gemm_s, "blocked": blocked_s})
+    monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
+    decision = cpu_autotune.choose(some_case(), clock.run, ("cpp", "gemm", "blocked"))
+    assert (decision["path"], decision["fallback"]) == (path, fallback)
+    assert clock.calls[:6] == ["cpp", "gemm", "blocked"] * 2
+    assert set(decision["times_s"]) == {"cpp", "gemm", "blocked"}
+
+
+def test_a_candidate_that_disagrees_is_never_used(auto, monkeypatch, caplog):
+    """A faster path whose proxy output differs from the fused kernel's is rejected, said, and recorded."""
+    good = (torch.ones(1, 2, 4, 8), None)
+    bad = (torch.ones(1, 2, 4, 8) * 1.5, None)
+    clock = FakeClock(
+        {"cpp": 4e-3, "gemm": 1e-3, "blocked": 3e-3}, {"cpp": good, "gemm": bad, "blocked": good}
+    )
+    monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
+    with caplog.at_level(logging.WARNING, logger="retmask.kernels"):
+        decision = cpu_autotune.choose(some_case(), clock.run, ("cpp", "gemm", "blocked"))
+    assert decision["path"] == "blocked" and "gemm" not in decision["times_s"]
+    assert "outputs differ by 0.5" in decision["rejected"]["gemm"]
+    assert "'gemm' disagrees with the fused kernel" in caplog.text
+    assert clock.calls.count("gemm") == 1  # the checked call only, never timed
+
+
+def test_disagreement_tolerates_near_ties_only():
+    """A different argmax passes only where its key's fp32 logit is within LOGIT_TOL of the row's max;
+    NaN rows and -1 rows must sit in the same places."""
+    case = some_case(argmax="few", shape="verify")
+    call = cpu_autotune.proxy_call(case)  # 16 rows, all with an argmax, the first at position N - 16
+    out, argmax = cpu_backend._run_path("cpp", call)
+    assert cpu_autotune.disagreement(case, call, (out, argmax), (out.clone(), argmax.clone())) is None
+    key = int(argmax[0, 0, 0])
+    twin = 0 if key != 0 else 1  # a key every row sees
+    k = call["k"].clone()
+    k[0, 0, twin] = k[0, 0, key]  # the same logit as the winner: an exact tie for row 0
+    call = dict(call, k=k)
+    out, argmax = cpu_backend._run_path("cpp", call)
+    assert int(argmax[0, 0, 0]) == min(key, twin)  # ties keep the smallest index
+    tie = argmax.clone()
+    tie[0, 0, 0] = max(key, twin)
+    assert cpu_autotune.disagreement(case, call, (out, argmax), (out, tie)) is None
+    far = argmax.clone()
+    far[0, 0, 1] = int(argmax[0, 0, 1]) + 1  # the next key: not a tie on random inputs
+    why = cpu_autotune.disagreement(case, call, (out, argmax), (out, far))
+    assert why is not None and "below the maximum logit" in why
+    lost = argmax.clone()
+    lost[0, 1, 3] = -1
+    assert "-1" in cpu_autotune.disagreement(case, call, (out, argmax), (out, lost))
+    nan_out = out.clone()
+    nan_out[0, 0, 0, 0] = float("nan")
+    assert "NaN" in cpu_autotune.disagreement(case, call, (out, argmax), (nan_out, argmax))
+    assert "outputs differ" in cpu_autotune.disagreement(case, call, (out, argmax), (out + 1e-3, argmax))
+
+
+def test_candidates_per_case():
+    assert cpu_autotune.candidates(some_case(), gemm=True) == ("cpp", "gemm", "blocked")
+    assert cpu_autotune.candidates(some_case(), gemm=False) == ("cpp", "blocked")
+    assert cpu_autotune.candidates(some_case(argmax="many"), gemm=True) == ("cpp", "gemm")
+    assert cpu_autotune.candidates(some_case(argmax="many"), gemm=False) == ("cpp",)
+
+
+def test_only_cpp_means_no_measuring(auto):
     def never(path, call):
         raise AssertionError("must not measure")
 
-    assert cpu_autotune.choose(some_case(), never, allowed=False) == "cpp"
+    assert cpu_autotune.choose(some_case(), never, ("cpp",))["path"] == "cpp"
     assert not auto.exists() and cpu_autotune.decisions() == {}
+
+
+def test_blocked_decision_gives_way_where_its_mask_would_be_too_large(auto, monkeypatch):
+    """A case decided for "blocked" runs a call whose SDPA mask would exceed BLOCKED_MAX_MASK on its fallback."""
+    clock = FakeClock({"cpp": 4e-3, "gemm": 3e-3, "blocked": 1e-3})
+    monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(cpu_autotune, "BLOCKED_MAX_MASK", 100 * 600)
+    k = torch.randn(1, 1, 600, 16)
+    call = dict(causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=0, gemm=True)
+    assert cpu_autotune.path_for(torch.randn(1, 2, 100, 16), k, clock.run, **call) == "blocked"
+    assert cpu_autotune.path_for(torch.randn(1, 2, 101, 16), k, clock.run, **call) == "gemm"  # same case
 
 
 def test_decisions_persist_on_disk_per_machine(auto, monkeypatch, caplog):
     clock = FakeClock({"cpp": 4e-3, "blocked": 1e-3})
     monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
     case = some_case()
-    assert cpu_autotune.choose(case, clock.run) == "blocked"
+    assert cpu_autotune.choose(case, clock.run)["path"] == "blocked"
     data = json.loads(auto.read_text())
     entry = data["machines"][cpu_autotune.machine_key()]
     assert entry["machine"] == cpu_autotune.machine()
@@ -127,7 +212,7 @@ def test_decisions_persist_on_disk_per_machine(auto, monkeypatch, caplog):
     # A new process (memory cleared) reads the decision instead of measuring again.
     cpu_autotune.clear_memory()
     n_calls = len(clock.calls)
-    assert cpu_autotune.choose(case, clock.run) == "blocked"
+    assert cpu_autotune.choose(case, clock.run)["path"] == "blocked"
     assert len(clock.calls) == n_calls
     assert case.name() in cpu_autotune.decisions()
 
@@ -136,15 +221,15 @@ def test_decisions_persist_on_disk_per_machine(auto, monkeypatch, caplog):
     auto.write_text(json.dumps(data))
     cpu_autotune.clear_memory()
     clock.cost = {"cpp": 1e-3, "blocked": 4e-3}
-    assert cpu_autotune.choose(case, clock.run) == "cpp"
+    assert cpu_autotune.choose(case, clock.run)["path"] == "cpp"
     assert len(clock.calls) > n_calls
     assert set(json.loads(auto.read_text())["machines"]) == {"0123456789abcdef", cpu_autotune.machine_key()}
 
     # A torn file is reported and replaced, not fatal.
-    auto.write_text('{"format": 1, "machi')
+    auto.write_text('{"format": 2, "machi')
     cpu_autotune.clear_memory()
     with caplog.at_level(logging.WARNING, logger="retmask.kernels"):
-        assert cpu_autotune.choose(case, clock.run) == "cpp"
+        assert cpu_autotune.choose(case, clock.run)["path"] == "cpp"
     assert "ignoring the kernel path cache" in caplog.text
     assert json.loads(auto.read_text())["machines"][cpu_autotune.machine_key()]["cases"][case.name()]
 
@@ -156,10 +241,10 @@ def test_unwritable_cache_keeps_the_decision_in_memory(auto, monkeypatch, tmp_pa
     clock = FakeClock({"cpp": 4e-3, "blocked": 1e-3})
     monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
     with caplog.at_level(logging.WARNING, logger="retmask.kernels"):
-        assert cpu_autotune.choose(some_case(), clock.run) == "blocked"
+        assert cpu_autotune.choose(some_case(), clock.run)["path"] == "blocked"
     assert "could not save the kernel path cache" in caplog.text
     n_calls = len(clock.calls)
-    assert cpu_autotune.choose(some_case(), clock.run) == "blocked"
+    assert cpu_autotune.choose(some_case(), clock.run)["path"] == "blocked"
     assert len(clock.calls) == n_calls
 
 
@@ -177,7 +262,9 @@ def test_override_by_environment(monkeypatch):
     torch.testing.assert_close(out_blocked, out_cpp, atol=2e-5, rtol=2e-5)
     assert torch.equal(arg_blocked, arg_cpp)
     monkeypatch.setenv("RETMASK_CPU_PATH", "fastest")
-    with pytest.raises(ValueError, match=r"\$RETMASK_CPU_PATH must be one of \['auto', 'cpp', 'blocked'\]"):
+    with pytest.raises(
+        ValueError, match=r"\$RETMASK_CPU_PATH must be one of \['auto', 'cpp', 'gemm', 'blocked'\]"
+    ):
         attention(q, k, v, backend="cpu")
 
 
@@ -192,8 +279,9 @@ def test_override_by_environment(monkeypatch):
     ],
     ids=lambda c: c.name(),
 )
-def test_proxy_calls_are_valid_calls_of_both_paths(case):
-    """What the autotuner times is a real call: both paths agree with the reference on it."""
+def test_proxy_calls_are_valid_calls_of_every_path(case):
+    """What the autotuner times is a real call: every path agrees with the reference on it, and the
+    autotuner's own check finds each one in agreement with the fused kernel."""
     call = cpu_autotune.proxy_call(case)
     M, N = call["q"].shape[2], call["k"].shape[2]
     assert N == cpu_autotune.SHORT_KEYS and (M < N) == (case.shape != "prefill")
@@ -202,11 +290,13 @@ def test_proxy_calls_are_valid_calls_of_both_paths(case):
         assert call["skip_heads"].any() and not call["skip_heads"].all()
     ref_out, ref_arg = reference_attention(**call)
     tol = 2e-2 if case.dtype == "bfloat16" else 2e-5
-    for path in ("cpp", "blocked"):
+    cpp_result = cpu_backend._run_path("cpp", call)
+    for path in ("cpp", "gemm", "blocked"):
         out, arg = cpu_backend._run_path(path, call)[:2]
         torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
         if call["argmax_rows"] and case.dtype == "float32":
             assert torch.equal(arg, ref_arg)
+        assert cpu_autotune.disagreement(case, call, cpp_result, (out, arg)) is None, path
 
 
 def test_auto_end_to_end(auto):
@@ -223,9 +313,14 @@ def test_auto_end_to_end(auto):
         name
         == f"float32 D16 g2 causal verify argmax=few pad=1 skip=0 features=- keys=short threads={threads}"
     )
-    assert decision["path"] in ("cpp", "blocked") and decision["cpp_s"] > 0 and decision["blocked_s"] > 0
+    assert set(decision["times_s"]) == {"cpp", "gemm", "blocked"} and decision["rejected"] == {}
+    assert decision["path"] in decision["times_s"] and min(decision["times_s"].values()) > 0
     assert json.loads(auto.read_text())["machines"][cpu_autotune.machine_key()]["cases"][name] == decision
-    # An argmax of every row of a long prefill is never sent to the blocked path, so nothing is measured.
+    # An argmax of every row of a long prefill is never sent to the blocked path: only cpp and gemm.
     q, k, v = make_qkv(1, 2, 1, 300, 300, 16, seed=6)
-    attention(q, k, v, return_argmax=True, backend="cpu")
-    assert len(cpu_autotune.decisions()) == 1
+    out, arg = attention(q, k, v, return_argmax=True, backend="cpu")
+    ref_out, ref_arg = reference_attention(q, k, v, causal=True, argmax_rows=300)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    assert torch.equal(arg, ref_arg)
+    (prefill,) = (d for n, d in cpu_autotune.decisions().items() if n != name)
+    assert set(prefill["times_s"]) == {"cpp", "gemm"}
