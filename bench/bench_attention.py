@@ -581,7 +581,8 @@ def main() -> None:
                          common.fmt_seconds(r["median"]),
                          common.fmt_ratio(ratio), common.fmt_bytes(r["peak"])])  # fmt: skip
         md += ["## CPU path comparison (dispatch evidence)", "",
-               "`cpp_*` = fused C++ kernel, `blocked_*` = SDPA output + key-blocked torch argmax scan; "
+               "`cpp_*` = fused C++ kernel, `gemm_*` = the same kernel with its block products on torch's block GEMM, "
+               "`blocked_*` = SDPA output + key-blocked torch argmax scan; "
                "`_all` = argmax of every row, `_last64` = of the last 64 rows; M = 1 rows are decode steps. "
                "Each path is timed interleaved with SDPA in its own worker.",
                "", common.markdown_table(["model", "N", "M", "threads", "path", "time", "vs SDPA (paired)", "peak"], prow),

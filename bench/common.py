@@ -79,8 +79,11 @@ def machine_description() -> dict[str, str]:
         path_mode = "measured per kind of call (auto)" if path_mode == "auto" else f"{path_mode} (forced)"
     except ValueError as err:
         path_mode = str(err)
+    from retmask.kernels.cpuinfo import cpu_family
+
     return {
         "cpu": cpu_model(),
+        "cpu family": cpu_family() or "unknown",
         "cores": str(os.cpu_count()),
         "torch_threads": str(torch.get_num_threads()),
         "simd": simd,
@@ -95,10 +98,16 @@ def machine_description() -> dict[str, str]:
 
 
 def cpu_kind(machine: dict[str, str]) -> str:
-    """File-name tag of the machine: CPU model and SIMD level, e.g. ``amd-epyc-avx2``. Speed results hold
-    only for the CPU they were measured on, so benchmarks keep one result file per kind."""
+    """File-name tag of the machine: CPU model and SIMD level, e.g. ``intel-xeon-platinum-8481c-avx512f``.
+    A generic model name without a model number (a hypervisor's "AMD EPYC") also gets the CPU family,
+    e.g. ``amd-epyc-f25-avx2`` (Zen 3) apart from ``amd-epyc-f23-avx2`` (Zen 2); pages from before this rule
+    are named ``amd-epyc-avx2`` (family 23) and ``amd-epyc-avx512f``. Speed results hold only for the CPU
+    they were measured on, so benchmarks keep one result file per kind."""
     model = re.sub(r"\(r\)|\(tm\)|processor|\d+-core|cpu @.*", "", machine.get("cpu", "cpu").lower())
     slug = re.sub(r"[^a-z0-9]+", "-", model).strip("-")[:40] or "cpu"
+    family = machine.get("cpu family", "")
+    if family.isdigit() and not re.search(r"\d", slug):
+        slug += f"-f{family}"
     return f"{slug}-{machine.get('simd', 'unknown')}"
 
 

@@ -281,14 +281,16 @@ def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
     sm_scale (causal, key_padding_mask, skip_heads, argmax_rows, window, softcap, sinks).
 
     Measured per case on the machine itself and cached (``cpu_autotune``); ``$RETMASK_CPU_PATH`` forces
-    one. On the two CPU kinds measured so far the fused kernel wins every case (fp32, 2 cores, SmolLM2 and
-    Llama-3.1-8B shapes, each path timed interleaved with SDPA). AVX-512 EPYC
-    (bench/results/attention_cpu_amd-epyc-avx512f.md, attention_cpu_paths_...): argmax of all rows C++
-    0.42-0.55x SDPA vs blocked 3.2-6.4x (the scan recomputes every logit); last 64 rows 0.41-0.53x vs
-    1.04-1.17x; decode 0.23-0.61x vs 1.30-2.14x. AVX2-only EPYC (bench/results/attention_cpu_amd-epyc-avx2.md):
-    all rows 0.98-1.07x vs 3.2-4.9x; last 64 rows 0.97-1.11x vs 1.02-1.09x; decode 0.34-1.14x vs
-    1.33-3.31x. Where torch's bf16 SDPA runs on AMX tiles, "blocked" can win calls without an argmax of
-    every row; the measurement finds out.
+    one. fused vs blocked, fp32, 2 cores, SmolLM2 and Llama-3.1-8B shapes, each path timed interleaved
+    with SDPA: AVX-512 EPYC (bench/results/attention_cpu_amd-epyc-avx512f.md, attention_cpu_paths_...):
+    argmax of all rows C++ 0.42-0.55x SDPA vs blocked 3.2-6.4x (the scan recomputes every logit); last 64
+    rows 0.41-0.53x vs 1.04-1.17x; decode 0.23-0.61x vs 1.30-2.14x. AVX2-only EPYC
+    (bench/results/attention_cpu_amd-epyc-avx2.md): all rows 0.98-1.07x vs 3.2-4.9x; last 64 rows
+    0.97-1.11x vs 1.02-1.09x; decode 0.34-1.14x vs 1.33-3.31x. The "gemm" path (kernel v12) on the AVX2
+    EPYC of family 25, on the proxy calls: 0.84-0.87x the fused kernel's time for fp32 prefill and chunks
+    at the Llama shape, 0.95-0.98x at SmolLM2's, 1.2-2.2x for verification and decode; in bf16 slower
+    than the fused kernel (no native bf16: torch's GEMM converts). Where torch's bf16 GEMMs run on AMX
+    tiles, "gemm" and "blocked" are the candidates that should win; the measurement finds out.
     """
     return cpu_autotune.path_for(q, k, _run_path, gemm=gemm_available(q.dtype), **call)
 

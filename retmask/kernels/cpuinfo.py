@@ -26,3 +26,9 @@ def cpu_model() -> str:
 def cpu_flags() -> set[str]:
     """The feature flags of the first CPU (empty off Linux)."""
     return set((_field("flags") or "").split())
+
+
+def cpu_family() -> str:
+    """The CPU family number (e.g. "25" for AMD Zen 3, "23" for Zen 2; "" off Linux x86): what tells CPUs
+    apart when a hypervisor reports only a generic model name such as "AMD EPYC"."""
+    return _field("cpu family") or ""
