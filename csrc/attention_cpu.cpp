@@ -59,6 +59,8 @@ void check(const retmask::AttentionFwdArgs& p) {
         bad("window", "a sliding window (" + str(p.window) + " keys) needs causal attention");
     if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap))
         bad("softcap", fstr(p.softcap) + " is not a finite value > 0 (or 0: no capping)");
+    if (p.block_gemm.fp32_operands && p.block_gemm.vnni)
+        bad("block_gemm", "fp32 operands are not packed: vnni must be off with gemm_fp32_operands");
     if (p.block_gemm.vnni) {
         if (!p.block_gemm.gemm || !p.block_gemm.pack) bad("block_gemm", "vnni needs a gemm and a pack function");
         if (p.dtype == DType::Float32) bad("block_gemm", "vnni (paired-k layout) is for float16 / bfloat16, not float32");

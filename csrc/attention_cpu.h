@@ -15,7 +15,8 @@ namespace retmask {
 enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Int64 = 3, Bool = 4 };
 
 // An external block GEMM for the "gemm" tile layout: C[m, n] = A[m, k] B[k, n] (+ C if add_c), row-major
-// with leading dimensions lda / ldb / ldc in elements; A and B of the call's dtype, C fp32. With vnni, B
+// with leading dimensions lda / ldb / ldc in elements; A and B of the call's dtype (fp32 with
+// fp32_operands), C fp32. With vnni, B
 // was first rearranged by `pack` (pairs of k interleaved: the layout of matrix units such as AMX), and
 // release(vnni) frees a thread's matrix-unit state after its work. The signatures are those of torch's
 // CPU block GEMM (at::native::cpublas::brgemm, pack, brgemm_release), which the Python side resolves from
@@ -32,6 +33,9 @@ struct BlockGemm {
     BlockReleaseFn release = nullptr;  // optional
     bool vnni = false;                 // pack B operands first (fp16 / bf16, D % 64 == 0, block_n = 64)
     int8_t pack_dtype = 0;             // the dtype code `pack` takes for the call's dtype (torch's ScalarType)
+    // fp16 / bf16 calls: convert each block to fp32 (exact) and multiply with gemm = the fp32 GEMM, for CPUs
+    // whose half-precision GEMM only converts (no vnni then).
+    bool fp32_operands = false;
 };
 
 struct AttentionFwdArgs {

@@ -778,12 +778,15 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
 // the products natively; fp32 operands are Q pre-scaled, as in the other layouts. Per block, K is copied
 // transposed to Kt [D][BN] and V to Vb [BN][D], zero past the last key, so every product has the full
 // block width (with vnni both are then packed into the matrix unit's paired-k layout).
+// Op is the GEMM's operand type: the input dtype, or float for fp16 / bf16 calls whose blocks are converted
+// (exactly) on the copy and multiplied by an fp32 GEMM (BlockGemm::fp32_operands: CPUs whose half-precision
+// GEMM only converts); with fp32 operands everything runs as for an fp32 call.
 constexpr int64_t VNNI_N = 64;  // columns per packed V chunk (attention_cpu.cpp: vnni needs D % 64 == 0)
 
-template <class E>
+template <class E, class Op>
 void run_gemm(const Args& a, const Plan& plan, int threads) {
     using T = typename E::T;
-    constexpr bool f32 = std::is_same_v<E, F32>;
+    constexpr bool f32 = std::is_same_v<Op, float>;  // fp32 operands (an fp32 call, or converted blocks)
     const BlockGemm& G = *a.gemm;
     const bool vnni = G.vnni && !f32;
     const T* k = static_cast<const T*>(a.k);
@@ -793,22 +796,22 @@ void run_gemm(const Args& a, const Plan& plan, int threads) {
     const int Dp = static_cast<int>(round_up(D, VL));
     const int64_t max_rows = plan.max_rows;
     struct Bufs {
-        T *Q, *Kt, *Vb, *Kp, *Vp, *P;
+        Op *Q, *Kt, *Vb, *Kp, *Vp, *P;
         float *Ot, *S, *m, *l, *kbias;
         int64_t *am, *pos;
         uint8_t* want;
     };
     const auto carve = [&](Carve& c) RETMASK_LAMBDA_INLINE {
-        return Bufs{c.take<T>(max_rows * D),           c.take<T>(D * BN),
-                    c.take<T>(static_cast<int64_t>(BN) * D), c.take<T>(vnni ? D * BN : 0),
-                    c.take<T>(vnni ? D * BN : 0),      c.take<T>(f32 ? 0 : max_rows * BN),
+        return Bufs{c.take<Op>(max_rows * D),           c.take<Op>(D * BN),
+                    c.take<Op>(static_cast<int64_t>(BN) * D), c.take<Op>(vnni ? D * BN : 0),
+                    c.take<Op>(vnni ? D * BN : 0),      c.take<Op>(f32 ? 0 : max_rows * BN),
                     c.take<float>(max_rows * Dp),      c.take<float>(max_rows * BN),
                     c.take<float>(max_rows),           c.take<float>(max_rows),
                     c.take<float>(BN),                 c.take<int64_t>(max_rows),
                     c.take<int64_t>(max_rows),         c.take<uint8_t>(max_rows)};
     };
     for_each_item(a, plan, threads, carve, [&](const Bufs& buf, const Tile& t) RETMASK_LAMBDA_INLINE {
-        T *const Q = buf.Q, *const Kt = buf.Kt, *const Vb = buf.Vb;
+        Op *const Q = buf.Q, *const Kt = buf.Kt, *const Vb = buf.Vb;
         float *const Ot = buf.Ot, *const S = buf.S, *const m = buf.m, *const l = buf.l;
         int64_t *const am = buf.am, *const pos = buf.pos;
         uint8_t* const want = buf.want;
@@ -817,8 +820,8 @@ void run_gemm(const Args& a, const Plan& plan, int threads) {
         start_rows(a, t, Ot, Dp, m, l, am, pos, want);
         for (int r = 0; r < R; ++r) {
             const int64_t h = t.row_h[r], i = t.row_i[r];
-            T* qr = Q + static_cast<int64_t>(r) * D;
-            if constexpr (f32) {
+            Op* qr = Q + static_cast<int64_t>(r) * D;
+            if constexpr (f32) {  // scaled, converted
                 load_q_row<E>(a, b, h, i, qr, 1);
             } else {  // unscaled, in the input dtype: the GEMM's operand
                 const T* src = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
@@ -829,19 +832,28 @@ void run_gemm(const Args& a, const Plan& plan, int threads) {
         const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
 
         for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
-            for (int j = 0; j < BN; ++j) {
-                const bool in = j < nj;
+            const auto cvt = [](const T* p) RETMASK_LAMBDA_INLINE -> Op {
+                if constexpr (std::is_same_v<Op, float>) return E::load(p);
+                else return *p;
+            };
+            for (int j = 0; j < nj; ++j) {
                 const T* kr = kb + (j0 + j) * a.ks[2];
                 const T* vr = vb + (j0 + j) * a.vs[2];
-                T* vo = Vb + static_cast<int64_t>(j) * D;
-                for (int64_t d = 0; d < D; ++d) {
-                    Kt[d * BN + j] = in ? kr[d * a.ks[3]] : T{};
-                    vo[d] = in ? vr[d * a.vs[3]] : T{};
+                Op* vo = Vb + static_cast<int64_t>(j) * D;
+                for (int64_t d = 0; d < D; ++d) Kt[d * BN + j] = cvt(kr + d * a.ks[3]);
+                if (a.vs[3] == 1) {  // contiguous rows: a plain (vectorisable) copy / conversion
+                    for (int64_t d = 0; d < D; ++d) vo[d] = cvt(vr + d);
+                } else {
+                    for (int64_t d = 0; d < D; ++d) vo[d] = cvt(vr + d * a.vs[3]);
                 }
+            }
+            for (int j = nj; j < BN; ++j) {  // zero past the last key: the products keep the full block width
+                for (int64_t d = 0; d < D; ++d) Kt[d * BN + j] = Op{};
+                std::fill_n(Vb + static_cast<int64_t>(j) * D, D, Op{});
             }
             // With vnni, V is packed in chunks of VNNI_N columns (a packed operand's row length is at most 64
             // on AMX, as in torch's own attention): one P V product per chunk.
-            const T* Kop = Kt;
+            const Op* Kop = Kt;
             if (vnni) {
                 G.pack(D, BN, BN, BN, G.pack_dtype, G.pack_dtype, Kt, buf.Kp);
                 for (int64_t c0 = 0; c0 < D; c0 += VNNI_N)
@@ -860,7 +872,7 @@ void run_gemm(const Args& a, const Plan& plan, int threads) {
             if constexpr (f32) {
                 G.gemm(R, D, BN, BN, D, Dp, true, S, Vb, Ot, false);
             } else {
-                T* const P = buf.P;
+                Op* const P = buf.P;
                 for (int64_t x = 0; x < static_cast<int64_t>(R) * BN; ++x) E::store(P + x, S[x]);
                 if (vnni) {
                     for (int64_t c0 = 0; c0 < D; c0 += VNNI_N)
@@ -1021,8 +1033,10 @@ template <class E>
 void run(const Args& a, int threads) {
     const Plan plan = make_plan<E>(a);
     threads = plan.parallel() ? static_cast<int>(std::min<int64_t>(threads, plan.items.size())) : 1;
-    if (a.gemm)
-        run_gemm<E>(a, plan, threads);
+    if (a.gemm && (std::is_same_v<E, F32> || a.gemm->fp32_operands))
+        run_gemm<E, float>(a, plan, threads);
+    else if (a.gemm)
+        run_gemm<E, typename E::T>(a, plan, threads);
     else if (plan.max_rows >= VL)
         run_lanes<E>(a, plan, threads);
     else

@@ -12,9 +12,10 @@ time from its feature bits (``builds()``). ``RETMASK_CPU_ISA=avx2`` (or another 
 makes every call run that build instead, e.g. to compare them on one machine.
 
 ``cpp_forward(gemm=True)`` runs the same kernel with its block products on torch's CPU block GEMM
-(``cpu_gemm``: AMX tiles, native bf16 dot products or a tuned fp32 GEMM, whatever the CPU has).
-``forward`` picks the fastest path per case by measuring them on this machine, once, cached on disk
-(``choose_path``, ``cpu_autotune``); ``RETMASK_CPU_PATH=cpp|gemm|blocked`` forces one. The kernel also runs
+(``cpu_gemm``: AMX tiles, native bf16 dot products or a tuned fp32 GEMM, whatever the CPU has), and
+with ``gemm_fp32=True`` fp16 / bf16 blocks converted to fp32 for the fp32 GEMM. ``forward`` picks the
+fastest path per case by measuring them on this machine, once, cached on disk (``choose_path``,
+``cpu_autotune``); ``RETMASK_CPU_PATH=cpp|gemm|gemm_fp32|blocked`` forces one. The kernel also runs
 the sliding window, soft-capping and sinks of the contract (``reference.py``); a build from before them
 (no ``FEATURES`` in the module) sends calls that use them to the blocked path, with one warning.
 """
@@ -195,6 +196,7 @@ def cpp_forward(
     sinks: torch.Tensor | None = None,
     isa: str | None = None,
     gemm: bool = False,
+    gemm_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the fused C++ kernel.
 
@@ -209,7 +211,9 @@ def cpp_forward(
     ``default_block_m(N, window)``); ``block_n``: keys per block; ``isa``: the build to run (see
     ``selected_isa``; default: ``$RETMASK_CPU_ISA`` or the widest). ``gemm``: run the block products
     through torch's CPU block GEMM (``cpu_gemm``: AMX / native bf16 where the CPU has them) instead of
-    the kernel's FMA micro-kernels; RuntimeError where this torch or build has none.
+    the kernel's FMA micro-kernels; RuntimeError where this torch or build has none. ``gemm_fp32`` (with
+    ``gemm``): fp16 / bf16 blocks are converted to fp32 (exactly) and multiplied by torch's fp32 block
+    GEMM, for CPUs whose half-precision GEMM only converts; no effect on fp32 calls.
     Returns (out, argmax or None).
     Raises ValueError (from the binding, naming the argument) for inconsistent tensors or settings.
     """
@@ -239,13 +243,19 @@ def cpp_forward(
     if lib.builds:  # builds from before the per-ISA ones take no isa
         features["isa"] = selected_isa(isa)
     if gemm:
-        block = cpu_gemm.block_gemm(q.dtype, q.shape[-1], block_n) if "block_gemm" in lib.features else None
+        fp32_operands = gemm_fp32 and q.dtype != torch.float32
+        operand_dtype = torch.float32 if fp32_operands else q.dtype
+        feature = "gemm_fp32_operands" if fp32_operands else "block_gemm"
+        block = cpu_gemm.block_gemm(operand_dtype, q.shape[-1], block_n) if feature in lib.features else None
         if block is None:
             raise RuntimeError(
-                f"the 'gemm' CPU path needs torch's block GEMM for {q.dtype} and a build of retmask._C with "
-                "block_gemm; this torch or build has none (use RETMASK_CPU_PATH=cpp)"
+                f"the '{'gemm_fp32' if fp32_operands else 'gemm'}' CPU path needs torch's block GEMM for "
+                f"{operand_dtype} and a build of retmask._C with {feature}; this torch or build has none "
+                "(use RETMASK_CPU_PATH=cpp)"
             )
         features["block_gemm"] = tuple(block)
+        if fp32_operands:
+            features["gemm_fp32_operands"] = True
     lib.module.attention_fwd(
         _tensor_arg("q", q, codes), _tensor_arg("k", k, codes), _tensor_arg("v", v, codes),
         _tensor_arg("out", out, codes),
@@ -262,8 +272,8 @@ def _run_path(path: str, call: dict[str, Any]) -> Any:
     """Run one CPU path on a call given as keyword arguments (the autotuner's proxy calls)."""
     if path == "cpp":
         return cpp_forward(**call)
-    if path == "gemm":
-        return cpp_forward(**call, gemm=True)
+    if path in ("gemm", "gemm_fp32"):
+        return cpp_forward(**call, gemm=True, gemm_fp32=path == "gemm_fp32")
     return cpu_blocked.forward(**call)
 
 
@@ -274,9 +284,26 @@ def gemm_available(dtype: torch.dtype) -> bool:
     return lib is not None and "block_gemm" in lib.features and cpu_gemm.available(dtype)
 
 
+def gemm_paths(dtype: torch.dtype) -> tuple[str, ...]:
+    """The block-GEMM paths that exist for calls of ``dtype``: "gemm" (operands in ``dtype``) where
+    ``gemm_available(dtype)``, and for fp16 / bf16 also "gemm_fp32" (blocks converted to fp32, torch's
+    fp32 GEMM) where the build takes ``gemm_fp32_operands`` and the fp32 GEMM exists."""
+    paths = ("gemm",) if gemm_available(dtype) else ()
+    lib = _library()
+    if (
+        dtype in (torch.float16, torch.bfloat16)
+        and lib is not None
+        and "gemm_fp32_operands" in lib.features
+        and gemm_available(torch.float32)
+    ):
+        paths += ("gemm_fp32",)
+    return paths
+
+
 def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
     """Which CPU path runs this call: "cpp" (fused C++), "gemm" (the same kernel with its block products
-    on torch's block GEMM) or "blocked" (SDPA + a blocked argmax scan).
+    on torch's block GEMM), "gemm_fp32" (fp16 / bf16 only: the same with blocks converted to fp32 for the
+    fp32 GEMM) or "blocked" (SDPA + a blocked argmax scan).
     q: [B, Hq, M, D]; k: [B, Hkv, N, D]; ``call``: the keyword arguments of ``forward`` except v and
     sm_scale (causal, key_padding_mask, skip_heads, argmax_rows, window, softcap, sinks).
 
@@ -292,7 +319,7 @@ def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
     than the fused kernel (no native bf16: torch's GEMM converts). Where torch's bf16 GEMMs run on AMX
     tiles, "gemm" and "blocked" are the candidates that should win; the measurement finds out.
     """
-    return cpu_autotune.path_for(q, k, _run_path, gemm=gemm_available(q.dtype), **call)
+    return cpu_autotune.path_for(q, k, _run_path, gemm_paths=gemm_paths(q.dtype), **call)
 
 
 def forward(
@@ -327,7 +354,8 @@ def forward(
         )  # fmt: skip
     out, argmax = cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, argmax_rows=argmax_rows, gemm=path == "gemm", **features,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, gemm=path.startswith("gemm"),
+        gemm_fp32=path == "gemm_fp32", **features,
     )  # fmt: skip
     return out, argmax, None
 

@@ -1,12 +1,14 @@
 """Which CPU path runs a call, chosen per *case* by measurement and cached on disk (a small autotuner).
 
-The CPU backend has three paths with the same contract:
+The CPU backend has four paths with the same contract:
 
   "cpp"      the fused C++ kernel: online softmax carrying the argmax, skipped heads cost nothing,
              memory linear in N; its block products are FMA micro-kernels (bf16 / fp16 converted to fp32).
   "gemm"     the same kernel with both block products (Q K^T, P V) run by torch's CPU block GEMM
              (``cpu_gemm``: oneDNN, on AMX tiles where the CPU has them, native bf16 dot products or a
              tuned fp32 GEMM elsewhere); softmax, masks and argmax stay the kernel's, in fp32.
+  "gemm_fp32" fp16 / bf16 calls only: "gemm" with each block converted to fp32 (exactly) for torch's
+             fp32 GEMM, for CPUs whose half-precision GEMM only converts (no AMX / native bf16).
   "blocked"  torch's SDPA for the output plus a key-blocked fp32 argmax scan of the wanted rows
              (``cpu_blocked``); SDPA runs its products through oneDNN too.
 
@@ -20,9 +22,13 @@ per case:
   softcap / sinks, short or long keys, threads. Batch size, head count and the exact lengths do not
   enter: the first call of a case times every candidate on a small *proxy* (one KV group, at most
   ``PROXY_LONG_KEYS`` keys, seeded random inputs), interleaved, median of at least 3 calls each.
-* Another path replaces "cpp" only if it takes at most ``ALT_MAX_RATIO`` of the fused kernel's time
-  (the fastest such one): on a near tie the fused kernel stays, so that a decision does not flip
-  between machines of one kind.
+* Another path replaces "cpp" only if it takes at most ``ALT_MAX_RATIO[path]`` of the fused kernel's
+  time (the fastest such one): on a near tie the fused kernel stays, so that a decision does not flip
+  between machines of one kind. "blocked" must win clearly (0.85x: it gives up what only the fused
+  kernel has, free skipped heads and memory linear in N); the block-GEMM paths are the fused kernel
+  with other block products (same memory, same skipping), so 0.92x is enough: above the proxy's
+  timing noise, and low enough to take the 0.82-0.87x they gave at the Llama-3.1-8B shape on the AVX2
+  EPYC of docs/kernel_optimisation.md v13.
 * A candidate must first agree with the fused kernel on the proxy (same argmax wherever the fp32
   logits have a clear maximum, output within the dtype's tolerance), so a branch this project could
   not run on its own machines (AMX packing) is checked on the machine that runs it before it is used;
@@ -35,7 +41,7 @@ per case:
   key of the machine: CPU model and feature flags, torch version, kernel build and the compiled
   extension's bytes (so a rebuilt kernel is measured again). Deleting the file is safe.
 
-``RETMASK_CPU_PATH=cpp|gemm|blocked`` forces a path for every call (``auto``, the default, measures).
+``RETMASK_CPU_PATH=cpp|gemm|gemm_fp32|blocked`` forces a path for every call (``auto``, the default, measures).
 :func:`decisions` lists the decisions this process used, for run records and benchmark pages.
 """
 
@@ -57,14 +63,15 @@ import torch
 from .cpuinfo import cpu_flags, cpu_model
 
 PATH_ENV = "RETMASK_CPU_PATH"
-PATH_CHOICES = ("auto", "cpp", "gemm", "blocked")
-ALT_MAX_RATIO = 0.85  # another path must take <= this share of the fused kernel's time to be chosen
+PATH_CHOICES = ("auto", "cpp", "gemm", "gemm_fp32", "blocked")
+# Another path must take <= this share of the fused kernel's time to be chosen (see the module doc).
+ALT_MAX_RATIO = {"gemm": 0.92, "gemm_fp32": 0.92, "blocked": 0.85}
 BLOCKED_MAX_ARGMAX_ROWS = 256
 BLOCKED_MAX_MASK = 1 << 26  # elements of an explicit [M, N] SDPA mask (64 MiB as bool)
 SHORT_KEYS = 512  # calls with at most this many keys are "short" and measured at this length
 PROXY_LONG_KEYS = 2048  # longer calls are measured at this length
 CACHE_FILE = "cpu_paths.json"
-_FORMAT = 2  # 2: several candidates per case ("gemm"), times by path
+_FORMAT = 3  # 2: several candidates per case ("gemm"), times by path; 3: "gemm_fp32"
 
 log = logging.getLogger("retmask.kernels")
 
@@ -331,13 +338,13 @@ def disagreement(case: Case, call: dict[str, Any], cpp_result: Any, other_result
 
 
 def decide(times: dict[str, float], exclude: tuple[str, ...] = ()) -> str:
-    """The path to run: the fastest of those taking at most ``ALT_MAX_RATIO`` of the fused kernel's
+    """The path to run: the fastest of those taking at most ``ALT_MAX_RATIO[path]`` of the fused kernel's
     time, else "cpp". times: median seconds per measured path (has "cpp"); ``exclude``: paths not allowed."""
     best = "cpp"
     for path, t in times.items():
         if path in exclude or path == "cpp":
             continue
-        if t <= ALT_MAX_RATIO * times["cpp"] and (best == "cpp" or t < times[best]):
+        if t <= ALT_MAX_RATIO[path] * times["cpp"] and (best == "cpp" or t < times[best]):
             best = path
     return best
 
@@ -393,11 +400,11 @@ def measure(
     }
 
 
-def candidates(case: Case, gemm: bool) -> tuple[str, ...]:
-    """The paths measured for ``case``: "cpp", "gemm" where ``gemm`` (torch's block GEMM exists for the
-    dtype and the build takes it), "blocked" unless the case wants the argmax of many rows."""
-    paths = ("cpp",) + (("gemm",) if gemm else ())
-    return paths + (("blocked",) if case.argmax != "many" else ())
+def candidates(case: Case, gemm_paths: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The paths measured for ``case``: "cpp", the block-GEMM paths that exist for the call
+    (``gemm_paths``: "gemm" / "gemm_fp32", see ``cpu.gemm_paths``), "blocked" unless the case wants the
+    argmax of many rows."""
+    return ("cpp",) + tuple(gemm_paths) + (("blocked",) if case.argmax != "many" else ())
 
 
 def choose(case: Case, run: Runner, paths: tuple[str, ...] = ("cpp", "blocked")) -> dict[str, Any]:
@@ -430,14 +437,14 @@ def path_for(
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
     argmax_rows: int,
-    gemm: bool = False,
+    gemm_paths: tuple[str, ...] = (),
     **features: Any,
 ) -> str:
     """The path for one call: forced by ``$RETMASK_CPU_PATH``, else the decision for its case
-    (``choose`` among ``candidates(case, gemm)``), memoised on the case so that a call of a decided case
+    (``choose`` among ``candidates(case, gemm_paths)``), memoised on the case so that a call of a decided case
     costs a few microseconds; a "blocked" decision gives way to its fallback where this call's sizes
-    would make SDPA build too large a mask. q: [B, Hq, M, D]; k: [B, Hkv, N, D]; ``gemm``: whether the
-    "gemm" path exists for this call; ``features``: window, softcap, sinks (as in ``case_of``)."""
+    would make SDPA build too large a mask. q: [B, Hq, M, D]; k: [B, Hkv, N, D]; ``gemm_paths``: the
+    block-GEMM paths that exist for this call; ``features``: window, softcap, sinks (as in ``case_of``)."""
     forced = forced_path()
     if forced != "auto":
         return forced
@@ -447,7 +454,7 @@ def path_for(
     )  # fmt: skip
     decision = _paths.get(case)
     if decision is None:
-        decision = _paths[case] = choose(case, run, candidates(case, gemm))
+        decision = _paths[case] = choose(case, run, candidates(case, gemm_paths))
     path = decision["path"]
     if path == "blocked" and not blocked_allowed(
         q.shape[2], k.shape[2], argmax_rows, causal, key_padding_mask is not None

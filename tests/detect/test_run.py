@@ -209,6 +209,6 @@ def test_span_rule_tolerant_runs_tests_the_reference_skips(tmp_path, monkeypatch
     shapes = {name.split()[4] for name in paths["decisions"]}
     assert "decode" in shapes and shapes & {"prefill", "chunk"}  # the prompt, then one token at a time
     for d in paths["decisions"].values():
-        assert d["path"] in ("cpp", "gemm", "blocked") and d["rejected"] == {}
+        assert d["path"] in ("cpp", "gemm", "gemm_fp32", "blocked") and d["rejected"] == {}
         assert d["time_over_cpp"] and all(r > 0 for r in d["time_over_cpp"].values())
     cpu_autotune.clear_memory()

@@ -27,6 +27,9 @@ from retmask.kernels import cpu as cpu_backend
 from .helpers import POISON_FLOAT, POISON_INDEX, assert_argmax_matches, left_padding_mask, make_qkv
 
 PATHS = ("cpp", "gemm", "blocked")
+# "gemm_fp32" converts fp16 / bf16 blocks for the fp32 GEMM: on fp32 inputs it is "gemm", so half-precision
+# tests run it.
+HALF_PATHS = (*PATHS, "gemm_fp32")
 OUT_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 ARGMAX_TOL = 1e-4  # logits are computed in fp32 from the same (rounded) inputs in every path
 
@@ -47,8 +50,8 @@ def run_path(
     **features,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One CPU path on [B, Hq, M, D] / [B, Hkv, N, D] inputs; skip_heads bool [B, Hq]; ``features``:
-    window / softcap / sinks (and ``gemm=True``: "cpp" on the block GEMM, as path "gemm"). For "cpp" and
-    "gemm" the outputs are pre-poisoned caller buffers (optionally a non-contiguous out view) and
+    window / softcap / sinks (and ``gemm=True``: "cpp" on the block GEMM, as path "gemm"; with
+    ``gemm_fp32=True`` as path "gemm_fp32"). For "cpp" and the gemm paths the outputs are pre-poisoned caller buffers (optionally a non-contiguous out view) and
     ``block_m`` sets the tile rows (small values force row-major tiles)."""
     if path == "blocked":
         out, argmax, _ = cpu_blocked.forward(
@@ -56,7 +59,8 @@ def run_path(
             skip_heads=skip_heads, argmax_rows=argmax_rows, **features,
         )  # fmt: skip
         return out, argmax
-    gemm = features.pop("gemm", False) or path == "gemm"
+    gemm = features.pop("gemm", False) or path in ("gemm", "gemm_fp32")
+    gemm_fp32 = features.pop("gemm_fp32", False) or path == "gemm_fp32"
     B, Hq, M, D = q.shape
     if out_transposed:  # [B, M, Hq, D] storage seen as [B, Hq, M, D], like transformers' layout
         out = torch.full((B, M, Hq, D), POISON_FLOAT, dtype=q.dtype).transpose(1, 2)
@@ -66,7 +70,7 @@ def run_path(
     got_out, got_argmax = cpu_backend.cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
         skip_heads=skip_heads, argmax_rows=argmax_rows, out=out, argmax=argmax, block_m=block_m, gemm=gemm,
-        **features,
+        gemm_fp32=gemm_fp32, **features,
     )  # fmt: skip
     assert got_out is out and got_argmax is argmax
     return out, argmax
@@ -134,7 +138,7 @@ def test_matches_reference_fp32(path, shape, causal):
     check_against_reference(path, q, k, v, causal=causal, argmax_rows=M)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", HALF_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("D", [16, 64, 96, 128])
 def test_half_precision_dtypes(path, dtype, D):
@@ -263,6 +267,39 @@ def test_ties_pick_smallest_index(path, M):
     k_same = k[:, :, :1].expand(B, Hkv, N, D).contiguous()
     _, argmax = run_path(path, q, k_same, v, causal=False, sm_scale=D**-0.5, argmax_rows=M)
     assert (argmax == 0).all()
+
+
+@pytest.mark.parametrize("path", HALF_PATHS)
+@pytest.mark.parametrize("M", [1, 10])
+def test_half_precision_ties_and_skipped_heads(path, M):
+    """bf16: duplicate keys (bit-identical logits in every path) give the first copy; a skipped head gives
+    exactly 0 and -1 in the poisoned buffers."""
+    B, Hq, Hkv, N, D = 2, 4, 2, 200, 64
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=torch.bfloat16, seed=12)
+    k[:, :, 70] = k[:, :, 3]
+    k[:, :, 150] = k[:, :, 3]
+    q[:, :2] = 4.0 * k[:, 0, 3][:, None, None, :]
+    q[:, 2:] = 4.0 * k[:, 1, 3][:, None, None, :]
+    skip = torch.zeros(B, Hq, dtype=torch.bool)
+    skip[1, 1] = True
+    out, argmax = run_path(path, q, k, v, causal=True, sm_scale=D**-0.5, skip_heads=skip, argmax_rows=M)
+    assert (argmax[~skip] == 3).all()
+    assert (out[skip] == 0).all() and (argmax[skip] == -1).all()
+    assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gemm_fp32_is_the_fused_kernel_up_to_rounding(dtype):
+    """The "gemm_fp32" path multiplies the exactly converted blocks in fp32, like the fused kernel's FMAs: the two
+    outputs differ by at most one rounding of the output dtype, and the argmaxes agree."""
+    q, k, v = make_qkv(1, 6, 2, 150, 300, 64, dtype=dtype, seed=13)
+    pad = left_padding_mask(1, 300, [17])
+    kw = dict(causal=True, sm_scale=0.125, key_padding_mask=pad, argmax_rows=150)
+    out_cpp, argmax_cpp = run_path("cpp", q, k, v, **kw)
+    out_gemm, argmax_gemm = run_path("gemm_fp32", q, k, v, **kw)
+    ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    torch.testing.assert_close(out_gemm.float(), out_cpp.float(), rtol=ulp, atol=1e-5)
+    assert torch.equal(argmax_gemm, argmax_cpp)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -529,8 +566,12 @@ def test_property_random_shapes(data, B, Hkv, group, N, D, causal, dtype, path):
 # Row-major tiles need fewer tile rows than the build's vector lanes (8 or 16): 4 rows per item gives them
 # whenever g < 8, whichever build runs. "gemm" (block products on torch's block GEMM) takes any tile.
 LAYOUTS = ("lanes", "rowmajor", "gemm")
-LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 4, "gemm": 64}
-LAYOUT_KW = {name: {"block_m": bm, "gemm": name == "gemm"} for name, bm in LAYOUT_BLOCK_M.items()}
+HALF_LAYOUTS = (*LAYOUTS, "gemm_fp32")  # fp16 / bf16 blocks converted for the fp32 GEMM
+LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 4, "gemm": 64, "gemm_fp32": 64}
+LAYOUT_KW = {
+    name: {"block_m": bm, "gemm": name.startswith("gemm"), "gemm_fp32": name == "gemm_fp32"}
+    for name, bm in LAYOUT_BLOCK_M.items()
+}
 
 
 def tile_layout(Hq: int, Hkv: int, M: int, skip: torch.Tensor | None, block_m: int) -> str:
@@ -553,7 +594,7 @@ def check_features(
     B, Hq, M, D = q.shape
     block_m = LAYOUT_BLOCK_M[layout]
     # The parametrisations only generate shapes that can use ``layout`` (``_feature_cases``).
-    assert layout == "gemm" or tile_layout(Hq, k.shape[1], M, skip_heads, block_m) == layout, (
+    assert layout.startswith("gemm") or tile_layout(Hq, k.shape[1], M, skip_heads, block_m) == layout, (
         f"this shape cannot use {layout} tiles"
     )
     rows = M if argmax_rows is None else argmax_rows
@@ -642,7 +683,7 @@ def test_cpp_features_match_reference(layout, shape, softcap, with_sinks):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", HALF_LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("D", [64, 256])
 def test_cpp_features_half_precision(layout, dtype, D):

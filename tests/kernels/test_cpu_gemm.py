@@ -88,7 +88,8 @@ def test_a_torch_without_the_symbols_has_no_gemm_path(monkeypatch, fresh_gemm_ca
             gemm=True,
         )
     case = cpu_autotune.case_of(q, k, causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=4)
-    assert "gemm" not in cpu_autotune.candidates(case, cpu_backend.gemm_available(q.dtype))
+    assert cpu_backend.gemm_paths(q.dtype) == ()
+    assert cpu_autotune.candidates(case, cpu_backend.gemm_paths(q.dtype)) == ("cpp", "blocked")
 
 
 # -- the packed branch against an emulated matrix unit ------------------------------------------------------
@@ -168,22 +169,63 @@ def test_packed_branch_on_an_emulated_matrix_unit(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "block, dtype, D, block_n, message",
+    "block, dtype, D, block_n, message, fp32",
     [
-        ((1, 0, 0, True, 15), torch.bfloat16, 64, 64, "vnni needs a gemm and a pack function"),
-        ((1, 1, 0, True, 6), torch.float32, 64, 64, "vnni .* is for float16 / bfloat16"),
-        ((1, 1, 0, True, 15), torch.bfloat16, 96, 64, "multiple of 64, got D = 96"),
-        ((1, 1, 0, True, 15), torch.bfloat16, 64, 128, "vnni needs block_n = 64, got 128"),
-        ((0, 0, 0, False, 15), torch.bfloat16, 64, 64, "null gemm function address"),
-        ((1, 0, 0, False, 300), torch.bfloat16, 64, 64, "pack dtype code 300 is not an int8"),
+        ((1, 0, 0, True, 15), torch.bfloat16, 64, 64, "vnni needs a gemm and a pack function", False),
+        ((1, 1, 0, True, 6), torch.float32, 64, 64, "vnni .* is for float16 / bfloat16", False),
+        ((1, 1, 0, True, 15), torch.bfloat16, 96, 64, "multiple of 64, got D = 96", False),
+        ((1, 1, 0, True, 15), torch.bfloat16, 64, 128, "vnni needs block_n = 64, got 128", False),
+        ((0, 0, 0, False, 15), torch.bfloat16, 64, 64, "null gemm function address", False),
+        ((1, 0, 0, False, 300), torch.bfloat16, 64, 64, "pack dtype code 300 is not an int8", False),
+        ((1, 1, 0, True, 6), torch.bfloat16, 64, 64, "fp32 operands are not packed", True),
     ],
 )
-def test_binding_rejects_bad_block_gemm(monkeypatch, block, dtype, D, block_n, message):
+def test_binding_rejects_bad_block_gemm(monkeypatch, block, dtype, D, block_n, message, fp32):
     """Checked before any function is called (these addresses would crash if they were)."""
     monkeypatch.setattr(cpu_gemm, "block_gemm", lambda *args, **kw: cpu_gemm.BlockGemm(*block))
     q, k, v = make_qkv(1, 2, 1, 4, 40, D, dtype=dtype, seed=2)
     with pytest.raises(ValueError, match=f"block_gemm: .*{message}"):
         cpu_backend.cpp_forward(
             q, k, v, causal=True, sm_scale=0.1, key_padding_mask=None, skip_heads=None, argmax_rows=0,
-            gemm=True, block_n=block_n,
+            gemm=True, gemm_fp32=fp32, block_n=block_n,
+        )  # fmt: skip
+
+
+def test_binding_rejects_fp32_operands_without_a_gemm():
+    lib = cpu_backend._library()
+    q, k, v = make_qkv(1, 2, 1, 4, 40, 16, dtype=torch.bfloat16, seed=3)
+    args = [
+        cpu_backend._tensor_arg(n, t, lib.codes)
+        for n, t in (("q", q), ("k", k), ("v", v), ("out", q.clone()))
+    ]
+    with pytest.raises(ValueError, match="gemm_fp32_operands: needs block_gemm"):
+        lib.module.attention_fwd(*args, None, None, None, True, 0.25, 64, 64, 1, gemm_fp32_operands=True)
+
+
+def test_gemm_fp32_path_exists_for_half_dtypes_only(monkeypatch, fresh_gemm_caches):
+    """The "gemm_fp32" path is offered for fp16 / bf16 calls (on fp32 calls it would be "gemm"), needs torch's fp32
+    GEMM, and forcing it where that is missing names the way out."""
+    assert cpu_backend.gemm_paths(torch.bfloat16) == ("gemm", "gemm_fp32")
+    assert cpu_backend.gemm_paths(torch.float16) == ("gemm", "gemm_fp32")
+    assert cpu_backend.gemm_paths(torch.float32) == ("gemm",)
+    case = cpu_autotune.case_of(
+        torch.empty(1, 4, 300, 64, dtype=torch.bfloat16), torch.empty(1, 2, 300, 64, dtype=torch.bfloat16),
+        causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=300,
+    )  # fmt: skip
+    assert cpu_autotune.candidates(case, cpu_backend.gemm_paths(torch.bfloat16)) == (
+        "cpp",
+        "gemm",
+        "gemm_fp32",
+    )
+    fp32_symbol = cpu_gemm.SYMBOLS[torch.float32]
+    real_address = cpu_gemm._address
+    monkeypatch.setattr(cpu_gemm, "_address", lambda name: 0 if name == fp32_symbol else real_address(name))
+    cpu_gemm.available.cache_clear()
+    cpu_gemm.block_gemm.cache_clear()
+    assert cpu_backend.gemm_paths(torch.bfloat16) == ("gemm",)
+    q, k, v = make_qkv(1, 2, 1, 4, 40, 16, dtype=torch.bfloat16, seed=4)
+    with pytest.raises(RuntimeError, match="'gemm_fp32' CPU path needs torch's block GEMM for torch.float32"):
+        cpu_backend.cpp_forward(
+            q, k, v, causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=None, argmax_rows=0,
+            gemm=True, gemm_fp32=True,
         )  # fmt: skip
