@@ -33,6 +33,7 @@ from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: 
 from retmask.detect.answers import earlier_answers, prefix_order  # noqa: E402
 from retmask.detect.run import RECALL_THRESHOLD  # noqa: E402
 from retmask.detect.scores import head_scores, mean_matrix, ranking  # noqa: E402
+from retmask.kernels import cpu_autotune  # noqa: E402
 from retmask.niah import (  # noqa: E402
     build_tests,
     default_haystack_text,
@@ -266,10 +267,21 @@ def main() -> None:
         "top10_overlap": overlap,
         "tau_0.1_sets_equal": set_ref == set_fast,
         "tau_0.1_set_size": len(set_ref),
+        # Which CPU attention path each kind of call ran (measured per machine, or forced): both sides
+        # go through the same backend, so the agreement above holds for these paths.
+        "cpu_attention_paths": {
+            "mode": cpu_autotune.forced_path(),
+            "decisions": {
+                name: {"path": d["path"], "time_over_cpp": d.get("ratios", {})}
+                for name, d in cpu_autotune.decisions().items()
+            },
+        },  # fmt: skip
     }
     (RESULTS / f"{args.tag}.json").write_text(json.dumps(summary, indent=1))
     md = [
-        f"# `retmask detect` vs reference-style detection ({summary['machine'].get('cpu', '')}, SIMD "
+        f"# `retmask detect` vs reference-style detection ({summary['machine'].get('cpu', '')}"
+        + (f" family {summary['machine']['cpu family']}" if summary["machine"].get("cpu family") else "")
+        + f", SIMD "
         f"{summary['machine'].get('simd', '?')}, kernel build {summary['machine'].get('kernel build', '?')})",
         "",
         f"{model_name}, fp32, 2 threads, prompt style {'chat' if chat else 'base'}; {len(tests)} tests = lengths {lengths} x depths {depths} "
@@ -313,6 +325,10 @@ def main() -> None:
     ]
     if nohist_line:
         md += ["", nohist_line]
+    paths = summary["cpu_attention_paths"]
+    md += ["", f"CPU attention paths (mode {paths['mode']}; chosen per kind of call, `retmask.kernels.cpu_autotune`):",
+           ""] + [f"- {name}: `{d['path']}` (time over the fused kernel's on the proxy: {d['time_over_cpp'] or '-'})"
+                  for name, d in paths["decisions"].items()]  # fmt: skip
     md += ["", ON_PAPER]
     (RESULTS / f"{args.tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

@@ -316,8 +316,10 @@ def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
     0.97-1.11x vs 1.02-1.09x; decode 0.34-1.14x vs 1.33-3.31x. The "gemm" path (kernel v12) on the AVX2
     EPYC of family 25, on the proxy calls: 0.84-0.87x the fused kernel's time for fp32 prefill and chunks
     at the Llama shape, 0.95-0.98x at SmolLM2's, 1.2-2.2x for verification and decode; in bf16 slower
-    than the fused kernel (no native bf16: torch's GEMM converts). Where torch's bf16 GEMMs run on AMX
-    tiles, "gemm" and "blocked" are the candidates that should win; the measurement finds out.
+    than the fused kernel (no native bf16: torch's GEMM converts), while "gemm_fp32" (kernel v13, bf16
+    blocks converted for the fp32 GEMM) is 0.82-0.85x at the Llama shape and 0.90-0.92x at SmolLM2's.
+    Where torch's bf16 GEMMs run on AMX tiles, "gemm" and "blocked" are the candidates that should win;
+    the measurement finds out.
     """
     return cpu_autotune.path_for(q, k, _run_path, gemm_paths=gemm_paths(q.dtype), **call)
 
