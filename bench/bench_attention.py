@@ -24,6 +24,7 @@ Usage:
                                             # -> bench/results/attention_cpu_<cpu kind>.{md,json,png}
   python bench/bench_attention.py --quick                                  # 1K-2K, a smoke test
   python bench/bench_attention.py --max-n 8192 --out /tmp/attn             # cap N, other output prefix
+  python bench/bench_attention.py --min-n 32768 --no-paths --out bench/results/attention_cpu_<kind>_32k
   python bench/bench_attention.py --dtype bfloat16 --max-n 8192 --no-paths
                                             # -> bench/results/attention_cpu_<cpu kind>_bf16.{md,json,png}
 """
@@ -426,6 +427,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="N in {1K, 2K}, fewer configs (smoke test)")
     ap.add_argument("--max-n", type=int, default=None, help="largest N to run")
+    ap.add_argument("--min-n", type=int, default=None, help="smallest N to run (e.g. only the 32K cells)")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: all cores)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--out", default=None, help="output prefix (default bench/results/attention_cpu_<cpu kind>, "
@@ -442,6 +444,8 @@ def main() -> None:
     ns = QUICK_NS if args.quick else FULL_NS
     if args.max_n:
         ns = [n for n in ns if n <= args.max_n]
+    if args.min_n:
+        ns = [n for n in ns if n >= args.min_n]
     machine = common.machine_description()
     machine_tag = common.cpu_kind(machine)
     name = f"attention_cpu_{machine_tag}{DTYPE_TAGS[args.dtype]}"
@@ -490,7 +494,7 @@ def main() -> None:
     sweep = []
     sweep_cfgs = [("SmolLM2", 8192), ("Llama-3.1-8B", 4096)] if not args.quick else [("SmolLM2", 2048)]
     for model, N in [] if args.paths_only else sweep_cfgs:
-        if model not in args.models or (args.max_n and N > args.max_n):
+        if model not in args.models or (args.max_n and N > args.max_n) or (args.min_n and N < args.min_n):
             continue
         sweep.append(runner.run(model, N, "ours_all", sweep=SKIP_FRACTIONS, kind="sweep"))
 
