@@ -16,9 +16,8 @@ enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Int64 = 3, Bool
 
 // An external block GEMM for the "gemm" tile layout: C[m, n] = A[m, k] B[k, n] (+ C if add_c), row-major
 // with leading dimensions lda / ldb / ldc in elements; A and B of the call's dtype (fp32 with
-// fp32_operands), C fp32. With vnni, B
-// was first rearranged by `pack` (pairs of k interleaved: the layout of matrix units such as AMX), and
-// release(vnni) frees a thread's matrix-unit state after its work. The signatures are those of torch's
+// fp32_operands), C fp32. With vnni, B was first rearranged by `pack` (pairs of k interleaved: the layout
+// of matrix units such as AMX), and release(vnni) frees a thread's matrix-unit state after its work. The signatures are those of torch's
 // CPU block GEMM (at::native::cpublas::brgemm, pack, brgemm_release), which the Python side resolves from
 // libtorch by symbol at run time: this extension still neither includes nor links torch.
 using BlockGemmFn = void (*)(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,

@@ -5,8 +5,9 @@
 // kernel relies on and raises ValueError naming the bad argument (wrong dtype code, mismatched shapes,
 // non-contiguous argmax / masks; the kernel adds its own checks on sizes and tile settings), MemoryError if
 // the kernel's scratch cannot be allocated, TypeError (from pybind11) for arguments of the wrong type or
-// number. The compute runs without the GIL. The optional features (window, softcap, sinks, block_gemm, gemm_fp32_operands) are trailing
-// keyword arguments with "off" defaults, so callers written for builds from before them still work, and
+// number. The compute runs without the GIL. The optional features (window, softcap, sinks, block_gemm,
+// gemm_fp32_operands) are trailing keyword arguments with "off" defaults, so callers written for builds
+// from before them still work, and
 // FEATURES lists them (retmask/kernels/cpu.py falls back to its blocked path for a build without).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

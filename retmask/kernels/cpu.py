@@ -284,10 +284,12 @@ def gemm_available(dtype: torch.dtype) -> bool:
     return lib is not None and "block_gemm" in lib.features and cpu_gemm.available(dtype)
 
 
+@cache
 def gemm_paths(dtype: torch.dtype) -> tuple[str, ...]:
     """The block-GEMM paths that exist for calls of ``dtype``: "gemm" (operands in ``dtype``) where
     ``gemm_available(dtype)``, and for fp16 / bf16 also "gemm_fp32" (blocks converted to fp32, torch's
-    fp32 GEMM) where the build takes ``gemm_fp32_operands`` and the fp32 GEMM exists."""
+    fp32 GEMM) where the build takes ``gemm_fp32_operands`` and the fp32 GEMM exists. Cached: every
+    attention call asks (the build and torch do not change within a process)."""
     paths = ("gemm",) if gemm_available(dtype) else ()
     lib = _library()
     if (

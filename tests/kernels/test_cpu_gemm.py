@@ -50,8 +50,8 @@ def test_block_gemm_resolved_from_this_torch():
 
 @pytest.fixture
 def fresh_gemm_caches():
-    """Empty memo caches of cpu_gemm before and after (the originals: a test may patch the names)."""
-    cached = (cpu_gemm.block_gemm, cpu_gemm.available, cpu_gemm.could_pack)
+    """Empty memo caches of cpu_gemm and cpu.gemm_paths before and after (the originals: a test may patch the names)."""
+    cached = (cpu_gemm.block_gemm, cpu_gemm.available, cpu_gemm.could_pack, cpu_backend.gemm_paths)
     for fn in cached:
         fn.cache_clear()
     yield
@@ -220,8 +220,8 @@ def test_gemm_fp32_path_exists_for_half_dtypes_only(monkeypatch, fresh_gemm_cach
     fp32_symbol = cpu_gemm.SYMBOLS[torch.float32]
     real_address = cpu_gemm._address
     monkeypatch.setattr(cpu_gemm, "_address", lambda name: 0 if name == fp32_symbol else real_address(name))
-    cpu_gemm.available.cache_clear()
-    cpu_gemm.block_gemm.cache_clear()
+    for fn in (cpu_gemm.available, cpu_gemm.block_gemm, cpu_backend.gemm_paths):
+        fn.cache_clear()
     assert cpu_backend.gemm_paths(torch.bfloat16) == ("gemm",)
     q, k, v = make_qkv(1, 2, 1, 4, 40, 16, dtype=torch.bfloat16, seed=4)
     with pytest.raises(RuntimeError, match="'gemm_fp32' CPU path needs torch's block GEMM for torch.float32"):
