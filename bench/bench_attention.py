@@ -446,6 +446,9 @@ def main() -> None:
         ns = [n for n in ns if n <= args.max_n]
     if args.min_n:
         ns = [n for n in ns if n >= args.min_n]
+    if not ns and not args.paths_only:
+        ap.error(f"no N in {QUICK_NS if args.quick else FULL_NS} lies in [--min-n, --max-n] "
+                 f"= [{args.min_n}, {args.max_n}]: nothing would be measured")  # fmt: skip
     machine = common.machine_description()
     machine_tag = common.cpu_kind(machine)
     name = f"attention_cpu_{machine_tag}{DTYPE_TAGS[args.dtype]}"
