@@ -9,7 +9,8 @@ For a kernel change: copy the built ``retmask/_C*.so`` away first, change and re
 Both builds run the same inputs interleaved (A B A B ..., so drift of a shared machine hits both), on the
 attention shapes of detection and generation: full-prefill argmax (2K and 8K keys), a 256-row prefill
 chunk, a 1-row decode step and a 9-row verification pass, for SmolLM2-135M (9 query / 3 KV heads, D 64)
-and Llama-3.1-8B (32 / 8, D 128), fp32, B = 1. Outputs and argmaxes must be bit-identical between the builds unless the
+and Llama-3.1-8B (32 / 8, D 128), B = 1; fp32 unless ``--dtype``, the fused micro-kernels unless ``--path``
+(``gemm`` / ``gemm_fp32``: the same kernel with its block products on torch's block GEMM). Outputs and argmaxes must be bit-identical between the builds unless the
 change is meant to alter arithmetic (reported per shape). Writes bench/results/kernel_ab_<tag>.{md,json,png}.
 """
 
@@ -42,12 +43,14 @@ CASES = [
 ]
 
 
-def run_case(lib: ctypes.CDLL, q, k, v, argmax_rows: int) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+def run_case(
+    lib: ctypes.CDLL, q, k, v, argmax_rows: int, path: str = "cpp"
+) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     cpu._library = lambda: lib  # forward() looks the library up on every call
     t0 = time.perf_counter()
     out, idx = cpu.cpp_forward(
         q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5, key_padding_mask=None, skip_heads=None,
-        argmax_rows=argmax_rows,
+        argmax_rows=argmax_rows, gemm=path != "cpp", gemm_fp32=path == "gemm_fp32",
     )  # fmt: skip
     return out, idx, time.perf_counter() - t0
 
@@ -58,6 +61,10 @@ def main() -> None:
     ap.add_argument("--tag", default="ab")
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per build and case (after 1 warm-up)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--path", default="cpp", choices=["cpp", "gemm", "gemm_fp32"], help="kernel layout to time"
+    )
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--only", default="", help="run only cases whose '<model> <case>' contains this text")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,16 +79,17 @@ def main() -> None:
         for name, m, n, t in CASES:
             if args.only not in f"{model} {name}":
                 continue
-            q = torch.randn(1, hq, m, d, generator=gen)
-            k = torch.randn(1, hkv, n, d, generator=gen)
-            v = torch.randn(1, hkv, n, d, generator=gen)
+            dtype = getattr(torch, args.dtype)
+            q = torch.randn(1, hq, m, d, generator=gen).to(dtype)
+            k = torch.randn(1, hkv, n, d, generator=gen).to(dtype)
+            v = torch.randn(1, hkv, n, d, generator=gen).to(dtype)
             times: dict[str, list[float]] = {"baseline": [], "new": []}
             results = {}
             for rep in range(args.repeats + 1):
                 for side, lib in (
                     (("baseline", old), ("new", new)) if rep % 2 else (("new", new), ("baseline", old))
                 ):
-                    out, idx, dt = run_case(lib, q, k, v, t)
+                    out, idx, dt = run_case(lib, q, k, v, t, args.path)
                     results[side] = (out, idx)
                     if rep:  # the first round is the warm-up
                         times[side].append(dt)
@@ -107,7 +115,7 @@ def main() -> None:
         f"Machine: {machine.get('cpu', '')} (SIMD {machine.get('simd', '?')}, native bf16: "
         f"{machine.get('native bf16', '?')}; new build runs {machine.get('kernel build', '?')}), "
         f"{args.threads} threads, torch {machine.get('torch', '')}. "
-        f"Median of {args.repeats} interleaved calls per build; fp32, B = 1, causal.",
+        f"Median of {args.repeats} interleaved calls per build; path {args.path}, {args.dtype}, B = 1, causal.",
         "",
         table,
     ]

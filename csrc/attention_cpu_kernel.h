@@ -783,6 +783,95 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
 // GEMM only converts); with fp32 operands everything runs as for an fp32 call.
 constexpr int64_t VNNI_N = 64;  // columns per packed V chunk (attention_cpu.cpp: vnni needs D % 64 == 0)
 
+// Key blocks transposed for the GEMM in 8 x 8 tiles. Eight lanes of 32 bits whatever the build's width
+// (the AVX-512 build runs them on ymm registers): a tile is eight key rows of eight dims, loaded as
+// vectors, transposed in registers, stored as eight pieces of Kt rows. Lane values are the operand's
+// fp32 value when Op is float (fp16 / bf16 converted exactly on the load) and otherwise the 16-bit
+// operand's bits, zero-extended on the load and narrowed back on the store (the shuffles move bits).
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+template <class E, class Op>
+RETMASK_INLINE v8f load8_lanes(const typename E::T* p) {
+    using T = typename E::T;
+    if constexpr (std::is_same_v<T, float>) {
+        v8f x;
+        std::memcpy(&x, p, sizeof(x));
+        return x;
+    } else if constexpr (std::is_same_v<Op, float> && std::is_same_v<T, _Float16>) {
+        typedef _Float16 v8f16 __attribute__((vector_size(16)));
+        v8f16 h;
+        std::memcpy(&h, p, sizeof(h));
+        return __builtin_convertvector(h, v8f);
+    } else {
+        v8h h;
+        std::memcpy(&h, p, sizeof(h));
+        v8u w = __builtin_convertvector(h, v8u);
+        if constexpr (std::is_same_v<Op, float>) w <<= 16;  // bf16 bits are the high half of an fp32's
+        v8f x;
+        std::memcpy(&x, &w, sizeof(x));
+        return x;
+    }
+}
+
+template <class Op>
+RETMASK_INLINE void store8_lanes(Op* p, v8f x) {
+    if constexpr (std::is_same_v<Op, float>) {
+        std::memcpy(p, &x, sizeof(x));
+    } else {
+        v8u w;
+        std::memcpy(&w, &x, sizeof(w));
+        const v8h h = __builtin_convertvector(w, v8h);  // the low 16 bits: the operand's own bits
+        std::memcpy(p, &h, sizeof(h));
+    }
+}
+
+// x[r] = row r of an 8 x 8 tile -> x[c] = its column c (unpack pairs of rows, shuffle pairs of pairs,
+// then swap 128-bit halves: the usual AVX sequence, written as shuffles GCC maps onto it).
+RETMASK_INLINE void transpose8x8(v8f (&x)[8]) {
+    v8f t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = __builtin_shufflevector(x[i], x[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = __builtin_shufflevector(x[i], x[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int i = 0; i < 4; ++i) {
+        x[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        x[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+// Kt[d * ldt + j] = K[j][d] as an Op, for keys j < nj and dims d < D; key j's row starts at K + j * ldk
+// and its dims are contiguous. 8 x 8 tiles, then the key and dim tails one element at a time.
+template <class E, class Op>
+RETMASK_INLINE void transpose_keys(const typename E::T* __restrict K, int64_t ldk, int nj, int64_t D,
+                                   Op* __restrict Kt, int ldt) {
+    const int nj8 = nj / 8 * 8;
+    const int64_t D8 = D / 8 * 8;
+    for (int j = 0; j < nj8; j += 8) {
+        for (int64_t d = 0; d < D8; d += 8) {
+            v8f x[8];
+            for (int r = 0; r < 8; ++r) x[r] = load8_lanes<E, Op>(K + (j + r) * ldk + d);
+            transpose8x8(x);
+            for (int c = 0; c < 8; ++c) store8_lanes(Kt + (d + c) * ldt + j, x[c]);
+        }
+    }
+    const auto put = [&](int j, int64_t d) RETMASK_LAMBDA_INLINE {
+        if constexpr (std::is_same_v<Op, float>) Kt[d * ldt + j] = E::load(K + j * ldk + d);
+        else Kt[d * ldt + j] = K[j * ldk + d];
+    };
+    for (int j = 0; j < nj8; ++j)
+        for (int64_t d = D8; d < D; ++d) put(j, d);
+    for (int j = nj8; j < nj; ++j)
+        for (int64_t d = 0; d < D; ++d) put(j, d);
+}
+
 template <class E, class Op>
 void run_gemm(const Args& a, const Plan& plan, int threads) {
     using T = typename E::T;
@@ -836,11 +925,15 @@ void run_gemm(const Args& a, const Plan& plan, int threads) {
                 if constexpr (std::is_same_v<Op, float>) return E::load(p);
                 else return *p;
             };
+            if (a.ks[3] == 1) {  // contiguous key rows: 8 x 8 tiles
+                transpose_keys<E, Op>(kb + j0 * a.ks[2], a.ks[2], nj, D, Kt, BN);
+            } else {
+                for (int j = 0; j < nj; ++j)
+                    for (int64_t d = 0; d < D; ++d) Kt[d * BN + j] = cvt(kb + (j0 + j) * a.ks[2] + d * a.ks[3]);
+            }
             for (int j = 0; j < nj; ++j) {
-                const T* kr = kb + (j0 + j) * a.ks[2];
                 const T* vr = vb + (j0 + j) * a.vs[2];
                 Op* vo = Vb + static_cast<int64_t>(j) * D;
-                for (int64_t d = 0; d < D; ++d) Kt[d * BN + j] = cvt(kr + d * a.ks[3]);
                 if (a.vs[3] == 1) {  // contiguous rows: a plain (vectorisable) copy / conversion
                     for (int64_t d = 0; d < D; ++d) vo[d] = cvt(vr + d);
                 } else {

@@ -147,6 +147,20 @@ def test_half_precision_dtypes(path, dtype, D):
     check_against_reference(path, q, k, v, causal=True, key_padding_mask=pad, argmax_rows=21)
 
 
+@pytest.mark.parametrize("path", ("cpp", "gemm", "gemm_fp32"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("D,dims_strided", [(36, False), (20, True), (64, True)])
+def test_key_block_transpose_tails_and_strides(path, dtype, D, dims_strided):
+    """The block-GEMM layouts transpose each key block in 8 x 8 tiles of keys x dims: a head dim that is
+    not a multiple of 8 (a dim tail), a last block of 37 keys (a key tail), and keys whose dims are not
+    contiguous (the element-by-element copy), against the reference with poisoned outputs."""
+    q, k, v = make_qkv(1, 6, 2, 40, 101, D, dtype=dtype, seed=D)
+    if dims_strided:  # k[..., d] at a stride of 2 elements
+        k = torch.stack([k, k.neg()], dim=-1).flatten(-2)[..., ::2]
+        assert k.stride(-1) == 2
+    check_against_reference(path, q, k, v, causal=True, argmax_rows=40)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_noncontiguous_inputs_and_output(path):
     q, k, v = make_qkv(2, 4, 2, 17, 70, 64, seed=3, noncontiguous_q=True)
