@@ -33,6 +33,11 @@ per case:
   logits have a clear maximum, output within the dtype's tolerance), so a branch this project could
   not run on its own machines (AMX packing) is checked on the machine that runs it before it is used;
   one that disagrees is rejected for good on that machine, with a warning.
+* The block-GEMM paths are not candidates for decode (one query row per head): the proxy's keys fit in
+  cache, where the GEMM layout's per-block copies of K and V are cheap and it measured 0.85x the fused
+  kernel, but real decode calls stream the whole cache, and on the AVX2 EPYC of
+  docs/kernel_optimisation.md v14 it was 1.14-1.21x the fused kernel at 8K-32K keys (and 1.17x at the
+  Llama-3.1-8B shape with 2K keys).
 * "blocked" is never a candidate where it would cost memory that grows faster than N: an argmax of more
   than ``BLOCKED_MAX_ARGMAX_ROWS`` rows (its scan holds [g * rows, 2048] logits) or an explicit SDPA mask
   (padding, or a chunk against a cache) of more than ``BLOCKED_MAX_MASK`` elements; a case decided for
@@ -71,7 +76,7 @@ BLOCKED_MAX_MASK = 1 << 26  # elements of an explicit [M, N] SDPA mask (64 MiB a
 SHORT_KEYS = 512  # calls with at most this many keys are "short" and measured at this length
 PROXY_LONG_KEYS = 2048  # longer calls are measured at this length
 CACHE_FILE = "cpu_paths.json"
-_FORMAT = 3  # 2: several candidates per case ("gemm"), times by path; 3: "gemm_fp32"
+_FORMAT = 4  # 2: several candidates per case ("gemm"), times by path; 3: "gemm_fp32"; 4: no GEMM for decode
 
 log = logging.getLogger("retmask.kernels")
 
@@ -402,9 +407,10 @@ def measure(
 
 def candidates(case: Case, gemm_paths: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The paths measured for ``case``: "cpp", the block-GEMM paths that exist for the call
-    (``gemm_paths``: "gemm" / "gemm_fp32", see ``cpu.gemm_paths``), "blocked" unless the case wants the
-    argmax of many rows."""
-    return ("cpp",) + tuple(gemm_paths) + (("blocked",) if case.argmax != "many" else ())
+    (``gemm_paths``: "gemm" / "gemm_fp32", see ``cpu.gemm_paths``) unless it is a decode step, "blocked"
+    unless the case wants the argmax of many rows (see the module docstring)."""
+    gemm = () if case.shape == "decode" else tuple(gemm_paths)
+    return ("cpp",) + gemm + (("blocked",) if case.argmax != "many" else ())
 
 
 def choose(case: Case, run: Runner, paths: tuple[str, ...] = ("cpp", "blocked")) -> dict[str, Any]:

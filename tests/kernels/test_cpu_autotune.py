@@ -178,6 +178,12 @@ def test_candidates_per_case():
     assert cpu_autotune.candidates(some_case(), ()) == ("cpp", "blocked")
     assert cpu_autotune.candidates(some_case(argmax="many"), both) == ("cpp", "gemm", "gemm_fp32")
     assert cpu_autotune.candidates(some_case(argmax="many"), ()) == ("cpp",)
+    # Decode streams the whole cache with one row per head: the GEMM layout's block copies cost more
+    # than its products save, whatever the in-cache proxy says.
+    assert cpu_autotune.candidates(some_case(shape="decode", argmax="few"), both) == ("cpp", "blocked")
+    assert cpu_autotune.candidates(some_case(shape="verify", argmax="few"), both) == (
+        "cpp", "gemm", "gemm_fp32", "blocked",
+    )  # fmt: skip
 
 
 def test_only_cpp_means_no_measuring(auto):
