@@ -556,7 +556,8 @@ def main() -> None:
            f"{cpu_autotune.ALT_MAX_RATIO['gemm']}x the fused kernel's time for the block-GEMM paths and "
            f"{cpu_autotune.ALT_MAX_RATIO['blocked']}x for `blocked` (a candidate must first agree with it on "
            f"that call). An argmax of more than {cpu_autotune.BLOCKED_MAX_ARGMAX_ROWS} rows never takes "
-           "`blocked`.", "",
+           "`blocked`, and decode (one query row per head) never takes the block-GEMM paths (it streams the "
+           "whole cache, which the in-cache proxy does not).", "",
            common.markdown_table(["model", "call", "path", "gemm / cpp time", "gemm_fp32 / cpp time",
                                   "blocked / cpp time", "rejected", "proxy"],
                                  [[d["model"], d["call"], d["path"], d["gemm"], d["gemm_fp32"], d["blocked"],

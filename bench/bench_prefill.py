@@ -158,8 +158,8 @@ def report(out: Path) -> None:
     machine, rows, lengths = data["machine"], data["tests"], data["lengths"]
     table, _ = summarise(rows, lengths)
     md = [
-        f"# `retmask detect`'s prefill vs SDPA on the same tokens ({machine['cpu']}, SIMD {machine['simd']}, "
-        f"kernel build {machine['kernel build']})",
+        f"# `retmask detect`'s prefill vs SDPA on the same tokens ({machine['cpu']} family "
+        f"{machine.get('cpu family', '?')}, SIMD {machine['simd']}, kernel build {machine['kernel build']})",
         "",
         f"{data['model']}, fp32, {len(rows)} tests = lengths {lengths} x depths {data['depths']} x "
         f"{data['needles']} needles, in prefix order, chunks of {data['chunk']}. Both sides compute the same "

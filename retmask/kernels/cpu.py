@@ -317,7 +317,9 @@ def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
     (bench/results/attention_cpu_amd-epyc-avx2.md): all rows 0.98-1.07x vs 3.2-4.9x; last 64 rows
     0.97-1.11x vs 1.02-1.09x; decode 0.34-1.14x vs 1.33-3.31x. The "gemm" path (kernel v12) on the AVX2
     EPYC of family 25, on the proxy calls: 0.84-0.87x the fused kernel's time for fp32 prefill and chunks
-    at the Llama shape, 0.95-0.98x at SmolLM2's, 1.2-2.2x for verification and decode; in bf16 slower
+    at the Llama shape, 0.95-0.98x at SmolLM2's (kernel v14, key blocks transposed in vector tiles:
+    0.79-0.83x and 0.85-0.88x), 1.2-2.2x for verification and decode (v14: 0.85-0.98x on the proxies, but
+    1.14-1.21x for decode at real sizes, which is why decode is never offered it); in bf16 slower
     than the fused kernel (no native bf16: torch's GEMM converts), while "gemm_fp32" (kernel v13, bf16
     blocks converted for the fp32 GEMM) is 0.82-0.85x at the Llama shape and 0.90-0.92x at SmolLM2's.
     Where torch's bf16 GEMMs run on AMX tiles, "gemm" and "blocked" are the candidates that should win;
