@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, markdown_table  # noqa: E402
+from common import cpu_label, machine_description, markdown_table  # noqa: E402
 
 import retmask  # noqa: E402
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: E402
@@ -279,9 +279,7 @@ def main() -> None:
     }
     (RESULTS / f"{args.tag}.json").write_text(json.dumps(summary, indent=1))
     md = [
-        f"# `retmask detect` vs reference-style detection ({summary['machine'].get('cpu', '')}"
-        + (f" family {summary['machine']['cpu family']}" if summary["machine"].get("cpu family") else "")
-        + f", SIMD "
+        f"# `retmask detect` vs reference-style detection ({cpu_label(summary['machine'])}, SIMD "
         f"{summary['machine'].get('simd', '?')}, kernel build {summary['machine'].get('kernel build', '?')})",
         "",
         f"{model_name}, fp32, 2 threads, prompt style {'chat' if chat else 'base'}; {len(tests)} tests = lengths {lengths} x depths {depths} "

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_kind, machine_description, markdown_table  # noqa: E402
+from common import cpu_kind, cpu_label, machine_description, markdown_table  # noqa: E402
 
 import retmask  # noqa: E402
 from retmask.detect import FastDetector, stop_token_ids  # noqa: E402
@@ -158,8 +158,8 @@ def report(out: Path) -> None:
     machine, rows, lengths = data["machine"], data["tests"], data["lengths"]
     table, _ = summarise(rows, lengths)
     md = [
-        f"# `retmask detect`'s prefill vs SDPA on the same tokens ({machine['cpu']} family "
-        f"{machine.get('cpu family', '?')}, SIMD {machine['simd']}, kernel build {machine['kernel build']})",
+        f"# `retmask detect`'s prefill vs SDPA on the same tokens ({cpu_label(machine)}, SIMD "
+        f"{machine['simd']}, kernel build {machine['kernel build']})",
         "",
         f"{data['model']}, fp32, {len(rows)} tests = lengths {lengths} x depths {data['depths']} x "
         f"{data['needles']} needles, in prefix order, chunks of {data['chunk']}. Both sides compute the same "

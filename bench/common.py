@@ -111,6 +111,13 @@ def cpu_kind(machine: dict[str, str]) -> str:
     return f"{slug}-{machine.get('simd', 'unknown')}"
 
 
+def cpu_label(machine: dict[str, str]) -> str:
+    """The CPU for a page title: model and family, e.g. ``AMD EPYC family 25`` (a hypervisor's generic
+    model name says nothing without the family; see ``cpu_kind``)."""
+    family = machine.get("cpu family", "")
+    return f"{machine.get('cpu', 'cpu')} family {family}" if family else machine.get("cpu", "cpu")
+
+
 # ---- memory inside a worker ------------------------------------------------------------------------
 
 

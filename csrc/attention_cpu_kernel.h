@@ -847,13 +847,23 @@ RETMASK_INLINE void transpose8x8(v8f (&x)[8]) {
     }
 }
 
-// Kt[d * ldt + j] = K[j][d] as an Op, for keys j < nj and dims d < D; key j's row starts at K + j * ldk
-// and its dims are contiguous. 8 x 8 tiles, then the key and dim tails one element at a time.
+// One input element as a GEMM operand: converted (exactly) to fp32 when Op is float, else as it is.
 template <class E, class Op>
-RETMASK_INLINE void transpose_keys(const typename E::T* __restrict K, int64_t ldk, int nj, int64_t D,
+RETMASK_INLINE Op to_operand(const typename E::T* p) {
+    if constexpr (std::is_same_v<Op, float>) return E::load(p);
+    else return *p;
+}
+
+// Kt[d * ldt + j] = K[j][d] as an Op, for keys j < nj and dims d < D; element (j, d) is K[j * ldk + d * ldd].
+// Contiguous dims (ldd == 1) go in 8 x 8 tiles, then the key and dim tails one element at a time.
+template <class E, class Op>
+RETMASK_INLINE void transpose_keys(const typename E::T* __restrict K, int64_t ldk, int64_t ldd, int nj, int64_t D,
                                    Op* __restrict Kt, int ldt) {
-    const int nj8 = nj / 8 * 8;
-    const int64_t D8 = D / 8 * 8;
+    const auto put = [&](int j, int64_t d) RETMASK_LAMBDA_INLINE {
+        Kt[d * ldt + j] = to_operand<E, Op>(K + j * ldk + d * ldd);
+    };
+    const int nj8 = ldd == 1 ? nj / 8 * 8 : 0;
+    const int64_t D8 = ldd == 1 ? D / 8 * 8 : 0;
     for (int j = 0; j < nj8; j += 8) {
         for (int64_t d = 0; d < D8; d += 8) {
             v8f x[8];
@@ -862,10 +872,6 @@ RETMASK_INLINE void transpose_keys(const typename E::T* __restrict K, int64_t ld
             for (int c = 0; c < 8; ++c) store8_lanes(Kt + (d + c) * ldt + j, x[c]);
         }
     }
-    const auto put = [&](int j, int64_t d) RETMASK_LAMBDA_INLINE {
-        if constexpr (std::is_same_v<Op, float>) Kt[d * ldt + j] = E::load(K + j * ldk + d);
-        else Kt[d * ldt + j] = K[j * ldk + d];
-    };
     for (int j = 0; j < nj8; ++j)
         for (int64_t d = D8; d < D; ++d) put(j, d);
     for (int j = nj8; j < nj; ++j)
@@ -921,23 +927,14 @@ void run_gemm(const Args& a, const Plan& plan, int threads) {
         const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
 
         for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
-            const auto cvt = [](const T* p) RETMASK_LAMBDA_INLINE -> Op {
-                if constexpr (std::is_same_v<Op, float>) return E::load(p);
-                else return *p;
-            };
-            if (a.ks[3] == 1) {  // contiguous key rows: 8 x 8 tiles
-                transpose_keys<E, Op>(kb + j0 * a.ks[2], a.ks[2], nj, D, Kt, BN);
-            } else {
-                for (int j = 0; j < nj; ++j)
-                    for (int64_t d = 0; d < D; ++d) Kt[d * BN + j] = cvt(kb + (j0 + j) * a.ks[2] + d * a.ks[3]);
-            }
+            transpose_keys<E, Op>(kb + j0 * a.ks[2], a.ks[2], a.ks[3], nj, D, Kt, BN);
             for (int j = 0; j < nj; ++j) {
                 const T* vr = vb + (j0 + j) * a.vs[2];
                 Op* vo = Vb + static_cast<int64_t>(j) * D;
                 if (a.vs[3] == 1) {  // contiguous rows: a plain (vectorisable) copy / conversion
-                    for (int64_t d = 0; d < D; ++d) vo[d] = cvt(vr + d);
+                    for (int64_t d = 0; d < D; ++d) vo[d] = to_operand<E, Op>(vr + d);
                 } else {
-                    for (int64_t d = 0; d < D; ++d) vo[d] = cvt(vr + d * a.vs[3]);
+                    for (int64_t d = 0; d < D; ++d) vo[d] = to_operand<E, Op>(vr + d * a.vs[3]);
                 }
             }
             for (int j = nj; j < BN; ++j) {  // zero past the last key: the products keep the full block width
