@@ -31,12 +31,17 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_kind, cpu_label, machine_description, markdown_table  # noqa: E402
+from common import (  # noqa: E402
+    add_niah_grid_args,
+    cpu_kind,
+    cpu_label,
+    load_niah_grid,
+    machine_description,
+    markdown_table,
+)
 
-import retmask  # noqa: E402
-from retmask.detect import FastDetector, stop_token_ids  # noqa: E402
+from retmask.detect import FastDetector  # noqa: E402
 from retmask.detect.answers import prefix_order  # noqa: E402
-from retmask.niah import build_tests, default_haystack_text, load_needles, resolve_prompt_style  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIDES = ("retmask", "sdpa")
@@ -112,10 +117,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="1000,2000,3000,4000,5000")
-    ap.add_argument("--depths", default="0,50,100")
-    ap.add_argument("--needles", type=int, default=2, help="first N shipped needles")
-    ap.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2)")
+    add_niah_grid_args(ap)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", default=None, help="output path without suffix (default: results/prefill_<cpu>)")
     ap.add_argument(
@@ -128,13 +130,7 @@ def main() -> None:
     torch.set_num_threads(2)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
-    model, tok = retmask.load_model(args.model)
-    chat = resolve_prompt_style(tok, "auto") == "chat"
-    built = build_tests(
-        tok, load_needles()[: args.needles], default_haystack_text(), lengths, depths, chat=chat
-    )
-    tests = [t for t in built if not t.skip_reason]
-    stops = stop_token_ids(tok, model)
+    model, _, tests, stops = load_niah_grid(args.model, lengths, depths, args.needles)
     with torch.no_grad():  # untimed warm-up of both implementations (thread pool, allocator)
         for side in SIDES:
             FastDetector(model, stops, chunk=args.chunk, prefill_impl=side)._prefill(

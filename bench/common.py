@@ -187,6 +187,48 @@ def run_worker(script: str | Path, config: dict[str, Any], timeout: float | None
     return json.loads(lines[-1])
 
 
+def run_step(cmd: list[str], done: Path | None, log: list[dict]) -> None:
+    """Run one step of a multi-command benchmark unless ``done`` exists (None: always; the command resumes
+    itself); record the command line and its wall time in ``log``. A failing command stops the benchmark."""
+    import shlex
+
+    line = " ".join(shlex.quote(c) for c in cmd)
+    if done is not None and done.exists():
+        print(f"[skip, done] {line}", flush=True)
+        log.append({"cmd": line, "seconds": None, "skipped": True})
+        return
+    print(f"[run] {line}", flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    log.append({"cmd": line, "seconds": round(time.perf_counter() - t0, 1)})
+
+
+# ---- the NIAH grid of the detection benchmarks -----------------------------------------------------
+
+
+def add_niah_grid_args(ap: Any) -> None:
+    """``--lengths``, ``--depths``, ``--needles``, ``--model``: the grid of :func:`load_niah_grid`."""
+    ap.add_argument("--lengths", default="1000,2000,3000,4000,5000")
+    ap.add_argument("--depths", default="0,50,100")
+    ap.add_argument("--needles", type=int, default=2, help="first N shipped needles")
+    ap.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2)")
+
+
+def load_niah_grid(model_spec: str | None, lengths: Sequence[int], depths: Sequence[int], needles: int):
+    """The model, its tokenizer, the runnable NIAH tests of ``lengths`` x ``depths`` x the first ``needles``
+    shipped needles (prompt style auto), and the model's stop tokens."""
+    import retmask
+    from retmask.detect import stop_token_ids
+    from retmask.niah import build_tests, default_haystack_text, load_needles, resolve_prompt_style
+
+    model, tok = retmask.load_model(model_spec)
+    chat = resolve_prompt_style(tok, "auto") == "chat"
+    built = build_tests(
+        tok, load_needles()[:needles], default_haystack_text(), list(lengths), list(depths), chat=chat
+    )
+    return model, tok, [t for t in built if not t.skip_reason], stop_token_ids(tok, model)
+
+
 # ---- formatting ------------------------------------------------------------------------------------
 
 

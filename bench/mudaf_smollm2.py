@@ -18,28 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_step  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"  # result pages and data live apart from the scripts
-
-
-def sh(cmd: list[str], done: Path, log: list[dict]) -> None:
-    """Run ``cmd`` unless ``done`` exists; record the command line and wall time."""
-    line = " ".join(shlex.quote(c) for c in cmd)
-    if done.exists():
-        print(f"[skip, done] {line}", flush=True)
-        log.append({"cmd": line, "seconds": None, "skipped": True})
-        return
-    print(f"[run] {line}", flush=True)
-    t = time.perf_counter()
-    subprocess.run(cmd, check=True)
-    log.append({"cmd": line, "seconds": round(time.perf_counter() - t, 1)})
 
 
 def load(path: Path) -> tuple[dict, dict]:
@@ -79,21 +66,21 @@ def main() -> int:
         ("eval", args.eval_n, 300),
     ):
         f = w / f"{name}.jsonl"
-        sh([py, "-m", "retmask.methods.mudaf.mdqa", "--n", str(n), "--seed", str(seed), "--distractors", str(args.distractors),
+        run_step([py, "-m", "retmask.methods.mudaf.mdqa", "--n", str(n), "--seed", str(seed), "--distractors", str(args.distractors),
             "--out", str(f)], f, log)  # fmt: skip
-    sh(["retmask", "mdqa-score", "--data", str(w / "select.jsonl"), "--out", str(w / "select_scores.json"),
+    run_step(["retmask", "mdqa-score", "--data", str(w / "select.jsonl"), "--out", str(w / "select_scores.json"),
         "--plot", str(w / "select_scores.png"), "--epsilon", str(args.epsilon), "--masses"], w / "select_scores.run.json", log)  # fmt: skip
-    sh(["retmask", "mdqa-score", "--data", str(w / "eval.jsonl"), "--out", str(w / "eval_base.json"), "--answers",
+    run_step(["retmask", "mdqa-score", "--data", str(w / "eval.jsonl"), "--out", str(w / "eval_base.json"), "--answers",
         "--epsilon", str(args.epsilon), "--masses"],
        w / "eval_base.run.json", log)  # fmt: skip
     common = ["--data", str(w / "train.jsonl"), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
               "--lr", str(args.lr), "--seed", str(args.seed), "--warmup-steps", str(args.warmup_steps)]  # fmt: skip
-    sh(["retmask", "mudaf-train", *common, "--scores", str(w / "select_scores.json"), "--lambda", str(args.lam),
+    run_step(["retmask", "mudaf-train", *common, "--scores", str(w / "select_scores.json"), "--lambda", str(args.lam),
         "--out", str(w / "mudaf")], w / "mudaf" / "mudaf_train.json", log)  # fmt: skip
-    sh(["retmask", "mudaf-train", *common, "--vanilla-sft", "--heads", str(w / "mudaf" / "heads.json"),
+    run_step(["retmask", "mudaf-train", *common, "--vanilla-sft", "--heads", str(w / "mudaf" / "heads.json"),
         "--out", str(w / "sft")], w / "sft" / "mudaf_train.json", log)  # fmt: skip
     for name in ("mudaf", "sft"):
-        sh(["retmask", "mdqa-score", "--model", str(w / name), "--data", str(w / "eval.jsonl"),
+        run_step(["retmask", "mdqa-score", "--model", str(w / name), "--data", str(w / "eval.jsonl"),
             "--out", str(w / f"eval_{name}.json"), "--answers", "--epsilon", str(args.epsilon), "--masses"], w / f"eval_{name}.run.json", log)  # fmt: skip
 
     # ---- summary -------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 core.py     per-test copy counting: the step-by-step oracle and the fast path (proven equal by tests)
 drafts.py   drafts for the fast path's verification passes: earlier answers to the needle, prompt lookup
 kv_cache.py a KV cache that appends in place (no copy of the whole cache per pass)
+kv_only.py  prefill calls compute only the last layer's K/V (their outputs are discarded)
 stopping.py newline / EOS stop tokens
 scores.py   per-head scores JSON, summary, sparsity histogram, the --until-stable rule
 answers.py  the answer loop shared with NIAH evaluation: prefix order, earlier answers per needle

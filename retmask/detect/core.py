@@ -19,6 +19,7 @@ import torch
 
 from retmask.detect.drafts import propose_draft
 from retmask.detect.kv_cache import growing_cache, reserve
+from retmask.detect.kv_only import last_layer_kv_only
 from retmask.heads import model_shape
 from retmask.hf.capture import capture_argmax
 from retmask.hf.patch import require_retmask
@@ -138,7 +139,8 @@ class FastDetector:
       prefix, computed in chunks aligned to absolute multiples of ``chunk`` positions and reused only in
       whole chunks, so every KV entry is computed by the same call shapes whatever ran before: a test's
       result does not depend on the order of tests (resume and sharding reproduce it exactly).
-    * No logits for prompt positions (``logits_to_keep=1`` in the prefill).
+    * No logits for prompt positions (``logits_to_keep=1`` in the prefill), and of the last layer the
+      prefill computes only the K/V (``kv_only.last_layer_kv_only``): nothing reads the prefill's outputs.
     * Greedy answer by prompt-lookup verification: feed ``[x, d_1..d_k]``, accept the longest draft prefix
       equal to the greedy tokens plus one; the argmax of the accepted rows is captured in the same pass by
       the fused kernel (``retmask.capture_argmax``) and checked against the tokens on the device; counts
@@ -196,8 +198,9 @@ class FastDetector:
         # most the remaining budget). Buffers are allocated at that size, never by doubling.
         reserve(self.cache, len(prefix) + 1 + self.max_new_tokens)
         ids = torch.as_tensor(prefix, dtype=torch.long, device=device)
-        # The prefill needs no argmax: any attention implementation may compute it (``prefill_impl``).
-        with attn_implementation(self.model, self.prefill_impl):
+        # The prefill needs no argmax: any attention implementation may compute it (``prefill_impl``). Its
+        # outputs are discarded, so the last layer only writes its K/V (``last_layer_kv_only``).
+        with attn_implementation(self.model, self.prefill_impl), last_layer_kv_only(self.model):
             for a in range(keep, len(prefix), self.chunk):
                 b = min(len(prefix), a - a % self.chunk + self.chunk)
                 self.model(
