@@ -45,6 +45,11 @@ from retmask.detect.answers import prefix_order  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_CHUNK = 256  # `retmask detect`'s default: the ratios are against it
 HEADERS = ["chunk", "tokens computed", "calls", "prefill s", "ms / token"]
+READING = """Reading: smaller chunks compute fewer tokens (less of the chunk in which two prompts diverge is
+recomputed) but each token costs more, because every call streams all the model's weights once (at a
+few dozen rows per call SmolLM2's linear layers run at about half their large-call speed on a 2-core
+EPYC); larger chunks the reverse. Differences of a few percent between neighbouring sizes are within this shared machine's noise:
+compare several runs before changing the default."""
 
 
 def measure(model, tests, stops, chunks: list[int]) -> dict[int, dict[str, float]]:
@@ -97,7 +102,13 @@ def main() -> None:
     ap.add_argument(
         "--out", default=None, help="output path without suffix (default: results/detect_chunk_<cpu>)"
     )
+    ap.add_argument(
+        "--report", action="store_true", help="only re-render the .md/.png of --out from its .json"
+    )
     args = ap.parse_args()
+    if args.report:
+        report(Path(args.out) if args.out else RESULTS / f"detect_chunk_{cpu_kind(machine_description())}")
+        return
     chunks = sorted({int(x) for x in args.chunks.split(",")})
     if chunks[0] < 1:
         ap.error(f"--chunks must be >= 1, got {chunks[0]}")
@@ -113,33 +124,49 @@ def main() -> None:
     machine = machine_description()
     out = Path(args.out) if args.out else RESULTS / f"detect_chunk_{cpu_kind(machine)}"
     out.parent.mkdir(parents=True, exist_ok=True)
+    data = {"machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct", "lengths": lengths,
+            "depths": depths, "needles": args.needles, "tests": len(tests),
+            "totals": {str(c): v for c, v in totals.items()}}  # fmt: skip
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    report(out)
+
+
+def report(out: Path) -> None:
+    """Write ``out``.md and .png from ``out``.json (``--report`` re-renders without measuring)."""
+    data = json.loads(out.with_suffix(".json").read_text())
+    machine = data["machine"]
+    totals = {int(c): v for c, v in data["totals"].items()}
+    chunks = sorted(totals)
     base = totals.get(DEFAULT_CHUNK) or totals[chunks[0]]
+    fastest = min(chunks, key=lambda c: totals[c]["seconds"])
     rows = [
         [str(c) + (" (default)" if c == DEFAULT_CHUNK else ""), str(totals[c]["tokens"]), str(totals[c]["calls"]),
          f"{totals[c]['seconds']:.1f}", f"{1000 * totals[c]['seconds'] / max(totals[c]['tokens'], 1):.2f}",
          f"{totals[c]['seconds'] / base['seconds']:.3f}"]
         for c in chunks
     ]  # fmt: skip
-    model_name = args.model or "embedded SmolLM2-135M-Instruct"
     md = [
         f"# `retmask detect --chunk`: prefill time of the NIAH grid per chunk size ({cpu_label(machine)}, "
         f"SIMD {machine['simd']})",
         "",
-        f"{model_name}, fp32, {len(tests)} tests = lengths {lengths} x depths {depths} x {args.needles} needles, "
-        "in prefix order; each chunk size has its own cache; sizes interleaved test by test (alternating "
-        "order). Prefill only.",
+        f"{data['model']}, fp32, {data['tests']} tests = lengths {data['lengths']} x depths {data['depths']} x "
+        f"{data['needles']} needles, in prefix order; each chunk size has its own cache; sizes interleaved test "
+        "by test (alternating order). Prefill only.",
         "",
         markdown_table(HEADERS + [f"time / chunk {DEFAULT_CHUNK}'s"], rows),
+        "",
+        f"Fastest here: chunk {fastest}. {READING}",
         "",
         f"Machine: {', '.join(f'{k} {v}' for k, v in machine.items())}.",
         "",
         f"![chunk sizes]({out.name}.png)",
     ]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    data = {"machine": machine, "model": model_name, "lengths": lengths, "depths": depths,
-            "needles": args.needles, "totals": {str(c): v for c, v in totals.items()}}  # fmt: skip
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    plot(totals, out.with_suffix(".png"), f"{model_name}: detection prefill per chunk ({cpu_label(machine)})")
+    plot(
+        totals,
+        out.with_suffix(".png"),
+        f"{data['model']}: detection prefill per chunk ({cpu_label(machine)})",
+    )
     print("\n".join(md))
 
 
