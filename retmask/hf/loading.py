@@ -20,6 +20,7 @@ import re
 import shutil
 import struct
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,6 +77,17 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_CHOICES = ("auto", *DTYPES)
 
 
+class EmulatedBf16Warning(UserWarning):
+    """``--dtype bfloat16`` on a CPU that does not compute bf16 natively: correct, but slow."""
+
+
+EMULATED_BF16 = (
+    "--dtype bfloat16 on a CPU without native bf16 (no AMX-BF16 or AVX512-BF16): torch emulates bf16 "
+    "matmuls here, so runs are correct but slower than float32 (on an AVX2 EPYC: detection 3.3x, a DPO "
+    "step 12x). --dtype auto picks float32 on this CPU."
+)
+
+
 def native_bf16(device: str | torch.device = "cpu") -> bool:
     """Whether ``device`` computes bf16 natively: a CUDA GPU that supports it, or a CPU with AMX tiles or
     AVX512-BF16 (torch's own cpuinfo checks, ``torch.cpu._is_amx_tile_supported`` /
@@ -98,6 +110,8 @@ def resolve_dtype_name(name: str, device: str | torch.device = "cpu") -> str:
         raise ValueError(f"--dtype must be one of {list(DTYPE_CHOICES)}, got {name!r}")
     if name == "auto":
         return "bfloat16" if native_bf16(device) else "float32"
+    if name == "bfloat16" and torch.device(device).type == "cpu" and not native_bf16(device):
+        warnings.warn(EMULATED_BF16, EmulatedBf16Warning, stacklevel=2)
     return name
 
 

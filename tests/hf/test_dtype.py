@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -34,6 +36,19 @@ def test_explicit_names_are_kept(monkeypatch):
     for name in loading.DTYPES:
         assert loading.resolve_dtype_name(name, "cpu") == name
     assert loading.parse_dtype("float32") is torch.float32
+
+
+def test_explicit_bf16_warns_only_where_it_is_emulated(monkeypatch):
+    _fake_cpu(monkeypatch, amx=False, avx512_bf16=False)
+    with pytest.warns(loading.EmulatedBf16Warning, match=r"without native bf16.*--dtype auto picks float32"):
+        assert loading.resolve_dtype_name("bfloat16", "cpu") == "bfloat16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        assert loading.resolve_dtype_name("auto", "cpu") == "float32"
+        assert loading.resolve_dtype_name("float32", "cpu") == "float32"
+        loading.resolve_dtype_name("bfloat16", "cuda")  # a GPU's bf16 is its own question
+        _fake_cpu(monkeypatch, amx=True, avx512_bf16=False)
+        assert loading.resolve_dtype_name("bfloat16", "cpu") == "bfloat16"
 
 
 def test_this_machine_matches_its_cpu_flags():
