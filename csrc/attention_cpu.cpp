@@ -1,8 +1,9 @@
 // Entry point of the fused CPU attention kernel (attention_cpu.h): checks the arguments, then runs the
 // build of the kernel (attention_cpu_kernel.h) for the widest instruction set this CPU has.
 //
-// The kernel is compiled three times into the one extension: AVX-512 (16 fp32 lanes), AVX2 + FMA (8 lanes)
-// and generic (8-lane vectors for whatever the compiler flags allow; the only build off x86). The choice
+// The kernel is compiled four times into the one extension: AVX-512 + AVX512-BF16 (the AVX-512 build with
+// native bf16 dot products), AVX-512 (16 fp32 lanes), AVX2 + FMA (8 lanes) and generic (8-lane vectors for
+// whatever the compiler flags allow; the only build off x86). The choice
 // is made here, at run time, from the CPU's feature bits, so one build of retmask._C runs on every x86 CPU
 // and uses its vector width: no -march=native, and no illegal instruction when a build moves to another
 // machine. A caller may ask for a narrower build by name (AttentionFwdArgs::isa), e.g. to compare them.
@@ -68,6 +69,12 @@ void check(const retmask::AttentionFwdArgs& p) {
         if (p.D % 64) bad("block_gemm", "vnni needs a head dim that is a multiple of 64, got D = " + str(p.D));
         if (p.block_n != 64) bad("block_gemm", "vnni needs block_n = 64, got " + str(p.block_n));
     }
+    if (p.bf16_dot) {
+        if (p.dtype != DType::BFloat16)
+            bad("bf16_dot", "bf16 dot products are for bfloat16 inputs, got dtype code " + str(static_cast<int>(p.dtype)));
+        if (p.D % 2) bad("bf16_dot", "bf16 dot products take pairs of dims: D must be even, got " + str(p.D));
+        if (p.block_gemm.gemm) bad("bf16_dot", "not with block_gemm (one or the other runs the block products)");
+    }
     if (p.B > 0 && p.M > 0) {  // pointers the kernel reads or writes
         if (!p.q) bad("q", "null data pointer");
         if (!p.k) bad("k", "null data pointer");
@@ -92,6 +99,8 @@ const std::vector<Build>& builds() {
         std::vector<Build> v;
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"))
+            v.push_back({"avx512bf16", 16, retmask::detail::avx512bf16::run});
         if (__builtin_cpu_supports("avx512f")) v.push_back({"avx512", 16, retmask::detail::avx512::run});
         if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
             v.push_back({"avx2", 8, retmask::detail::avx2::run});
@@ -138,7 +147,7 @@ void attention_fwd_cpu(const AttentionFwdArgs& p) {
                  p.causal, p.sm_scale, p.block_m, p.block_n,
                  p.window < p.N ? p.window : 0,  // a window of N or more keys hides nothing: none
                  p.softcap, cap_inv, cap_post, p.sinks,
-                 p.block_gemm.gemm ? &p.block_gemm : nullptr};
+                 p.block_gemm.gemm ? &p.block_gemm : nullptr, p.bf16_dot};
     int threads = p.num_threads;
 #ifdef _OPENMP
     if (threads <= 0) threads = omp_get_max_threads();

@@ -62,6 +62,10 @@ struct AttentionFwdArgs {
     const float* sinks = nullptr;
     // Block products through this GEMM instead of the built-in micro-kernels (gemm null: built-in).
     BlockGemm block_gemm;
+    // bfloat16 calls with an even D: the products of tiles with at least a vector of rows as bf16 dot
+    // products (vdpbf16ps in the avx512bf16 build, emulated bit for bit in the others), P rounded to
+    // bf16 before P V; not with block_gemm.
+    bool bf16_dot = false;
     int block_m = 128;        // tile rows per work item (over the active heads of a kv group)
     int block_n = 64;         // keys per block, a multiple of 32
     int num_threads = 0;      // OpenMP threads for calls large enough to split; <= 0: the OpenMP default
@@ -69,8 +73,9 @@ struct AttentionFwdArgs {
     std::string isa;
 };
 
-// The builds of the kernel this CPU can run, widest first, as (name, fp32 vector lanes): ("avx512", 16)
-// with AVX-512F, ("avx2", 8) with AVX2 + FMA, and always ("generic", 8).
+// The builds of the kernel this CPU can run, widest first, as (name, fp32 vector lanes): ("avx512bf16", 16)
+// with AVX-512F + AVX512-BF16 (the only build that runs bf16_dot natively), ("avx512", 16) with AVX-512F,
+// ("avx2", 8) with AVX2 + FMA, and always ("generic", 8).
 std::vector<std::pair<std::string, int>> cpu_builds();
 
 // Checks the sizes, pointers, tile and feature settings (std::invalid_argument naming the bad field), then

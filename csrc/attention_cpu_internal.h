@@ -25,10 +25,14 @@ struct KernelArgs {
     float softcap, cap_inv, cap_post;
     const float* sinks;  // [Hq] fp32, or null
     const BlockGemm* gemm;  // the "gemm" tile layout's block products, or null (built-in micro-kernels)
+    bool bf16_dot;          // bfloat16, even D: the lanes layout's products as bf16 dot products (no gemm)
 };
 
-// One build of the kernel per instruction set; attention_cpu.cpp calls the one the CPU runs (x86: AVX-512
-// and AVX2 builds exist only on x86, chosen at run time with __builtin_cpu_supports).
+// One build of the kernel per instruction set; attention_cpu.cpp calls the one the CPU runs (x86: the
+// AVX-512 (+ BF16) and AVX2 builds exist only on x86, chosen at run time with __builtin_cpu_supports).
+namespace avx512bf16 {
+void run(const KernelArgs& a, DType dtype, int threads);
+}
 namespace avx512 {
 void run(const KernelArgs& a, DType dtype, int threads);
 }

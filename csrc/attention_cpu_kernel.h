@@ -284,6 +284,161 @@ void pv_block(const float* V, int64_t ldv, const float* P, int RP, float* Ot, in
     });
 }
 
+// ---- bf16 dot-product micro-kernels (the "bf16dot" lanes layout: bfloat16 calls, even head dim) -------
+// vdpbf16ps (AVX512-BF16) multiplies pairs of bf16 values held in one 32-bit lane and adds both products
+// to an fp32 accumulator: twice the multiply-adds of an fp32 FMA per instruction. The lanes layout keeps
+// its shape, with pairs along the reduced dimension: Qp [D/2][RP] holds (q[r][2p], q[r][2p+1]) per lane
+// and each key contributes one broadcast word (k[j][2p], k[j][2p+1]), which in a bf16 row already sits as
+// one 32-bit word; for O += P V the pairs run along keys: Pp [BN/2][RP] holds (P[2i][r], P[2i+1][r]) (P
+// rounded to bf16, as torch's SDPA rounds it before its second product) and Vp [BN/2][D] the words
+// (v[2i][d], v[2i+1][d]). A pair's low half is its first element (little-endian bf16 rows).
+// The avx512bf16 build runs the instruction; the other builds emulate it bit for bit (the high products
+// first, then the low ones, each product exact in fp32, as Intel's pseudo-code has it and as measured on
+// AMD Zen 4), so the layout is tested on every CPU. The instruction treats denormal bf16 inputs as zero
+// and flushes denormal results; the emulation does not, so the two differ only where |x| < 2^-126 (P is
+// flushed below that before rounding, which keeps it exact for P).
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+
+template <std::size_t... I>
+inline vi broadcast_int_lanes(int32_t x, std::index_sequence<I...>) {
+    return vi{(static_cast<void>(I), x)...};
+}
+// The 32-bit word at p (two bf16 values, any 2-byte alignment) in every lane.
+inline vi broadcast_word(const uint16_t* p) {
+    int32_t w;
+    std::memcpy(&w, p, sizeof(w));
+    return broadcast_int_lanes(w, std::make_index_sequence<VL>{});
+}
+inline vi viload(const int32_t* p) { return *reinterpret_cast<const vi*>(p); }
+inline void vistore(int32_t* p, vi x) { *reinterpret_cast<vi*>(p) = x; }
+
+// acc + a.hi * b.hi + a.lo * b.lo per lane (a, b: pairs of bf16).
+inline vf dot2(vf acc, vi a, vi b) {
+#ifdef RETMASK_BF16_DOT
+    static_assert(VL == 16, "the avx512bf16 build has 16 lanes");
+    return reinterpret_cast<vf>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(a),
+                                                 reinterpret_cast<__m512bh>(b)));
+#else
+    const vi hi_mask = vi{} + static_cast<int32_t>(0xffff0000u);
+    const vi ahi = a & hi_mask, bhi = b & hi_mask, alo = a << 16, blo = b << 16;
+    vf x, y, u, w;
+    std::memcpy(&x, &ahi, sizeof(x));
+    std::memcpy(&y, &bhi, sizeof(y));
+    std::memcpy(&u, &alo, sizeof(u));
+    std::memcpy(&w, &blo, sizeof(w));
+    acc += x * y;  // exact product: fused or not, one rounding, as the instruction's first addition
+    return acc + u * w;
+#endif
+}
+
+// fp32 lanes rounded to the nearest even bf16 (NaN stays NaN, made quiet; |x| < 2^-126 becomes a signed
+// zero: no denormal operands), as the bits of a float whose low 16 bits are zero.
+inline vu bf16_rounded_bits(vf x) {
+    vu u;
+    std::memcpy(&u, &x, sizeof(u));
+    const vu mag = u & 0x7fffffffu;
+    vu r = u + (0x7fffu + ((u >> 16) & 1u));
+    r = mag > 0x7f800000u ? (u | 0x00400000u) : r;
+    r = mag < 0x00800000u ? (u & 0x80000000u) : r;
+    return r & 0xffff0000u;
+}
+// Per lane (bf16(lo) | bf16(hi) << 16): two fp32 vectors as one vector of bf16 pairs.
+inline vi pack_pairs(vf lo, vf hi) {
+    const vu w = bf16_rounded_bits(hi) | (bf16_rounded_bits(lo) >> 16);
+    vi out;
+    std::memcpy(&out, &w, sizeof(out));
+    return out;
+}
+
+// St[j][r] = scale * sum_p dot2(Qp[p][r], (k[j][2p], k[j][2p+1])) for NJ keys x RV*VL rows; key j's bf16
+// row at K + j * ldk, Dh = D / 2 pairs. Same chain for every logit, so duplicate keys tie exactly.
+template <int NJ, int RV>
+inline void qk_tile_dot(const uint16_t* __restrict K, int64_t ldk, const int32_t* __restrict Qp, int RP,
+                        float* __restrict St, int Dh, float scale) {
+    vf acc[NJ][RV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) acc[j][c] = vf{};
+    for (int p = 0; p < Dh; ++p) {
+        vi qv[RV];
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) qv[c] = viload(Qp + p * RP + c * VL);
+#pragma GCC unroll 8
+        for (int j = 0; j < NJ; ++j) {
+            const vi kw = broadcast_word(K + j * ldk + 2 * p);
+#pragma GCC unroll 4
+            for (int c = 0; c < RV; ++c) acc[j][c] = dot2(acc[j][c], qv[c], kw);
+        }
+    }
+    const vf sv = vbroadcast(scale);
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) vstore(St + j * RP + c * VL, acc[j][c] * sv);
+}
+
+// Ot[d][r] += sum_i dot2(Pp[i][r], Vp[i][d]) for ND head dims x RV*VL rows, key pairs i < npairs; Vp
+// rows of ldv words.
+template <int ND, int RV>
+inline void pv_tile_dot(const uint32_t* __restrict Vp, int64_t ldv, const int32_t* __restrict Pp, int RP,
+                        float* __restrict Ot, int npairs) {
+    vf acc[ND][RV];
+#pragma GCC unroll 8
+    for (int d = 0; d < ND; ++d)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) acc[d][c] = vload(Ot + d * RP + c * VL);
+    for (int i = 0; i < npairs; ++i) {
+        vi pv[RV];
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) pv[c] = viload(Pp + i * RP + c * VL);
+#pragma GCC unroll 8
+        for (int d = 0; d < ND; ++d) {
+            const vi vw = broadcast_int_lanes(static_cast<int32_t>(Vp[i * ldv + d]), std::make_index_sequence<VL>{});
+#pragma GCC unroll 4
+            for (int c = 0; c < RV; ++c) acc[d][c] = dot2(acc[d][c], pv[c], vw);
+        }
+    }
+#pragma GCC unroll 8
+    for (int d = 0; d < ND; ++d)
+#pragma GCC unroll 4
+        for (int c = 0; c < RV; ++c) vstore(Ot + d * RP + c * VL, acc[d][c]);
+}
+
+void qk_block_dot(const uint16_t* K, int64_t ldk, const int32_t* Qp, int RP, float* St, int Dh, int nj, float scale) {
+    tiles<RV_MAX>(RP / VL, [&](auto rv, int c) RETMASK_LAMBDA_INLINE {
+        tiles<NJ_QK>(nj, [&](auto w, int j) RETMASK_LAMBDA_INLINE {
+            qk_tile_dot<decltype(w)::value, decltype(rv)::value>(K + j * ldk, ldk, Qp + c * VL, RP,
+                                                                 St + j * RP + c * VL, Dh, scale);
+        });
+    });
+}
+
+void pv_block_dot(const uint32_t* Vp, int64_t ldv, const int32_t* Pp, int RP, float* Ot, int D, int npairs) {
+    tiles<RV_MAX>(RP / VL, [&](auto rv, int c) RETMASK_LAMBDA_INLINE {
+        tiles<ND_PV>(D, [&](auto w, int d) RETMASK_LAMBDA_INLINE {
+            pv_tile_dot<decltype(w)::value, decltype(rv)::value>(Vp + d, ldv, Pp + c * VL, RP,
+                                                                 Ot + d * RP + c * VL, npairs);
+        });
+    });
+}
+
+// Key rows [j0, j0 + nj) of one (batch, kv head) as pairs of consecutive keys: dst[i * D + d] =
+// (v[j0 + 2i][d], v[j0 + 2i + 1][d]), the second half zero past the last key.
+inline void key_pairs(const uint16_t* base, const int64_t* st, int64_t j0, int nj, int64_t D, uint32_t* dst) {
+    for (int i = 0; 2 * i < nj; ++i) {
+        const uint16_t* a = base + (j0 + 2 * i) * st[2];
+        const uint16_t* b = 2 * i + 1 < nj ? a + st[2] : nullptr;
+        uint32_t* out = dst + i * D;
+        if (b && st[3] == 1) {
+            for (int64_t d = 0; d < D; ++d) out[d] = static_cast<uint32_t>(a[d]) | static_cast<uint32_t>(b[d]) << 16;
+        } else {
+            for (int64_t d = 0; d < D; ++d)
+                out[d] = static_cast<uint32_t>(a[d * st[3]]) | (b ? static_cast<uint32_t>(b[d * st[3]]) << 16 : 0u);
+        }
+    }
+}
+
 // ---- row-major path (few rows per tile: decode) --------------------------------------------------
 // For tiles with fewer than VL rows (decode, M = 1), where the lanes path would leave lanes idle:
 // logits as dot products along D (K read in place), then O += P V with rows in registers and head
@@ -982,8 +1137,20 @@ void run_gemm(const Args& a, const Plan& plan, int threads) {
 
 // ---- lanes tiles (prefill) ---------------------------------------------------------------------------
 
-template <class E>
+// dst[p * step] = (q[2p], q[2p+1]) of row (b, h, i) as bf16 pairs, unscaled (the bf16dot layout scales
+// the logits instead: the pairs are the input's own bits).
+RETMASK_INLINE void load_q_pairs(const Args& a, int64_t b, int64_t h, int64_t i, int32_t* dst, int64_t step) {
+    const uint16_t* qp = static_cast<const uint16_t*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+    for (int64_t p = 0; p < a.D / 2; ++p)
+        dst[p * step] = static_cast<int32_t>(static_cast<uint32_t>(qp[2 * p * a.qs[3]]) |
+                                             static_cast<uint32_t>(qp[(2 * p + 1) * a.qs[3]]) << 16);
+}
+
+// Dot (bfloat16 only): both block products as bf16 dot products (Qp, K words, Pp, Vp; see qk_tile_dot),
+// the rest as in the fp32 lanes layout.
+template <class E, bool Dot = false>
 void run_lanes(const Args& a, const Plan& plan, int threads) {
+    static_assert(!Dot || std::is_same_v<E, BF16>, "bf16 dot products are for bfloat16 inputs");
     using T = typename E::T;
     const T* k = static_cast<const T*>(a.k);
     const T* v = static_cast<const T*>(a.v);
@@ -995,17 +1162,24 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
     // (L1/L2-resident, no TLB walks over the whole K/V), which made bf16 calls 15% faster than fp32 ones
     // at D = 128 (docs/kernel_optimisation.md, v11); at D = 64 reading in place ties.
     const bool copy_fp32 = D >= 128;
-    const bool convert = !std::is_same_v<E, F32> || a.ks[3] != 1 || a.vs[3] != 1 || copy_fp32;
+    const bool convert = !Dot && (!std::is_same_v<E, F32> || a.ks[3] != 1 || a.vs[3] != 1 || copy_fp32);
+    // bf16dot: K rows are read in place as words when their dims are contiguous, else copied (Kh).
+    const bool copy_k = Dot && a.ks[3] != 1;
     struct Bufs {
         float *Qt, *Ot, *St, *m, *l;
         int32_t *am, *pos, *want;
         float *Kbuf, *Vbuf;
+        int32_t *Qp, *Pp;
+        uint32_t* Vp;
+        uint16_t* Kh;
     };
     const auto carve = [&](Carve& c) RETMASK_LAMBDA_INLINE {
-        return Bufs{c.take<float>(D * max_rp),     c.take<float>(D * max_rp), c.take<float>(BN * max_rp),
-                    c.take<float>(max_rp),         c.take<float>(max_rp),     c.take<int32_t>(max_rp),
-                    c.take<int32_t>(max_rp),       c.take<int32_t>(max_rp),   c.take<float>(convert ? BN * D : 0),
-                    c.take<float>(convert ? BN * D : 0)};
+        return Bufs{c.take<float>(Dot ? 0 : D * max_rp), c.take<float>(D * max_rp), c.take<float>(BN * max_rp),
+                    c.take<float>(max_rp),                c.take<float>(max_rp),     c.take<int32_t>(max_rp),
+                    c.take<int32_t>(max_rp),              c.take<int32_t>(max_rp),   c.take<float>(convert ? BN * D : 0),
+                    c.take<float>(convert ? BN * D : 0),  c.take<int32_t>(Dot ? D / 2 * max_rp : 0),
+                    c.take<int32_t>(Dot ? BN / 2 * max_rp : 0), c.take<uint32_t>(Dot ? BN / 2 * D : 0),
+                    c.take<uint16_t>(copy_k ? BN * D : 0)};
     };
     for_each_item(a, plan, threads, carve, [&](const Bufs& buf, const Tile& t) RETMASK_LAMBDA_INLINE {
         float *const Qt = buf.Qt, *const Ot = buf.Ot, *const St = buf.St, *const m = buf.m, *const l = buf.l;
@@ -1021,7 +1195,13 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
             m[r] = NEG_INF;
             l[r] = 0.f;
             am[r] = -1;
-            if (real) {
+            if constexpr (Dot) {
+                if (real) {
+                    load_q_pairs(a, b, t.row_h[r], t.row_i[r], buf.Qp + r, RP);
+                } else {
+                    for (int64_t p = 0; p < D / 2; ++p) buf.Qp[p * RP + r] = 0;
+                }
+            } else if (real) {
                 load_q_row<E>(a, b, t.row_h[r], t.row_i[r], Qt + r, RP);
             } else {
                 for (int64_t d = 0; d < D; ++d) Qt[d * RP + r] = 0.f;
@@ -1034,11 +1214,24 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
         const int64_t min_pos = t.min_pos;
 
         for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
-            int64_t ldk, ldv;
-            const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk, copy_fp32);
-            const float* Vr = rows_fp32<E>(vb, a.vs, j0, nj, D, buf.Vbuf, &ldv, copy_fp32);
-
-            qk_block(Kr, ldk, Qt, RP, St, Di, nj);
+            int64_t ldk = 0, ldv = 0;
+            const float *Kr = nullptr, *Vr = nullptr;
+            if constexpr (Dot) {
+                const uint16_t* Kw = kb + j0 * a.ks[2];
+                ldk = a.ks[2];
+                if (copy_k) {
+                    for (int j = 0; j < nj; ++j)
+                        for (int64_t d = 0; d < D; ++d) buf.Kh[j * D + d] = kb[(j0 + j) * a.ks[2] + d * a.ks[3]];
+                    Kw = buf.Kh;
+                    ldk = D;
+                }
+                key_pairs(vb, a.vs, j0, nj, D, buf.Vp);
+                qk_block_dot(Kw, ldk, buf.Qp, RP, St, Di / 2, nj, a.scale);
+            } else {
+                Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk, copy_fp32);
+                Vr = rows_fp32<E>(vb, a.vs, j0, nj, D, buf.Vbuf, &ldv, copy_fp32);
+                qk_block(Kr, ldk, Qt, RP, St, Di, nj);
+            }
             if (a.softcap > 0.f) softcap_block(St, static_cast<int64_t>(nj) * RP, a.softcap, a.cap_inv, a.cap_post);
 
             // Masks: padded keys -> -inf rows; future keys (causal) and keys before the window -> -inf per lane.
@@ -1094,11 +1287,21 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
                 const vf alpha = vexp(mold - msafe);
                 vstore(m + off, mnew);
                 vf sum = vf{};
-                for (int j = 0; j < nj; ++j) {
-                    float* s = St + j * RP + off;
-                    const vf p = vexp(vload(s) - msafe);
-                    vstore(s, p);
-                    sum += p;
+                if constexpr (Dot) {  // P as bf16 pairs of keys; the sum of the unrounded P, as SDPA sums
+                    for (int j = 0; j < nj; j += 2) {
+                        const vf p0 = vexp(vload(St + j * RP + off) - msafe);
+                        const vf p1 = j + 1 < nj ? vexp(vload(St + (j + 1) * RP + off) - msafe) : vf{};
+                        sum += p0;
+                        sum += p1;
+                        vistore(buf.Pp + (j / 2) * RP + off, pack_pairs(p0, p1));
+                    }
+                } else {
+                    for (int j = 0; j < nj; ++j) {
+                        float* s = St + j * RP + off;
+                        const vf p = vexp(vload(s) - msafe);
+                        vstore(s, p);
+                        sum += p;
+                    }
                 }
                 vstore(l + off, vload(l + off) * alpha + sum);
                 bool changed = false;
@@ -1108,7 +1311,10 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
                 }
             }
 
-            pv_block(Vr, ldv, St, RP, Ot, Di, nj);
+            if constexpr (Dot)
+                pv_block_dot(buf.Vp, D, buf.Pp, RP, Ot, Di, (nj + 1) / 2);
+            else
+                pv_block(Vr, ldv, St, RP, Ot, Di, nj);
         });
 
         for (int r = 0; r < R; ++r)
@@ -1116,13 +1322,20 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
     });
 }
 
-// Block-GEMM path when the caller passed a GEMM; else the lanes path when a tile fills at least one
+// bf16 dot products in the lanes layout when asked (bfloat16) and a tile fills a VL-row vector; the
+// block-GEMM path when the caller passed a GEMM; else the lanes path when a tile fills at least one
 // VL-row vector, the row-major path otherwise (decode). Calls too small to split run on the calling
 // thread; others on `threads` threads, at most one per work item.
 template <class E>
 void run(const Args& a, int threads) {
     const Plan plan = make_plan<E>(a);
     threads = plan.parallel() ? static_cast<int>(std::min<int64_t>(threads, plan.items.size())) : 1;
+    if constexpr (std::is_same_v<E, BF16>) {
+        if (a.bf16_dot && plan.max_rows >= VL) {  // decode-sized tiles: the row-major layout, converted
+            run_lanes<E, true>(a, plan, threads);
+            return;
+        }
+    }
     if (a.gemm && (std::is_same_v<E, F32> || a.gemm->fp32_operands))
         run_gemm<E, float>(a, plan, threads);
     else if (a.gemm)

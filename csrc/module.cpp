@@ -6,7 +6,7 @@
 // non-contiguous argmax / masks; the kernel adds its own checks on sizes and tile settings), MemoryError if
 // the kernel's scratch cannot be allocated, TypeError (from pybind11) for arguments of the wrong type or
 // number. The compute runs without the GIL. The optional features (window, softcap, sinks, block_gemm,
-// gemm_fp32_operands) are trailing keyword arguments with "off" defaults, so callers written for builds
+// gemm_fp32_operands, bf16_dot) are trailing keyword arguments with "off" defaults, so callers written for builds
 // from before them still work, and
 // FEATURES lists them (retmask/kernels/cpu.py falls back to its blocked path for a build without).
 #include <pybind11/pybind11.h>
@@ -108,7 +108,8 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
                    const std::optional<TensorArg>& argmax_arg, const std::optional<TensorArg>& kpm_arg,
                    const std::optional<TensorArg>& skip_arg, bool causal, float sm_scale, int block_m, int block_n,
                    int num_threads, int64_t window, double softcap, const std::optional<TensorArg>& sinks_arg,
-                   const std::string& isa, const std::optional<BlockGemmArg>& gemm_arg, bool gemm_fp32_operands) {
+                   const std::string& isa, const std::optional<BlockGemmArg>& gemm_arg, bool gemm_fp32_operands,
+                   bool bf16_dot) {
     const Tensor q = unpack("q", q_arg, 4, -1);
     if (q.dtype != static_cast<int>(DType::Float32) && q.dtype != static_cast<int>(DType::Float16) &&
         q.dtype != static_cast<int>(DType::BFloat16))
@@ -193,6 +194,7 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
         bad("gemm_fp32_operands", "needs block_gemm (the fp32 GEMM's address)");
     }
 
+    a.bf16_dot = bf16_dot;  // the kernel checks bfloat16, an even D and no block_gemm
     py::gil_scoped_release no_gil;
     retmask::attention_fwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
 }
@@ -209,6 +211,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("causal"), py::arg("sm_scale"), py::arg("block_m"), py::arg("block_n"), py::arg("num_threads"),
           py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks").none(true) = py::none(),
           py::arg("isa") = "", py::arg("block_gemm").none(true) = py::none(), py::arg("gemm_fp32_operands") = false,
+          py::arg("bf16_dot") = false,
           R"doc(Fused attention forward with per-row argmax of the logits, head skipping, sliding window,
 logit soft-capping and attention sinks.
 
@@ -231,10 +234,14 @@ pack and brgemm_release; pack / release may be 0 without vnni) instead of the bu
 Only pass addresses of functions with exactly these signatures: they are called as such.
 gemm_fp32_operands: float16 / bfloat16 calls convert each block to fp32 and block_gemm is torch's fp32 brgemm
 (no vnni): for CPUs whose half-precision GEMM only converts.
+bf16_dot: bfloat16 calls with an even D run the products of tiles of at least one vector of rows as bf16
+dot products (pairs of dims for Q K^T, pairs of keys for P V, P rounded to bf16 first): vdpbf16ps in the
+avx512bf16 build, emulated bit for bit by the others; not with block_gemm.
 Rows without an allowed key give 0 and -1; rows with a NaN or +inf logit among their allowed keys give
 NaN and -1.
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
-    m.attr("FEATURES") = py::make_tuple("window", "softcap", "sinks", "block_gemm", "gemm_fp32_operands");
+    m.attr("FEATURES") =
+        py::make_tuple("window", "softcap", "sinks", "block_gemm", "gemm_fp32_operands", "bf16_dot");
     // The kernel's builds this CPU runs, widest first: ((name, fp32 lanes), ...); the first is the default.
     py::list builds;
     for (const auto& [name, lanes] : retmask::cpu_builds()) builds.append(py::make_tuple(name, lanes));

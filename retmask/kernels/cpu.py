@@ -6,16 +6,18 @@ strides); the binding checks them against each other (ValueError naming the bad 
 the GIL for the compute. If the extension is missing (e.g. a source checkout that was never built) or
 stale (built before the binding), a warning is issued once and ``forward`` falls back to ``cpu_blocked``.
 
-The extension holds one build of the kernel per instruction set (AVX-512: 16 fp32 lanes, AVX2 + FMA: 8,
-generic: 8 lanes for whatever the compiler targets) and runs the widest one this CPU has, chosen at run
+The extension holds one build of the kernel per instruction set (AVX-512 + AVX512-BF16 and AVX-512: 16
+fp32 lanes, AVX2 + FMA: 8, generic: 8 lanes for whatever the compiler targets) and runs the widest one this CPU has, chosen at run
 time from its feature bits (``builds()``). ``RETMASK_CPU_ISA=avx2`` (or another name from ``builds()``)
 makes every call run that build instead, e.g. to compare them on one machine.
 
-``cpp_forward(gemm=True)`` runs the same kernel with its block products on torch's CPU block GEMM
+``cpp_forward(bf16_dot=True)`` runs bfloat16 calls on bf16 dot products (vdpbf16ps, AVX512-BF16: the
+``avx512bf16`` build), and ``cpp_forward(gemm=True)`` runs the same kernel with its block products on torch's CPU block GEMM
 (``cpu_gemm``: AMX tiles, native bf16 dot products or a tuned fp32 GEMM, whatever the CPU has), and
 with ``gemm_fp32=True`` fp16 / bf16 blocks converted to fp32 for the fp32 GEMM. ``forward`` picks the
 fastest path per case by measuring them on this machine, once, cached on disk (``choose_path``,
-``cpu_autotune``); ``RETMASK_CPU_PATH=cpp|gemm|gemm_fp32|blocked`` forces one. The kernel also runs
+``cpu_autotune``); ``RETMASK_CPU_PATH=cpp|gemm|gemm_fp32|bf16dot|blocked`` forces one ("bf16dot" changes bfloat16 calls with
+an even head dim only, and is emulated, slowly, by builds other than ``avx512bf16``). The kernel also runs
 the sliding window, soft-capping and sinks of the contract (``reference.py``); a build from before them
 (no ``FEATURES`` in the module) sends calls that use them to the blocked path, with one warning.
 """
@@ -197,6 +199,7 @@ def cpp_forward(
     isa: str | None = None,
     gemm: bool = False,
     gemm_fp32: bool = False,
+    bf16_dot: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the fused C++ kernel.
 
@@ -213,7 +216,11 @@ def cpp_forward(
     through torch's CPU block GEMM (``cpu_gemm``: AMX / native bf16 where the CPU has them) instead of
     the kernel's FMA micro-kernels; RuntimeError where this torch or build has none. ``gemm_fp32`` (with
     ``gemm``): fp16 / bf16 blocks are converted to fp32 (exactly) and multiplied by torch's fp32 block
-    GEMM, for CPUs whose half-precision GEMM only converts; no effect on fp32 calls.
+    GEMM, for CPUs whose half-precision GEMM only converts; no effect on fp32 calls. ``bf16_dot``
+    (bfloat16 with an even head dim, not with ``gemm``): tiles of at least one vector of rows run both
+    block products as bf16 dot products, P rounded to bf16 before P V (vdpbf16ps in the ``avx512bf16``
+    build; the other builds emulate it bit for bit, slowly: see ``bf16_dot_native``); RuntimeError for a
+    build without it.
     Returns (out, argmax or None).
     Raises ValueError (from the binding, naming the argument) for inconsistent tensors or settings.
     """
@@ -256,6 +263,13 @@ def cpp_forward(
         features["block_gemm"] = tuple(block)
         if fp32_operands:
             features["gemm_fp32_operands"] = True
+    if bf16_dot:
+        if "bf16_dot" not in lib.features:
+            raise RuntimeError(
+                "this build of retmask._C has no bf16 dot products (bf16_dot); rebuild it with "
+                "`pip install --no-build-isolation -e .` (or use RETMASK_CPU_PATH=cpp)"
+            )
+        features["bf16_dot"] = True
     lib.module.attention_fwd(
         _tensor_arg("q", q, codes), _tensor_arg("k", k, codes), _tensor_arg("v", v, codes),
         _tensor_arg("out", out, codes),
@@ -274,6 +288,8 @@ def _run_path(path: str, call: dict[str, Any]) -> Any:
         return cpp_forward(**call)
     if path in ("gemm", "gemm_fp32"):
         return cpp_forward(**call, gemm=True, gemm_fp32=path == "gemm_fp32")
+    if path == "bf16dot":
+        return cpp_forward(**call, bf16_dot=bf16_dot_applies(call["q"]))
     return cpu_blocked.forward(**call)
 
 
@@ -302,10 +318,41 @@ def gemm_paths(dtype: torch.dtype) -> tuple[str, ...]:
     return paths
 
 
+BF16_DOT_BUILD = "avx512bf16"  # the build that runs vdpbf16ps; the others emulate it
+
+
+def bf16_dot_native(isa: str | None = None) -> bool:
+    """Whether the build ``selected_isa(isa)`` runs the "bf16dot" path on the CPU's own bf16 dot products
+    (the ``avx512bf16`` build, on CPUs with AVX512-BF16); other builds emulate them bit for bit, slowly
+    (for tests), and the autotuner never offers the path there."""
+    lib = _library()
+    return lib is not None and "bf16_dot" in lib.features and selected_isa(isa) == BF16_DOT_BUILD
+
+
+def bf16_dot_applies(q: torch.Tensor) -> bool:
+    """Whether the "bf16dot" path changes a call with queries ``q`` [B, Hq, M, D]: bfloat16 with an even
+    head dim (its dot products take pairs of dims); other calls run as "cpp"."""
+    return q.dtype == torch.bfloat16 and q.shape[-1] % 2 == 0
+
+
+def kernel_paths(dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
+    """The other layouts of the fused kernel the autotuner may measure for calls of ``dtype`` with
+    ``head_dim``: the block-GEMM paths (``gemm_paths``), and "bf16dot" for bfloat16 with an even head dim
+    where the build runs it natively (``bf16_dot_native``)."""
+    dot = ("bf16dot",) if dtype == torch.bfloat16 and head_dim % 2 == 0 and _bf16_dot_native_cached() else ()
+    return gemm_paths(dtype) + dot
+
+
+@cache
+def _bf16_dot_native_cached() -> bool:  # every attention call asks; the build is fixed per process
+    return bf16_dot_native()
+
+
 def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
     """Which CPU path runs this call: "cpp" (fused C++), "gemm" (the same kernel with its block products
     on torch's block GEMM), "gemm_fp32" (fp16 / bf16 only: the same with blocks converted to fp32 for the
-    fp32 GEMM) or "blocked" (SDPA + a blocked argmax scan).
+    fp32 GEMM), "bf16dot" (bf16 only: the fused kernel on AVX512-BF16 dot products) or "blocked" (SDPA +
+    a blocked argmax scan).
     q: [B, Hq, M, D]; k: [B, Hkv, N, D]; ``call``: the keyword arguments of ``forward`` except v and
     sm_scale (causal, key_padding_mask, skip_heads, argmax_rows, window, softcap, sinks).
 
@@ -325,7 +372,7 @@ def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
     Where torch's bf16 GEMMs run on AMX tiles, "gemm" and "blocked" are the candidates that should win;
     the measurement finds out.
     """
-    return cpu_autotune.path_for(q, k, _run_path, gemm_paths=gemm_paths(q.dtype), **call)
+    return cpu_autotune.path_for(q, k, _run_path, kernel_paths=kernel_paths(q.dtype, q.shape[-1]), **call)
 
 
 def forward(
@@ -361,7 +408,7 @@ def forward(
     out, argmax = cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
         skip_heads=skip_heads, argmax_rows=argmax_rows, gemm=path.startswith("gemm"),
-        gemm_fp32=path == "gemm_fp32", **features,
+        gemm_fp32=path == "gemm_fp32", bf16_dot=path == "bf16dot" and bf16_dot_applies(q), **features,
     )  # fmt: skip
     return out, argmax, None
 

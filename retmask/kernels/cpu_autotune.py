@@ -9,6 +9,9 @@ The CPU backend has four paths with the same contract:
              tuned fp32 GEMM elsewhere); softmax, masks and argmax stay the kernel's, in fp32.
   "gemm_fp32" fp16 / bf16 calls only: "gemm" with each block converted to fp32 (exactly) for torch's
              fp32 GEMM, for CPUs whose half-precision GEMM only converts (no AMX / native bf16).
+  "bf16dot"  bf16 calls with an even head dim, on CPUs with AVX512-BF16: the fused kernel with both block
+             products as bf16 dot products (vdpbf16ps, twice the multiply-adds of an fp32 FMA per
+             instruction; P rounded to bf16 before P V, as SDPA does), softmax and argmax in fp32.
   "blocked"  torch's SDPA for the output plus a key-blocked fp32 argmax scan of the wanted rows
              (``cpu_blocked``); SDPA runs its products through oneDNN too.
 
@@ -33,7 +36,8 @@ per case:
   logits have a clear maximum, output within the dtype's tolerance), so a branch this project could
   not run on its own machines (AMX packing) is checked on the machine that runs it before it is used;
   one that disagrees is rejected for good on that machine, with a warning.
-* The block-GEMM paths are not candidates for decode (one query row per head): the proxy's keys fit in
+* The block-GEMM paths and "bf16dot" are not candidates for decode (one query row per head; decode tiles
+  hold fewer rows than a vector, which "bf16dot" leaves to the fused kernel's row-major layout): the proxy's keys fit in
   cache, where the GEMM layout's per-block copies of K and V are cheap and it measured 0.85x the fused
   kernel, but real decode calls stream the whole cache, and on the AVX2 EPYC of
   docs/kernel_optimisation.md v14 it was 1.14-1.21x the fused kernel at 8K-32K keys (and 1.17x at the
@@ -46,7 +50,7 @@ per case:
   key of the machine: CPU model and feature flags, torch version, kernel build and the compiled
   extension's bytes (so a rebuilt kernel is measured again). Deleting the file is safe.
 
-``RETMASK_CPU_PATH=cpp|gemm|gemm_fp32|blocked`` forces a path for every call (``auto``, the default, measures).
+``RETMASK_CPU_PATH=cpp|gemm|gemm_fp32|bf16dot|blocked`` forces a path for every call (``auto``, the default, measures).
 :func:`decisions` lists the decisions this process used, for run records and benchmark pages.
 """
 
@@ -68,15 +72,16 @@ import torch
 from .cpuinfo import cpu_flags, cpu_model
 
 PATH_ENV = "RETMASK_CPU_PATH"
-PATH_CHOICES = ("auto", "cpp", "gemm", "gemm_fp32", "blocked")
+PATH_CHOICES = ("auto", "cpp", "gemm", "gemm_fp32", "bf16dot", "blocked")
 # Another path must take <= this share of the fused kernel's time to be chosen (see the module doc).
-ALT_MAX_RATIO = {"gemm": 0.92, "gemm_fp32": 0.92, "blocked": 0.85}
+ALT_MAX_RATIO = {"gemm": 0.92, "gemm_fp32": 0.92, "bf16dot": 0.92, "blocked": 0.85}
 BLOCKED_MAX_ARGMAX_ROWS = 256
 BLOCKED_MAX_MASK = 1 << 26  # elements of an explicit [M, N] SDPA mask (64 MiB as bool)
 SHORT_KEYS = 512  # calls with at most this many keys are "short" and measured at this length
 PROXY_LONG_KEYS = 2048  # longer calls are measured at this length
 CACHE_FILE = "cpu_paths.json"
-_FORMAT = 4  # 2: several candidates per case ("gemm"), times by path; 3: "gemm_fp32"; 4: no GEMM for decode
+_FORMAT = 5  # 2: several candidates per case ("gemm"), times by path; 3: "gemm_fp32"; 4: no GEMM for decode;
+# 5: "bf16dot"
 
 log = logging.getLogger("retmask.kernels")
 
@@ -405,12 +410,12 @@ def measure(
     }
 
 
-def candidates(case: Case, gemm_paths: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The paths measured for ``case``: "cpp", the block-GEMM paths that exist for the call
-    (``gemm_paths``: "gemm" / "gemm_fp32", see ``cpu.gemm_paths``) unless it is a decode step, "blocked"
-    unless the case wants the argmax of many rows (see the module docstring)."""
-    gemm = () if case.shape == "decode" else tuple(gemm_paths)
-    return ("cpp",) + gemm + (("blocked",) if case.argmax != "many" else ())
+def candidates(case: Case, kernel_paths: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The paths measured for ``case``: "cpp", the other layouts of the fused kernel that exist for the
+    call (``kernel_paths``: "gemm" / "gemm_fp32" / "bf16dot", see ``cpu.kernel_paths``) unless it is a
+    decode step, "blocked" unless the case wants the argmax of many rows (see the module docstring)."""
+    kernel = () if case.shape == "decode" else tuple(kernel_paths)
+    return ("cpp",) + kernel + (("blocked",) if case.argmax != "many" else ())
 
 
 def choose(case: Case, run: Runner, paths: tuple[str, ...] = ("cpp", "blocked")) -> dict[str, Any]:
@@ -443,14 +448,14 @@ def path_for(
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
     argmax_rows: int,
-    gemm_paths: tuple[str, ...] = (),
+    kernel_paths: tuple[str, ...] = (),
     **features: Any,
 ) -> str:
     """The path for one call: forced by ``$RETMASK_CPU_PATH``, else the decision for its case
-    (``choose`` among ``candidates(case, gemm_paths)``), memoised on the case so that a call of a decided case
+    (``choose`` among ``candidates(case, kernel_paths)``), memoised on the case so that a call of a decided case
     costs a few microseconds; a "blocked" decision gives way to its fallback where this call's sizes
-    would make SDPA build too large a mask. q: [B, Hq, M, D]; k: [B, Hkv, N, D]; ``gemm_paths``: the
-    block-GEMM paths that exist for this call; ``features``: window, softcap, sinks (as in ``case_of``)."""
+    would make SDPA build too large a mask. q: [B, Hq, M, D]; k: [B, Hkv, N, D]; ``kernel_paths``: the
+    other layouts of the fused kernel that exist for this call (``cpu.kernel_paths``); ``features``: window, softcap, sinks (as in ``case_of``)."""
     forced = forced_path()
     if forced != "auto":
         return forced
@@ -460,7 +465,7 @@ def path_for(
     )  # fmt: skip
     decision = _paths.get(case)
     if decision is None:
-        decision = _paths[case] = choose(case, run, candidates(case, gemm_paths))
+        decision = _paths[case] = choose(case, run, candidates(case, kernel_paths))
     path = decision["path"]
     if path == "blocked" and not blocked_allowed(
         q.shape[2], k.shape[2], argmax_rows, causal, key_padding_mask is not None

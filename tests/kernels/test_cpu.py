@@ -28,8 +28,8 @@ from .helpers import POISON_FLOAT, POISON_INDEX, assert_argmax_matches, left_pad
 
 PATHS = ("cpp", "gemm", "blocked")
 # "gemm_fp32" converts fp16 / bf16 blocks for the fp32 GEMM: on fp32 inputs it is "gemm", so half-precision
-# tests run it.
-HALF_PATHS = (*PATHS, "gemm_fp32")
+# tests run it; "bf16dot" (bf16 dot products, emulated on CPUs without AVX512-BF16) changes only bf16 calls.
+HALF_PATHS = (*PATHS, "gemm_fp32", "bf16dot")
 OUT_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 ARGMAX_TOL = 1e-4  # logits are computed in fp32 from the same (rounded) inputs in every path
 
@@ -51,7 +51,8 @@ def run_path(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One CPU path on [B, Hq, M, D] / [B, Hkv, N, D] inputs; skip_heads bool [B, Hq]; ``features``:
     window / softcap / sinks (and ``gemm=True``: "cpp" on the block GEMM, as path "gemm"; with
-    ``gemm_fp32=True`` as path "gemm_fp32"). For "cpp" and the gemm paths the outputs are pre-poisoned caller buffers (optionally a non-contiguous out view) and
+    ``gemm_fp32=True`` as path "gemm_fp32"; ``bf16_dot=True`` as path "bf16dot", which changes only
+    bf16 calls with an even head dim). For "cpp" and the gemm paths the outputs are pre-poisoned caller buffers (optionally a non-contiguous out view) and
     ``block_m`` sets the tile rows (small values force row-major tiles)."""
     if path == "blocked":
         out, argmax, _ = cpu_blocked.forward(
@@ -61,6 +62,7 @@ def run_path(
         return out, argmax
     gemm = features.pop("gemm", False) or path in ("gemm", "gemm_fp32")
     gemm_fp32 = features.pop("gemm_fp32", False) or path == "gemm_fp32"
+    bf16_dot = (features.pop("bf16_dot", False) or path == "bf16dot") and cpu_backend.bf16_dot_applies(q)
     B, Hq, M, D = q.shape
     if out_transposed:  # [B, M, Hq, D] storage seen as [B, Hq, M, D], like transformers' layout
         out = torch.full((B, M, Hq, D), POISON_FLOAT, dtype=q.dtype).transpose(1, 2)
@@ -70,7 +72,7 @@ def run_path(
     got_out, got_argmax = cpu_backend.cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
         skip_heads=skip_heads, argmax_rows=argmax_rows, out=out, argmax=argmax, block_m=block_m, gemm=gemm,
-        gemm_fp32=gemm_fp32, **features,
+        gemm_fp32=gemm_fp32, bf16_dot=bf16_dot, **features,
     )  # fmt: skip
     assert got_out is out and got_argmax is argmax
     return out, argmax
@@ -147,13 +149,14 @@ def test_half_precision_dtypes(path, dtype, D):
     check_against_reference(path, q, k, v, causal=True, key_padding_mask=pad, argmax_rows=21)
 
 
-@pytest.mark.parametrize("path", ("cpp", "gemm", "gemm_fp32"))
+@pytest.mark.parametrize("path", ("cpp", "gemm", "gemm_fp32", "bf16dot"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("D,dims_strided", [(36, False), (20, True), (64, True)])
 def test_key_block_transpose_tails_and_strides(path, dtype, D, dims_strided):
     """The block-GEMM layouts transpose each key block in 8 x 8 tiles of keys x dims: a head dim that is
     not a multiple of 8 (a dim tail), a last block of 37 keys (a key tail), and keys whose dims are not
-    contiguous (the element-by-element copy), against the reference with poisoned outputs."""
+    contiguous (the element-by-element copy), against the reference with poisoned outputs. "bf16dot"
+    pairs the keys of a block (37: an odd last pair) and copies keys whose dims are strided."""
     q, k, v = make_qkv(1, 6, 2, 40, 101, D, dtype=dtype, seed=D)
     if dims_strided:  # k[..., d] at a stride of 2 elements
         k = torch.stack([k, k.neg()], dim=-1).flatten(-2)[..., ::2]
@@ -580,12 +583,16 @@ def test_property_random_shapes(data, B, Hkv, group, N, D, causal, dtype, path):
 # Row-major tiles need fewer tile rows than the build's vector lanes (8 or 16): 4 rows per item gives them
 # whenever g < 8, whichever build runs. "gemm" (block products on torch's block GEMM) takes any tile.
 LAYOUTS = ("lanes", "rowmajor", "gemm")
-HALF_LAYOUTS = (*LAYOUTS, "gemm_fp32")  # fp16 / bf16 blocks converted for the fp32 GEMM
-LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 4, "gemm": 64, "gemm_fp32": 64}
+# fp16 / bf16 blocks converted for the fp32 GEMM; bf16 dot products in the lanes layout (fp16: "lanes")
+HALF_LAYOUTS = (*LAYOUTS, "gemm_fp32", "bf16dot")
+LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 4, "gemm": 64, "gemm_fp32": 64, "bf16dot": 128}
 LAYOUT_KW = {
-    name: {"block_m": bm, "gemm": name.startswith("gemm"), "gemm_fp32": name == "gemm_fp32"}
+    name: {
+        "block_m": bm, "gemm": name.startswith("gemm"), "gemm_fp32": name == "gemm_fp32",
+        "bf16_dot": name == "bf16dot",
+    }
     for name, bm in LAYOUT_BLOCK_M.items()
-}
+}  # fmt: skip
 
 
 def tile_layout(Hq: int, Hkv: int, M: int, skip: torch.Tensor | None, block_m: int) -> str:
@@ -608,7 +615,8 @@ def check_features(
     B, Hq, M, D = q.shape
     block_m = LAYOUT_BLOCK_M[layout]
     # The parametrisations only generate shapes that can use ``layout`` (``_feature_cases``).
-    assert layout.startswith("gemm") or tile_layout(Hq, k.shape[1], M, skip_heads, block_m) == layout, (
+    tiles = "lanes" if layout == "bf16dot" else layout
+    assert layout.startswith("gemm") or tile_layout(Hq, k.shape[1], M, skip_heads, block_m) == tiles, (
         f"this shape cannot use {layout} tiles"
     )
     rows = M if argmax_rows is None else argmax_rows
@@ -904,3 +912,77 @@ def test_property_features(data, B, Hkv, group, N, D, layout, dtype):
         key_padding_mask=left_padding_mask(B, N, pads), skip_heads=skip_heads,
         argmax_rows=data.draw(st.integers(0, M), label="argmax_rows"),
     )  # fmt: skip
+
+
+def test_bf16dot_non_finite_contract():
+    """The bf16 dot-product layout keeps the non-finite contract: a NaN key poisons exactly the rows that
+    may see it (NaN everywhere, argmax -1; P of a poisoned row stays NaN through the bf16 rounding), a NaN
+    padding key poisons nothing, and the other rows match the oracle."""
+    B, Hq, Hkv, M, N, D = 1, 4, 2, 64, 100, 32
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=torch.bfloat16, seed=24)
+    pad = left_padding_mask(B, N, [20])
+    k[0, 0, 40, 3] = float("nan")  # kv head 0: seen by rows at positions >= 40 (query heads 0, 1)
+    k[0, 1, 10, 0] = float("nan")  # kv head 1: a padding key, seen by nobody
+    q[0, 2, 50, 1] = float("nan")  # one query row
+    kw = dict(causal=True, sm_scale=D**-0.5, key_padding_mask=pad, argmax_rows=M)
+    out, argmax = run_path("bf16dot", q, k, v, block_m=128, **kw)
+    ref, ref_argmax = reference_attention(q.double(), k.double(), v.double(), **kw)
+    nan_rows = torch.isnan(out).any(-1)
+    assert torch.equal(nan_rows, torch.isnan(out).all(-1)), "a poisoned row is NaN in every element"
+    assert torch.equal(nan_rows, torch.isnan(ref).any(-1)), "the oracle's NaN rows"
+    assert (
+        bool(nan_rows[0, :2, 40:].all()) and bool(nan_rows[0, 2, 50]) and not bool(nan_rows[0, 2:, :50].any())
+    )
+    assert torch.equal(argmax == -1, ref_argmax == -1)
+    torch.testing.assert_close(out[~nan_rows].double(), ref[~nan_rows], rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "dtype,D,gemm,message",
+    [
+        (torch.float32, 16, False, "bf16_dot: bf16 dot products are for bfloat16 inputs"),
+        (torch.float16, 16, False, "bf16_dot: bf16 dot products are for bfloat16 inputs"),
+        (torch.bfloat16, 15, False, "bf16_dot: bf16 dot products take pairs of dims: D must be even, got 15"),
+        (torch.bfloat16, 16, True, r"bf16_dot: not with block_gemm"),
+    ],
+    ids=["float32", "float16", "odd-D", "with-gemm"],
+)
+def test_binding_rejects_bad_bf16_dot(dtype, D, gemm, message):
+    q, k, v = make_qkv(2, 6, 3, 5, 40, D, dtype=dtype, seed=13)
+    out = torch.full_like(q, POISON_FLOAT)
+    lib = cpu_backend._library()
+    kwargs = {"bf16_dot": True}
+    if gemm:  # any non-null address: the check comes before any call
+        kwargs["block_gemm"] = (1, 0, 0, False, 15)
+    with pytest.raises(ValueError, match=message):
+        lib.module.attention_fwd(*_binding_args(q, k, v, out), **kwargs)
+    assert out.isnan().all()
+
+
+def test_bf16dot_path_is_offered_where_it_is_native(monkeypatch):
+    """The autotuner measures "bf16dot" for bf16 calls with an even head dim on the build that runs
+    vdpbf16ps, never elsewhere (the other builds only emulate it), and never for decode; a forced
+    "bf16dot" runs other calls as "cpp"."""
+    assert cpu_backend.bf16_dot_native("avx2") is False
+    assert cpu_backend.bf16_dot_native() == (cpu_backend.selected_isa() == "avx512bf16")
+    monkeypatch.setattr(cpu_backend, "_bf16_dot_native_cached", lambda: True)
+    assert cpu_backend.kernel_paths(torch.bfloat16, 64)[-1] == "bf16dot"
+    assert "bf16dot" not in cpu_backend.kernel_paths(torch.bfloat16, 63)
+    assert "bf16dot" not in cpu_backend.kernel_paths(torch.float16, 64)
+    assert "bf16dot" not in cpu_backend.kernel_paths(torch.float32, 64)
+    monkeypatch.setattr(cpu_backend, "_bf16_dot_native_cached", lambda: False)
+    assert "bf16dot" not in cpu_backend.kernel_paths(torch.bfloat16, 64)
+    from retmask.kernels import cpu_autotune
+
+    q, k = torch.randn(1, 6, 1, 64).bfloat16(), torch.randn(1, 2, 300, 64).bfloat16()
+    decode = cpu_autotune.case_of(q, k, causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=1)
+    assert cpu_autotune.candidates(decode, ("bf16dot",)) == ("cpp", "blocked")
+    prefill = decode._replace(shape="prefill", argmax="many")
+    assert cpu_autotune.candidates(prefill, ("bf16dot",)) == ("cpp", "bf16dot")
+    # Forced on an fp32 call it is the fused kernel, bit for bit.
+    q32, k32, v32 = make_qkv(1, 6, 2, 30, 90, 64, seed=5)
+    monkeypatch.setenv("RETMASK_CPU_PATH", "bf16dot")
+    forced = attention(q32, k32, v32, causal=True, return_argmax=True, backend="cpu")
+    monkeypatch.setenv("RETMASK_CPU_PATH", "cpp")
+    plain = attention(q32, k32, v32, causal=True, return_argmax=True, backend="cpu")
+    assert torch.equal(forced[0], plain[0]) and torch.equal(forced[1], plain[1])

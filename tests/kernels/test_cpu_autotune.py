@@ -200,7 +200,7 @@ def test_blocked_decision_gives_way_where_its_mask_would_be_too_large(auto, monk
     monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
     monkeypatch.setattr(cpu_autotune, "BLOCKED_MAX_MASK", 100 * 600)
     k = torch.randn(1, 1, 600, 16)
-    call = dict(causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=0, gemm_paths=("gemm",))
+    call = dict(causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=0, kernel_paths=("gemm",))
     assert cpu_autotune.path_for(torch.randn(1, 2, 100, 16), k, clock.run, **call) == "blocked"
     assert cpu_autotune.path_for(torch.randn(1, 2, 101, 16), k, clock.run, **call) == "gemm"  # same case
 
@@ -273,7 +273,7 @@ def test_override_by_environment(monkeypatch):
     monkeypatch.setenv("RETMASK_CPU_PATH", "fastest")
     with pytest.raises(
         ValueError,
-        match=r"\$RETMASK_CPU_PATH must be one of \['auto', 'cpp', 'gemm', 'gemm_fp32', 'blocked'\]",
+        match=r"\$RETMASK_CPU_PATH must be one of \['auto', 'cpp', 'gemm', 'gemm_fp32', 'bf16dot', 'blocked'\]",
     ):
         attention(q, k, v, backend="cpu")
 
@@ -301,7 +301,7 @@ def test_proxy_calls_are_valid_calls_of_every_path(case):
     ref_out, ref_arg = reference_attention(**call)
     tol = 2e-2 if case.dtype == "bfloat16" else 2e-5
     cpp_result = cpu_backend._run_path("cpp", call)
-    for path in ("cpp", *cpu_backend.gemm_paths(call["q"].dtype), "blocked"):
+    for path in ("cpp", *cpu_backend.gemm_paths(call["q"].dtype), "bf16dot", "blocked"):
         out, arg = cpu_backend._run_path(path, call)[:2]
         torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
         if call["argmax_rows"] and case.dtype == "float32":

@@ -36,6 +36,7 @@ def test_builds_follow_the_cpu_flags():
     assert BUILD_NAMES[-1] == "generic" and builds["generic"] == 8
     flags = cpu_flags()
     assert ("avx512" in builds) == ("avx512f" in flags)
+    assert ("avx512bf16" in builds) == ({"avx512f", "avx512_bf16"} <= flags)
     assert ("avx2" in builds) == ({"avx2", "fma"} <= flags)
     lanes = [builds[name] for name in BUILD_NAMES]
     assert lanes == sorted(lanes, reverse=True)
@@ -66,8 +67,14 @@ CASES = [
 @pytest.mark.parametrize(
     "case", CASES, ids=lambda c: "B{}_Hq{}_Hkv{}_M{}_N{}_D{}_bm{}_w{}_cap{}_sinks{}".format(*c)
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_every_build_matches_reference(isa, case, dtype):
+@pytest.mark.parametrize(
+    "dtype,bf16_dot",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["float32", "bfloat16", "bfloat16-bf16dot"],
+)
+def test_every_build_matches_reference(isa, case, dtype, bf16_dot):
+    """bf16dot: the bf16 dot-product lanes layout (native in the avx512bf16 build, emulated elsewhere);
+    its row-major tiles (block_m 4, decode) are the fused kernel's own."""
     B, Hq, Hkv, M, N, D, block_m, window, softcap, with_sinks, pads = case
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=M + N + D, noncontiguous_q=True)
     q = q * 2  # sharper softmax: a wrong mask or argmax shows
@@ -78,7 +85,7 @@ def test_every_build_matches_reference(isa, case, dtype):
     kw = dict(causal=True, sm_scale=D**-0.5, key_padding_mask=pad, skip_heads=skip, window=window,
               softcap=softcap, sinks=sinks)  # fmt: skip
     rows = min(M, 9)
-    out, argmax = _run(q, k, v, isa=isa, argmax_rows=rows, block_m=block_m, **kw)
+    out, argmax = _run(q, k, v, isa=isa, argmax_rows=rows, block_m=block_m, bf16_dot=bf16_dot, **kw)
     ref_out, _ = reference_attention(
         q.double(), k.double(), v.double(), **kw | {"sinks": None if sinks is None else sinks.double()}
     )
@@ -89,6 +96,32 @@ def test_every_build_matches_reference(isa, case, dtype):
         argmax, q, k, causal=True, sm_scale=D**-0.5, key_padding_mask=pad, skip_heads=skip, atol=1e-4,
         window=window, softcap=softcap,
     )  # fmt: skip
+
+
+FMA_BUILDS = [name for name in BUILD_NAMES if name != "generic"]  # generic: no FMA, another exp rounding
+
+
+@pytest.mark.parametrize("dims_strided", [False, True], ids=["dims-contiguous", "dims-strided"])
+def test_bf16dot_is_bit_identical_on_every_fma_build(dims_strided):
+    """The emulated bf16 dot products (avx512, avx2) are vdpbf16ps bit for bit (the avx512bf16 build, where
+    the CPU has it): same outputs and argmaxes, with padding, a skipped head, a window, soft-capping and
+    sinks, GQA, 150 keys (a last block of 22 keys: whole pairs) and 151 (23: a last key without a partner).
+    On a CPU with a single FMA build this compares that build with itself."""
+    for N in (150, 151):
+        q, k, v = make_qkv(2, 6, 2, 70, N, 64, dtype=torch.bfloat16, seed=N, noncontiguous_q=True)
+        if dims_strided:  # k and v with dims at a stride of 2 elements: the copied-key and paired-value loops
+            k = torch.stack([k, k.neg()], dim=-1).flatten(-2)[..., ::2]
+            v = torch.stack([v, v.neg()], dim=-1).flatten(-2)[..., ::2]
+        skip = torch.zeros(2, 6, dtype=torch.bool)
+        skip[1, 2] = True
+        kw = dict(causal=True, sm_scale=0.125, key_padding_mask=left_padding_mask(2, N, [0, 21]), skip_heads=skip,
+                  window=100, softcap=30.0, sinks=torch.randn(6), argmax_rows=70, block_m=128, bf16_dot=True)  # fmt: skip
+        results = {isa: _run(q, k, v, isa=isa, **dict(kw)) for isa in FMA_BUILDS}
+        first_out, first_argmax = results[FMA_BUILDS[0]]
+        assert not torch.isnan(first_out).any()
+        for isa, (out, argmax) in results.items():
+            assert torch.equal(out.view(torch.int16), first_out.view(torch.int16)), (isa, N)
+            assert torch.equal(argmax, first_argmax), (isa, N)
 
 
 def test_builds_agree_on_ties():
