@@ -11,9 +11,11 @@ Methods:
                no argmax.
   ours_all     retmask.kernels.attention(backend="cpu", return_argmax=True): argmax of every row.
   ours_last64  the same with argmax_rows=64 (teacher-forced retrieval scoring needs only the last rows).
-  cpp_* / gemm_* / gemm32_* / blocked_*   the CPU paths called directly (evidence for the dispatch in
-               kernels/cpu.py): the fused kernel, the same on torch's block GEMM, (fp16 / bf16 runs) the
-               same with blocks converted to fp32 for the fp32 GEMM ("gemm_fp32"), SDPA + a blocked argmax.
+  cpp_* / gemm_* / gemm32_* / dot_* / blocked_*   the CPU paths called directly (evidence for the
+               dispatch in kernels/cpu.py): the fused kernel, the same on torch's block GEMM, (fp16 / bf16
+               runs) the same with blocks converted to fp32 for the fp32 GEMM ("gemm_fp32"), (bf16 runs on a
+               build with AVX512-BF16) the fused kernel on bf16 dot products ("bf16dot"), SDPA + a blocked
+               argmax.
 
 Before the run, the driver asks the CPU backend which path it picks (it measures each kind of call once
 per machine and caches the choice, ``retmask.kernels.cpu_autotune``) for the calls of this benchmark and
@@ -114,16 +116,17 @@ def _make_fn(method: str, skip_frac: float, q, k, v):
         def fn():
             return attention(q, k, v, skip_heads=skip, return_argmax=True, argmax_rows=T, backend="cpu")
 
-    elif method.startswith(("cpp_", "gemm_", "gemm32_", "blocked_")):
+    elif method.startswith(("cpp_", "gemm_", "gemm32_", "dot_", "blocked_")):
         path, which = method.split("_", 1)
         T = rows[which]
         skip_b = skip.expand(1, Hq).contiguous() if skip is not None else None
-        if path in ("cpp", "gemm", "gemm32"):
+        if path in ("cpp", "gemm", "gemm32", "dot"):
 
             def fn():
                 return cpu_backend.cpp_forward(
                     q, k, v, causal=True, sm_scale=scale, key_padding_mask=None, skip_heads=skip_b,
-                    argmax_rows=T, gemm=path != "cpp", gemm_fp32=path == "gemm32",
+                    argmax_rows=T, gemm=path.startswith("gemm"), gemm_fp32=path == "gemm32",
+                    bf16_dot=path == "dot",
                 )  # fmt: skip
 
         else:
@@ -270,6 +273,7 @@ def path_decisions(models: list[str], dtype: str, threads: int) -> list[dict[str
             rows.append({"model": model, "call": label, "path": path, "case": name,
                          "gemm": f"{ratios['gemm']:.2f}" if "gemm" in ratios else "-",
                          "gemm_fp32": f"{ratios['gemm_fp32']:.2f}" if "gemm_fp32" in ratios else "-",
+                         "bf16dot": f"{ratios['bf16dot']:.2f}" if "bf16dot" in ratios else "-",
                          "blocked": f"{ratios['blocked']:.2f}" if "blocked" in ratios else "-",
                          "rejected": ", ".join(f"{p}: {why}" for p, why in d.get("rejected", {}).items()) if d else "",
                          "proxy": d["proxy"] if d else "-"})  # fmt: skip
@@ -474,7 +478,7 @@ def main() -> None:
     for d in decisions:
         log(
             f"  {d['model']:13s} {d['call']:34s} {d['path']:9s} gemm/cpp {d['gemm']:5s} "
-            f"gemm_fp32/cpp {d['gemm_fp32']:5s} blocked/cpp {d['blocked']}"
+            f"gemm_fp32/cpp {d['gemm_fp32']:5s} bf16dot/cpp {d['bf16dot']:5s} blocked/cpp {d['blocked']}"
             + (f"  rejected: {d['rejected']}" if d["rejected"] else "")
         )
 
@@ -508,6 +512,10 @@ def main() -> None:
         )
         prefill_ns = [2048, 4096] if not args.quick else [1024]
         gemm_kinds = ("gemm", "gemm32") if args.dtype != "float32" else ("gemm",)
+        from retmask.kernels import cpu as cpu_backend
+
+        if args.dtype == "bfloat16" and cpu_backend.bf16_dot_native():
+            gemm_kinds += ("dot",)  # bf16 dot products: prefill only (decode tiles are the fused kernel's)
         for model in args.models:
             for N in prefill_ns:
                 if args.max_n and N > args.max_n:
@@ -521,7 +529,7 @@ def main() -> None:
                 # Decode: M = 1, argmax of the one row. Up to 8K one call takes well under a millisecond, and
                 # with 2 threads on the shared VM it measures the scheduler's wake-up of the second thread
                 # (4-16 ms when the other core is busy), not the kernel: those run single-threaded.
-                for method in ("cpp_all", *(f"{p}_all" for p in gemm_kinds), "blocked_all"):
+                for method in ("cpp_all", *(f"{p}_all" for p in gemm_kinds if p != "dot"), "blocked_all"):
                     th = 1 if N <= 8192 else None
                     paths.append(runner.run(model, N, method, M=1, repeats=(15, 2), kind="path", threads=th))
 
@@ -551,17 +559,19 @@ def main() -> None:
     md += ["## Which CPU path the backend picks (measured on this machine, cached)", "",
            "`retmask.kernels.attention(backend=\"cpu\")` measures, once per machine and kind of call, the fused "
            "kernel (`cpp`) against the same kernel on torch's block GEMM (`gemm`; in fp16 / bf16 also with blocks "
-           "converted to fp32 for the fp32 GEMM, `gemm_fp32`) and SDPA + a blocked argmax "
+           "converted to fp32 for the fp32 GEMM, `gemm_fp32`), in bf16 on a CPU with AVX512-BF16 the fused "
+           "kernel on bf16 dot products (`bf16dot`), and SDPA + a blocked argmax "
            "scan (`blocked`) on a small proxy call, and takes another path only at <= "
-           f"{cpu_autotune.ALT_MAX_RATIO['gemm']}x the fused kernel's time for the block-GEMM paths and "
+           f"{cpu_autotune.ALT_MAX_RATIO['gemm']}x the fused kernel's time for the other layouts of the kernel and "
            f"{cpu_autotune.ALT_MAX_RATIO['blocked']}x for `blocked` (a candidate must first agree with it on "
            f"that call). An argmax of more than {cpu_autotune.BLOCKED_MAX_ARGMAX_ROWS} rows never takes "
-           "`blocked`, and decode (one query row per head) never takes the block-GEMM paths (it streams the "
-           "whole cache, which the in-cache proxy does not).", "",
+           "`blocked`, and decode (one query row per head) never takes the block-GEMM paths or `bf16dot` (it streams "
+           "the whole cache, which the in-cache proxy does not; its tiles are too small for `bf16dot`).", "",
            common.markdown_table(["model", "call", "path", "gemm / cpp time", "gemm_fp32 / cpp time",
-                                  "blocked / cpp time", "rejected", "proxy"],
-                                 [[d["model"], d["call"], d["path"], d["gemm"], d["gemm_fp32"], d["blocked"],
-                                   d["rejected"] or "-", d["proxy"]] for d in decisions]),
+                                  "bf16dot / cpp time", "blocked / cpp time", "rejected", "proxy"],
+                                 [[d["model"], d["call"], d["path"], d["gemm"], d["gemm_fp32"],
+                                   d.get("bf16dot", "-"), d["blocked"], d["rejected"] or "-", d["proxy"]]
+                                  for d in decisions]),
            ""]  # fmt: skip
     if eager_skipped:
         md += ["Eager runs skipped because their materialised logits/probabilities would not fit "
@@ -591,6 +601,7 @@ def main() -> None:
         md += ["## CPU path comparison (dispatch evidence)", "",
                "`cpp_*` = fused C++ kernel, `gemm_*` = the same kernel with its block products on torch's block GEMM, "
                "`gemm32_*` = the same with fp16 / bf16 blocks converted to fp32 for the fp32 GEMM, "
+               "`dot_*` = the fused kernel on bf16 dot products (bf16, AVX512-BF16), "
                "`blocked_*` = SDPA output + key-blocked torch argmax scan; "
                "`_all` = argmax of every row, `_last64` = of the last 64 rows; M = 1 rows are decode steps. "
                "Each path is timed interleaved with SDPA in its own worker.",

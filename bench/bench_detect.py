@@ -135,6 +135,11 @@ def main() -> None:
         help="NIAH template (auto: chat if the tokenizer has a chat template, else base)",
     )  # fmt: skip
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
+        help="model dtype of both sides (the published script loads models in bf16; auto: bf16 on CPUs with "
+        "native bf16)",
+    )  # fmt: skip
     ap.add_argument("--tag", default="detect")
     ap.add_argument("--long", type=int, default=0, help="only the long-context memory check at this length")
     ap.add_argument(
@@ -157,7 +162,10 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
 
-    model, tok = retmask.load_model(args.model)
+    from retmask.hf.loading import resolve_dtype_name
+
+    dtype = resolve_dtype_name(args.dtype)
+    model, tok = retmask.load_model(args.model, dtype=getattr(torch, dtype))
     model_name = args.model or "embedded SmolLM2-135M-Instruct"
     needles = load_needles()[: args.needles]
     chat = resolve_prompt_style(tok, args.prompt_style) == "chat"
@@ -239,6 +247,7 @@ def main() -> None:
     summary = {
         "machine": machine_description(),
         "model": model_name,
+        "dtype": dtype,
         "grid": {"lengths": lengths, "depths": depths, "needles": len(needles), "tests": len(tests)},
         "per_length": per_len,
         "reference_total_s": ref_total,
@@ -282,7 +291,7 @@ def main() -> None:
         f"# `retmask detect` vs reference-style detection ({cpu_label(summary['machine'])}, SIMD "
         f"{summary['machine'].get('simd', '?')}, kernel build {summary['machine'].get('kernel build', '?')})",
         "",
-        f"{model_name}, fp32, 2 threads, prompt style {'chat' if chat else 'base'}; {len(tests)} tests = lengths {lengths} x depths {depths} "
+        f"{model_name}, {dtype}, 2 threads, prompt style {'chat' if chat else 'base'}; {len(tests)} tests = lengths {lengths} x depths {depths} "
         f"x {len(needles)} needles"
         + (
             f" ({len(built) - len(tests)} skipped: {sorted({t.skip_reason for t in built if t.skip_reason})})"

@@ -34,6 +34,7 @@ from common import (  # noqa: E402
     add_niah_grid_args,
     cpu_kind,
     cpu_label,
+    dtype_suffix,
     load_niah_grid,
     machine_description,
     markdown_table,
@@ -106,8 +107,12 @@ def main() -> None:
         "--report", action="store_true", help="only re-render the .md/.png of --out from its .json"
     )
     args = ap.parse_args()
+    from retmask.hf.loading import resolve_dtype_name
+
+    dtype = resolve_dtype_name(args.dtype)
+    default_out = RESULTS / f"detect_chunk_{cpu_kind(machine_description())}{dtype_suffix(dtype)}"
     if args.report:
-        report(Path(args.out) if args.out else RESULTS / f"detect_chunk_{cpu_kind(machine_description())}")
+        report(Path(args.out) if args.out else default_out)
         return
     chunks = sorted({int(x) for x in args.chunks.split(",")})
     if chunks[0] < 1:
@@ -115,16 +120,16 @@ def main() -> None:
     torch.set_num_threads(2)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
-    model, _, tests, stops = load_niah_grid(args.model, lengths, depths, args.needles)
+    model, _, tests, stops = load_niah_grid(args.model, lengths, depths, args.needles, dtype)
     with torch.no_grad():  # untimed warm-up (thread pool, allocator, the autotuner's first measurements)
         for c in chunks:
             FastDetector(model, stops, chunk=c)._prefill(np.asarray(tests[0].prompt_ids[:-1], dtype=np.int64))
     totals = measure(model, tests, stops, chunks)
 
     machine = machine_description()
-    out = Path(args.out) if args.out else RESULTS / f"detect_chunk_{cpu_kind(machine)}"
+    out = Path(args.out) if args.out else default_out
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = {"machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct", "lengths": lengths,
+    data = {"machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct", "dtype": dtype, "lengths": lengths,
             "depths": depths, "needles": args.needles, "tests": len(tests),
             "totals": {str(c): v for c, v in totals.items()}}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps(data, indent=1))
@@ -149,7 +154,7 @@ def report(out: Path) -> None:
         f"# `retmask detect --chunk`: prefill time of the NIAH grid per chunk size ({cpu_label(machine)}, "
         f"SIMD {machine['simd']})",
         "",
-        f"{data['model']}, fp32, {data['tests']} tests = lengths {data['lengths']} x depths {data['depths']} x "
+        f"{data['model']}, {data.get('dtype', 'float32')}, {data['tests']} tests = lengths {data['lengths']} x depths {data['depths']} x "
         f"{data['needles']} needles, in prefix order; each chunk size has its own cache; sizes interleaved test "
         "by test (alternating order). Prefill only.",
         "",

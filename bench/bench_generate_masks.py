@@ -19,7 +19,15 @@ the step time in a profile; attention with the per-row skip is about 6%), so one
 as much per token as two batches of 16; (b) saves per-step overhead. On a GPU, where decode is memory-bound,
 batch 32 costs about as much as batch 16 and the gain should approach 2x (not measured here).
 
+In bf16 (``--dtype bfloat16``, or ``auto`` on a CPU with native bf16; page ``..._bf16``) both ways run the
+model in bf16. (a)'s SDPA and (b)'s kernel then do different bf16 arithmetic (SDPA rounds P to bf16 and
+so does the kernel's "bf16dot" path, but not in the same order), so a greedy completion may part from
+(a)'s at a near-tied step: the page counts the identical ones, and (b)'s completions are also compared
+with the same kernel run on the original and the zeroed copy as two batches (what the per-row mask must
+reproduce exactly, up to batch composition).
+
     flock /tmp/retmask-heavy.lock python bench/bench_generate_masks.py
+    flock /tmp/retmask-heavy.lock python bench/bench_generate_masks.py --dtype bfloat16
     python bench/bench_generate_masks.py --new-tokens 8 --out /tmp/gm     # smoke test
 """
 
@@ -39,6 +47,7 @@ import common  # noqa: E402  (bench/common.py: machine description, tables)
 
 import retmask  # noqa: E402
 from retmask.hf.export import zero_heads_  # noqa: E402
+from retmask.hf.loading import parse_dtype  # noqa: E402
 from retmask.methods.retmask.instructions import load_instructions  # noqa: E402
 
 
@@ -81,10 +90,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats, fastest reported (default 3)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
+        help="model dtype for both ways (auto: bfloat16 on CPUs with native bf16); bf16 pages end in _bf16",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(args.seed)
+    dtype = parse_dtype(args.dtype)
 
-    model, tok = retmask.load_model()  # retmask attention
+    model, tok = retmask.load_model(dtype=dtype)  # retmask attention
     tok.padding_side = "left"
     eos, pad = tok.eos_token_id, tok.pad_token_id
     L, Hq = model.config.num_hidden_layers, model.config.num_attention_heads
@@ -122,12 +136,20 @@ def main() -> None:
     want = completions(seq_orig, prompt_len, eos) + completions(seq_zero, prompt_len, eos)
     got = completions(seq_b, prompt_len, eos)
     identical = sum(w == g for w, g in zip(want, got, strict=True))
+    # The same kernel on the original model and on the zeroed copy, as two batches (not timed): what the
+    # per-row mask must reproduce whatever the dtype.
+    kernel_zeroed = zero_heads_(copy.deepcopy(model), heads)
+    seq_k_orig, _ = timed_generate(model, single, args.new_tokens, eos, pad)
+    seq_k_zero, _ = timed_generate(kernel_zeroed, single, args.new_tokens, eos, pad)
+    kernel_want = completions(seq_k_orig, prompt_len, eos) + completions(seq_k_zero, prompt_len, eos)
+    identical_kernel = sum(w == g for w, g in zip(kernel_want, got, strict=True))
     tokens = sum(len(c) for c in want)
     masked_differs = sum(a != b for a, b in zip(want[: args.batch], want[args.batch :], strict=True))
     a_s, b_s = min(orig_times) + min(zero_times), min(b_times)
     result = {
         "machine": common.machine_description(),
-        "model": "SmolLM2-135M-Instruct (embedded, fp32)",
+        "model": f"SmolLM2-135M-Instruct (embedded, {str(dtype).removeprefix('torch.')})",
+        "dtype": str(dtype).removeprefix("torch."),
         "batch_prompts": args.batch,
         "max_new_tokens": args.new_tokens,
         "masked_heads": heads,
@@ -142,6 +164,7 @@ def main() -> None:
         "speedup": a_s / b_s,
         "zeroed_copy_seconds": copy_s,
         "identical_completions": identical,
+        "identical_to_kernel_two_batches": identical_kernel,
         "completions": len(want),
         "masked_completions_that_differ_from_original": masked_differs,
     }
@@ -154,7 +177,8 @@ def _fmt(xs: list[float]) -> str:
 
 def write_report(r: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"generate_masks_{common.cpu_kind(r['machine'])}"
+    suffix = "_bf16" if r.get("dtype") == "bfloat16" else ""
+    stem = f"generate_masks_{common.cpu_kind(r['machine'])}{suffix}"
     (out / f"{stem}.json").write_text(json.dumps(r, indent=1))
     rows = [
         [f"(a) 2 runs x batch {r['batch_prompts']}, SDPA: original + zeroed copy",
@@ -172,7 +196,9 @@ def write_report(r: dict, out: Path) -> None:
         f"{m['cores']} cores, SIMD {m['simd']}, kernel build {m.get('kernel build', '?')}, torch {m['torch']} "
         f"({m['torch_threads']} threads); shared with other jobs.\n\n"
         f"{table}\n\n"
-        f"Identical completions (b) vs (a): {r['identical_completions']} / {r['completions']}. "
+        f"Identical completions (b) vs (a): {r['identical_completions']} / {r['completions']}; (b) vs the "
+        f"retmask kernel on the original and on the zeroed copy as two batches: "
+        f"{r.get('identical_to_kernel_two_batches', '-')} / {r['completions']}. "
         f"Masked completions that differ from the original: "
         f"{r['masked_completions_that_differ_from_original']} / {r['batch_prompts']} (the mask is not a no-op). "
         f"Making the zeroed copy for (a) took {r['zeroed_copy_seconds']:.2f} s more (not counted). "
@@ -194,7 +220,9 @@ def write_report(r: dict, out: Path) -> None:
     ax.set_xlabel("generated tokens / s (higher is better)")
     ax.set_xlim(0, max(vals) * 1.3)
     ax.set_title(
-        f"SmolLM2-135M, greedy, {r['identical_completions']}/{r['completions']} identical", fontsize=9
+        f"SmolLM2-135M {r.get('dtype', 'float32')}, greedy, {r['identical_completions']}/{r['completions']} "
+        "identical",
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=120)

@@ -13,7 +13,8 @@ prompt from position 0 in one call, so its tokens sit at earlier positions on av
 position p attends to p keys; at 4K tokens attention is about half the FLOPs of SmolLM2) and in one
 large call instead of 256-token chunks. Its ms/token is a different workload, not a lower bar.
 
-Writes bench/results/prefill_<cpu kind>.{md,json,png}.
+Writes bench/results/prefill_<cpu kind>.{md,json,png} (``--dtype bfloat16``: ``prefill_<cpu kind>_bf16``; both
+sides in bf16).
 
     flock /tmp/retmask-heavy.lock python bench/bench_prefill.py             # 5 lengths x 3 depths x 2 needles
     python bench/bench_prefill.py --lengths 1000,2000 --out /tmp/prefill    # quick look
@@ -35,6 +36,7 @@ from common import (  # noqa: E402
     add_niah_grid_args,
     cpu_kind,
     cpu_label,
+    dtype_suffix,
     load_niah_grid,
     machine_description,
     markdown_table,
@@ -124,13 +126,17 @@ def main() -> None:
         "--report", action="store_true", help="only re-render the .md/.png of --out from its .json"
     )
     args = ap.parse_args()
+    from retmask.hf.loading import resolve_dtype_name
+
+    dtype = resolve_dtype_name(args.dtype)
+    default_out = RESULTS / f"prefill_{cpu_kind(machine_description())}{dtype_suffix(dtype)}"
     if args.report:
-        report(Path(args.out) if args.out else RESULTS / f"prefill_{cpu_kind(machine_description())}")
+        report(Path(args.out) if args.out else default_out)
         return
     torch.set_num_threads(2)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
-    model, _, tests, stops = load_niah_grid(args.model, lengths, depths, args.needles)
+    model, _, tests, stops = load_niah_grid(args.model, lengths, depths, args.needles, dtype)
     with torch.no_grad():  # untimed warm-up of both implementations (thread pool, allocator)
         for side in SIDES:
             FastDetector(model, stops, chunk=args.chunk, prefill_impl=side)._prefill(
@@ -138,10 +144,11 @@ def main() -> None:
             )
     rows = measure(model, tests, stops, args.chunk)
     machine = machine_description()
-    out = Path(args.out) if args.out else RESULTS / f"prefill_{cpu_kind(machine)}"
+    out = Path(args.out) if args.out else default_out
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct", "chunk": args.chunk,
+        "dtype": dtype,
         "lengths": lengths, "depths": depths, "needles": args.needles, "tests": rows,
     }  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps(data, indent=1))
@@ -157,7 +164,7 @@ def report(out: Path) -> None:
         f"# `retmask detect`'s prefill vs SDPA on the same tokens ({cpu_label(machine)}, SIMD "
         f"{machine['simd']}, kernel build {machine['kernel build']})",
         "",
-        f"{data['model']}, fp32, {len(rows)} tests = lengths {lengths} x depths {data['depths']} x "
+        f"{data['model']}, {data.get('dtype', 'float32')}, {len(rows)} tests = lengths {lengths} x depths {data['depths']} x "
         f"{data['needles']} needles, in prefix order, chunks of {data['chunk']}. Both sides compute the same "
         "segments with the same calls (only the attention implementation differs), interleaved test by test.",
         "",

@@ -207,21 +207,37 @@ def run_step(cmd: list[str], done: Path | None, log: list[dict]) -> None:
 
 
 def add_niah_grid_args(ap: Any) -> None:
-    """``--lengths``, ``--depths``, ``--needles``, ``--model``: the grid of :func:`load_niah_grid`."""
+    """``--lengths``, ``--depths``, ``--needles``, ``--model``, ``--dtype``: the grid of :func:`load_niah_grid`."""
     ap.add_argument("--lengths", default="1000,2000,3000,4000,5000")
     ap.add_argument("--depths", default="0,50,100")
     ap.add_argument("--needles", type=int, default=2, help="first N shipped needles")
     ap.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2)")
+    ap.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
+        help="model dtype (auto: bfloat16 on CPUs with native bf16); bf16 pages end in _bf16",
+    )  # fmt: skip
 
 
-def load_niah_grid(model_spec: str | None, lengths: Sequence[int], depths: Sequence[int], needles: int):
-    """The model, its tokenizer, the runnable NIAH tests of ``lengths`` x ``depths`` x the first ``needles``
-    shipped needles (prompt style auto), and the model's stop tokens."""
+def dtype_suffix(dtype: str) -> str:
+    """What a page name gets for its dtype: "" for float32, "_bf16" for bfloat16."""
+    return {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}[dtype]
+
+
+def load_niah_grid(
+    model_spec: str | None,
+    lengths: Sequence[int],
+    depths: Sequence[int],
+    needles: int,
+    dtype: str = "float32",
+):
+    """The model (in ``dtype``, a ``--dtype`` name), its tokenizer, the runnable NIAH tests of ``lengths`` x
+    ``depths`` x the first ``needles`` shipped needles (prompt style auto), and the model's stop tokens."""
     import retmask
     from retmask.detect import stop_token_ids
+    from retmask.hf.loading import parse_dtype
     from retmask.niah import build_tests, default_haystack_text, load_needles, resolve_prompt_style
 
-    model, tok = retmask.load_model(model_spec)
+    model, tok = retmask.load_model(model_spec, dtype=parse_dtype(dtype))
     chat = resolve_prompt_style(tok, "auto") == "chat"
     built = build_tests(
         tok, load_needles()[:needles], default_haystack_text(), list(lengths), list(depths), chat=chat

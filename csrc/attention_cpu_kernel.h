@@ -14,7 +14,9 @@
 //
 // Two tile layouts: "lanes" (query rows in vector lanes; prefill, >= 16 rows per tile) and "rowmajor"
 // (dot products along D, rows in registers; decode-sized tiles). fp16/bf16 are converted to fp32 on
-// load; all accumulation is fp32.
+// load; all accumulation is fp32. Two variants of them: bf16 calls may run the lanes layout's products as
+// bf16 dot products (bf16_dot: pairs of bf16 per 32-bit lane, vdpbf16ps where the build has AVX512-BF16),
+// and any call may run both products through an external block GEMM (run_gemm).
 //
 // Features (the contract of retmask/kernels/reference.py): a sliding window visits only the key blocks
 // meeting the window of some tile row (O(M * window) work, not O(M * N)) and masks per row in the blocks
