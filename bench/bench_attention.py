@@ -54,7 +54,6 @@ MAIN_METHODS = ["eager", "sdpa", "ours_all", "ours_last64"]
 SKIP_FRACTIONS = [0.0, 0.25, 0.5, 0.9]
 EAGER_MEMORY_FRACTION = 0.4  # run eager only if its estimated bytes fit in this share of MemAvailable
 LAST_ROWS = 64
-DTYPE_TAGS = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}  # result file suffix per dtype
 
 
 # ---- worker (runs in the subprocess) ---------------------------------------------------------------
@@ -438,7 +437,7 @@ def main() -> None:
                     "e.g. attention_cpu_amd-epyc-avx2, or /tmp/attention_cpu_quick with --quick)")  # fmt: skip
     ap.add_argument("--no-paths", action="store_true", help="skip the comparison of the CPU paths")
     ap.add_argument("--paths-only", action="store_true", help="run only the comparison of the CPU paths")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPE_TAGS),
+    ap.add_argument("--dtype", default="float32", choices=list(common.DTYPE_SUFFIX),
                     help="dtype of q, k, v for every method (default float32)")  # fmt: skip
     args = ap.parse_args()
 
@@ -455,7 +454,7 @@ def main() -> None:
                  f"= [{args.min_n}, {args.max_n}]: nothing would be measured")  # fmt: skip
     machine = common.machine_description()
     machine_tag = common.cpu_kind(machine)
-    name = f"attention_cpu_{machine_tag}{DTYPE_TAGS[args.dtype]}"
+    name = f"attention_cpu_{machine_tag}{common.dtype_suffix(args.dtype)}"
     out_prefix = Path(args.out or ("/tmp/attention_cpu_quick" if args.quick else
                                    Path(__file__).parent / "results" / name))  # fmt: skip
     out_prefix.parent.mkdir(parents=True, exist_ok=True)

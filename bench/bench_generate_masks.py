@@ -177,8 +177,7 @@ def _fmt(xs: list[float]) -> str:
 
 def write_report(r: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "_bf16" if r.get("dtype") == "bfloat16" else ""
-    stem = f"generate_masks_{common.cpu_kind(r['machine'])}{suffix}"
+    stem = f"generate_masks_{common.cpu_kind(r['machine'])}{common.dtype_suffix(r.get('dtype', 'float32'))}"
     (out / f"{stem}.json").write_text(json.dumps(r, indent=1))
     rows = [
         [f"(a) 2 runs x batch {r['batch_prompts']}, SDPA: original + zeroed copy",

@@ -218,9 +218,12 @@ def add_niah_grid_args(ap: Any) -> None:
     )  # fmt: skip
 
 
+DTYPE_SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}  # result page name suffix per dtype
+
+
 def dtype_suffix(dtype: str) -> str:
-    """What a page name gets for its dtype: "" for float32, "_bf16" for bfloat16."""
-    return {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}[dtype]
+    """What a page name gets for its dtype: "" for float32, "_bf16" for bfloat16, "_fp16" for float16."""
+    return DTYPE_SUFFIX[dtype]
 
 
 def load_niah_grid(
