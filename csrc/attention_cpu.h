@@ -62,9 +62,9 @@ struct AttentionFwdArgs {
     const float* sinks = nullptr;
     // Block products through this GEMM instead of the built-in micro-kernels (gemm null: built-in).
     BlockGemm block_gemm;
-    // bfloat16 calls with an even D: the products of tiles with at least a vector of rows as bf16 dot
-    // products (vdpbf16ps in the avx512bf16 build, emulated bit for bit in the others), P rounded to
-    // bf16 before P V; not with block_gemm.
+    // bfloat16 calls with an even D: both products as bf16 dot products in the lanes layout, whatever the
+    // tile size (vdpbf16ps in the avx512bf16 build, emulated bit for bit in the others), P rounded to bf16
+    // before P V; not with block_gemm.
     bool bf16_dot = false;
     int block_m = 128;        // tile rows per work item (over the active heads of a kv group)
     int block_n = 64;         // keys per block, a multiple of 32

@@ -1324,16 +1324,18 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
     });
 }
 
-// bf16 dot products in the lanes layout when asked (bfloat16) and a tile fills a VL-row vector; the
-// block-GEMM path when the caller passed a GEMM; else the lanes path when a tile fills at least one
-// VL-row vector, the row-major path otherwise (decode). Calls too small to split run on the calling
+// bf16 dot products in the lanes layout when asked (bfloat16, whatever the tile size); the block-GEMM
+// path when the caller passed a GEMM; else the lanes path when a tile fills at least one VL-row vector,
+// the row-major path otherwise (decode). Calls too small to split run on the calling
 // thread; others on `threads` threads, at most one per work item.
 template <class E>
 void run(const Args& a, int threads) {
     const Plan plan = make_plan<E>(a);
     threads = plan.parallel() ? static_cast<int>(std::min<int64_t>(threads, plan.items.size())) : 1;
     if constexpr (std::is_same_v<E, BF16>) {
-        if (a.bf16_dot && plan.max_rows >= VL) {  // decode-sized tiles: the row-major layout, converted
+        // Always the lanes layout, tiles of fewer rows padded to a vector: a row's arithmetic then never
+        // depends on how many rows share its tile, so skipping a head changes no other head's output.
+        if (a.bf16_dot) {
             run_lanes<E, true>(a, plan, threads);
             return;
         }

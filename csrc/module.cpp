@@ -234,9 +234,9 @@ pack and brgemm_release; pack / release may be 0 without vnni) instead of the bu
 Only pass addresses of functions with exactly these signatures: they are called as such.
 gemm_fp32_operands: float16 / bfloat16 calls convert each block to fp32 and block_gemm is torch's fp32 brgemm
 (no vnni): for CPUs whose half-precision GEMM only converts.
-bf16_dot: bfloat16 calls with an even D run the products of tiles of at least one vector of rows as bf16
-dot products (pairs of dims for Q K^T, pairs of keys for P V, P rounded to bf16 first): vdpbf16ps in the
-avx512bf16 build, emulated bit for bit by the others; not with block_gemm.
+bf16_dot: bfloat16 calls with an even D run both products as bf16 dot products (pairs of dims for Q K^T,
+pairs of keys for P V, P rounded to bf16 first) in the lanes layout, tiles of fewer rows padded to a
+vector: vdpbf16ps in the avx512bf16 build, emulated bit for bit by the others; not with block_gemm.
 Rows without an allowed key give 0 and -1; rows with a NaN or +inf logit among their allowed keys give
 NaN and -1.
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");

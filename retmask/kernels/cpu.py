@@ -217,8 +217,9 @@ def cpp_forward(
     the kernel's FMA micro-kernels; RuntimeError where this torch or build has none. ``gemm_fp32`` (with
     ``gemm``): fp16 / bf16 blocks are converted to fp32 (exactly) and multiplied by torch's fp32 block
     GEMM, for CPUs whose half-precision GEMM only converts; no effect on fp32 calls. ``bf16_dot``
-    (bfloat16 with an even head dim, not with ``gemm``): tiles of at least one vector of rows run both
-    block products as bf16 dot products, P rounded to bf16 before P V (vdpbf16ps in the ``avx512bf16``
+    (bfloat16 with an even head dim, not with ``gemm``): both block products as bf16 dot products in the
+    lanes layout, whatever the tile size (so a skipped head changes no other head's output), P rounded
+    to bf16 before P V (vdpbf16ps in the ``avx512bf16``
     build; the other builds emulate it bit for bit, slowly: see ``bf16_dot_native``); RuntimeError for a
     build without it.
     Returns (out, argmax or None).
@@ -369,8 +370,11 @@ def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
     1.14-1.21x for decode at real sizes, which is why decode is never offered it); in bf16 slower
     than the fused kernel (no native bf16: torch's GEMM converts), while "gemm_fp32" (kernel v13, bf16
     blocks converted for the fp32 GEMM) is 0.82-0.85x at the Llama shape and 0.90-0.92x at SmolLM2's.
-    Where torch's bf16 GEMMs run on AMX tiles, "gemm" and "blocked" are the candidates that should win;
-    the measurement finds out.
+    On the Zen 4 EPYC with AVX512-BF16 (kernel v15, bench/results/attention_cpu_amd-epyc-f25-avx512f*.md)
+    "bf16dot" takes 0.55-0.66x the fused kernel's time for bf16 prefill, chunks and verification, while
+    torch's bf16 "gemm" (nothing to pack for without AMX) is 1.15-1.40x, and fp32 stays on the fused kernel
+    ("gemm" 0.97-1.07x). Where torch's bf16 GEMMs run on AMX tiles, "gemm", "bf16dot" and "blocked" are
+    the candidates that should win; the measurement finds out.
     """
     return cpu_autotune.path_for(q, k, _run_path, kernel_paths=kernel_paths(q.dtype, q.shape[-1]), **call)
 

@@ -36,8 +36,9 @@ per case:
   logits have a clear maximum, output within the dtype's tolerance), so a branch this project could
   not run on its own machines (AMX packing) is checked on the machine that runs it before it is used;
   one that disagrees is rejected for good on that machine, with a warning.
-* The block-GEMM paths and "bf16dot" are not candidates for decode (one query row per head; decode tiles
-  hold fewer rows than a vector, which "bf16dot" leaves to the fused kernel's row-major layout): the proxy's keys fit in
+* The block-GEMM paths and "bf16dot" are not candidates for decode (one query row per head; "bf16dot"
+  pads decode tiles to a vector, and at real sizes it was 0.84-1.09x the fused kernel's row-major tiles
+  on the Zen 4 EPYC of docs/kernel_optimisation.md v15, no gain worth a near-tie decision): the proxy's keys fit in
   cache, where the GEMM layout's per-block copies of K and V are cheap and it measured 0.85x the fused
   kernel, but real decode calls stream the whole cache, and on the AVX2 EPYC of
   docs/kernel_optimisation.md v14 it was 1.14-1.21x the fused kernel at 8K-32K keys (and 1.17x at the

@@ -103,14 +103,20 @@ def _top2_margin_in_bf16_ulps(model, prompt: np.ndarray, answer: list[int]) -> f
     return float((top[0] - top[1]) / ulp)
 
 
-def test_tiny_bf16_fast_equals_oracle_up_to_bf16_near_ties():
-    """Both sides in bf16 (weights, activations, caches). They do different bf16 arithmetic (eager rounds
+@pytest.mark.parametrize("path", ["cpp", "bf16dot"])
+def test_tiny_bf16_fast_equals_oracle_up_to_bf16_near_ties(path, monkeypatch):
+    """Both sides in bf16 (weights, activations, caches), with the CPU kernel on its fp32-converting path
+    ("cpp") and on bf16 dot products ("bf16dot", P rounded to bf16: what `auto` picks for bf16 prefill on
+    CPUs with AVX512-BF16; emulated elsewhere). They do different bf16 arithmetic (eager rounds
     QK^T and the probabilities to bf16, the kernel keeps fp32 logits; a pass of k rows is not k passes of
     one), so a greedy answer may take another token where the top two logits are within bf16 rounding.
     Proven here: every test either matches the oracle exactly (answer and per-head copy counts), or
     matches it exactly up to the step where the answers part (both stopped there), and that step is a
     near-tie: top-2 gap <= 16 bf16 ulps (on these models 17% of all steps are that close, so a few
     divergences landing there by chance is unlikely; eager, SDPA and the kernel disagree there too)."""
+    from retmask.kernels import cpu_autotune
+
+    monkeypatch.setenv(cpu_autotune.PATH_ENV, path)
     exact = diverged = 0
     for seed in range(4):
         model = tiny_llama(seed=seed).to(torch.bfloat16)

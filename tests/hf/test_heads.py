@@ -35,10 +35,14 @@ def test_head_mask_equals_zeroed_o_proj(arch):
     )
 
 
-def test_head_mask_equals_zeroed_o_proj_in_bf16(arch):
+@pytest.mark.parametrize("path", ["cpp", "bf16dot"])
+def test_head_mask_equals_zeroed_o_proj_in_bf16(arch, path, monkeypatch):
     """Both sides in bf16 on retmask attention: the same, bit for bit. A masked head's output is exactly 0
     where the zeroed checkpoint multiplies it by exact zeros, so every o_proj sum has the same non-zero
-    terms. (Against SDPA the other heads differ by bf16 rounding, as any two bf16 kernels do.)"""
+    terms. (Against SDPA the other heads differ by bf16 rounding, as any two bf16 kernels do.) With the
+    CPU kernel's fp32-converting path and with its bf16 dot products (which always use one tile layout,
+    so that skipping a head cannot change another head's arithmetic)."""
+    monkeypatch.setenv("RETMASK_CPU_PATH", path)
     model = tiny_model(arch).to(torch.bfloat16)
     zeroed = zeroed_copy(model, HEADS, attn="retmask")
     ids, mask = random_batch(2, 12, left_pad=[0, 3])

@@ -986,3 +986,19 @@ def test_bf16dot_path_is_offered_where_it_is_native(monkeypatch):
     monkeypatch.setenv("RETMASK_CPU_PATH", "cpp")
     plain = attention(q32, k32, v32, causal=True, return_argmax=True, backend="cpu")
     assert torch.equal(forced[0], plain[0]) and torch.equal(forced[1], plain[1])
+
+
+@pytest.mark.parametrize("M", [1, 5, 12, 40])
+def test_bf16dot_skipping_heads_changes_no_other_head(M):
+    """ "bf16dot" runs every tile in the lanes layout (a tile of fewer rows than a vector is padded), so a
+    row's arithmetic does not depend on how many rows share its tile: skipping heads leaves every other
+    head's output and argmax bit for bit as it was (what makes a head mask equal an o_proj-zeroed
+    checkpoint in bf16), also where the skips leave fewer rows than a vector."""
+    q, k, v = make_qkv(2, 4, 2, M, 70, 16, dtype=torch.bfloat16, seed=M)
+    kw = dict(causal=True, sm_scale=0.25, argmax_rows=M, block_m=128)
+    full_out, full_argmax = run_path("bf16dot", q, k, v, **kw)
+    skip = torch.tensor([[False, True, True, False], [True, False, False, False]])
+    out, argmax = run_path("bf16dot", q, k, v, skip_heads=skip, **kw)
+    assert torch.equal(out[~skip].view(torch.int16), full_out[~skip].view(torch.int16))
+    assert torch.equal(argmax[~skip], full_argmax[~skip])
+    assert (out[skip] == 0).all() and (argmax[skip] == -1).all()

@@ -73,8 +73,8 @@ CASES = [
     ids=["float32", "bfloat16", "bfloat16-bf16dot"],
 )
 def test_every_build_matches_reference(isa, case, dtype, bf16_dot):
-    """bf16dot: the bf16 dot-product lanes layout (native in the avx512bf16 build, emulated elsewhere);
-    its row-major tiles (block_m 4, decode) are the fused kernel's own."""
+    """bf16dot: the bf16 dot-product lanes layout (native in the avx512bf16 build, emulated elsewhere),
+    which also runs the cases whose tiles are row-major otherwise (block_m 4, decode), padded to a vector."""
     B, Hq, Hkv, M, N, D, block_m, window, softcap, with_sinks, pads = case
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=M + N + D, noncontiguous_q=True)
     q = q * 2  # sharper softmax: a wrong mask or argmax shows
