@@ -2,7 +2,8 @@
 heads and the answers agree, and what does bf16 cost or save on this CPU?
 
 Runs ``run_detect`` once per dtype (resumable: the runs live in ``--run-dir``; run the command again after
-an interruption), then compares per test (greedy answers, counted or not, per-head copy counts) and per
+an interruption, or to re-render the page from finished runs, which are read back with their per-test
+results), then compares per test (greedy answers, counted or not, per-head copy counts) and per
 head (mean retrieval score: Spearman over heads, the τ = 0.1 sets, the top 10). Time is the sum of the
 per-test prefill and decode seconds, so a resumed run is timed correctly.
 
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_kind, machine_description, markdown_table  # noqa: E402
 
 from retmask.detect import DetectConfig, run_detect  # noqa: E402
+from retmask.detect.run import DetectResult, record_path  # noqa: E402
 from retmask.detect.scores import ranking  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -76,6 +78,31 @@ def compare(runs: dict[str, object], base: str, other: str) -> dict:
         "top10_overlap": len(top10(ma) & top10(mb)),
         "scores": {base: ma, other: mb},
     }  # fmt: skip
+
+
+def detect_once(cfg: DetectConfig, out: Path) -> DetectResult:
+    """The detection of ``cfg`` on ``out``: run, continued where an interrupted run left its progress file,
+    or read back when it already finished. A finished run's per-test results (greedy tokens, per-head copy
+    counts) are kept in ``<out stem>.results.json``, since the run record holds no copy counts."""
+    saved = out.with_name(out.stem + ".results.json")
+    finished = (
+        out.is_file()
+        and record_path(out).is_file()
+        and not out.with_name(out.name + ".progress.json").exists()
+    )
+    if finished and saved.is_file():
+        record = json.loads(record_path(out).read_text())
+        results = {int(k): v for k, v in json.loads(saved.read_text()).items()}
+        return DetectResult(json.loads(out.read_text()), record.get("summary", {}), record, results)
+    if finished:
+        raise SystemExit(
+            f"{out} finished before its per-test results were kept ({saved.name} is missing): delete {out} and "
+            f"{record_path(out).name} to run it again"
+        )
+    resume = out.with_name(out.name + ".progress.json").exists()
+    result = run_detect(cfg, out, resume=resume, progress_bar=True)
+    saved.write_text(json.dumps({str(k): v for k, v in result.results.items()}))
+    return result
 
 
 def compute_seconds(result) -> float:
@@ -128,7 +155,7 @@ def main() -> None:
         )  # fmt: skip
         out = args.run_dir / f"{dtype}.json"
         print(f"== retmask detect --dtype {dtype} -> {out}", flush=True)
-        runs[dtype] = run_detect(cfg, out, resume=out.is_file(), progress_bar=True)
+        runs[dtype] = detect_once(cfg, out)
     base, other = dtypes[0], dtypes[1]
     cmp = compare(runs, base, other)
     secs = {d: compute_seconds(r) for d, r in runs.items()}
