@@ -514,7 +514,7 @@ def main() -> None:
         from retmask.kernels import cpu as cpu_backend
 
         if args.dtype == "bfloat16" and cpu_backend.bf16_dot_native():
-            gemm_kinds += ("dot",)  # bf16 dot products: prefill only (decode tiles are the fused kernel's)
+            gemm_kinds += ("dot",)  # bf16 dot products: prefill only (never a decode candidate)
         for model in args.models:
             for N in prefill_ns:
                 if args.max_n and N > args.max_n:
@@ -565,7 +565,7 @@ def main() -> None:
            f"{cpu_autotune.ALT_MAX_RATIO['blocked']}x for `blocked` (a candidate must first agree with it on "
            f"that call). An argmax of more than {cpu_autotune.BLOCKED_MAX_ARGMAX_ROWS} rows never takes "
            "`blocked`, and decode (one query row per head) never takes the block-GEMM paths or `bf16dot` (it streams "
-           "the whole cache, which the in-cache proxy does not; its tiles are too small for `bf16dot`).", "",
+           "the whole cache, which the in-cache proxy does not; `bf16dot` measured no gain there).", "",
            common.markdown_table(["model", "call", "path", "gemm / cpp time", "gemm_fp32 / cpp time",
                                   "bf16dot / cpp time", "blocked / cpp time", "rejected", "proxy"],
                                  [[d["model"], d["call"], d["path"], d["gemm"], d["gemm_fp32"],

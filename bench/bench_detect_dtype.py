@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_kind, machine_description, markdown_table  # noqa: E402
 
 from retmask.detect import DetectConfig, run_detect  # noqa: E402
-from retmask.detect.run import DetectResult, record_path  # noqa: E402
+from retmask.detect.run import DetectResult, progress_path, record_path  # noqa: E402
 from retmask.detect.scores import ranking  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -85,11 +85,8 @@ def detect_once(cfg: DetectConfig, out: Path) -> DetectResult:
     or read back when it already finished. A finished run's per-test results (greedy tokens, per-head copy
     counts) are kept in ``<out stem>.results.json``, since the run record holds no copy counts."""
     saved = out.with_name(out.stem + ".results.json")
-    finished = (
-        out.is_file()
-        and record_path(out).is_file()
-        and not out.with_name(out.name + ".progress.json").exists()
-    )
+    unfinished = progress_path(out).exists()
+    finished = out.is_file() and record_path(out).is_file() and not unfinished
     if finished and saved.is_file():
         record = json.loads(record_path(out).read_text())
         results = {int(k): v for k, v in json.loads(saved.read_text()).items()}
@@ -99,8 +96,7 @@ def detect_once(cfg: DetectConfig, out: Path) -> DetectResult:
             f"{out} finished before its per-test results were kept ({saved.name} is missing): delete {out} and "
             f"{record_path(out).name} to run it again"
         )
-    resume = out.with_name(out.name + ".progress.json").exists()
-    result = run_detect(cfg, out, resume=resume, progress_bar=True)
+    result = run_detect(cfg, out, resume=unfinished, progress_bar=True)
     saved.write_text(json.dumps({str(k): v for k, v in result.results.items()}))
     return result
 

@@ -97,6 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     dtype = parse_dtype(args.dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
 
     model, tok = retmask.load_model(dtype=dtype)  # retmask attention
     tok.padding_side = "left"
@@ -148,8 +149,8 @@ def main() -> None:
     a_s, b_s = min(orig_times) + min(zero_times), min(b_times)
     result = {
         "machine": common.machine_description(),
-        "model": f"SmolLM2-135M-Instruct (embedded, {str(dtype).removeprefix('torch.')})",
-        "dtype": str(dtype).removeprefix("torch."),
+        "model": f"SmolLM2-135M-Instruct (embedded, {dtype_name})",
+        "dtype": dtype_name,
         "batch_prompts": args.batch,
         "max_new_tokens": args.new_tokens,
         "masked_heads": heads,

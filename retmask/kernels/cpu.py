@@ -330,17 +330,22 @@ def bf16_dot_native(isa: str | None = None) -> bool:
     return lib is not None and "bf16_dot" in lib.features and selected_isa(isa) == BF16_DOT_BUILD
 
 
+def _bf16_dot_fits(dtype: torch.dtype, head_dim: int) -> bool:
+    """bfloat16 with an even head dim: what the bf16 dot products take (pairs of dims)."""
+    return dtype == torch.bfloat16 and head_dim % 2 == 0
+
+
 def bf16_dot_applies(q: torch.Tensor) -> bool:
     """Whether the "bf16dot" path changes a call with queries ``q`` [B, Hq, M, D]: bfloat16 with an even
     head dim (its dot products take pairs of dims); other calls run as "cpp"."""
-    return q.dtype == torch.bfloat16 and q.shape[-1] % 2 == 0
+    return _bf16_dot_fits(q.dtype, q.shape[-1])
 
 
 def kernel_paths(dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
     """The other layouts of the fused kernel the autotuner may measure for calls of ``dtype`` with
     ``head_dim``: the block-GEMM paths (``gemm_paths``), and "bf16dot" for bfloat16 with an even head dim
     where the build runs it natively (``bf16_dot_native``)."""
-    dot = ("bf16dot",) if dtype == torch.bfloat16 and head_dim % 2 == 0 and _bf16_dot_native_cached() else ()
+    dot = ("bf16dot",) if _bf16_dot_fits(dtype, head_dim) and _bf16_dot_native_cached() else ()
     return gemm_paths(dtype) + dot
 
 
