@@ -6,8 +6,10 @@ Steps (each a ``retmask`` command, run as a subprocess; finished steps are skipp
   2. ``retmask generate``: chosen / rejected pairs for the first ``--instructions`` shipped instructions,
      in fp32, once: both trainings see the same pairs.
   3. ``retmask train`` in ``--dtype float32`` and ``--dtype bfloat16`` (bf16 autocast over fp32 master
-     weights and optimizer state, as the Trainer's ``bf16=True``), same pairs, seed, order and steps, in the
-     order A B B A (``--repeats 2``, default) so that drift of the shared machine hits both dtypes alike.
+     weights and optimizer state, as the Trainer's ``bf16=True``), each with ``--lm-head-positions
+     labelled`` (retmask's default: TRL's fused LM head projects only the completion positions) and ``all``
+     (TRL's own CPU behaviour: every position), same pairs, seed, order and steps. The four variants run in
+     A B C D D C B A order (``--repeats 2``, default) so that drift of the shared machine hits all alike.
      Each run's ``retmask_train.json`` gives the per-step losses and the seconds per optimizer step.
 
 The learning rate defaults to 2e-5, 40x the paper's 5e-7: at 5e-7 the loss barely leaves ln 2 in a few
@@ -36,14 +38,16 @@ from retmask.methods.retmask.pair_file import stats_path  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 SCORES = RESULTS / "smollm2_scores.json"
 DTYPES = ("float32", "bfloat16")
+POSITIONS = ("labelled", "all")  # retmask's default first, then TRL's own CPU path
+VARIANTS = tuple((d, p) for p in POSITIONS for d in DTYPES)
 
 
-def schedule(repeats: int) -> list[tuple[str, int]]:
-    """(dtype, repeat) in A B B A A B ... order: each dtype runs first as often as the other."""
+def schedule(repeats: int) -> list[tuple[str, str, int]]:
+    """(dtype, lm-head positions, repeat) in A B C D D C B A ... order: drift hits every variant alike."""
     order = []
     for r in range(repeats):
-        pair = DTYPES if r % 2 == 0 else DTYPES[::-1]
-        order += [(d, r) for d in pair]
+        variants = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        order += [(d, p, r) for d, p in variants]
     return order
 
 
@@ -52,7 +56,9 @@ def per_step(summary: dict, key: str) -> list[float]:
     return [float(h[key]) for h in summary["log_history"] if key in h and "loss" in h]
 
 
-def plot(path: Path, losses: dict[str, list[float]], step_s: dict[str, list[float]], title: str) -> None:
+def plot(
+    path: Path, losses: dict[str, list[float]], step_median: dict[tuple[str, str], float], title: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,7 +71,12 @@ def plot(path: Path, losses: dict[str, list[float]], step_s: dict[str, list[floa
     ax_loss.set_ylabel("DPO loss")
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
-    ax_time.bar(list(DTYPES), [float(np.median(step_s[d])) for d in DTYPES], color=["tab:blue", "tab:orange"])
+    x = np.arange(len(DTYPES))
+    for i, (positions, color) in enumerate(zip(POSITIONS, ("tab:green", "tab:gray"), strict=True)):
+        heights = [step_median[d, positions] for d in DTYPES]
+        ax_time.bar(x + (i - 0.5) * 0.38, heights, width=0.38, color=color, label=f"LM head: {positions}")
+    ax_time.set_xticks(x, list(DTYPES))
+    ax_time.legend(fontsize=8)
     ax_time.set_ylabel("seconds per optimizer step (median of runs)")
     ax_time.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=9)
@@ -83,7 +94,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--lr", type=float, default=2e-5)
-    ap.add_argument("--repeats", type=int, default=2, help="training runs per dtype (A B B A order)")
+    ap.add_argument(
+        "--repeats", type=int, default=2, help="training runs per variant (A B C D D C B A order)"
+    )
     ap.add_argument(
         "--out", type=Path, default=None, help="page stem (default bench/results/train_dtype_<cpu>)"
     )
@@ -103,24 +116,39 @@ def main() -> None:
     run_step([*py, "generate", "--heads", str(heads), "--out", str(pairs), "--limit", str(args.instructions),
               "--max-new-tokens", str(args.max_new_tokens), "--dtype", "float32", "--no-progress", "--resume"],
              None, log)  # fmt: skip
-    runs: dict[str, list[dict]] = {d: [] for d in DTYPES}
-    for dtype, r in schedule(args.repeats):
-        out = w / f"train_{dtype}_{r}"
+    every: dict[tuple[str, str], list[dict]] = {v: [] for v in VARIANTS}
+    for dtype, positions, r in schedule(args.repeats):
+        out = w / f"train_{dtype}_{positions}_{r}"
         run_step([*py, "train", "--pairs", str(pairs), "--out", str(out), "--dtype", dtype,
-                  "--max-steps", str(args.steps), "--batch-size", str(args.batch_size),
-                  "--grad-accum", str(args.grad_accum), "--lr", str(args.lr), "--seed", "0", "--overwrite"],
+                  "--lm-head-positions", positions, "--max-steps", str(args.steps),
+                  "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum), "--lr", str(args.lr),
+                  "--seed", "0", "--overwrite"],
                  out / "retmask_train.json", log)  # fmt: skip
-        runs[dtype].append(json.loads((out / "retmask_train.json").read_text()))
+        every[dtype, positions].append(json.loads((out / "retmask_train.json").read_text()))
+    runs = {d: every[d, "labelled"] for d in DTYPES}  # the loss comparison: retmask's default head
 
-    # Runs of one dtype are the same computation: their losses must agree (a check of the bench itself).
+    # Runs of one variant are the same computation: their losses must agree (a check of the bench itself).
     losses = {d: runs[d][0]["losses"] for d in DTYPES}
-    repeat_equal = {d: all(x["losses"] == losses[d] for x in runs[d]) for d in DTYPES}
+    repeat_equal = {
+        f"{d} {p}": all(x["losses"] == every[d, p][0]["losses"] for x in every[d, p]) for d, p in VARIANTS
+    }
     margins = {d: per_step(runs[d][0], "rewards/margins") for d in DTYPES}
     step_s = {d: [x["seconds_per_step"] for x in runs[d]] for d in DTYPES}
+    step_median = {v: float(np.median([x["seconds_per_step"] for x in every[v]])) for v in VARIANTS}
     n = min(len(losses[d]) for d in DTYPES)
     diff = np.abs(np.array(losses["bfloat16"][:n]) - np.array(losses["float32"][:n]))
     drop = {d: losses[d][0] - losses[d][n - 1] for d in DTYPES}
-    ratio = float(np.median(step_s["bfloat16"]) / np.median(step_s["float32"]))
+    ratio = step_median["bfloat16", "labelled"] / step_median["float32", "labelled"]
+    # The head's positions change which rows one GEMM computes, not the loss: how far apart are the curves?
+    head_diff = {
+        d: float(np.max(np.abs(np.array(losses[d][:n]) - np.array(every[d, "all"][0]["losses"][:n]))))
+        for d in DTYPES
+    }
+    time_rows = [
+        [p, f"{step_median['float32', p]:.2f}", f"{step_median['bfloat16', p]:.2f}",
+         f"{step_median['bfloat16', p] / step_median['float32', p]:.2f}x"]
+        for p in POSITIONS
+    ]  # fmt: skip
 
     stats = json.loads(stats_path(pairs).read_text())
     rows = [
@@ -139,7 +167,7 @@ def main() -> None:
         f"generated once in fp32). `retmask train`: {args.steps} optimizer steps of batch {args.batch_size} x "
         f"grad-accum {args.grad_accum}, lr {args.lr:g} (40x the paper's 5e-7, so that the loss moves), seed 0; "
         "bf16 = bf16 autocast over fp32 master weights and optimizer state. "
-        f"Runs per dtype: {args.repeats}, in A B B A order.",
+        f"Runs per variant: {args.repeats}, in A B C D D C B A order.",
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + ".",
         "",
@@ -147,15 +175,21 @@ def main() -> None:
         "",
         f"- Largest absolute Δ loss over {n} steps: **{diff.max():.4f}**; loss drop over the run: fp32 "
         f"{drop['float32']:.4f}, bf16 {drop['bfloat16']:.4f}.",
-        (
-            f"- Repeated runs of one dtype give identical losses: fp32 {repeat_equal['float32']}, "
-            f"bf16 {repeat_equal['bfloat16']}."
-            if args.repeats > 1
-            else "- One run per dtype (`--repeats 1`): the step times are single measurements."
-        ),
-        f"- Seconds per optimizer step: fp32 {', '.join(f'{s:.1f}' for s in step_s['float32'])}; "
-        f"bf16 {', '.join(f'{s:.1f}' for s in step_s['bfloat16'])}. **bf16 / fp32 = {ratio:.2f}x** "
-        "(medians).",
+        f"- Repeated runs of one variant give identical losses: {repeat_equal}."
+        if args.repeats > 1
+        else "- One run per variant (`--repeats 1`): the step times are single measurements.",
+        "",
+        "Seconds per optimizer step (median of runs) by the positions TRL's fused LM head projects: `labelled` "
+        "(retmask's default, the completion tokens only, as TRL does on CUDA) and `all` (TRL 1.16's path on "
+        "every other device: prompt and padding too).",
+        "",
+        markdown_table(["LM head positions", "fp32 s/step", "bf16 s/step", "bf16 / fp32"], time_rows),
+        "",
+        f"- **bf16 / fp32 = {ratio:.2f}x** with retmask's default head; `labelled` / `all`: fp32 "
+        f"{step_median['float32', 'labelled'] / step_median['float32', 'all']:.2f}x, bf16 "
+        f"{step_median['bfloat16', 'labelled'] / step_median['bfloat16', 'all']:.2f}x.",
+        f"- Largest |Δ loss| between `labelled` and `all` over {n} steps: fp32 {head_diff['float32']:.2e}, "
+        f"bf16 {head_diff['bfloat16']:.2e} (the same losses computed on fewer GEMM rows; bf16 rounds differently).",
         "",
         f"![loss curves]({stem.name}.png)",
         "",
@@ -166,9 +200,12 @@ def main() -> None:
         "machine": machine, "args": {k: str(v) for k, v in vars(args).items()}, "pairs": stats.get("pairs"),
         "losses": losses, "margins": margins, "seconds_per_step": step_s, "bf16_over_fp32_step": ratio,
         "max_abs_loss_diff": float(diff.max()), "repeat_equal": repeat_equal, "commands": log,
+        "seconds_per_step_median": {f"{d} {p}": t for (d, p), t in step_median.items()},
+        "losses_all_positions": {d: every[d, "all"][0]["losses"] for d in DTYPES},
+        "max_abs_loss_diff_labelled_vs_all": head_diff,
     }  # fmt: skip
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    plot(stem.with_suffix(".png"), losses, step_s, title)
+    plot(stem.with_suffix(".png"), losses, step_median, title)
     print("\n".join(lines))
     print(f"-> {stem}.md")
 

@@ -18,6 +18,7 @@ from retmask.commands.argtypes import (
 )
 from retmask.commands.common import add_dtype_arg, reports_errors
 from retmask.heads.selection import SelectionError
+from retmask.methods.retmask.fused_head import LM_HEAD_POSITIONS
 from retmask.methods.retmask.pairs import PairsError
 from retmask.methods.retmask.train_config import TrainConfig
 
@@ -68,6 +69,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--sft", action="store_true", help="SFT on the chosen responses only (the paper's baseline)"
     )
+    p.add_argument("--lm-head-positions", choices=LM_HEAD_POSITIONS, default=d.lm_head_positions,
+                   help="DPO on a CPU: project only the completion positions through TRL's fused LM head "
+                        "(labelled, default; what TRL does on CUDA) or every position (all; TRL's CPU default, "
+                        "slower)")  # fmt: skip
     p.add_argument("--telemetry-every", type=positive_int, metavar="N",
                    help="every N optimizer steps (and at step 0 and the end) probe the retrieval score of the masked "
                         "heads vs the other heads (logged as retrieval/*; telemetry.json/.png in --out)")  # fmt: skip
@@ -98,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum, max_length=args.max_length, seed=args.seed,
         gradient_checkpointing=args.gradient_checkpointing, beta=args.beta,
         dtype=resolve_training_dtype("bfloat16" if args.bf16 else args.dtype),
+        lm_head_positions=args.lm_head_positions,
     )  # fmt: skip
     try:
         for name in ("batch_size", "grad_accum", "max_length"):

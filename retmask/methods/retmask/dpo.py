@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.hf.loading import load_model
+from retmask.methods.retmask.fused_head import labelled_positions_only
 from retmask.methods.retmask.pairs import Pairs, read_pairs_file
 from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
 
@@ -97,7 +98,8 @@ def train_dpo(
     )  # fmt: skip
     _bind(trainer, callbacks)
     start = time.perf_counter()
-    trainer.train()
+    with labelled_positions_only(cfg.lm_head_positions):
+        trainer.train()
     return _finish(trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo")
 
 

@@ -53,6 +53,7 @@ def test_train_two_steps_change_weights(tiny_dir, pairs_file, tmp_path, capsys, 
     assert "2 steps" in text and "0 prompts reach max_length" in text
     summary = json.loads((out / "retmask_train.json").read_text())
     assert summary["mode"] == ("sft" if sft else "dpo") and summary["steps"] == 2
+    assert summary["config"]["lm_head_positions"] == "labelled"  # TRL's fused head: completions only
     assert len(summary["losses"]) == 2 and all(torch.isfinite(torch.tensor(summary["losses"])))
     before, after = weights(tiny_dir), weights(out)
     changed = [k for k in before if not torch.equal(before[k], after[k])]
