@@ -38,6 +38,7 @@ from common import (  # noqa: E402
     load_niah_grid,
     machine_description,
     markdown_table,
+    save_figure,
 )
 
 from retmask.detect import FastDetector  # noqa: E402
@@ -90,10 +91,7 @@ def plot(totals: dict[int, dict[str, float]], path: Path, title: str) -> None:
     ax_t.set_ylabel("ms per computed token")
     for ax in (ax_s, ax_t):
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def main() -> None:

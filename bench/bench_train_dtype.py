@@ -31,7 +31,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_kind, cpu_label, machine_description, markdown_table, run_step  # noqa: E402
+from common import (  # noqa: E402
+    cpu_kind,
+    cpu_label,
+    machine_description,
+    markdown_table,
+    run_step,
+    save_figure,
+)
 
 from retmask.methods.retmask.pair_file import stats_path  # noqa: E402
 
@@ -79,10 +86,7 @@ def plot(
     ax_time.legend(fontsize=8)
     ax_time.set_ylabel("seconds per optimizer step (median of runs)")
     ax_time.grid(axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def main() -> None:

@@ -270,6 +270,16 @@ def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def save_figure(fig: Any, path: Path, title: str) -> None:
+    """Title a matplotlib figure, lay it out, write it to ``path`` (PNG, 110 dpi) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """GitHub Markdown table."""
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
