@@ -3,7 +3,8 @@
 * Data: MDQA records (``retmask.methods.mudaf.mdqa``) rendered with the paper's template
   ``Based on the following passages, answer the question.\\n\\n<passages>\\n{body}\\n\\n</passages>\\n\\n
   Question: {question}\\nAnswer: {answer}`` + EOS; the CLM loss covers the answer tokens only (the
-  leading space and the EOS included), prompt and padding are ``-100``.
+  leading space and the EOS included), prompt and padding are ``-100``; the LM head runs on the answer
+  positions only (:func:`clm_loss`: the loss of transformers' causal-LM head over full logits).
 * L_CON: :mod:`retmask.methods.mudaf.loss`, on q / k tapped from the same forward pass
   (:func:`retmask.hf.taps.tap_qk`; no forked modeling code).
 * Vanilla SFT baseline: λ = 0 -> the loss is exactly the CLM loss; L_CON is still computed (detached)
@@ -90,6 +91,28 @@ def collate(items: Sequence[TrainItem], pad_id: int) -> dict[str, Any]:
     }
 
 
+def clm_loss(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """L_CLM: the mean cross-entropy of the labelled next tokens, the value of ``model(..., labels=labels)
+    .loss``, with the LM head run on the labelled positions only.
+
+    input_ids, attention_mask, labels: int64 [B, S] (labels -100 where not scored). Position p predicts
+    token p + 1, so the model keeps the hidden states of the positions whose next label is set
+    (``logits_to_keep`` as a bool [B, S] mask) and the LM head gives [n, vocab] logits for those n rows
+    instead of [B, S, vocab]: the answer after a long prompt costs a few rows, not the prompt's length
+    (at 8K tokens and SmolLM2's 49K vocabulary the full logits alone are 1.6 GB in fp32). The logits are
+    upcast to fp32 before the loss, as transformers' causal-LM loss does.
+    """
+    targets = labels[:, 1:]
+    scored = targets != -100
+    keep = torch.nn.functional.pad(scored, (0, 1), value=False)  # bool [B, S]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep
+    ).logits
+    return torch.nn.functional.cross_entropy(logits.float(), targets[scored])
+
+
 def mudaf_losses(
     model: torch.nn.Module, batch: dict[str, Any], cfg: MuDAFConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -100,11 +123,11 @@ def mudaf_losses(
     device = next(model.parameters()).device
     kwargs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
     if not cfg.heads:
-        clm = model(**kwargs, use_cache=False).loss
+        clm = clm_loss(model, **kwargs)
         return clm, clm, None
     layers = sorted({ly for ly, _ in cfg.heads})
     with tap_qk(model, layers, query_rows=batch["query_rows"]) as tap:
-        clm = model(**kwargs, use_cache=False).loss
+        clm = clm_loss(model, **kwargs)
     con = contrastive_loss(
         tap, cfg.heads, batch["passage_spans"], batch["golden"], cfg.temperature, cfg.similarity
     )

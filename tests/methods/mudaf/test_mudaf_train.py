@@ -14,7 +14,15 @@ from retmask.methods.mudaf import train as mudaf_mod
 from retmask.methods.mudaf.loss import _contrastive_logits_terms
 from retmask.methods.mudaf.mdqa import MDQAError, write_mdqa
 from retmask.methods.mudaf.score import score_mdqa
-from retmask.methods.mudaf.train import MuDAFConfig, collate, encode, mudaf_losses, read_record, train_mudaf
+from retmask.methods.mudaf.train import (
+    MuDAFConfig,
+    clm_loss,
+    collate,
+    encode,
+    mudaf_losses,
+    read_record,
+    train_mudaf,
+)
 from tests.tiny import tiny_llama_for
 
 D = 16  # head dim of the tiny model; 4 query heads over 2 KV heads (group of 2)
@@ -77,9 +85,8 @@ def test_vanilla_sft_equals_plain_clm(mdqa_examples, bpe_tokenizer):
     loss.backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    plain = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
-    ).loss
+    # Plain CLM (equal to transformers' own loss over full logits: test_clm_loss_projects_only_the_answer_rows).
+    plain = clm_loss(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
     assert plain.item() == pytest.approx(loss.item(), abs=0)
     plain.backward()
     for n, p in model.named_parameters():
@@ -205,3 +212,28 @@ def test_bf16_autocast_tracks_float32(tmp_path, mdqa_examples, bpe_tokenizer):
         torch.testing.assert_close(b, a, rtol=0.03, atol=0.02)
     with pytest.raises(MDQAError, match="dtype must be float32 or bfloat16"):
         MuDAFConfig(heads=[(1, 0)], dtype="float16").check()
+
+
+def test_clm_loss_projects_only_the_answer_rows(mdqa_examples, bpe_tokenizer):
+    """L_CLM on a right-padded batch of 3 MDQA examples: the value and every gradient of transformers' own
+    causal-LM loss over full logits, with the LM head run on the answer positions only."""
+    model = tiny_llama_for(bpe_tokenizer).train()
+    batch = _batch(mdqa_examples, bpe_tokenizer)
+    kwargs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    scored = int((batch["labels"][:, 1:] != -100).sum())
+    rows: list[int] = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1].numel()))
+    try:
+        model.zero_grad()
+        ours = clm_loss(model, **kwargs)
+        ours.backward()
+        ours_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        theirs = model(**kwargs, use_cache=False).loss
+        theirs.backward()
+    finally:
+        hook.remove()
+    assert rows == [scored, batch["input_ids"].numel()] and scored < batch["input_ids"].numel() / 4
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(ours_grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
