@@ -111,26 +111,20 @@ def main() -> None:
         ap.error(f"--repeats must be >= 1 and every length > {ANSWER_TOKENS}")
     machine = common.machine_description()
     stem = args.out or RESULTS / f"clm_loss_{common.cpu_kind(machine)}"
-    cells: dict[str, dict] = {}
-    for dtype in dtypes:
-        for s in lengths:
-            for method in METHODS:
-                cfg = {"length": s, "method": method, "dtype": dtype, "repeats": args.repeats}
-                res = common.run_worker(__file__, cfg, timeout=3600)
-                cells[f"{dtype} {method} {s}"] = res
-                shown = res.get("error") or f"{res['seconds']:.2f} s, {common.fmt_bytes(res['peak_bytes'])}"
-                print(f"S={s} {dtype} {method}: {shown}", flush=True)
+    configs = {
+        f"{dtype} {method} {s}": {"length": s, "method": method, "dtype": dtype, "repeats": args.repeats}
+        for dtype in dtypes
+        for s in lengths
+        for method in METHODS
+    }
+    cells = common.run_cells(__file__, configs, timeout=3600)
 
     rows = []
     for dtype in dtypes:
         for s in lengths:
             full, ours = (cells[f"{dtype} {m} {s}"] for m in METHODS)
-            ok = "seconds" in full and "seconds" in ours
-            rows.append([dtype, str(s),
-                         common.fmt_seconds(full.get("seconds")) + " / " + common.fmt_bytes(full.get("peak_bytes")),
-                         common.fmt_seconds(ours.get("seconds")) + " / " + common.fmt_bytes(ours.get("peak_bytes")),
-                         f"{ours['seconds'] / full['seconds']:.2f}x" if ok else "-",
-                         f"{ours['peak_bytes'] / full['peak_bytes']:.2f}x" if ok and full["peak_bytes"] else "-"])  # fmt: skip
+            rows.append([dtype, str(s), common.time_and_peak(full), common.time_and_peak(ours),
+                         common.cell_ratio(ours, full, "seconds"), common.cell_ratio(ours, full, "peak_bytes")])  # fmt: skip
     headers = [
         "dtype",
         "tokens",
@@ -156,12 +150,8 @@ def main() -> None:
         f"![time and memory]({stem.name}.png)",
         "",
     ]
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
-    stem.with_suffix(".json").write_text(json.dumps({"machine": machine, "cells": cells}, indent=1))
     plot(stem.with_suffix(".png"), cells, lengths, dtypes, title)
-    print("\n".join(lines))
-    print(f"-> {stem}.md")
+    common.write_page(stem, lines, {"machine": machine, "cells": cells})
 
 
 if __name__ == "__main__":

@@ -121,29 +121,22 @@ def main() -> None:
         ap.error("--repeats must be >= 1 and every N >= 2")
     machine = common.machine_description()
     stem = args.out or RESULTS / f"padded_backward_{common.cpu_kind(machine)}"
-    cells: dict[str, dict] = {}
-    for n in ns:
-        for dtype in DTYPES:
-            for method in METHODS:
-                cfg = {"n": n, "method": method, "dtype": dtype, "repeats": args.repeats}
-                res = common.run_worker(__file__, cfg, timeout=1800)
-                cells[f"{dtype} {method} {n}"] = res
-                shown = res.get("error") or f"{res['seconds']:.3f} s, {common.fmt_bytes(res['peak_bytes'])}"
-                print(f"N={n} {dtype} {method}: {shown}", flush=True)
+    configs = {
+        f"{dtype} {method} {n}": {"n": n, "method": method, "dtype": dtype, "repeats": args.repeats}
+        for n in ns
+        for dtype in DTYPES
+        for method in METHODS
+    }
+    cells = common.run_cells(__file__, configs, timeout=1800)
 
     rows = []
     for dtype in DTYPES:
         for n in ns:
             c = {m: cells[f"{dtype} {m} {n}"] for m in METHODS}
-            ok = all("seconds" in x for x in c.values())
-
-            def ratio(a: str, b: str, key: str, c: dict = c, ok: bool = ok) -> str:
-                return f"{c[a][key] / c[b][key]:.2f}x" if ok and c[b][key] else "-"
-
-            rows.append([dtype, str(n)] + [
-                common.fmt_seconds(x.get("seconds")) + " / " + common.fmt_bytes(x.get("peak_bytes")) for x in c.values()
-            ] + [ratio("ours_runs", "ours_dense", "seconds"), ratio("ours_runs", "sdpa_mask", "seconds"),
-                 ratio("ours_runs", "ours_dense", "peak_bytes")])  # fmt: skip
+            rows.append([dtype, str(n), *(common.time_and_peak(x) for x in c.values()),
+                         common.cell_ratio(c["ours_runs"], c["ours_dense"], "seconds"),
+                         common.cell_ratio(c["ours_runs"], c["sdpa_mask"], "seconds"),
+                         common.cell_ratio(c["ours_runs"], c["ours_dense"], "peak_bytes")])  # fmt: skip
     headers = ["dtype", "N", *(f"{m} (time / peak)" for m in METHODS), "runs / dense time", "runs / sdpa_mask time",
                "runs / dense memory"]  # fmt: skip
     title = f"Padded-batch attention, forward + backward on the CPU ({common.cpu_label(machine)})"
@@ -164,12 +157,8 @@ def main() -> None:
         f"![time and memory]({stem.name}.png)",
         "",
     ]
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
-    stem.with_suffix(".json").write_text(json.dumps({"machine": machine, "cells": cells, "ns": ns}, indent=1))
     plot(stem.with_suffix(".png"), cells, ns, title)
-    print("\n".join(lines))
-    print(f"-> {stem}.md")
+    common.write_page(stem, lines, {"machine": machine, "cells": cells, "ns": ns})
 
 
 if __name__ == "__main__":

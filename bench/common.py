@@ -187,6 +187,40 @@ def run_worker(script: str | Path, config: dict[str, Any], timeout: float | None
     return json.loads(lines[-1])
 
 
+def run_cells(
+    script: str | Path, configs: dict[str, dict[str, Any]], timeout: float
+) -> dict[str, dict[str, Any]]:
+    """Each ``configs[key]`` in a fresh worker (:func:`run_worker`) that returns ``seconds`` and
+    ``peak_bytes``; prints a line per cell as it finishes. Returns ``{key: result}``."""
+    cells = {}
+    for key, config in configs.items():
+        res = run_worker(script, config, timeout=timeout)
+        cells[key] = res
+        print(f"{key}: {res.get('error') or time_and_peak(res)}", flush=True)
+    return cells
+
+
+def time_and_peak(cell: dict[str, Any]) -> str:
+    """'<time> / <peak memory>' of a worker result (``-`` for what it lacks)."""
+    return fmt_seconds(cell.get("seconds")) + " / " + fmt_bytes(cell.get("peak_bytes"))
+
+
+def cell_ratio(num: dict[str, Any], den: dict[str, Any], key: str) -> str:
+    """``num[key] / den[key]`` as '0.55x', or '-' when either cell failed or the denominator is 0."""
+    if key not in num or not den.get(key):
+        return "-"
+    return f"{num[key] / den[key]:.2f}x"
+
+
+def write_page(stem: Path, lines: Sequence[str], payload: dict[str, Any]) -> None:
+    """Write ``stem``.md (the lines) and ``stem``.json (the payload), print the page and where it went."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    print("\n".join(lines))
+    print(f"-> {stem}.md")
+
+
 def run_step(cmd: list[str], done: Path | None, log: list[dict]) -> None:
     """Run one step of a multi-command benchmark unless ``done`` exists (None: always; the command resumes
     itself); record the command line and its wall time in ``log``. A failing command stops the benchmark."""
