@@ -27,8 +27,9 @@ the autograd formula (``_AttentionAutograd``) rather than inside an operator: th
 (memory-efficient) for plain attention, one SDPA call per key run for a left- or right-padded batch
 (``padded_sdpa.py``: no dense [B, 1, M, N] mask; from ``KEY_RUNS_MIN_KEYS`` keys, in eager mode),
 through ``chunked.py`` (query-row chunks against the keys they see) for a sliding window, soft-capping
-or sinks, which SDPA cannot express without an [M, N] mask. The recompute is done there because an operator body runs below the autograd dispatch key, and ``torch.func.vjp``
-there breaks under any active TorchDispatchMode. Skipped heads get zero gradient either way. There is
+or sinks, which SDPA cannot express without an [M, N] mask. The recompute is done there because an
+operator body runs below the autograd dispatch key, and ``torch.func.vjp`` there breaks under any
+active TorchDispatchMode. Skipped heads get zero gradient either way. There is
 no double backward.
 
 The operators' names are taken in the ``retmask`` namespace (a FRAGMENT library, so a C++ extension may

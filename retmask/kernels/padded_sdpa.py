@@ -31,9 +31,10 @@ def key_runs(key_padding_mask: torch.Tensor) -> list[tuple[int, int]] | None:
     first = mask.to(torch.uint8).argmax(dim=1)  # first valid key (0 for a row without any)
     # One run iff the row has no False -> True step after its first valid key: count the rising edges.
     rises = (mask[:, 1:] & ~mask[:, :-1]).sum(dim=1) + mask[:, 0].to(count.dtype)
-    if bool((rises > 1).any()):
+    rows = torch.stack([first, count, rises], dim=1).tolist()  # one host read for the whole batch
+    if any(r > 1 for _, _, r in rows):
         return None
-    return [(s, s + c) for s, c in zip(first.tolist(), count.tolist(), strict=True)]
+    return [(s, s + c) for s, c, _ in rows]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.hf.loading import load_model
-from retmask.methods.retmask.fused_head import labelled_positions_only
+from retmask.methods.retmask.fused_head import check_positions, labelled_positions_only
 from retmask.methods.retmask.pairs import Pairs, read_pairs_file
 from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
 
@@ -82,6 +82,7 @@ def train_dpo(
     from trl import DPOConfig, DPOTrainer
 
     cfg = cfg or TrainConfig()
+    check_positions(cfg.lm_head_positions)  # before loading anything, like the pairs file
     pairs = read_pairs_file(pairs_path)  # before loading anything: a wrong file fails fast
     if model is None:
         model, tokenizer = load_model(model_spec)

@@ -25,6 +25,12 @@ from typing import Any
 LM_HEAD_POSITIONS = ("labelled", "all")
 
 
+def check_positions(positions: str) -> None:
+    """Raise ValueError unless ``positions`` is one of :data:`LM_HEAD_POSITIONS`."""
+    if positions not in LM_HEAD_POSITIONS:
+        raise ValueError(f"lm head positions must be one of {LM_HEAD_POSITIONS}, got {positions!r}")
+
+
 def _trl_switch() -> tuple[Any, Callable[[Any], bool]] | None:
     """(TRL's utils module, its device predicate that selects the compact path), or None when this TRL has
     no such predicate (not installed, or a version that decides otherwise): then nothing is changed."""
@@ -46,8 +52,7 @@ def labelled_positions_only(positions: str = "labelled") -> Iterator[bool]:
     Yields whether the switch is in effect. TRL reads the predicate at every call, so the change applies to
     models patched before the block too, and it is undone on exit, exceptions included.
     """
-    if positions not in LM_HEAD_POSITIONS:
-        raise ValueError(f"lm head positions must be one of {LM_HEAD_POSITIONS}, got {positions!r}")
+    check_positions(positions)
     switch = _trl_switch() if positions == "labelled" else None
     if switch is None:
         yield False
