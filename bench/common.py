@@ -79,7 +79,16 @@ def machine_description() -> dict[str, str]:
         path_mode = "measured per kind of call (auto)" if path_mode == "auto" else f"{path_mode} (forced)"
     except ValueError as err:
         path_mode = str(err)
+    from retmask.kernels import linear_cpu
     from retmask.kernels.cpuinfo import cpu_family
+
+    try:
+        linear_mode = linear_cpu.forced_backend()
+        linear_mode = (
+            "measured per layer shape (auto)" if linear_mode == "auto" else f"{linear_mode} (forced)"
+        )
+    except ValueError as err:
+        linear_mode = str(err)
 
     return {
         "cpu": cpu_model(),
@@ -90,6 +99,7 @@ def machine_description() -> dict[str, str]:
         "native bf16": ", ".join(bf16) or "none",
         "kernel build": build,
         "cpu attention path": path_mode,
+        "cpu fp32 linears": linear_mode,
         "memory": f"{mem_total_bytes() / 2**30:.1f} GiB",
         "torch": torch.__version__,
         "python": platform.python_version(),

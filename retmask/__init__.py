@@ -24,6 +24,7 @@ _LAZY = {
     "clear_head_mask": "retmask.hf",
     "head_mask": "retmask.hf",
     "patch": "retmask.hf",
+    "patch_linears": "retmask.hf.linears",
     "set_head_mask": "retmask.hf",
     "export_masked": "retmask.hf.export",
     "default_model_path": "retmask.hf.loading",
@@ -42,6 +43,7 @@ __all__ = [
     "kernels",
     "load_model",
     "patch",
+    "patch_linears",
     "set_head_mask",
     "tap_qk",
 ]
@@ -50,6 +52,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects
     from retmask import kernels
     from retmask.hf import capture_argmax, clear_head_mask, head_mask, patch, set_head_mask
     from retmask.hf.export import export_masked
+    from retmask.hf.linears import patch_linears
     from retmask.hf.loading import default_model_path, load_model
     from retmask.hf.taps import tap_qk
 

@@ -21,7 +21,7 @@ from retmask.detect.stopping import stop_token_ids
 from retmask.errors import UsageError
 from retmask.heads import model_shape
 from retmask.hf.loading import load_model, max_context, parse_dtype
-from retmask.kernels import cpu_autotune
+from retmask.kernels import cpu_autotune, linear_cpu
 from retmask.niah import (
     NiahTest,
     build_tests,
@@ -318,6 +318,14 @@ def _run_record(
                     "rejected": d.get("rejected", {}),
                 }
                 for name, d in cpu_autotune.decisions().items()
+            },
+        },
+        # which backend the float32 CPU linears took (torch's BLAS or oneDNN), by layer shape
+        "cpu_linears": {
+            "mode": linear_cpu.forced_backend(),
+            "decisions": {
+                name: {"backend": d["backend"], "onednn_over_torch": d.get("ratio")}
+                for name, d in linear_cpu.decisions().items()
             },
         },
         "tests": [

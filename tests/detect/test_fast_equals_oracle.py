@@ -139,6 +139,26 @@ def test_tiny_bf16_fast_equals_oracle_up_to_bf16_near_ties(path, monkeypatch):
     assert exact >= 12 and diverged <= 8, (exact, diverged)
 
 
+def test_tiny_fast_equals_oracle_on_onednn_linears(monkeypatch):
+    """The linears on oneDNN (what ``auto`` picks where it is faster): the oracle's single rows run its
+    matrix-vector kernel, the fast path's verification passes its matrix kernel, and still every answer
+    and copy count is the oracle's."""
+    from retmask.hf.linears import patch_linears
+    from retmask.kernels import linear_cpu
+
+    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "onednn")
+    model = tiny_llama(seed=1)
+    assert patch_linears(model) > 0
+    copied = 0
+    for prompt, span in tiny_prompts(seed=1):
+        want = oracle_detect(model, prompt, span, {2}, max_new_tokens=30, prefill_impl="retmask")
+        got = FastDetector(model, {2}, max_new_tokens=30, chunk=16).run(prompt, span)
+        assert got.tokens == want.tokens
+        np.testing.assert_array_equal(got.copies, want.copies)
+        copied += int(want.copies.sum())
+    assert copied > 0
+
+
 def test_tiny_stops_after_stop_token_and_respects_budget():
     model = tiny_llama()
     prompt, span = tiny_prompts()[1]
@@ -166,6 +186,24 @@ def test_embedded_model_fast_equals_oracle(embedded):
         assert got.passes < len(got.tokens)  # verification accepted multi-token drafts
         copied += int(want.copies.sum())
     assert copied > 0
+
+
+@pytest.mark.embedded
+def test_embedded_model_fast_equals_oracle_on_onednn_linears(embedded, monkeypatch):
+    """The embedded model as ``retmask detect`` runs it where oneDNN's fp32 linears are faster."""
+    from retmask.kernels import linear_cpu
+
+    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "onednn")
+    model, tok = embedded
+    tests = build_tests(tok, load_needles()[2:3], default_haystack_text(), [600], [30, 80])
+    stops = stop_token_ids(tok, model)
+    fast = FastDetector(model, stops, chunk=128)
+    for t in tests:
+        want = oracle_detect(model, t.prompt_ids, t.span, stops)
+        got = fast.run(t.prompt_ids, t.span)
+        assert got.tokens == want.tokens
+        np.testing.assert_array_equal(got.copies, want.copies)
+        assert int(want.copies.sum()) > 0
 
 
 def tiny_local_global(window: int = 24):

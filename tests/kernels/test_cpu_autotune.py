@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from retmask.kernels import attention, cpu_autotune, cpu_blocked, reference_attention
+from retmask.kernels import attention, cpu_autotune, cpu_blocked, decision_cache, reference_attention
 from retmask.kernels import cpu as cpu_backend
 
 from .helpers import left_padding_mask, make_qkv
@@ -99,7 +99,7 @@ def test_blocked_only_where_its_memory_stays_small():
 def test_decision_rule(auto, monkeypatch, cpp_s, blocked_s, expected):
     """ "blocked" only at <= 0.85x the fused kernel's time; both paths timed interleaved, warm-up first."""
     clock = FakeClock({"cpp": cpp_s, "blocked": blocked_s})
-    monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
     assert cpu_autotune.choose(some_case(), clock.run)["path"] == expected
     assert clock.calls[:4] == ["cpp", "blocked", "cpp", "blocked"]
     assert clock.calls.count("cpp") == clock.calls.count("blocked") >= 1 + 3
@@ -118,7 +118,7 @@ def test_three_way_decision(auto, monkeypatch, gemm_s, blocked_s, path, fallback
     (3.68 ms), 0.85x for "blocked" (3.4 ms); the fallback where "blocked" may not run a call is the best
     of the others by the same rule."""
     clock = FakeClock({"cpp": 4e-3, "gemm": gemm_s, "blocked": blocked_s})
-    monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
     decision = cpu_autotune.choose(some_case(), clock.run, ("cpp", "gemm", "blocked"))
     assert (decision["path"], decision["fallback"]) == (path, fallback)
     assert clock.calls[:6] == ["cpp", "gemm", "blocked"] * 2
@@ -132,7 +132,7 @@ def test_a_candidate_that_disagrees_is_never_used(auto, monkeypatch, caplog):
     clock = FakeClock(
         {"cpp": 4e-3, "gemm": 1e-3, "blocked": 3e-3}, {"cpp": good, "gemm": bad, "blocked": good}
     )
-    monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
     with caplog.at_level(logging.WARNING, logger="retmask.kernels"):
         decision = cpu_autotune.choose(some_case(), clock.run, ("cpp", "gemm", "blocked"))
     assert decision["path"] == "blocked" and "gemm" not in decision["times_s"]
@@ -197,7 +197,7 @@ def test_only_cpp_means_no_measuring(auto):
 def test_blocked_decision_gives_way_where_its_mask_would_be_too_large(auto, monkeypatch):
     """A case decided for "blocked" runs a call whose SDPA mask would exceed BLOCKED_MAX_MASK on its fallback."""
     clock = FakeClock({"cpp": 4e-3, "gemm": 3e-3, "blocked": 1e-3})
-    monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
     monkeypatch.setattr(cpu_autotune, "BLOCKED_MAX_MASK", 100 * 600)
     k = torch.randn(1, 1, 600, 16)
     call = dict(causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=0, kernel_paths=("gemm",))
@@ -207,7 +207,7 @@ def test_blocked_decision_gives_way_where_its_mask_would_be_too_large(auto, monk
 
 def test_decisions_persist_on_disk_per_machine(auto, monkeypatch, caplog):
     clock = FakeClock({"cpp": 4e-3, "blocked": 1e-3})
-    monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
     case = some_case()
     assert cpu_autotune.choose(case, clock.run)["path"] == "blocked"
     data = json.loads(auto.read_text())
@@ -248,7 +248,7 @@ def test_unwritable_cache_keeps_the_decision_in_memory(auto, monkeypatch, tmp_pa
     blocker.write_text("")
     monkeypatch.setenv("RETMASK_CACHE", str(blocker / "cache"))  # its parent is a file: cannot be created
     clock = FakeClock({"cpp": 4e-3, "blocked": 1e-3})
-    monkeypatch.setattr(cpu_autotune.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
     with caplog.at_level(logging.WARNING, logger="retmask.kernels"):
         assert cpu_autotune.choose(some_case(), clock.run)["path"] == "blocked"
     assert "could not save the kernel path cache" in caplog.text

@@ -1,0 +1,124 @@
+"""``patch_linears``: a model's nn.Linear layers on retmask's float32 CPU linear (oneDNN forced here) give
+torch's logits, generations and gradients; the swap keeps parameters, state dict, hooks, deep copies and
+subclasses intact and can be undone; ``load_model`` applies it on the CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import retmask
+from retmask.hf.linears import CPULinear, patch_linears, torch_linears, unpatch_linears
+from retmask.kernels import linear_cpu
+
+from .conftest import random_batch, tiny_model
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "onednn")
+    calls = []
+    real = linear_cpu._onednn_forward
+    monkeypatch.setattr(linear_cpu, "_onednn_forward", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def test_patch_swaps_plain_linears_only_and_undoes():
+    model = tiny_model("llama")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    n = len(_linears(model))
+
+    class LoRALike(torch.nn.Linear):
+        pass
+
+    model.model.layers[0].mlp.extra = LoRALike(4, 4)  # a subclass: left alone
+    assert patch_linears(model) == n
+    assert all(type(m) is CPULinear for m in _linears(model) if not isinstance(m, LoRALike))
+    assert type(model.model.layers[0].mlp.extra) is LoRALike
+    del model.model.layers[0].mlp.extra
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    copied = copy.deepcopy(model)  # TRL copies the policy for its reference model
+    assert type(copied.lm_head) is CPULinear and copied.lm_head.weight is not model.lm_head.weight
+    with torch_linears(model):
+        assert all(type(m) is torch.nn.Linear for m in _linears(model))
+    assert type(model.lm_head) is CPULinear
+    assert unpatch_linears(model) == n and all(type(m) is torch.nn.Linear for m in _linears(model))
+
+
+def test_patched_model_gives_torch_logits_generation_and_gradients(onednn):
+    model = tiny_model("llama")
+    plain = copy.deepcopy(model)
+    patch_linears(model)
+    ids, mask = random_batch(3, 14, left_pad=[0, 3, 6], seed=2)
+    hooked = []
+    model.lm_head.register_forward_hook(lambda m, i, o: hooked.append(o.shape))
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        want = plain(input_ids=ids, attention_mask=mask).logits
+    assert onednn, "oneDNN never ran"
+    assert hooked == [got.shape]
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(
+            model.generate(input_ids=ids, attention_mask=mask, **kw),
+            plain.generate(input_ids=ids, attention_mask=mask, **kw),
+        )
+    model.train(), plain.train()
+    for m in (model, plain):
+        m(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(~valid, -100)).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_bf16_autocast_training_still_casts(onednn):
+    """Under CPU autocast the patched layers must run F.linear (autocast casts it to bf16), never fp32."""
+    model = tiny_model("llama")
+    patch_linears(model)
+    ids, _ = random_batch(2, 8)
+    seen = []
+    model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    onednn.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids)
+    assert seen == [torch.bfloat16] and not onednn
+
+
+@pytest.mark.embedded
+def test_load_model_patches_the_embedded_model(embedded):
+    model, _ = embedded
+    linears = _linears(model)
+    assert linears and all(type(m) is CPULinear for m in linears)
+
+
+def test_load_model_can_keep_torch_linears(monkeypatch):
+    """cpu_linears=False keeps nn.Linear (a local folder written by save_pretrained)."""
+    import transformers
+
+    model = tiny_model("llama")
+    seen = {}
+
+    def fake_from_pretrained(source, **kw):
+        seen.update(kw)
+        return copy.deepcopy(model)
+
+    monkeypatch.setattr(retmask.hf.loading, "_resolve", lambda spec, gguf: "folder")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda source: _Tok())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    patched, _ = retmask.hf.loading.load_model("folder")
+    kept, _ = retmask.hf.loading.load_model("folder", cpu_linears=False)
+    assert type(patched.lm_head) is CPULinear and type(kept.lm_head) is torch.nn.Linear
+
+
+class _Tok:
+    pad_token = "<pad>"
+    eos_token = "<eos>"

@@ -1,0 +1,243 @@
+"""float32 CPU linears on oneDNN or torch's BLAS (retmask.kernels.linear_cpu): the oneDNN products against
+a float64 reference (forward and every gradient, awkward shapes and layouts), which calls are left to
+F.linear, the measured decision (fake clock), its disk cache and the override variable.
+
+The suite pins ``RETMASK_CPU_LINEAR=torch`` (conftest); these tests set what they need themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from retmask.kernels import decision_cache, linear_cpu
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "onednn")
+
+
+@pytest.fixture
+def auto(monkeypatch, tmp_path):
+    """``auto`` mode, an empty cache folder, no decisions in memory (before and after)."""
+    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "auto")
+    monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
+    linear_cpu.clear_memory()
+    yield tmp_path / "cache" / linear_cpu.CACHE_FILE
+    linear_cpu.clear_memory()
+
+
+def test_onednn_is_available_here():
+    # The x86 CPU wheels of torch ship oneDNN; if this fails, every other test here proves nothing.
+    assert linear_cpu.onednn_available()
+
+
+def _inputs(lead: tuple[int, ...], n_in: int, n_out: int, bias: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, n_in, generator=gen)
+    w = torch.randn(n_out, n_in, generator=gen) * n_in**-0.5
+    b = torch.randn(n_out, generator=gen) if bias else None
+    return x, w, b
+
+
+SHAPES = [  # (leading dims of x, in, out, bias)
+    ((1, 1), 19, 37, True),  # one row: the gemv case
+    ((3, 7), 19, 37, False),  # awkward sizes, no bias
+    ((2, 33), 64, 48, True),
+    ((129,), 576, 192, True),  # 2-D input
+    ((1, 5, 4), 72, 40, True),  # 4-D input
+]
+
+
+@pytest.mark.parametrize(("lead", "n_in", "n_out", "bias"), SHAPES)
+def test_forward_and_gradients_match_float64(onednn, monkeypatch, lead, n_in, n_out, bias):
+    calls = []
+    real = linear_cpu._onednn_forward
+    monkeypatch.setattr(linear_cpu, "_onednn_forward", lambda *a: calls.append(1) or real(*a))
+    x, w, b = _inputs(lead, n_in, n_out, bias, seed=n_in)
+    params = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
+    y = linear_cpu.linear(params[0], params[1], params[2] if bias else None)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    y.backward(grad)
+    assert calls, "the forced oneDNN backend did not run"
+    ref = [t.double().requires_grad_() for t in (x, w, b) if t is not None]
+    y_ref = F.linear(ref[0], ref[1], ref[2] if bias else None)
+    y_ref.backward(grad.double())
+    assert y.dtype == torch.float32 and y.shape == y_ref.shape
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(params, ref, strict=True):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backward_backend", ["onednn", "torch"])
+def test_backward_products_on_either_backend(auto, monkeypatch, backward_backend):
+    """The forward on oneDNN, the backward's products on the backend decided for "backward" (either one),
+    and only the gradients that are needed (a frozen weight, an input without grad)."""
+    kinds = []
+    monkeypatch.setattr(
+        linear_cpu,
+        "backend_for",
+        lambda case: (
+            kinds.append(case.kind) or (backward_backend if case.kind.startswith("backward") else "onednn")
+        ),
+    )
+    x, w, b = _inputs((4, 9), 24, 16, True, seed=3)
+    frozen_w = w.clone()
+    xg = x.clone().requires_grad_()
+    linear_cpu.linear(xg, frozen_w, b).sum().backward()
+    torch.testing.assert_close(xg.grad, frozen_w.sum(0).expand_as(x), rtol=1e-5, atol=1e-5)
+    wg, bg = w.clone().requires_grad_(), b.clone().requires_grad_()
+    linear_cpu.linear(x, wg, bg).pow(2).sum().backward()
+    wd, bd = w.double().requires_grad_(), b.double().requires_grad_()
+    F.linear(x.double(), wd, bd).pow(2).sum().backward()
+    torch.testing.assert_close(wg.grad.double(), wd.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bg.grad.double(), bd.grad, rtol=1e-5, atol=1e-5)
+    assert kinds == ["gemm", "backward", "gemm", "backward"]
+    long_x = torch.randn(linear_cpu.LONG_BACKWARD_ROWS, 24).requires_grad_()
+    linear_cpu.linear(long_x, w, b).sum().backward()
+    assert kinds[-1] == "backward-long"
+    torch.testing.assert_close(long_x.grad, w.sum(0).expand_as(long_x), rtol=1e-5, atol=1e-5)
+
+
+def test_strided_inputs_and_weights(onednn):
+    """Inputs whose rows are not unit-stride (a transposed view, every second column) and a transposed
+    weight view are copied for oneDNN, not refused."""
+    x, w, b = _inputs((6, 40), 30, 20, True, seed=5)
+    wide = torch.randn(6, 40, 60)
+    views = [x.transpose(0, 1).contiguous().transpose(0, 1), wide[..., ::2]]
+    w_view = w.t().contiguous().t()
+    for view in views:
+        torch.testing.assert_close(
+            linear_cpu.linear(view, w_view, b), F.linear(view, w, b), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_other_calls_go_to_f_linear(onednn, monkeypatch):
+    """bf16, float64, CPU autocast and 1-D inputs are F.linear's, untouched (autocast must see F.linear to
+    cast it)."""
+    monkeypatch.setattr(linear_cpu, "_onednn_forward", lambda *a: pytest.fail("oneDNN called"))
+    x, w, b = _inputs((3, 5), 8, 4, True, seed=7)
+    assert torch.equal(
+        linear_cpu.linear(x.double(), w.double(), b.double()), F.linear(x.double(), w.double(), b.double())
+    )
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(linear_cpu.linear(xb, wb), F.linear(xb, wb))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_cpu.linear(x, w, b)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(linear_cpu.linear(x[0, 0], w, b), F.linear(x[0, 0], w, b))
+
+
+def test_forced_torch_never_calls_onednn(monkeypatch):
+    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "torch")
+    monkeypatch.setattr(linear_cpu, "_onednn_forward", lambda *a: pytest.fail("oneDNN called"))
+    x, w, b = _inputs((3, 5), 8, 4, True, seed=8)
+    assert torch.equal(linear_cpu.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_bad_override_names_the_variable(monkeypatch):
+    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "mkl")
+    with pytest.raises(ValueError, match=r"RETMASK_CPU_LINEAR.*auto.*torch.*onednn"):
+        linear_cpu.linear(torch.randn(2, 3), torch.randn(4, 3))
+
+
+def test_forced_onednn_without_onednn_is_an_error(onednn, monkeypatch):
+    monkeypatch.setattr(linear_cpu, "onednn_available", lambda: False)
+    with pytest.raises(RuntimeError, match="RETMASK_CPU_LINEAR=onednn"):
+        linear_cpu.linear(torch.randn(2, 3), torch.randn(4, 3))
+
+
+# ---- the decision -------------------------------------------------------------------------------------
+
+
+class FakeClock:
+    """A perf_counter that only the fake runner advances: each backend "takes" its given seconds."""
+
+    def __init__(self, cost: dict[str, float], perturb_onednn: float = 0.0):
+        self.now = 0.0
+        self.cost = cost
+        self.perturb = perturb_onednn
+        self.calls: list[str] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def run(self, backend: str, call: dict) -> tuple:
+        self.calls.append(backend)
+        self.now += self.cost[backend]
+        result = linear_cpu.run_backend("torch", call)
+        return tuple(r + self.perturb for r in result) if backend == "onednn" else result
+
+
+CASE = linear_cpu.LinearCase(48, 32, True, "gemm", 1)
+
+
+@pytest.mark.parametrize(
+    ("onednn_s", "want"), [(0.5, "onednn"), (0.89, "onednn"), (0.95, "torch"), (2.0, "torch")]
+)
+def test_decision_rule(auto, monkeypatch, onednn_s, want):
+    clock = FakeClock({"torch": 1.0, "onednn": onednn_s})
+    monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
+    decision = linear_cpu.measure(CASE, clock.run)
+    assert decision["backend"] == want
+    assert decision["ratio"] == pytest.approx(onednn_s)
+    assert decision["calls"] >= 3 and clock.calls.count("torch") == clock.calls.count("onednn")
+
+
+def test_disagreeing_onednn_is_rejected(auto, monkeypatch, caplog):
+    clock = FakeClock({"torch": 1.0, "onednn": 0.1}, perturb_onednn=1e-2)
+    monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
+    with caplog.at_level(logging.WARNING, logger="retmask.kernels"):
+        decision = linear_cpu.measure(CASE, clock.run)
+    assert decision["backend"] == "torch" and "differs by" in decision["rejected"]
+    assert "disagrees" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["gemv", "gemm", "backward", "backward-long"])
+def test_real_measurement_agrees_and_decides(auto, kind):
+    """On this machine's real backends: oneDNN agrees with torch on every kind of proxy, and a decision is
+    one of the two with both times recorded."""
+    decision = linear_cpu.measure(linear_cpu.LinearCase(96, 80, kind != "gemm", kind, 1))
+    assert decision["rejected"] is None
+    assert decision["backend"] in ("torch", "onednn") and set(decision["times_s"]) == {"torch", "onednn"}
+
+
+def test_decisions_are_cached_on_disk_and_reused(auto, monkeypatch):
+    measured = []
+
+    def fake_measure(case, run=None):
+        measured.append(case)
+        return {"backend": "onednn", "times_s": {"torch": 1.0, "onednn": 0.5}, "ratio": 0.5, "rejected": None,
+                "calls": 3, "proxy": "fake"}  # fmt: skip
+
+    monkeypatch.setattr(linear_cpu, "measure", fake_measure)
+    x, w = torch.randn(5, 32), torch.randn(48, 32)
+    out = linear_cpu.linear(x, w)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    linear_cpu.linear(x, w)
+    assert len(measured) == 1 and measured[0].kind == "gemm"
+    data = json.loads(auto.read_text())
+    assert data["format"] == linear_cpu._FORMAT
+    cases = data["machines"][linear_cpu.machine_key()]["cases"]
+    assert cases[measured[0].name()]["backend"] == "onednn"
+    linear_cpu.clear_memory()  # a new process on the same machine reads the file instead of measuring
+    linear_cpu.linear(x, w)
+    assert len(measured) == 1
+    assert linear_cpu.decisions()[measured[0].name()]["backend"] == "onednn"
+    linear_cpu.linear(x[:1], w)  # one row is another case
+    assert len(measured) == 2 and measured[1].kind == "gemv"
+
+
+def test_a_torn_cache_file_is_measured_again(auto, monkeypatch, caplog):
+    auto.parent.mkdir(parents=True)
+    auto.write_text('{"format": 1, "machi')
+    monkeypatch.setattr(linear_cpu, "measure", lambda case, run=None: {"backend": "torch", "ratio": 1.0})
+    with caplog.at_level(logging.WARNING, logger="retmask.kernels"):
+        linear_cpu.linear(torch.randn(3, 4), torch.randn(2, 4))
+    assert "ignoring the linear backend cache" in caplog.text
+    assert json.loads(auto.read_text())["format"] == linear_cpu._FORMAT
