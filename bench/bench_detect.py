@@ -9,7 +9,7 @@ device-side copy counting); the same path without the earlier-answer drafts runs
 skips it), to measure what they bring. Both run on the embedded SmolLM2-135M-Instruct, on a subsample
 of the RetMask 0-5K grid.
 
-Writes bench/results/detect.md (table + agreement), detect.json and detect.png.
+Writes bench/results/detect_<cpu kind>[_bf16].md (table + agreement), .json and .png (``--tag`` renames).
 
     flock /tmp/retmask-heavy.lock python bench/bench_detect.py            # 5 lengths x 3 depths x 2 needles
 """
@@ -26,14 +26,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_label, machine_description, markdown_table  # noqa: E402
+from common import cpu_kind, cpu_label, dtype_suffix, machine_description, markdown_table  # noqa: E402
 
 import retmask  # noqa: E402
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: E402
 from retmask.detect.answers import earlier_answers, prefix_order  # noqa: E402
 from retmask.detect.run import RECALL_THRESHOLD  # noqa: E402
 from retmask.detect.scores import head_scores, mean_matrix, ranking  # noqa: E402
-from retmask.kernels import cpu_autotune  # noqa: E402
+from retmask.hf.linears import torch_linears  # noqa: E402
+from retmask.kernels import cpu_autotune, linear_cpu  # noqa: E402
 from retmask.niah import (  # noqa: E402
     build_tests,
     default_haystack_text,
@@ -140,7 +141,14 @@ def main() -> None:
         help="model dtype of both sides (the published script loads models in bf16; auto: bf16 on CPUs with "
         "native bf16)",
     )  # fmt: skip
-    ap.add_argument("--tag", default="detect")
+    ap.add_argument(
+        "--tag", default=None, help="output name under bench/results (default detect_<cpu kind>[_bf16])"
+    )
+    ap.add_argument(
+        "--reference-linears", choices=["torch", "retmask"], default="torch",
+        help="float32 linears of the reference side: torch's nn.Linear, what the published script runs "
+        "(default), or retmask's measured backend, as the fast side uses (isolates the detection method)",
+    )  # fmt: skip
     ap.add_argument("--long", type=int, default=0, help="only the long-context memory check at this length")
     ap.add_argument(
         "--no-history-side",
@@ -165,6 +173,8 @@ def main() -> None:
     from retmask.hf.loading import resolve_dtype_name
 
     dtype = resolve_dtype_name(args.dtype)
+    if args.tag is None:
+        args.tag = f"detect_{cpu_kind(machine_description())}{dtype_suffix(dtype)}"
     model, tok = retmask.load_model(args.model, dtype=getattr(torch, dtype))
     model_name = args.model or "embedded SmolLM2-135M-Instruct"
     needles = load_needles()[: args.needles]
@@ -177,6 +187,13 @@ def main() -> None:
     stops = stop_token_ids(tok, model)
     shape = (model.config.num_hidden_layers, model.config.num_attention_heads)
 
+    def reference_side(run):
+        """The reference side's call, on torch's own linears unless --reference-linears retmask."""
+        if args.reference_linears == "retmask":
+            return run()
+        with torch_linears(model):
+            return run()
+
     ordered = prefix_order(tests)
     fast_res: dict = {}
     nohist_res: dict | None = None if args.no_history_side else {}
@@ -188,8 +205,10 @@ def main() -> None:
         "fast": (lambda t: fast.run(t.prompt_ids, t.span, history_of(t)), fast_res),
         "no-hist": (lambda t: nohist.run(t.prompt_ids, t.span), nohist_res),
         "reference": (
-            lambda t: oracle_detect(
-                model, t.prompt_ids, t.span, stops, prompt_logits=args.reference_logits == "all"
+            lambda t: reference_side(
+                lambda: oracle_detect(
+                    model, t.prompt_ids, t.span, stops, prompt_logits=args.reference_logits == "all"
+                )
             ),
             ref_res,
         ),
@@ -198,7 +217,7 @@ def main() -> None:
     # Untimed warm-up of both code paths (allocator, thread pool, first-call costs).
     warm = min(tests, key=lambda t: len(t.prompt_ids))
     FastDetector(model, stops, chunk=args.chunk).run(warm.prompt_ids, warm.span)
-    oracle_detect(model, warm.prompt_ids, warm.span, stops, max_new_tokens=4)
+    reference_side(lambda: oracle_detect(model, warm.prompt_ids, warm.span, stops, max_new_tokens=4))
     # Interleaved, test by test: every side meets the same machine load (this host is shared and its
     # speed drifts by ~10% over minutes), so the ratios are paired. The fast sides keep prefix order.
     totals = dict.fromkeys(sides, 0.0)
@@ -255,6 +274,8 @@ def main() -> None:
         "speedup": ref_total / fast_total,
         "counted_tests": {"reference": ref_n, "fast": fast_n},
         "reference_prompt_logits": args.reference_logits,
+        "reference_linears": args.reference_linears,
+        "cpu_linears": {name: d["backend"] for name, d in linear_cpu.decisions().items()},
         "fast_without_draft_history_total_s": nohist_total,
         "phases": {
             side: {
@@ -304,8 +325,14 @@ def main() -> None:
             if args.reference_logits == "all"
             else "computing the logits of the last position only (stricter than the published script)"
         )
-        + ", then per-step eager decoding with output_attentions and a per-head host check. Fast: `retmask "
-        "detect`'s path (tests in prefix order, drafts from earlier answers to the same needle). The sides "
+        + ", then per-step eager decoding with output_attentions and a per-head host check"
+        + (
+            ", its float32 linears on torch's `nn.Linear` as the published script runs them"
+            if args.reference_linears == "torch"
+            else ", its linears on retmask's measured backend like the fast side"
+        )
+        + ". Fast: `retmask detect`'s path (tests in prefix order, drafts from earlier answers to the same "
+        "needle; float32 linears on the backend `retmask.kernels.linear_cpu` measured faster). The sides "
         "run interleaved test by test after an untimed warm-up, so they share the machine's load; times are "
         "sums of per-test times. Per-length times are attributed to the test that ran; in prefix order a "
         "shared prefix is charged to the first test that needs it, so only the total is a fair comparison.",
@@ -336,6 +363,13 @@ def main() -> None:
     md += ["", f"CPU attention paths (mode {paths['mode']}; chosen per kind of call, `retmask.kernels.cpu_autotune`):",
            ""] + [f"- {name}: `{d['path']}` (time over the fused kernel's on the proxy: {d['time_over_cpp'] or '-'})"
                   for name, d in paths["decisions"].items()]  # fmt: skip
+    if summary["cpu_linears"]:
+        md += [
+            "",
+            "float32 CPU linears of the fast side (`retmask.kernels.linear_cpu`, by layer shape and kind):",
+            "",
+        ]
+        md += [f"- {name}: {backend}" for name, backend in summary["cpu_linears"].items()]
     md += ["", ON_PAPER]
     (RESULTS / f"{args.tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

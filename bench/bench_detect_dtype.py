@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,11 +28,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_kind, machine_description, markdown_table  # noqa: E402
+from common import cpu_kind, cpu_label, machine_description, markdown_table  # noqa: E402
 
 from retmask.detect import DetectConfig, run_detect  # noqa: E402
 from retmask.detect.run import DetectResult, progress_path, record_path  # noqa: E402
 from retmask.detect.scores import ranking  # noqa: E402
+from retmask.kernels import linear_cpu  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TAU = 0.1
@@ -129,7 +131,12 @@ def plot(cmp: dict, base: str, other: str, path: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model name or path (default: the embedded SmolLM2)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="baseline first")
+    ap.add_argument(
+        "--dtypes", default="float32,bfloat16",
+        help="runs to compare, baseline first: a dtype, optionally with '/torch-linears' (float32 linears kept "
+        "on torch's BLAS, RETMASK_CPU_LINEAR=torch, instead of retmask's measured choice), e.g. "
+        "float32/torch-linears,float32,bfloat16",
+    )  # fmt: skip
     ap.add_argument("--num-lengths", type=int, default=None, help="override the protocol's grid")
     ap.add_argument("--num-depths", type=int, default=None, help="override the protocol's grid")
     ap.add_argument("--max-len", type=int, default=None, help="override the protocol's grid")
@@ -141,60 +148,80 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(2)
-    dtypes = args.dtypes.split(",")
+    variants = args.dtypes.split(",")
     args.run_dir.mkdir(parents=True, exist_ok=True)
     runs = {}
-    for dtype in dtypes:
+    for variant in variants:
+        dtype, _, linears = variant.partition("/")
+        if linears not in ("", "torch-linears"):
+            raise SystemExit(f"--dtypes: {variant!r}: after '/' only 'torch-linears' is known")
+        os.environ[linear_cpu.LINEAR_ENV] = "torch" if linears else "auto"
         cfg = DetectConfig(
             model=args.model, dtype=dtype, num_lengths=args.num_lengths, num_depths=args.num_depths,
             max_len=args.max_len,
         )  # fmt: skip
-        out = args.run_dir / f"{dtype}.json"
-        print(f"== retmask detect --dtype {dtype} -> {out}", flush=True)
-        runs[dtype] = detect_once(cfg, out)
-    base, other = dtypes[0], dtypes[1]
-    cmp = compare(runs, base, other)
+        out = args.run_dir / f"{variant.replace('/', '_')}.json"
+        print(f"== retmask detect --dtype {dtype} ({linears or 'retmask linears'}) -> {out}", flush=True)
+        runs[variant] = detect_once(cfg, out)
+    os.environ[linear_cpu.LINEAR_ENV] = "auto"
+    base, others = variants[0], variants[1:]
+    cmps = {other: compare(runs, base, other) for other in others}
     secs = {d: compute_seconds(r) for d, r in runs.items()}
     machine = machine_description()
     target = Path(args.out) if args.out else RESULTS / f"detect_dtype_{cpu_kind(machine)}"
     target.parent.mkdir(parents=True, exist_ok=True)
     model_name = args.model or "embedded SmolLM2-135M-Instruct"
     grid = runs[base].record.get("grid", {})
-    rows = [
-        ["tests", str(cmp["tests"])],
-        ["identical greedy answers", f"{cmp['identical_answers']}/{cmp['tests']}"],
-        ["identical per-head copy counts where the answers agree", cmp["identical_copies_where_answers_agree"]],
-        ["same counted / not-counted decision (recall > 0.5)", f"{cmp['same_counted_decision']}/{cmp['tests']}"],
-        ["tests counted", f"{base} {cmp['counted'][base]}, {other} {cmp['counted'][other]}"],
-        ["Spearman over heads (mean score)", f"{cmp['spearman_over_heads']:.4f}"],
-        ["largest per-head score difference", f"{cmp['max_abs_score_difference']:.4f}"],
-        [f"τ = {TAU} sets", f"equal: {cmp['tau_sets_equal']} ({len(cmp['tau_sets'][base])} vs "
-         f"{len(cmp['tau_sets'][other])} heads, Jaccard {cmp['tau_jaccard']:.2f})"],
-        ["top-10 overlap", f"{cmp['top10_overlap']}/10"],
-        ["compute time (sum of per-test prefill + decode)", f"{base} {secs[base]:.0f} s, {other} {secs[other]:.0f} s "
-         f"({secs[other] / secs[base]:.2f}x)"],
-    ]  # fmt: skip
-    only = {
-        base: sorted(set(cmp["tau_sets"][base]) - set(cmp["tau_sets"][other])),
-        other: sorted(set(cmp["tau_sets"][other]) - set(cmp["tau_sets"][base])),
-    }
+    md_tables = []
+    for other, cmp in cmps.items():
+        rows = [
+            ["tests", str(cmp["tests"])],
+            ["identical greedy answers", f"{cmp['identical_answers']}/{cmp['tests']}"],
+            ["identical per-head copy counts where the answers agree", cmp["identical_copies_where_answers_agree"]],
+            ["same counted / not-counted decision (recall > 0.5)", f"{cmp['same_counted_decision']}/{cmp['tests']}"],
+            ["tests counted", f"{base} {cmp['counted'][base]}, {other} {cmp['counted'][other]}"],
+            ["Spearman over heads (mean score)", f"{cmp['spearman_over_heads']:.4f}"],
+            ["largest per-head score difference", f"{cmp['max_abs_score_difference']:.4f}"],
+            [f"τ = {TAU} sets", f"equal: {cmp['tau_sets_equal']} ({len(cmp['tau_sets'][base])} vs "
+             f"{len(cmp['tau_sets'][other])} heads, Jaccard {cmp['tau_jaccard']:.2f})"],
+            ["top-10 overlap", f"{cmp['top10_overlap']}/10"],
+            ["compute time (sum of per-test prefill + decode)", f"{base} {secs[base]:.0f} s, {other} "
+             f"{secs[other]:.0f} s ({secs[other] / secs[base]:.2f}x)"],
+        ]  # fmt: skip
+        only = {
+            base: sorted(set(cmp["tau_sets"][base]) - set(cmp["tau_sets"][other])),
+            other: sorted(set(cmp["tau_sets"][other]) - set(cmp["tau_sets"][base])),
+        }
+        md_tables += [
+            f"## {other} vs {base}",
+            "",
+            markdown_table(["", "result"], rows),
+            "",
+            f"Heads at τ = {TAU} in one run only: {base}: {only[base] or 'none'}; {other}: {only[other] or 'none'}.",
+            "",
+        ]
+    times = markdown_table(
+        ["run", "compute time", f"vs {base}"],
+        [[v, f"{secs[v]:.0f} s", f"{secs[v] / secs[base]:.2f}x"] for v in variants],
+    )
     md = [
-        f"# `retmask detect`: {other} vs {base} ({machine['cpu']}, SIMD {machine['simd']}, native bf16 "
-        f"{machine['native bf16']}, kernel build {machine['kernel build']})",
+        f"# `retmask detect`: {', '.join(others)} vs {base} ({cpu_label(machine)}, SIMD {machine['simd']}, "
+        f"native bf16 {machine['native bf16']}, kernel build {machine['kernel build']})",
         "",
-        f"{model_name}, the same grid in both dtypes ({grid}), weights and activations in the dtype named "
-        "(the kernel accumulates in fp32 and takes the argmax of fp32 logits in both).",
+        f"{model_name}, the same grid in every run ({grid}), weights and activations in the dtype named "
+        "(the kernel accumulates in fp32 and takes the argmax of fp32 logits in both); '/torch-linears': "
+        "float32 linears on torch's BLAS instead of retmask's measured choice (`retmask.kernels.linear_cpu`).",
         "",
-        markdown_table(["", "result"], rows),
+        times,
         "",
-        f"Heads at τ = {TAU} in one run only: {base}: {only[base] or 'none'}; {other}: {only[other] or 'none'}.",
-        "",
+        *md_tables,
         f"Machine: {', '.join(f'{k} {v}' for k, v in machine.items())}.",
     ]
     target.with_suffix(".md").write_text("\n".join(md) + "\n")
-    summary = {k: v for k, v in cmp.items()} | {"seconds": secs, "machine": machine, "model": model_name}
+    summary = {"comparisons": cmps, "seconds": secs, "machine": machine, "model": model_name, "base": base}
     target.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    plot(cmp, base, other, target.with_suffix(".png"), f"{model_name}: per-head retrieval score")
+    last = others[-1]
+    plot(cmps[last], base, last, target.with_suffix(".png"), f"{model_name}: per-head retrieval score")
     print("\n".join(md))
 
 

@@ -8,8 +8,10 @@ Steps (each a ``retmask`` command, run as a subprocess; finished steps are skipp
   3. ``retmask train`` in ``--dtype float32`` and ``--dtype bfloat16`` (bf16 autocast over fp32 master
      weights and optimizer state, as the Trainer's ``bf16=True``), each with ``--lm-head-positions
      labelled`` (retmask's default: TRL's fused LM head projects only the completion positions) and ``all``
-     (TRL's own CPU behaviour: every position), same pairs, seed, order and steps. The four variants run in
-     A B C D D C B A order (``--repeats 2``, default) so that drift of the shared machine hits all alike.
+     (TRL's own CPU behaviour: every position), and once more in float32 with the linears on torch's
+     ``nn.Linear`` (``RETMASK_CPU_LINEAR=torch``, against retmask's measured fp32 linear backend); same
+     pairs, seed, order and steps. The five variants run in A B C D E E D C B A order (``--repeats 2``,
+     default) so that drift of the shared machine hits all alike.
      Each run's ``retmask_train.json`` gives the per-step losses and the seconds per optimizer step.
 
 The learning rate defaults to 2e-5, 40x the paper's 5e-7: at 5e-7 the loss barely leaves ln 2 in a few
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,7 +49,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SCORES = RESULTS / "smollm2_scores.json"
 DTYPES = ("float32", "bfloat16")
 POSITIONS = ("labelled", "all")  # retmask's default first, then TRL's own CPU path
-VARIANTS = tuple((d, p) for p in POSITIONS for d in DTYPES)
+# fp32 with the linears on torch's nn.Linear (RETMASK_CPU_LINEAR=torch): what retmask's measured fp32
+# linear backend (retmask.kernels.linear_cpu) saves or costs in a DPO step on this CPU.
+TORCH_LINEARS = "float32/torch-linears"
+VARIANTS = tuple((d, p) for p in POSITIONS for d in DTYPES) + ((TORCH_LINEARS, "labelled"),)
 
 
 def schedule(repeats: int) -> list[tuple[str, str, int]]:
@@ -121,14 +127,17 @@ def main() -> None:
               "--max-new-tokens", str(args.max_new_tokens), "--dtype", "float32", "--no-progress", "--resume"],
              None, log)  # fmt: skip
     every: dict[tuple[str, str], list[dict]] = {v: [] for v in VARIANTS}
-    for dtype, positions, r in schedule(args.repeats):
-        out = w / f"train_{dtype}_{positions}_{r}"
+    for variant, positions, r in schedule(args.repeats):
+        dtype, _, linears = variant.partition("/")
+        out = w / f"train_{variant.replace('/', '_')}_{positions}_{r}"
+        os.environ["RETMASK_CPU_LINEAR"] = "torch" if linears else "auto"  # the subprocess inherits it
         run_step([*py, "train", "--pairs", str(pairs), "--out", str(out), "--dtype", dtype,
                   "--lm-head-positions", positions, "--max-steps", str(args.steps),
                   "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum), "--lr", str(args.lr),
                   "--seed", "0", "--overwrite"],
                  out / "retmask_train.json", log)  # fmt: skip
-        every[dtype, positions].append(json.loads((out / "retmask_train.json").read_text()))
+        every[variant, positions].append(json.loads((out / "retmask_train.json").read_text()))
+    os.environ["RETMASK_CPU_LINEAR"] = "auto"
     runs = {d: every[d, "labelled"] for d in DTYPES}  # the loss comparison: retmask's default head
 
     # Runs of one variant are the same computation: their losses must agree (a check of the bench itself).
@@ -148,6 +157,13 @@ def main() -> None:
         d: float(np.max(np.abs(np.array(losses[d][:n]) - np.array(every[d, "all"][0]["losses"][:n]))))
         for d in DTYPES
     }
+    torch_linears_diff = float(
+        np.max(
+            np.abs(
+                np.array(losses["float32"][:n]) - np.array(every[TORCH_LINEARS, "labelled"][0]["losses"][:n])
+            )
+        )
+    )
     time_rows = [
         [p, f"{step_median['float32', p]:.2f}", f"{step_median['bfloat16', p]:.2f}",
          f"{step_median['bfloat16', p] / step_median['float32', p]:.2f}x"]
@@ -192,6 +208,11 @@ def main() -> None:
         f"- **bf16 / fp32 = {ratio:.2f}x** with retmask's default head; `labelled` / `all`: fp32 "
         f"{step_median['float32', 'labelled'] / step_median['float32', 'all']:.2f}x, bf16 "
         f"{step_median['bfloat16', 'labelled'] / step_median['bfloat16', 'all']:.2f}x.",
+        f"- fp32 with the linears on torch's `nn.Linear` (`RETMASK_CPU_LINEAR=torch`, head `labelled`): "
+        f"{step_median[TORCH_LINEARS, 'labelled']:.2f} s/step; retmask's measured fp32 linears take "
+        f"{step_median['float32', 'labelled'] / step_median[TORCH_LINEARS, 'labelled']:.2f}x of it, and bf16 "
+        f"{step_median['bfloat16', 'labelled'] / step_median[TORCH_LINEARS, 'labelled']:.2f}x (largest |Δ loss| "
+        f"against retmask's fp32 run: {torch_linears_diff:.2e}).",
         f"- Largest |Δ loss| between `labelled` and `all` over {n} steps: fp32 {head_diff['float32']:.2e}, "
         f"bf16 {head_diff['bfloat16']:.2e} (the same losses computed on fewer GEMM rows; bf16 rounds differently).",
         "",

@@ -34,13 +34,19 @@ step() {  # step <name> <command...>: run unless a filter is given that the name
     echo "=== $name done in $((SECONDS - start)) s"
 }
 
-# The kernel against SDPA (and the autotuner's decisions), then detection end to end.
+# The kernel against SDPA (and the autotuner's decisions), the fp32 linears' backends, then detection end
+# to end (float32 with torch's linears, float32 with retmask's measured choice, and bf16 where native).
 step attention python bench/bench_attention.py --max-n 16384
+step linear python bench/bench_linear.py
+dtypes="float32/torch-linears,float32"
+if [[ "$native_bf16" == 1 ]]; then
+    dtypes+=",bfloat16"
+fi
+step detect-dtype python bench/bench_detect_dtype.py --dtypes "$dtypes" --run-dir "runs/detect_dtype_$kind"
 step detect python bench/bench_detect.py
 step prefill python bench/bench_prefill.py
 if [[ "$native_bf16" == 1 ]]; then
     step attention-bf16 python bench/bench_attention.py --dtype bfloat16 --max-n 16384
-    step detect-dtype python bench/bench_detect_dtype.py --run-dir "runs/detect_dtype_$kind"
     step detect-bf16 python bench/bench_detect.py --dtype bfloat16
     step prefill-bf16 python bench/bench_prefill.py --dtype bfloat16
     step train-dtype python bench/bench_train_dtype.py --work "runs/train_dtype_$kind"

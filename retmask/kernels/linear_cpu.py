@@ -20,8 +20,10 @@ machine, and it is measured there, once per case, and cached (as the attention p
   the output's scale, as two fp32 summation orders do) or it is rejected on that machine, with a warning.
 
 Only plain float32 CPU calls are concerned: another dtype or device, an input or weight that is not a
-plain tensor, CPU autocast (which must see ``F.linear`` to cast it), or ``torch.compile`` tracing all go
-to ``F.linear`` unchanged. The gradient is exact either way (the same products, another summation order).
+plain tensor, CPU autocast (which must see ``F.linear`` to cast it), ``torch.compile`` tracing, a
+dispatch or function mode, a functorch transform or forward-mode AD all go to ``F.linear`` unchanged.
+The gradient is exact either way (the same products, another summation order); there is no double
+backward through oneDNN.
 
 ``RETMASK_CPU_LINEAR=torch|onednn`` forces a backend for every such call (``auto``, the default,
 measures); the test suite pins ``torch``. :func:`decisions` lists what this process used, for run records
@@ -131,6 +133,7 @@ class _OneDNNLinear(torch.autograd.Function):
         return _onednn_forward(x, weight, bias)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
@@ -159,7 +162,16 @@ def _plain_fp32_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
         return False
-    return not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return False
+    # Anything that should see aten::linear itself (a dispatch or function mode such as a FLOP counter,
+    # a functorch transform, forward-mode AD) gets it.
+    return not (
+        torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or torch.autograd.forward_ad._current_level >= 0
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

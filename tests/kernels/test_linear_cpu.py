@@ -131,6 +131,13 @@ def test_other_calls_go_to_f_linear(onednn, monkeypatch):
         out = linear_cpu.linear(x, w, b)
     assert out.dtype == torch.bfloat16
     assert torch.equal(linear_cpu.linear(x[0, 0], w, b), F.linear(x[0, 0], w, b))
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:  # a dispatch mode must see aten's linear
+        linear_cpu.linear(x, w, b)
+    assert counter.get_total_flops() == 2 * 3 * 5 * 4 * 8
+    grad_w = torch.func.grad(lambda w_: linear_cpu.linear(x, w_, b).sum())(w)  # a functorch transform
+    torch.testing.assert_close(grad_w, x.reshape(-1, 8).sum(0).expand(4, 8))
 
 
 def test_forced_torch_never_calls_onednn(monkeypatch):
