@@ -53,28 +53,11 @@ ROWS = (1, 16, 256, 2048)
 BACKWARD_ROWS = (256, 2048)
 
 
-def interleaved(fns: dict[str, Any], min_calls: int, budget_s: float) -> dict[str, float]:
-    """Median seconds of each function, called in turn (one warm-up each), at least ``min_calls`` rounds,
-    more while under ``budget_s``."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    start = time.perf_counter()
-    while True:
-        for key, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - t0)
-        n = len(times[next(iter(times))])
-        if n >= min_calls and time.perf_counter() - start > budget_s:
-            break
-    return {k: common.median(v) for k, v in times.items()}
-
-
 def products(quick: bool) -> list[dict[str, Any]]:
     import torch
 
     from retmask.kernels import linear_cpu
+    from retmask.kernels.decision_cache import interleaved_medians
 
     rows_list = ROWS[:3] if quick else ROWS
     out = []
@@ -99,7 +82,15 @@ def products(quick: bool) -> list[dict[str, Any]]:
                     fns = {
                         b_: functools.partial(linear_cpu.run_backend, b_, call) for b_ in ("torch", "onednn")
                     }
-                    t = interleaved(fns, min_calls=3, budget_s=0.5 if quick else 1.5)
+                    for fn in fns.values():  # warm-up
+                        fn()
+                    t, _ = interleaved_medians(
+                        lambda b_, fns=fns: fns[b_](),
+                        list(fns),
+                        min_calls=3,
+                        max_calls=1000,
+                        budget_s=0.5 if quick else 1.5,
+                    )
                     case = linear_cpu.LinearCase(n_out, n_in, bias, case_kind, torch.get_num_threads())
                     decided = linear_cpu.choose(case)
                     cell = {

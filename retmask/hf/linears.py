@@ -26,33 +26,29 @@ class CPULinear(torch.nn.Linear):
         return linear(input, self.weight, self.bias)
 
 
+def _swap(model: torch.nn.Module, old: type, new: type) -> list[torch.nn.Module]:
+    """Give every module of ``model`` whose class is exactly ``old`` the class ``new``; returns them."""
+    swapped = [m for m in model.modules() if type(m) is old]
+    for module in swapped:
+        module.__class__ = new
+    return swapped
+
+
 def patch_linears(model: torch.nn.Module) -> int:
     """Swap every plain ``nn.Linear`` of ``model`` to :class:`CPULinear` in place; returns how many."""
-    count = 0
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.__class__ = CPULinear
-            count += 1
-    return count
+    return len(_swap(model, torch.nn.Linear, CPULinear))
 
 
 def unpatch_linears(model: torch.nn.Module) -> int:
     """Swap every :class:`CPULinear` of ``model`` back to ``nn.Linear``; returns how many."""
-    count = 0
-    for module in model.modules():
-        if type(module) is CPULinear:
-            module.__class__ = torch.nn.Linear
-            count += 1
-    return count
+    return len(_swap(model, CPULinear, torch.nn.Linear))
 
 
 @contextlib.contextmanager
 def torch_linears(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model`` with torch's own ``nn.Linear`` inside the block (e.g. to time what a user without
     retmask gets); the same layers are patched again on exit, exceptions included."""
-    swapped = [m for m in model.modules() if type(m) is CPULinear]
-    for module in swapped:
-        module.__class__ = torch.nn.Linear
+    swapped = _swap(model, CPULinear, torch.nn.Linear)
     try:
         yield
     finally:

@@ -84,9 +84,19 @@ def onednn_available() -> bool:
         return False
     try:
         x, w = torch.ones(2, 3), torch.ones(4, 3)
-        return bool(torch.equal(_onednn_forward(x, w, None), F.linear(x, w)))
-    except (AttributeError, RuntimeError, NotImplementedError):
+        works = bool(torch.equal(_onednn_forward(x, w, None), F.linear(x, w)))
+    except (AttributeError, RuntimeError, NotImplementedError) as err:  # no such op in this build
+        log.info(
+            "oneDNN's fp32 linear is unavailable (%s: %s); float32 linears stay on torch's",
+            type(err).__name__,
+            err,
+        )
         return False
+    if not works:
+        log.warning(
+            "oneDNN's fp32 linear gives wrong results on a 2 x 3 check; float32 linears stay on torch's"
+        )
+    return works
 
 
 # ---- the two products through oneDNN ----------------------------------------------------------------
@@ -220,10 +230,6 @@ _store = DecisionStore(
 _backends: dict[LinearCase, str] = {}  # case -> backend: a decided call costs a dict lookup
 machine = _store.machine
 machine_key = _store.machine_key
-
-
-def cache_path():
-    return _store.cache.path()
 
 
 def decisions() -> dict[str, dict[str, Any]]:
