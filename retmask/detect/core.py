@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from retmask.detect.drafts import propose_draft
-from retmask.detect.kv_cache import growing_cache, reserve
 from retmask.detect.kv_only import last_layer_kv_only
 from retmask.heads import model_shape
 from retmask.hf.capture import capture_argmax
+from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
 from retmask.hf.patch import require_retmask
 
 # (prompt int64 [n], needle span, tokens generated so far, max draft length, earlier answers) -> draft
@@ -87,7 +87,10 @@ def oracle_detect(
     with attn_implementation(model, prefill_impl):
         keep = 0 if prompt_logits else 1  # 0 = all positions
         model(
-            input_ids=prompt[None, :-1].to(device), past_key_values=cache, use_cache=True, logits_to_keep=keep
+            input_ids=prompt[None, :-1].to(device),
+            **cache_kwargs(model, cache),
+            use_cache=True,
+            logits_to_keep=keep,
         )
     t1 = time.perf_counter()
     tokens: list[int] = []
@@ -95,7 +98,10 @@ def oracle_detect(
     with attn_implementation(model, "eager"):
         for _ in range(max_new_tokens):
             out = model(
-                input_ids=x[None].to(device), past_key_values=cache, use_cache=True, output_attentions=True
+                input_ids=x[None].to(device),
+                **cache_kwargs(model, cache),
+                use_cache=True,
+                output_attentions=True,
             )
             y = int(out.logits[0, -1].argmax())
             tokens.append(y)
@@ -204,7 +210,10 @@ class FastDetector:
             for a in range(keep, len(prefix), self.chunk):
                 b = min(len(prefix), a - a % self.chunk + self.chunk)
                 self.model(
-                    input_ids=ids[None, a:b], past_key_values=self.cache, use_cache=True, logits_to_keep=1
+                    input_ids=ids[None, a:b],
+                    **cache_kwargs(self.model, self.cache),
+                    use_cache=True,
+                    logits_to_keep=1,
                 )
         self.cached = prefix
         return len(prefix) - keep
@@ -254,7 +263,7 @@ class FastDetector:
                 else contextlib.nullcontext()
             )
             with capture as cap:
-                out = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True)
+                out = self.model(input_ids=inp, **cache_kwargs(self.model, self.cache), use_cache=True)
             passes += 1
             greedy = out.logits[0].argmax(-1).tolist()  # one host read per pass: the accepted length
             accepted = 0

@@ -33,14 +33,39 @@ def set_head_mask(model: torch.nn.Module, heads: HeadSpec) -> torch.Tensor:
     require_retmask(model, "set_head_mask")
     layout = head_layout(model)
     mask = normalize_head_mask(heads, *layout.shape)
-    per_row = mask.dim() == 3
-    for layer_idx, module in enumerate(layout.layers):
-        skip = mask[:, layer_idx] if per_row else mask[layer_idx]  # [B, Hq] or [Hq]
-        # None for a layer without masked heads keeps the kernel on its fast path; decided once, here.
-        module._retmask_skip = skip.to(_device(module)) if bool(skip.any()) else None
-        # The batch size of a per-row mask, checked against every call even in layers without masked heads.
-        module._retmask_rows = mask.shape[0] if per_row else None
+    _apply(layout.layers, [layer_state(mask, layer_idx) for layer_idx in range(layout.num_layers)])
     return mask
+
+
+LayerState = tuple[torch.Tensor | None, int | None]  # (skip [Hq] / [B, Hq] or None, rows of a per-row mask)
+
+
+def layer_state(mask: torch.Tensor, layer_idx: int) -> LayerState:
+    """What one attention module holds for a normalised mask (bool [L, Hq] or [B, L, Hq])."""
+    per_row = mask.dim() == 3
+    skip = mask[:, layer_idx] if per_row else mask[layer_idx]  # [B, Hq] or [Hq]
+    # None for a layer without masked heads keeps the kernel on its fast path; decided once, here. The batch
+    # size of a per-row mask is checked against every call, even in layers without masked heads.
+    return (skip if bool(skip.any()) else None), (mask.shape[0] if per_row else None)
+
+
+def _apply(modules: tuple[torch.nn.Module, ...], states: list[LayerState]) -> None:
+    for module, (skip, rows) in zip(modules, states, strict=True):
+        module._retmask_skip = None if skip is None else skip.to(_device(module))
+        module._retmask_rows = rows
+
+
+@contextmanager
+def layer_states(model: torch.nn.Module, states: list[LayerState]) -> Iterator[None]:
+    """Inside the block, attention module ``l`` holds ``states[l]`` (layers may differ in batch size: see
+    ``retmask.hf.shared_prefill``); the previous masks come back on exit."""
+    layout = head_layout(model)
+    saved = _current(model)
+    try:
+        _apply(layout.layers, states)
+        yield
+    finally:
+        _apply(layout.layers, saved)
 
 
 def clear_head_mask(model: torch.nn.Module) -> None:
@@ -50,7 +75,7 @@ def clear_head_mask(model: torch.nn.Module) -> None:
         module._retmask_rows = None
 
 
-def _current(model: torch.nn.Module) -> list[tuple[torch.Tensor | None, int | None]]:
+def _current(model: torch.nn.Module) -> list[LayerState]:
     return [
         (getattr(m, "_retmask_skip", None), getattr(m, "_retmask_rows", None))
         for m in head_layout(model).layers
@@ -65,5 +90,4 @@ def head_mask(model: torch.nn.Module, heads: HeadSpec) -> Iterator[torch.Tensor]
     try:
         yield set_head_mask(model, heads)
     finally:
-        for module, (skip, rows) in zip(head_layout(model).layers, saved, strict=True):
-            module._retmask_skip, module._retmask_rows = skip, rows
+        _apply(head_layout(model).layers, saved)

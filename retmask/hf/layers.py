@@ -62,3 +62,14 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
         )
     layers = tuple(by_layer[i] for i in range(len(found)))
     return HeadLayout(layers=layers, num_heads=int(num_heads), head_dim=int(head_dim), model_type=model_type)
+
+
+def decoder_layers(model: torch.nn.Module, layout: HeadLayout | None = None) -> tuple[torch.nn.Module, ...]:
+    """The block around each attention module (``model.model.layers[l]`` in Llama-like models): the module
+    that holds ``layout.layers[l]`` as a direct child. Raises ValueError if one has no such parent."""
+    layout = layout or head_layout(model)
+    parent_of = {id(child): module for module in model.modules() for child in module.children()}
+    missing = [i for i, attn in enumerate(layout.layers) if id(attn) not in parent_of]
+    if missing:
+        raise ValueError(f"model '{layout.model_type}': no module holds the attention of layers {missing}")
+    return tuple(parent_of[id(attn)] for attn in layout.layers)

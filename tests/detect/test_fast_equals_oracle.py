@@ -244,3 +244,16 @@ def test_local_global_model_fast_equals_oracle():
         np.testing.assert_array_equal(got.copies, want.copies)
         total += int(want.copies.sum())
     assert total > 0, "the tiny model should copy sometimes, or this test proves nothing"
+
+
+def test_fast_detector_cache_holds_no_more_than_the_longest_test_needs():
+    from retmask.detect import FastDetector
+
+    model = tiny_llama()
+    fast = FastDetector(model, {2}, max_new_tokens=30, chunk=64)
+    longest = 0
+    for prompt, span in tiny_prompts():
+        fast.run(prompt, span)
+        longest = max(longest, len(prompt) + 30)
+        for layer in fast.cache.layers:
+            assert layer._key_buffer.shape[-2] <= longest

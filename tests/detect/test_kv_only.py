@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import retmask
-from retmask.detect.kv_cache import growing_cache, reserve
 from retmask.detect.kv_only import last_layer_kv_only
+from retmask.hf.kv_cache import growing_cache, reserve
 from retmask.hf.layers import head_layout
 from tests.detect.test_fast_equals_oracle import tiny_local_global
 from tests.tiny import tiny_llama

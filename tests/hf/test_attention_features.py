@@ -15,6 +15,7 @@ import transformers
 from transformers import DynamicCache
 
 import retmask
+from retmask.hf.kv_cache import cache_kwargs
 
 from .conftest import assert_argmax_matches, random_batch, tiny_config, with_attn, zeroed_copy
 
@@ -120,7 +121,7 @@ def test_capture_equals_eager_argmax_prefill_chunk_decode(feature_arch):
     for start, stop in steps:
         chunk, seen = ids[:, start:stop], mask[:, :stop]
         with retmask.capture_argmax(model, rows=None) as cap, torch.no_grad():
-            model(input_ids=chunk, attention_mask=seen, past_key_values=ours, use_cache=True)
+            model(input_ids=chunk, attention_mask=seen, **cache_kwargs(model, ours), use_cache=True)
         weights = _eager_step(eager, chunk, seen, theirs)
         for layer, w in enumerate(weights):  # w: [B, Hq, S, kv_len of this layer]
             offset = stop - w.shape[-1]  # keys a sliding cache dropped

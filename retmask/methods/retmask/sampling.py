@@ -29,7 +29,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from retmask.heads import heads_to_mask, model_shape
-from retmask.hf.heads import head_mask as masked_heads
+from retmask.hf.generation import generate_copies
 from retmask.methods.retmask.instructions import Instruction
 
 SIDES = ("chosen", "rejected")
@@ -161,11 +161,15 @@ def generate_rows(
     seeds: Sequence[int],
     sampling: SamplingConfig,
     head_mask: torch.Tensor | None = None,
+    copies: int = 1,
 ) -> list[Completion]:
     """Generate one response per prompt in one left-padded batch.
 
     prompts: R instruction texts (the chat template is applied here); seeds: R per-row seeds;
-    head_mask: None, or bool [R, L, Hq] = per-row masked heads (needs ``attn_implementation="retmask"``).
+    head_mask: None, or bool [R, L, Hq] = per-row masked heads (needs ``attn_implementation="retmask"``);
+    copies: the prompts are ``copies`` stacked copies of their first R / copies (chosen rows, then rejected
+    rows): the layers below the first one their masks differ in prefill each prompt once
+    (``retmask.hf.generation``).
     """
 
     if len(prompts) != len(seeds):
@@ -188,11 +192,10 @@ def generate_rows(
     processors = LogitsProcessorList(
         [PerRowSampler(make_generators(seeds), sampling.temperature, sampling.top_p)]
     )
-    if head_mask is not None:
-        with masked_heads(model, head_mask):
-            out = model.generate(**enc, generation_config=config, logits_processor=processors)
-    else:
-        out = model.generate(**enc, generation_config=config, logits_processor=processors)
+    out = generate_copies(
+        model, enc["input_ids"], enc["attention_mask"], config,
+        copies=copies, head_mask=head_mask, logits_processor=processors,
+    )  # fmt: skip
     new = out[:, enc["input_ids"].shape[1] :].cpu()  # [R, T]
     results = []
     for row in new.tolist():
@@ -233,7 +236,7 @@ def contrast_batch(
         shape = model_shape(model)
         rows = generate_rows(
             model, tokenizer, prompts + prompts, seeds["chosen"] + seeds["rejected"], sampling,
-            head_mask=rejected_mask(len(prompts), heads, shape),
+            head_mask=rejected_mask(len(prompts), heads, shape), copies=2,
         )  # fmt: skip
         chosen, rejected = rows[: len(prompts)], rows[len(prompts) :]
     else:

@@ -31,14 +31,19 @@ def run_rows(model, tok, prompts, seeds, sampling, mask=None):
     ]
 
 
+# Heads in layer 1 only: chosen and rejected rows share layer 0 of the prefill (retmask.hf.shared_prefill).
+UPPER_HEADS = [(1, 0), (1, 3)]
+
+
+@pytest.mark.parametrize("heads", [HEADS, UPPER_HEADS], ids=["from-layer-0", "layer-1-only"])
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.8, 0.9)])
-def test_per_row_masks_equal_separate_runs(tiny, temperature, top_p):
+def test_per_row_masks_equal_separate_runs(tiny, temperature, top_p, heads):
     """Rows [chosen.., rejected..] with the mask on rejected rows only = each row generated alone."""
     model, tok = tiny
     insts = instructions(3)
     sampling = C.SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=12, seed=7)
-    batched = C.contrast_batch(insts, model, tok, sampling, heads=HEADS)
-    shared = normalize_head_mask(HEADS, 2, 4)  # [L, Hq]
+    batched = C.contrast_batch(insts, model, tok, sampling, heads=heads)
+    shared = normalize_head_mask(heads, 2, 4)  # [L, Hq]
     for inst, (chosen, rejected) in zip(insts, batched, strict=True):
         seed_c = C.row_seed(7, inst.id, "chosen")
         seed_r = C.row_seed(7, inst.id, "rejected")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from retmask.detect.kv_cache import GrowingLayer, growing_cache, reserve
+from retmask.hf.kv_cache import GrowingLayer, cache_kwargs, growing_cache, reserve
 from tests.tiny import tiny_llama
 
 
@@ -36,9 +37,9 @@ def test_growing_cache_equals_dynamic_cache(impl):
                 assert ours.get_seq_length() == ref.get_seq_length()
                 continue
             x = ids[:, a:b]
-            want = model(input_ids=x, past_key_values=ref, use_cache=True).logits
+            want = model(input_ids=x, **cache_kwargs(model, ref), use_cache=True).logits
             _poison_spare_capacity(ours)
-            got = model(input_ids=x, past_key_values=ours, use_cache=True).logits
+            got = model(input_ids=x, **cache_kwargs(model, ours), use_cache=True).logits
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert ours.get_seq_length() == ref.get_seq_length()
@@ -83,16 +84,38 @@ def test_reserve_allocates_exactly_the_hint_and_never_doubles():
     assert layer._key_buffer.shape[-2] == 1500
 
 
-def test_fast_detector_cache_holds_no_more_than_the_longest_test_needs():
-    from retmask.detect import FastDetector
+@pytest.mark.parametrize(
+    "op", ["tile_batch", "batch_select_indices", "batch_repeat_interleave", "reorder_cache"]
+)
+def test_batch_reshuffles_rebuild_the_buffers(op):
+    """After a reshuffle the layer appends in place to the new rows, like a DynamicLayer does by cat."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 2, 5, 4, generator=g), torch.randn(3, 2, 5, 4, generator=g)
+    ours, ref = GrowingLayer(), DynamicLayer()
+    ours.capacity_hint = 16
+    ours.update(k, v)
+    ref.update(k, v)
+    arg = {"tile_batch": 2, "batch_select_indices": torch.tensor([2, 0]), "batch_repeat_interleave": 2,
+           "reorder_cache": torch.tensor([1, 1, 0])}[op]  # fmt: skip
+    getattr(ours, op)(arg)
+    if op == "tile_batch":
+        ref.keys, ref.values = torch.cat([ref.keys] * 2), torch.cat([ref.values] * 2)
+    else:
+        getattr(ref, op)(arg)
+    rows = ref.keys.shape[0]
+    assert ours._key_buffer.shape == (rows, 2, 16, 4)  # the reserved capacity is kept
+    more = torch.randn(rows, 2, 3, 4, generator=g)
+    got, want = ours.update(more, -more), ref.update(more, -more)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert got[0].data_ptr() == ours._key_buffer.data_ptr()
 
-    from .test_fast_equals_oracle import tiny_prompts
 
-    model = tiny_llama()
-    fast = FastDetector(model, {2}, max_new_tokens=30, chunk=64)
-    longest = 0
-    for prompt, span in tiny_prompts():
-        fast.run(prompt, span)
-        longest = max(longest, len(prompt) + 30)
-        for layer in fast.cache.layers:
-            assert layer._key_buffer.shape[-2] <= longest
+def test_beam_search_on_the_growing_cache_equals_the_dynamic_cache():
+    model = tiny_llama(vocab=50)
+    ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=2)
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, **kw)
+        got = model.generate(input_ids=ids, **kw, **cache_kwargs(model, growing_cache(model)))
+    assert torch.equal(got, want)

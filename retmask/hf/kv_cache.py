@@ -1,18 +1,23 @@
-"""A KV cache that appends in place: detection's verification passes add a few rows to a cache of thousands.
+"""A KV cache that appends in place, for detection's verification passes and for generation.
 
 transformers' ``DynamicLayer.update`` appends with ``torch.cat``, which copies the whole cache on every
 forward call: at 5K tokens of SmolLM2 that is 2 x 30 x 3 x 5000 x 64 x 4 B = 230 MB read and written per
-pass, as much memory traffic as the pass's own weights. ``GrowingLayer`` keeps the keys and values in a
+pass, as much memory traffic as the pass's own weights; a generation step of one token pays it per token. ``GrowingLayer`` keeps the keys and values in a
 buffer with spare capacity and hands out views of the filled part; ``crop`` only moves the end. The
 fused kernel takes any row stride, so the views cost no copy there either.
 
-Capacity: when the caller knows how long the cache can get (``reserve``: the detector sets prompt length +
-max new tokens before each test), a buffer is allocated at exactly that size, so the cache never holds
+Capacity: when the caller knows how long the cache can get (``reserve``: prompt length + max new tokens,
+set by the detector before each test and by ``retmask generate`` before each batch), a buffer is allocated at exactly that size, so the cache never holds
 more than the longest test needs (a 50K-token detection must not pay for doubling). Without a hint it
-doubles when full, so appends cost amortised O(new tokens).
+doubles when full, so appends cost amortised O(new tokens). Batch reshuffles (beam search's reorder,
+``batch_repeat_interleave``, ``batch_select_indices``, :meth:`GrowingLayer.tile_batch`) build new buffers
+of the same capacity from the filled part.
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -83,6 +88,38 @@ class GrowingLayer(DynamicLayer):
         self._length = 0
         super().reset()
 
+    def _replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make ``keys`` / ``values`` ([B', Hkv, length, D]) the whole content, in buffers of the old capacity."""
+        capacity = self._key_buffer.shape[-2]
+        self._key_buffer = self._value_buffer = None
+        self._length = 0
+        hint, self.capacity_hint = self.capacity_hint, max(self.capacity_hint, capacity)
+        try:
+            self.update(keys, values)
+        finally:
+            self.capacity_hint = hint
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows ``beam_idx`` of the batch, in that order (beam search)."""
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (a LongTensor or a bool / slice index of the batch dimension)."""
+        if self.get_seq_length() > 0:
+            if torch.is_tensor(indices):
+                indices = indices.to(self.keys.device)
+            self._replace(self.keys[indices], self.values[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times in a row: rows [a, b] -> [a, a, b, b]."""
+        if self.get_seq_length() > 0:
+            self._replace(self.keys.repeat_interleave(repeats, 0), self.values.repeat_interleave(repeats, 0))
+
+    def tile_batch(self, copies: int) -> None:
+        """The whole batch ``copies`` times over: rows [a, b] -> [a, b, a, b] (``torch.cat`` order)."""
+        if self.get_seq_length() > 0:
+            self._replace(torch.cat([self.keys] * copies), torch.cat([self.values] * copies))
+
 
 def reserve(cache: DynamicCache, positions: int) -> None:
     """Tell ``cache``'s growing layers that it may reach ``positions`` tokens: the next buffer they
@@ -106,3 +143,10 @@ def growing_cache(model) -> DynamicCache:
         for layer in cache.layers
     ]
     return cache
+
+
+def cache_kwargs(model: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
+    """``{name: cache}`` for ``model``'s forward and ``generate``: ``cache`` in the transformers releases that
+    renamed the argument (it warns about ``past_key_values`` there), ``past_key_values`` before."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}

@@ -1,0 +1,67 @@
+"""``generate`` for a batch of stacked prompt copies: the in-place KV cache, and a prefill shared by the copies.
+
+RetMask's contrast batches hold every prompt ``copies`` times (chosen rows, then rejected rows) under a
+per-row head mask. :func:`generate_copies` calls transformers' ``generate`` with two changes that leave the
+tokens as they are (up to GEMM rounding of other row counts):
+
+* a ``GrowingLayer`` cache (``retmask.hf.kv_cache``) reserved for prompt + new tokens, so a decoding step
+  appends its keys in place instead of copying the whole cache with ``torch.cat``;
+* where the copies of a prompt agree on the layers below the first one they mask differently, those
+  layers run once per prompt in generate's prefill call (``retmask.hf.shared_prefill``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+
+from retmask.hf.heads import head_mask as masked_heads
+from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
+from retmask.hf.layers import head_layout
+from retmask.hf.shared_prefill import share_next_prefill, shared_layers
+
+
+@torch.no_grad()
+def generate_copies(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: GenerationConfig,
+    *,
+    copies: int = 1,
+    head_mask: torch.Tensor | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    share_prefill: bool = True,
+) -> torch.Tensor:
+    """``model.generate`` on a left-padded batch; returns the sequences [R, T + new] as generate does.
+
+    input_ids, attention_mask: [R, T] on the model's device; rows ``c * R / copies + i`` may be copies of
+    rows ``i`` (checked: a batch that is not is generated without sharing). config: ``max_new_tokens`` must
+    be set. head_mask: None or a per-row bool [R, L, Hq] (needs ``attn_implementation="retmask"``), applied
+    for the call. share_prefill: False always prefills every row (for comparisons).
+    """
+    if config.max_new_tokens is None:
+        raise ValueError("generate_copies needs config.max_new_tokens (the cache is reserved for it)")
+    cache = growing_cache(model)
+    reserve(cache, input_ids.shape[1] + config.max_new_tokens)
+    kwargs: dict[str, Any] = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "generation_config": config,
+    }
+    if logits_processor is not None:
+        kwargs["logits_processor"] = logits_processor
+    split = 0
+    if share_prefill and getattr(config, "prefill_chunk_size", None) is None:  # one prefill call, not chunks
+        split = shared_layers(input_ids, head_mask, copies, head_layout(model).num_layers)
+    with contextlib.ExitStack() as scope:
+        if head_mask is not None:
+            scope.enter_context(masked_heads(model, head_mask))
+        if split:
+            scope.enter_context(
+                share_next_prefill(model, input_ids.shape[0], copies, split, head_mask, cache)
+            )
+        return model.generate(**kwargs, **cache_kwargs(model, cache))
