@@ -27,6 +27,7 @@ _LAZY = {
     "patch_linears": "retmask.hf.linears",
     "set_head_mask": "retmask.hf",
     "export_masked": "retmask.hf.export",
+    "generate_copies": "retmask.hf.generation",
     "default_model_path": "retmask.hf.loading",
     "load_model": "retmask.hf.loading",
     "tap_qk": "retmask.hf.taps",
@@ -39,6 +40,7 @@ __all__ = [
     "clear_head_mask",
     "default_model_path",
     "export_masked",
+    "generate_copies",
     "head_mask",
     "kernels",
     "load_model",
@@ -52,6 +54,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects
     from retmask import kernels
     from retmask.hf import capture_argmax, clear_head_mask, head_mask, patch, set_head_mask
     from retmask.hf.export import export_masked
+    from retmask.hf.generation import generate_copies
     from retmask.hf.linears import patch_linears
     from retmask.hf.loading import default_model_path, load_model
     from retmask.hf.taps import tap_qk
