@@ -20,7 +20,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from retmask.hf.heads import head_mask as masked_heads
 from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
-from retmask.hf.layers import head_layout
+from retmask.hf.layers import decoder_layers, head_layout
 from retmask.hf.shared_prefill import share_next_prefill, shared_layers
 
 
@@ -55,7 +55,7 @@ def generate_copies(
     if logits_processor is not None:
         kwargs["logits_processor"] = logits_processor
     split = 0
-    if share_prefill and getattr(config, "prefill_chunk_size", None) is None:  # one prefill call, not chunks
+    if share_prefill and getattr(config, "prefill_chunk_size", None) is None and _layer_stack(model):
         split = shared_layers(input_ids, head_mask, copies, head_layout(model).num_layers)
     with contextlib.ExitStack() as scope:
         if head_mask is not None:
@@ -65,3 +65,13 @@ def generate_copies(
                 share_next_prefill(model, input_ids.shape[0], copies, split, head_mask, cache)
             )
         return model.generate(**kwargs, **cache_kwargs(model, cache))
+
+
+def _layer_stack(model: Any) -> bool:
+    """Whether the model's decoder layers are a plain stack the shared prefill can hook (one prefill call
+    over one ``ModuleList`` of layers); other models generate without sharing."""
+    try:
+        decoder_layers(model)
+    except ValueError:
+        return False
+    return True

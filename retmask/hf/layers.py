@@ -66,10 +66,18 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
 
 def decoder_layers(model: torch.nn.Module, layout: HeadLayout | None = None) -> tuple[torch.nn.Module, ...]:
     """The block around each attention module (``model.model.layers[l]`` in Llama-like models): the module
-    that holds ``layout.layers[l]`` as a direct child. Raises ValueError if one has no such parent."""
+    that holds ``layout.layers[l]`` as a direct child, where these blocks are the L entries of one
+    ``nn.ModuleList`` in layer order. Raises ValueError for a model built otherwise."""
     layout = layout or head_layout(model)
     parent_of = {id(child): module for module in model.modules() for child in module.children()}
     missing = [i for i, attn in enumerate(layout.layers) if id(attn) not in parent_of]
     if missing:
         raise ValueError(f"model '{layout.model_type}': no module holds the attention of layers {missing}")
-    return tuple(parent_of[id(attn)] for attn in layout.layers)
+    blocks = tuple(parent_of[id(attn)] for attn in layout.layers)
+    stack = parent_of.get(id(blocks[0]))
+    if not isinstance(stack, torch.nn.ModuleList) or tuple(stack) != blocks:
+        raise ValueError(
+            f"model '{layout.model_type}': the blocks around its attention modules are not one ModuleList of "
+            f"{layout.num_layers} decoder layers in layer order"
+        )
+    return blocks

@@ -142,3 +142,31 @@ def test_shared_prefill_error_leaves_no_hooks_and_restores_the_mask():
     assert all(m._retmask_skip is None and m._retmask_rows is None for m in layout.layers)
     got = generate_copies(model, ids, attn, _config(), copies=2, head_mask=mask)  # still works afterwards
     assert got.sequences.shape == (2 * B, ids.shape[1] + 6)
+
+
+def test_decoder_layers_want_one_stack_in_layer_order():
+    model = tiny_model("llama", num_hidden_layers=4)
+    assert decoder_layers(model) == tuple(model.model.layers)
+    model.model.layers = torch.nn.ModuleList(list(model.model.layers)[::-1])
+    with pytest.raises(ValueError, match="not one ModuleList"):
+        decoder_layers(model)
+
+
+def test_a_model_without_a_plain_layer_stack_generates_without_sharing(monkeypatch):
+    import retmask.hf.generation as generation
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    layout = head_layout(model)
+    mask = _rejected_mask(layout.num_layers, layout.num_heads, 2)
+    ids, attn = _copies()
+    with retmask.head_mask(model, mask), torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=attn, generation_config=_config())
+
+    def no_stack(_model, _layout=None):
+        raise ValueError("not one ModuleList")
+
+    monkeypatch.setattr(generation, "decoder_layers", no_stack)
+    bottom, _ = _rows_per_call(model)
+    got = generate_copies(model, ids, attn, _config(), copies=2, head_mask=mask)
+    assert torch.equal(got.sequences, want.sequences)
+    assert bottom[0] == 2 * B  # the prefill ran on every row
