@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import GenerationConfig
 
+from retmask.hf.generation import generate_copies
 from retmask.hf.layers import head_layout
 from retmask.hf.loading import max_context
 from retmask.hf.taps import tap_qk
@@ -339,13 +341,15 @@ def answer_accuracy(
     items = prepare(examples, tokenizer, limit)
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+    )  # fmt: skip
     rows = []
     for it in tqdm(items, desc="answers", unit="ex", disable=not progress):
         ids = torch.tensor([it.ids], device=device)
-        gen = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-        )  # fmt: skip
+        # generate with an in-place KV cache: a long document prompt is not copied at every new token
+        gen = generate_copies(model, ids, torch.ones_like(ids), config)
         text = tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
         first = text.strip().split("\n")[0]
         gold = _norm(it.example.answer)
