@@ -13,8 +13,8 @@ one from the head-masked model (rejected). Two ways to get both for a batch of 1
 
 Heads: ``--heads retrieval`` (default) masks the retrieval heads RetMask masks, mean score >= 0.1 in
 ``bench/results/smollm2_scores.json`` (20 heads, first in layer 17 of 30); ``--heads random`` masks 27
-seeded random heads (10%; pages before session 16), which reach down to the bottom layers, so (c) shares
-little there.
+seeded random heads (10%; what the pages written before this option masked), which reach down to the
+bottom layers, so (c) shares little there.
 
 Throughput = generated tokens (up to and including each row's EOS) / wall time. The runs are interleaved
 and repeated; the fastest repeat of each run is reported (the machine is shared: slower repeats measure
