@@ -24,9 +24,9 @@ Writes bench/results/generate_masks_<cpu kind>.{md,json,png} (one page per CPU k
 the CPU it was measured on).
 
 Why the gain is modest on a 2-core CPU: the prefill's linear layers are compute-bound (a batch of 32 costs
-twice a batch of 16), and a decode step of batch 32 costs about 1.3x one of batch 16 (the linears stream
-their weights either way, but the GEMMs' work doubles); (b) saves per-step overhead and (c) part of the
-prefill. On a GPU, where decode is memory-bound,
+twice a batch of 16), and a decode step of batch 32 costs about 1.3x one of batch 16 (small-row GEMMs
+run far below the bf16 peak, and their time grows with the rows); (b) saves per-step overhead and (c)
+part of the prefill. On a GPU, where decode is memory-bound,
 batch 32 costs about as much as batch 16 and the gain should approach 2x (not measured here).
 
 In bf16 (``--dtype bfloat16``, or ``auto`` on a CPU with native bf16; page ``..._bf16``) both ways run the
