@@ -44,7 +44,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=positive_int, default=512,
                    help="an instruction longer than this (tokens) is an error (default 512)")  # fmt: skip
     p.add_argument(
-        "--batch-size", type=positive_int, default=8, help="instructions per batch (2x rows; default 8)"
+        "--batch-size",
+        type=positive_int,
+        default=8,
+        help="instructions per batch (2x rows; default 8); larger batches are faster where memory allows",
     )
     p.add_argument("--limit", type=positive_int, help="use only the first N instructions")
     p.add_argument(
