@@ -40,8 +40,8 @@ def generate_copies(
 
     input_ids, attention_mask: [R, T] on the model's device; rows ``c * R / copies + i`` may be copies of
     rows ``i`` (checked: a batch that is not is generated without sharing). config: ``max_new_tokens`` must
-    be set. head_mask: None or a per-row bool [R, L, Hq] (needs ``attn_implementation="retmask"``), applied
-    for the call. share_prefill: False always prefills every row (for comparisons).
+    be set. head_mask: None, a per-row bool [R, L, Hq] or a shared [L, Hq] (needs
+    ``attn_implementation="retmask"``), applied for the call. share_prefill: False always prefills every row (for comparisons).
     """
     if config.max_new_tokens is None:
         raise ValueError("generate_copies needs config.max_new_tokens (the cache is reserved for it)")
@@ -55,7 +55,8 @@ def generate_copies(
     if logits_processor is not None:
         kwargs["logits_processor"] = logits_processor
     split = 0
-    if share_prefill and getattr(config, "prefill_chunk_size", None) is None and _layer_stack(model):
+    one_prefill_call = getattr(config, "prefill_chunk_size", None) is None  # not a chunked prefill
+    if share_prefill and copies > 1 and one_prefill_call and _layer_stack(model):
         split = shared_layers(input_ids, head_mask, copies, head_layout(model).num_layers)
     with contextlib.ExitStack() as scope:
         if head_mask is not None:
