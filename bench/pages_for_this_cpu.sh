@@ -53,5 +53,7 @@ if [[ "$native_bf16" == 1 ]]; then
     step generate-masks-bf16 python bench/bench_generate_masks.py --dtype bfloat16
 fi
 step generate-masks python bench/bench_generate_masks.py
+# the heads of the pages written before --heads (comparable across CPU kinds measured earlier)
+step generate-masks-random python bench/bench_generate_masks.py --heads random
 step padded-backward python bench/bench_padded_backward.py
 echo "pages written: bench/results/*_$kind*"
