@@ -20,7 +20,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from retmask.hf.heads import head_mask as masked_heads
 from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
-from retmask.hf.layers import decoder_layers, head_layout
+from retmask.hf.layers import decoder_layers
 from retmask.hf.shared_prefill import share_next_prefill, shared_layers
 
 
@@ -56,8 +56,8 @@ def generate_copies(
         kwargs["logits_processor"] = logits_processor
     split = 0
     one_prefill_call = getattr(config, "prefill_chunk_size", None) is None  # not a chunked prefill
-    if share_prefill and copies > 1 and one_prefill_call and _layer_stack(model):
-        split = shared_layers(input_ids, head_mask, copies, head_layout(model).num_layers)
+    if share_prefill and copies > 1 and one_prefill_call:
+        split = shared_layers(input_ids, head_mask, copies, _stacked_layers(model))
     with contextlib.ExitStack() as scope:
         if head_mask is not None:
             scope.enter_context(masked_heads(model, head_mask))
@@ -68,11 +68,10 @@ def generate_copies(
         return model.generate(**kwargs, **cache_kwargs(model, cache))
 
 
-def _layer_stack(model: Any) -> bool:
-    """Whether the model's decoder layers are a plain stack the shared prefill can hook (one prefill call
-    over one ``ModuleList`` of layers); other models generate without sharing."""
+def _stacked_layers(model: Any) -> int:
+    """L where the model's decoder layers are a plain stack the shared prefill can hook (one
+    ``ModuleList`` in layer order), else 0: such models generate without sharing."""
     try:
-        decoder_layers(model)
+        return len(decoder_layers(model))
     except ValueError:
-        return False
-    return True
+        return 0

@@ -16,6 +16,7 @@ of the same capacity from the filled part.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -93,11 +94,8 @@ class GrowingLayer(DynamicLayer):
         capacity = self._key_buffer.shape[-2]
         self._key_buffer = self._value_buffer = None
         self._length = 0
-        hint, self.capacity_hint = self.capacity_hint, max(self.capacity_hint, capacity)
-        try:
-            self.update(keys, values)
-        finally:
-            self.capacity_hint = hint
+        self._reserve(max(capacity, keys.shape[-2]), keys, values)
+        self.update(keys, values)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Rows ``beam_idx`` of the batch, in that order (beam search)."""
@@ -148,5 +146,11 @@ def growing_cache(model) -> DynamicCache:
 def cache_kwargs(model: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
     """``{name: cache}`` for ``model``'s forward and ``generate``: ``cache`` in the transformers releases that
     renamed the argument (it warns about ``past_key_values`` there), ``past_key_values`` before."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
+    return {_cache_argument(type(model)): cache}
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    """The cache argument's name in ``model_class.forward`` (read once per class: detection calls
+    ``cache_kwargs`` on every forward pass)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"

@@ -18,6 +18,7 @@ import torch
 from retmask.kernels import attention, cpu_autotune, cpu_blocked, decision_cache, reference_attention
 from retmask.kernels import cpu as cpu_backend
 
+from . import fake_clock
 from .helpers import left_padding_mask, make_qkv
 
 
@@ -31,22 +32,16 @@ def auto(monkeypatch, tmp_path):
     cpu_autotune.clear_memory()
 
 
-class FakeClock:
-    """A perf_counter that only the fake runner advances: each path "takes" its given seconds and
-    returns ``results[path]`` (default: the same output for every path, no argmax)."""
+class FakeClock(fake_clock.FakeClock):
+    """Each path "takes" its given seconds and returns ``results[path]`` (default: the same output for
+    every path, no argmax)."""
 
     def __init__(self, cost: dict[str, float], results: dict[str, tuple] | None = None):
-        self.now = 0.0
-        self.cost = cost
+        super().__init__(cost)
         self.results = results or {}
-        self.calls: list[str] = []
-
-    def perf_counter(self) -> float:
-        return self.now
 
     def run(self, path: str, call: dict) -> tuple:
-        self.calls.append(path)
-        self.now += self.cost[path]
+        self.tick(path)
         return self.results.get(path, (torch.ones(2, 3), None))
 
 

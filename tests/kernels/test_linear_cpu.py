@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from retmask.kernels import decision_cache, linear_cpu
 
+from . import fake_clock
+
 
 @pytest.fixture
 def onednn(monkeypatch):
@@ -162,21 +164,15 @@ def test_forced_onednn_without_onednn_is_an_error(onednn, monkeypatch):
 # ---- the decision -------------------------------------------------------------------------------------
 
 
-class FakeClock:
-    """A perf_counter that only the fake runner advances: each backend "takes" its given seconds."""
+class FakeClock(fake_clock.FakeClock):
+    """Each backend "takes" its given seconds; oneDNN's result is off by ``perturb_onednn``."""
 
     def __init__(self, cost: dict[str, float], perturb_onednn: float = 0.0):
-        self.now = 0.0
-        self.cost = cost
+        super().__init__(cost)
         self.perturb = perturb_onednn
-        self.calls: list[str] = []
-
-    def perf_counter(self) -> float:
-        return self.now
 
     def run(self, backend: str, call: dict) -> tuple:
-        self.calls.append(backend)
-        self.now += self.cost[backend]
+        self.tick(backend)
         result = linear_cpu.run_backend("torch", call)
         return tuple(r + self.perturb for r in result) if backend == "onednn" else result
 
