@@ -10,8 +10,9 @@ Steps (each a ``retmask`` command, run as a subprocess; finished steps are skipp
      labelled`` (retmask's default: TRL's fused LM head projects only the completion positions) and ``all``
      (TRL's own CPU behaviour: every position), and once more in float32 with the linears on torch's
      ``nn.Linear`` (``RETMASK_CPU_LINEAR=torch``, against retmask's measured fp32 linear backend); same
-     pairs, seed, order and steps. The five variants run in A B C D E E D C B A order (``--repeats 2``,
-     default) so that drift of the shared machine hits all alike.
+     pairs, seed, order and steps; and in both dtypes with TRL's own CPU kernel for the fused LM head
+     (``RETMASK_LM_HEAD=trl``) instead of retmask's ``CPUChunkedLogProb``. The seven variants run in
+     A B ... G G ... B A order (``--repeats 2``, default) so that drift of the shared machine hits all alike.
      Each run's ``retmask_train.json`` gives the per-step losses and the seconds per optimizer step.
 
 The learning rate defaults to 2e-5, 40x the paper's 5e-7: at 5e-7 the loss barely leaves ln 2 in a few
@@ -52,7 +53,19 @@ POSITIONS = ("labelled", "all")  # retmask's default first, then TRL's own CPU p
 # fp32 with the linears on torch's nn.Linear (RETMASK_CPU_LINEAR=torch): what retmask's measured fp32
 # linear backend (retmask.kernels.linear_cpu) saves or costs in a DPO step on this CPU.
 TORCH_LINEARS = "float32/torch-linears"
-VARIANTS = tuple((d, p) for p in POSITIONS for d in DTYPES) + ((TORCH_LINEARS, "labelled"),)
+# TRL's own fused-LM-head kernel on the CPU (RETMASK_LM_HEAD=trl) instead of retmask's CPUChunkedLogProb.
+TRL_HEAD = {d: f"{d}/trl-head" for d in DTYPES}
+# What a variant's "/option" sets in the environment of its `retmask train` subprocess.
+OPTION_ENV = {
+    "": {},
+    "torch-linears": {"RETMASK_CPU_LINEAR": "torch"},
+    "trl-head": {"RETMASK_LM_HEAD": "trl"},
+}
+VARIANTS = (
+    tuple((d, p) for p in POSITIONS for d in DTYPES)
+    + ((TORCH_LINEARS, "labelled"),)
+    + tuple((TRL_HEAD[d], "labelled") for d in DTYPES)
+)
 
 
 def schedule(repeats: int) -> list[tuple[str, str, int]]:
@@ -128,16 +141,17 @@ def main() -> None:
              None, log)  # fmt: skip
     every: dict[tuple[str, str], list[dict]] = {v: [] for v in VARIANTS}
     for variant, positions, r in schedule(args.repeats):
-        dtype, _, linears = variant.partition("/")
+        dtype, _, option = variant.partition("/")
         out = w / f"train_{variant.replace('/', '_')}_{positions}_{r}"
-        os.environ["RETMASK_CPU_LINEAR"] = "torch" if linears else "auto"  # the subprocess inherits it
+        os.environ.update({"RETMASK_CPU_LINEAR": "auto", "RETMASK_LM_HEAD": "retmask"})
+        os.environ.update(OPTION_ENV[option])  # the subprocess inherits it
         run_step([*py, "train", "--pairs", str(pairs), "--out", str(out), "--dtype", dtype,
                   "--lm-head-positions", positions, "--max-steps", str(args.steps),
                   "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum), "--lr", str(args.lr),
                   "--seed", "0", "--overwrite"],
                  out / "retmask_train.json", log)  # fmt: skip
         every[variant, positions].append(json.loads((out / "retmask_train.json").read_text()))
-    os.environ["RETMASK_CPU_LINEAR"] = "auto"
+    os.environ.update({"RETMASK_CPU_LINEAR": "auto", "RETMASK_LM_HEAD": "retmask"})
     runs = {d: every[d, "labelled"] for d in DTYPES}  # the loss comparison: retmask's default head
 
     # Runs of one variant are the same computation: their losses must agree (a check of the bench itself).
@@ -164,6 +178,21 @@ def main() -> None:
             )
         )
     )
+    # retmask's CPU LM head against TRL's kernel on the same runs otherwise (same pairs, head positions).
+    trl_head = {
+        d: {
+            "trl_s": step_median[TRL_HEAD[d], "labelled"],
+            "ratio": step_median[d, "labelled"] / step_median[TRL_HEAD[d], "labelled"],
+            "max_abs_loss_diff": float(
+                np.max(
+                    np.abs(
+                        np.array(losses[d][:n]) - np.array(every[TRL_HEAD[d], "labelled"][0]["losses"][:n])
+                    )
+                )
+            ),
+        }
+        for d in DTYPES
+    }
     time_rows = [
         [p, f"{step_median['float32', p]:.2f}", f"{step_median['bfloat16', p]:.2f}",
          f"{step_median['bfloat16', p] / step_median['float32', p]:.2f}x"]
@@ -213,6 +242,14 @@ def main() -> None:
         f"{step_median['float32', 'labelled'] / step_median[TORCH_LINEARS, 'labelled']:.2f}x of it, and bf16 "
         f"{step_median['bfloat16', 'labelled'] / step_median[TORCH_LINEARS, 'labelled']:.2f}x (largest |Δ loss| "
         f"against retmask's fp32 run: {torch_linears_diff:.2e}).",
+        "- The fused LM head on TRL's own CPU kernel (`RETMASK_LM_HEAD=trl`, head `labelled`) instead of "
+        "retmask's `CPUChunkedLogProb`: "
+        + "; ".join(
+            f"{d} {trl_head[d]['trl_s']:.2f} s/step, retmask's head takes {trl_head[d]['ratio']:.2f}x of it "
+            f"(largest |Δ loss| {trl_head[d]['max_abs_loss_diff']:.2e})"
+            for d in DTYPES
+        )
+        + ".",
         f"- Largest |Δ loss| between `labelled` and `all` over {n} steps: fp32 {head_diff['float32']:.2e}, "
         f"bf16 {head_diff['bfloat16']:.2e} (the same losses computed on fewer GEMM rows; bf16 rounds differently).",
         "",
@@ -228,6 +265,7 @@ def main() -> None:
         "seconds_per_step_median": {f"{d} {p}": t for (d, p), t in step_median.items()},
         "losses_all_positions": {d: every[d, "all"][0]["losses"] for d in DTYPES},
         "max_abs_loss_diff_labelled_vs_all": head_diff,
+        "retmask_head_vs_trl_head": trl_head,
     }  # fmt: skip
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     plot(stem.with_suffix(".png"), losses, step_median, title)

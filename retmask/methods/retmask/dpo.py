@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from retmask.hf.loading import load_model
-from retmask.methods.retmask.fused_head import check_positions, labelled_positions_only
+from retmask.methods.retmask.fused_head import (
+    check_positions,
+    cpu_lm_head,
+    labelled_positions_only,
+    lm_head_impl,
+)
 from retmask.methods.retmask.pairs import Pairs, read_pairs_file
 from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
 
@@ -48,7 +53,7 @@ def _bind(trainer: Any, callbacks: list | None) -> None:
 
 
 def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pairs, lengths: LengthReport,
-            seconds: float, mode: str) -> TrainResult:  # fmt: skip
+            seconds: float, mode: str, lm_head: str | None = None) -> TrainResult:  # fmt: skip
     """Save the trained model + tokenizer and a ``retmask_train.json`` summary in ``out``."""
     trainer.save_model(str(out))
     tokenizer.save_pretrained(str(out))
@@ -61,6 +66,8 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
         "config": asdict(cfg), "lengths": asdict(lengths),
         "log_history": trainer.state.log_history,  # every logged entry (losses, rewards, retrieval/* telemetry)
     }  # fmt: skip
+    if lm_head is not None:
+        summary["lm_head"] = lm_head  # who computed the fused LM head's log-probabilities on the CPU
     (out / "retmask_train.json").write_text(json.dumps(summary, indent=1))
     return result
 
@@ -83,6 +90,7 @@ def train_dpo(
 
     cfg = cfg or TrainConfig()
     check_positions(cfg.lm_head_positions)  # before loading anything, like the pairs file
+    lm_head_impl()  # a bad $RETMASK_LM_HEAD fails here too
     pairs = read_pairs_file(pairs_path)  # before loading anything: a wrong file fails fast
     if model is None:
         model, tokenizer = load_model(model_spec)
@@ -99,9 +107,9 @@ def train_dpo(
     )  # fmt: skip
     _bind(trainer, callbacks)
     start = time.perf_counter()
-    with labelled_positions_only(cfg.lm_head_positions):
+    with labelled_positions_only(cfg.lm_head_positions), cpu_lm_head() as head:
         trainer.train()
-    return _finish(trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo")
+    return _finish(trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo", head)
 
 
 def train_sft(

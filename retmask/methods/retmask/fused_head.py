@@ -13,16 +13,24 @@ to one length. For SmolLM2-135M (49K vocabulary) on a 2-core CPU the head was 42
 :func:`labelled_positions_only` makes the head take its compact path on a CPU inside a ``with`` block
 (``retmask train`` wraps the training loop in it). The scored positions' log-probabilities are the same
 computation on fewer rows of the same GEMM; the skipped ones were masked to zero either way.
+
+:func:`cpu_lm_head` (also entered by ``retmask train``) runs the head itself on CPU tensors with
+``retmask.kernels.logprob_cpu.CPUChunkedLogProb`` instead of TRL's kernel, whose torch fallback for
+devices without Triton spends most of its time outside the GEMMs (see that module).
+``RETMASK_LM_HEAD=trl`` keeps TRL's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 # "labelled": the compact path on a CPU (default); "all": TRL's own choice for the device.
 LM_HEAD_POSITIONS = ("labelled", "all")
+LM_HEAD_ENV = "RETMASK_LM_HEAD"
+LM_HEAD_IMPLS = ("retmask", "trl")  # who computes the head's log-probabilities on CPU tensors
 
 
 def check_positions(positions: str) -> None:
@@ -67,3 +75,45 @@ def labelled_positions_only(positions: str = "labelled") -> Iterator[bool]:
         yield True
     finally:
         trl_utils._use_triton = original
+
+
+def lm_head_impl() -> str:
+    """``$RETMASK_LM_HEAD`` (``retmask``, the default, or ``trl``); ValueError naming the variable
+    for anything else."""
+    value = os.environ.get(LM_HEAD_ENV, "retmask").strip().lower() or "retmask"
+    if value not in LM_HEAD_IMPLS:
+        raise ValueError(f"{LM_HEAD_ENV}={value!r}: must be one of {LM_HEAD_IMPLS}")
+    return value
+
+
+@contextlib.contextmanager
+def cpu_lm_head(impl: str | None = None) -> Iterator[str]:
+    """Inside the block, TRL's fused LM head computes on CPU tensors with retmask's
+    ``CPUChunkedLogProb`` (same arguments, outputs and gradients as TRL's kernel); other devices keep
+    TRL's. ``impl``: ``"retmask"`` or ``"trl"`` (nothing changed); default ``$RETMASK_LM_HEAD``.
+    Yields the implementation in effect: ``"trl"`` also where this TRL has no such kernel to replace.
+    Undone on exit, exceptions included."""
+    impl = lm_head_impl() if impl is None else impl
+    if impl not in LM_HEAD_IMPLS:
+        raise ValueError(f"lm head implementation must be one of {LM_HEAD_IMPLS}, got {impl!r}")
+    switch = _trl_switch()
+    original = getattr(switch[0], "_ChunkedLogProbFunction", None) if switch is not None else None
+    if impl == "trl" or original is None or not hasattr(original, "apply"):
+        yield "trl"
+        return
+    trl_utils = switch[0]
+    from retmask.kernels.logprob_cpu import CPUChunkedLogProb
+
+    class OnCPU:
+        """TRL's ``_ChunkedLogProbFunction`` seen by its fused forward: retmask's on CPU tensors."""
+
+        @staticmethod
+        def apply(hidden: Any, *args: Any) -> Any:
+            on_cpu = getattr(hidden, "device", None) is not None and hidden.device.type == "cpu"
+            return (CPUChunkedLogProb if on_cpu else original).apply(hidden, *args)
+
+    trl_utils._ChunkedLogProbFunction = OnCPU
+    try:
+        yield "retmask"
+    finally:
+        trl_utils._ChunkedLogProbFunction = original

@@ -97,3 +97,53 @@ def test_bad_positions_value():
     with pytest.raises(ValueError, match="'labelled', 'all'"):
         with labelled_positions_only("completion"):
             pass
+
+
+def test_cpu_lm_head_runs_retmask_kernel_with_trl_values_and_gradients(fused_model, monkeypatch):
+    """Inside ``cpu_lm_head`` TRL's fused forward computes with ``CPUChunkedLogProb``: same
+    log-probabilities, loss and gradients as TRL's kernel (fp32), and the switch is undone."""
+    import trl.trainer.utils as trl_utils
+
+    import retmask.kernels.logprob_cpu as lp
+    from retmask.methods.retmask.fused_head import cpu_lm_head
+
+    calls: list[int] = []
+    original_apply = lp.CPUChunkedLogProb.apply
+    monkeypatch.setattr(
+        lp.CPUChunkedLogProb, "apply", lambda *a: calls.append(a[0].shape[0]) or original_apply(*a)
+    )
+    ids, attention, labels = batch(2)
+    twin = copy.deepcopy(fused_model)
+    before = trl_utils._ChunkedLogProbFunction
+    out_trl = fused_model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True)
+    with labelled_positions_only(), cpu_lm_head("retmask") as impl:
+        out_ours = twin(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True)
+    assert impl == "retmask" and calls == [int((labels[:, 1:] != -100).sum())]
+    assert trl_utils._ChunkedLogProbFunction is before
+    torch.testing.assert_close(out_ours.log_probs, out_trl.log_probs, rtol=0, atol=1e-5)
+    out_trl.loss.backward()
+    out_ours.loss.backward()
+    for (name, p_trl), p_ours in zip(fused_model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p_ours.grad, p_trl.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_cpu_lm_head_choice_and_errors(monkeypatch):
+    import trl.trainer.utils as trl_utils
+
+    from retmask.methods.retmask.fused_head import LM_HEAD_ENV, cpu_lm_head, lm_head_impl
+
+    before = trl_utils._ChunkedLogProbFunction
+    monkeypatch.setenv(LM_HEAD_ENV, "trl")
+    with cpu_lm_head() as impl:
+        assert impl == "trl" and trl_utils._ChunkedLogProbFunction is before
+    monkeypatch.setenv(LM_HEAD_ENV, "liger")
+    with pytest.raises(ValueError, match="RETMASK_LM_HEAD='liger'"):
+        lm_head_impl()
+    with pytest.raises(ValueError, match="'retmask', 'trl'"):
+        with cpu_lm_head("fast"):
+            pass
+    with pytest.raises(RuntimeError, match="inside"):
+        with cpu_lm_head("retmask"):
+            assert trl_utils._ChunkedLogProbFunction is not before
+            raise RuntimeError("inside")
+    assert trl_utils._ChunkedLogProbFunction is before

@@ -54,6 +54,7 @@ def test_train_two_steps_change_weights(tiny_dir, pairs_file, tmp_path, capsys, 
     summary = json.loads((out / "retmask_train.json").read_text())
     assert summary["mode"] == ("sft" if sft else "dpo") and summary["steps"] == 2
     assert summary["config"]["lm_head_positions"] == "labelled"  # TRL's fused head: completions only
+    assert summary.get("lm_head") == (None if sft else "retmask")  # DPO's head: retmask's CPU kernel
     assert len(summary["losses"]) == 2 and all(torch.isfinite(torch.tensor(summary["losses"])))
     before, after = weights(tiny_dir), weights(out)
     changed = [k for k in before if not torch.equal(before[k], after[k])]
