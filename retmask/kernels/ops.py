@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from . import backward_precision
 from .chunked import chunked_grads
 from .padded_sdpa import key_runs, sdpa_over_key_runs
 from .reference import allowed_keys
@@ -237,14 +238,48 @@ def recompute_grads(
             grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
+    if _half_precision_on_cpu_eager(q):
+        case = backward_precision.case_of(q, k, causal, key_padding_mask is not None)
+        if backward_precision.precision_for(case, _proxy_grads) == "fp32":
+            dq, dk, dv = _sdpa_grads(
+                grad_out.float(), q.float(), k.float(), v.float(), causal=causal, sm_scale=sm_scale,
+                key_padding_mask=key_padding_mask, skip_heads=skip_heads,
+            )  # fmt: skip
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+    dq, dk, dv = _sdpa_grads(
+        grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
+        skip_heads=skip_heads,
+    )  # fmt: skip
+    return dq, dk, dv, None
+
+
+def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_heads):
+    """(dq, dk, dv) of ``recompute_attention`` at (q, k, v) for ``grad_out``, in their dtype."""
     with torch.enable_grad():
         qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
         recomputed = recompute_attention(
             qr, kr, vr, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads,
         )  # fmt: skip
-        dq, dk, dv = torch.autograd.grad(recomputed, (qr, kr, vr), grad_out)
-    return dq, dk, dv, None
+        return torch.autograd.grad(recomputed, (qr, kr, vr), grad_out)
+
+
+def _half_precision_on_cpu_eager(q: torch.Tensor) -> bool:
+    """Whether the backward's precision is a measured choice (``backward_precision``) for this call."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _proxy_grads(precision: str, call: dict) -> tuple[torch.Tensor, ...]:
+    """The gradients of a ``backward_precision`` proxy call in its dtype ("native") or in fp32."""
+    tensors = [call[name] for name in ("grad_out", "q", "k", "v")]
+    if precision == "fp32":
+        tensors = [t.float() for t in tensors]
+    return _sdpa_grads(*tensors, causal=call["causal"], sm_scale=call["sm_scale"],
+                       key_padding_mask=call["key_padding_mask"], skip_heads=None)  # fmt: skip
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.hf.loading import load_model
+from retmask.kernels import backward_precision, linear_cpu
 from retmask.methods.retmask.fused_head import (
     check_positions,
     cpu_lm_head,
@@ -68,6 +69,11 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
     }  # fmt: skip
     if lm_head is not None:
         summary["lm_head"] = lm_head  # who computed the fused LM head's log-probabilities on the CPU
+    # the measured CPU choices this run used: fp32 linear backends, bf16 / fp16 attention backward precision
+    summary["cpu_decisions"] = {
+        "linears": {name: d["backend"] for name, d in linear_cpu.decisions().items()},
+        "attention_backward": {name: d["precision"] for name, d in backward_precision.decisions().items()},
+    }
     (out / "retmask_train.json").write_text(json.dumps(summary, indent=1))
     return result
 
