@@ -5,8 +5,8 @@ and what ``retmask.kernels.backward_precision`` decides for each shape on this m
 SmolLM2's attention shape (9 query heads, 3 kv heads, head dim 64), causal, square (training), the last
 batch row right-padded by a quarter; batch 1 and 4; 64-2,048 keys. Both precisions interleaved in one
 process, median of ``--repeats`` calls; max |Δ| of the gradients between the two, relative to their
-scale. The decision column is the autotuner's own measurement (on its proxy call, keys rounded up to
-a multiple of 64), made in a fresh cache folder.
+scale. The decision column is the autotuner's own measurement (on its proxy call of the same keys below
+512, keys rounded up to a multiple of 64 from there), made in a fresh cache folder.
 
 Writes bench/results/attention_backward_<cpu kind>.{md,json,png}.
 
@@ -104,8 +104,9 @@ def main() -> None:
         f"SDPA recompute + backward (`retmask.kernels.ops.recompute_grads`), {HEADS} / {KV_HEADS} heads, head dim "
         f"{HEAD_DIM}, causal, last row right-padded by a quarter. Median of {args.repeats} interleaved calls. "
         f"`auto` decides fp32 at <= {backward_precision.FP32_MAX_RATIO} of the bf16 time on its own proxy "
-        f"(keys rounded up to {backward_precision.KEYS_BUCKET}); from {backward_precision.MAX_KEYS} keys on it "
-        "keeps bf16 without measuring.",
+        f"(the same keys below {backward_precision.EXACT_KEYS}, rounded up to a multiple of "
+        f"{backward_precision.KEYS_BUCKET} from there); from {backward_precision.MAX_KEYS} keys on it keeps bf16 "
+        "without measuring. Separate measurements of one cell move by 10-15% on this machine.",
         "",
         markdown_table(
             ["batch", "keys", "bf16", "fp32", "fp32 / bf16", "grad Δ / scale", "auto decides"], rows

@@ -11,7 +11,10 @@ measured once per case on a seeded proxy call, both interleaved, and cached like
 decisions (``decision_cache``):
 
 * a :class:`BackwardCase` is (dtype, batch up to ``MAX_PROXY_BATCH``, query heads, kv heads, head dim,
-  keys rounded up to ``KEYS_BUCKET``, square or not, causal, masked, threads);
+  keys, square or not, causal, masked, threads). Keys are exact below ``EXACT_KEYS`` (SDPA's bf16 time
+  is not monotone in them: on that EPYC 192 keys took 10.6 ms and 163 keys 11.9 ms, a multiple of 64
+  being fast) and rounded up to ``KEYS_BUCKET`` from there, so that a training run with many padded
+  lengths measures a bounded number of cases (each once per machine, ~0.1-0.5 s);
 * fp32 is used at <= ``FP32_MAX_RATIO`` of the native time; from ``MAX_KEYS`` keys on the native
   backward is kept without measuring (fp32 copies double the memory there, and it lost on every shape
   measured).
@@ -37,6 +40,7 @@ PRECISION_ENV = "RETMASK_CPU_ATTN_BWD"
 PRECISION_CHOICES = ("auto", "native", "fp32")
 FP32_MAX_RATIO = 0.9
 KEYS_BUCKET = 64
+EXACT_KEYS = 512
 MAX_KEYS = 2048
 MAX_PROXY_BATCH = 4
 CACHE_FILE = "cpu_attention_backward.json"
@@ -53,7 +57,7 @@ class BackwardCase(NamedTuple):
     q_heads: int
     kv_heads: int
     head_dim: int
-    keys: int  # rounded up to KEYS_BUCKET
+    keys: int  # exact below EXACT_KEYS, else rounded up to KEYS_BUCKET
     square: bool  # as many queries as keys (training), else queries = min(keys, KEYS_BUCKET)
     causal: bool
     masked: bool
@@ -70,9 +74,10 @@ class BackwardCase(NamedTuple):
 def case_of(q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool) -> BackwardCase:
     """The case of a call with q: [B, Hq, M, D], k: [B, Hkv, N, D]."""
     n = k.shape[2]
+    keys = n if n < EXACT_KEYS else -(-n // KEYS_BUCKET) * KEYS_BUCKET
     return BackwardCase(
         str(q.dtype).removeprefix("torch."), min(q.shape[0], MAX_PROXY_BATCH), q.shape[1], k.shape[1], q.shape[3],
-        -(-n // KEYS_BUCKET) * KEYS_BUCKET, q.shape[2] == n, bool(causal), bool(masked), torch.get_num_threads(),
+        keys, q.shape[2] == n, bool(causal), bool(masked), torch.get_num_threads(),
     )  # fmt: skip
 
 
@@ -139,7 +144,7 @@ def proxy_call(case: BackwardCase) -> dict[str, Any]:
 
 
 def measure(case: BackwardCase, run: Runner, *, min_calls: int = 3, max_calls: int = 9,
-            budget_s: float = 0.3) -> dict[str, Any]:  # fmt: skip
+            budget_s: float = 0.15) -> dict[str, Any]:  # fmt: skip
     """Time both precisions on the proxy of ``case``, interleaved; the decision dict."""
     call = proxy_call(case)
     median, n = interleaved_medians(

@@ -106,7 +106,7 @@ def test_decisions_are_cached_on_disk_and_reused(auto, monkeypatch):
     grads(q, k, v, grad_out, None)
     grads(q, k, v, grad_out, None)
     assert measured == [
-        bp.BackwardCase("bfloat16", 3, 4, 2, 16, 128, True, True, False, torch.get_num_threads())
+        bp.BackwardCase("bfloat16", 3, 4, 2, 16, 70, True, True, False, torch.get_num_threads())
     ]
     cases = json.loads(auto.read_text())["machines"][bp._store.machine_key()]["cases"]
     assert cases[measured[0].name()]["precision"] == "fp32"
@@ -115,6 +115,12 @@ def test_decisions_are_cached_on_disk_and_reused(auto, monkeypatch):
     assert len(measured) == 1 and bp.decisions()[measured[0].name()]["precision"] == "fp32"
     grads(q[:, :, :10], k, v, grad_out[:, :, :10], None, causal=False)  # 10 queries, 70 keys: another case
     assert len(measured) == 2 and measured[1].square is False and measured[1].causal is False
+
+
+def test_keys_are_exact_below_512_then_bucketed():
+    q, _, _ = make_qkv(1, 4, 2, 1, 1, 16)
+    keys = [bp.case_of(q, torch.empty(1, 2, n, 16), True, False).keys for n in (163, 511, 512, 513, 600)]
+    assert keys == [163, 511, 512, 576, 640]
 
 
 def test_long_calls_stay_native_without_measuring(auto, monkeypatch):
