@@ -173,7 +173,9 @@ class CPUChunkedLogProb(torch.autograd.Function):
         width = vocab_chunk(min(n_rows, TOKEN_CHUNK), vocab, chunk_size)
         # One tile for the whole call (a DPO batch of a few hundred completion tokens): keep its logits
         # for the backward instead of computing them again there.
-        keep_tile = n_rows <= TOKEN_CHUNK and width == vocab and torch.is_grad_enabled()
+        # (forward runs without grad mode: ask which inputs want a gradient; under no_grad the context and
+        # the tile are dropped as soon as apply returns)
+        keep_tile = n_rows <= TOKEN_CHUNK and width == vocab and any(ctx.needs_input_grad[:3])
         parts = []
         for t0 in range(0, n_rows, TOKEN_CHUNK):
             t1 = min(t0 + TOKEN_CHUNK, n_rows)

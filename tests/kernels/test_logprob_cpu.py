@@ -177,3 +177,22 @@ def test_bfloat16_autocast_is_within_bf16_rounding_of_float64():
         errors = {name: ((g[i].double() - rp.grad).abs().max() / scale).item() for name, g in grads.items()}
         # bf16 inputs and products: about 2^-8 relative; no worse than TRL's fp32-accumulated products x2
         assert errors["retmask"] < 2e-2 and errors["retmask"] < 2 * errors["trl"] + 1e-3, errors
+
+
+def test_a_one_tile_call_keeps_its_logits_for_the_backward(monkeypatch, small_tiles):
+    """One token chunk and one vocab chunk: the backward reuses the forward's logits (one product in
+    all); with several vocab chunks it computes each tile again."""
+    calls = []
+    original = lp._logits_tile
+    monkeypatch.setattr(lp, "_logits_tile", lambda *a: calls.append(a[1].shape[0]) or original(*a))
+    h, w, _, t = inputs(12, 8, 100, False, seed=6)
+    hidden = h.clone().requires_grad_()
+    CPUChunkedLogProb.apply(hidden, w, None, t, 1.0, 32, None, 1.0, ("log_probs",))[0].sum().backward()
+    assert calls == [100]
+    kept = hidden.grad.clone()
+    calls.clear()
+    small_tiles(12, 32)  # one token chunk of 12 rows, vocab chunks of 32
+    hidden.grad = None
+    CPUChunkedLogProb.apply(hidden, w, None, t, 1.0, 32, None, 1.0, ("log_probs",))[0].sum().backward()
+    assert calls == [32, 32, 32, 4] * 2
+    torch.testing.assert_close(hidden.grad, kept, rtol=1e-5, atol=1e-6)
