@@ -237,7 +237,8 @@ def main() -> None:
         f"- **bf16 / fp32 = {ratio:.2f}x** with retmask's default head; `labelled` / `all`: fp32 "
         f"{step_median['float32', 'labelled'] / step_median['float32', 'all']:.2f}x, bf16 "
         f"{step_median['bfloat16', 'labelled'] / step_median['bfloat16', 'all']:.2f}x.",
-        f"- fp32 with the linears on torch's `nn.Linear` (`RETMASK_CPU_LINEAR=torch`, head `labelled`): "
+        f"- fp32 with the linears on torch's `nn.Linear` (`RETMASK_CPU_LINEAR=torch`, head `labelled`, "
+        "retmask's LM head as in every variant not marked `trl-head`): "
         f"{step_median[TORCH_LINEARS, 'labelled']:.2f} s/step; retmask's measured fp32 linears take "
         f"{step_median['float32', 'labelled'] / step_median[TORCH_LINEARS, 'labelled']:.2f}x of it, and bf16 "
         f"{step_median['bfloat16', 'labelled'] / step_median[TORCH_LINEARS, 'labelled']:.2f}x (largest |Δ loss| "
