@@ -26,14 +26,13 @@ tracing, keep the inputs' dtype.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from .cpuinfo import cpu_family, cpu_flags, cpu_model
+from .cpuinfo import cpu_identity
 from .decision_cache import DecisionCache, DecisionStore, forced_choice, interleaved_medians
 
 PRECISION_ENV = "RETMASK_CPU_ATTN_BWD"
@@ -87,12 +86,8 @@ def forced_precision() -> str:
 
 
 def _describe_machine() -> dict[str, str]:
-    return {
-        "cpu": cpu_model(),
-        "family": cpu_family(),
-        "flags_sha256": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
-        "torch": torch.__version__,
-    }
+    """What the decisions are valid for: the CPU and the torch version (whose SDPA is measured)."""
+    return {**cpu_identity(), "torch": torch.__version__}
 
 
 _store = DecisionStore(

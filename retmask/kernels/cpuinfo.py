@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import platform
 from pathlib import Path
 
@@ -32,3 +33,14 @@ def cpu_family() -> str:
     """The CPU family number (e.g. "25" for AMD Zen 3, "23" for Zen 2; "" off Linux x86): what tells CPUs
     apart when a hypervisor reports only a generic model name such as "AMD EPYC"."""
     return _field("cpu family") or ""
+
+
+def cpu_identity() -> dict[str, str]:
+    """Model, family and a hash of the feature flags: the CPU part of what a measured decision is valid
+    for (the autotuners' machine descriptions)."""
+    flags = " ".join(sorted(cpu_flags())).encode()
+    return {
+        "cpu": cpu_model(),
+        "family": cpu_family(),
+        "flags_sha256": hashlib.sha256(flags).hexdigest()[:16],
+    }

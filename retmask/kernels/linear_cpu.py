@@ -32,7 +32,6 @@ and benchmark pages.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from functools import cache
@@ -41,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .cpuinfo import cpu_family, cpu_flags, cpu_model
+from .cpuinfo import cpu_identity
 from .decision_cache import DecisionCache, DecisionStore, forced_choice, interleaved_medians
 
 LINEAR_ENV = "RETMASK_CPU_LINEAR"
@@ -210,9 +209,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _describe_machine() -> dict[str, str]:
     """What the decisions are valid for: CPU model, family and feature flags, torch and oneDNN versions."""
     return {
-        "cpu": cpu_model(),
-        "family": cpu_family(),
-        "flags_sha256": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
+        **cpu_identity(),
         "torch": torch.__version__,
         "onednn": str(getattr(torch.backends.mkldnn, "version", lambda: "?")()),
     }
