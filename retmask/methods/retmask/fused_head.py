@@ -23,6 +23,7 @@ devices without Triton spends most of its time outside the GEMMs (see that modul
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -77,6 +78,24 @@ def labelled_positions_only(positions: str = "labelled") -> Iterator[bool]:
         trl_utils._use_triton = original
 
 
+# The arguments of TRL 1.16's ChunkedLogProbFunction.forward (after ctx), which CPUChunkedLogProb takes.
+HEAD_ARGUMENTS = ("hidden", "weight", "bias", "targets", "temperature", "chunk_size", "final_logit_softcapping",
+                  "logit_scale", "outputs")  # fmt: skip
+
+
+def _same_contract(function: Any) -> bool:
+    """Whether TRL's head function takes the arguments CPUChunkedLogProb does (another TRL version may
+    not: then TRL's own head is kept)."""
+    forward = getattr(function, "forward", None)
+    if forward is None or not hasattr(function, "apply"):
+        return False
+    try:
+        names = tuple(inspect.signature(forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return names == HEAD_ARGUMENTS
+
+
 def lm_head_impl() -> str:
     """``$RETMASK_LM_HEAD`` (``retmask``, the default, or ``trl``); ValueError naming the variable
     for anything else."""
@@ -91,14 +110,15 @@ def cpu_lm_head(impl: str | None = None) -> Iterator[str]:
     """Inside the block, TRL's fused LM head computes on CPU tensors with retmask's
     ``CPUChunkedLogProb`` (same arguments, outputs and gradients as TRL's kernel); other devices keep
     TRL's. ``impl``: ``"retmask"`` or ``"trl"`` (nothing changed); default ``$RETMASK_LM_HEAD``.
-    Yields the implementation in effect: ``"trl"`` also where this TRL has no such kernel to replace.
+    Yields the implementation in effect: ``"trl"`` also where this TRL has no such kernel to replace or
+    one with other arguments.
     Undone on exit, exceptions included."""
     impl = lm_head_impl() if impl is None else impl
     if impl not in LM_HEAD_IMPLS:
         raise ValueError(f"lm head implementation must be one of {LM_HEAD_IMPLS}, got {impl!r}")
     switch = _trl_switch()
     original = getattr(switch[0], "_ChunkedLogProbFunction", None) if switch is not None else None
-    if impl == "trl" or original is None or not hasattr(original, "apply"):
+    if impl == "trl" or not _same_contract(original):
         yield "trl"
         return
     trl_utils = switch[0]

@@ -147,3 +147,19 @@ def test_cpu_lm_head_choice_and_errors(monkeypatch):
             assert trl_utils._ChunkedLogProbFunction is not before
             raise RuntimeError("inside")
     assert trl_utils._ChunkedLogProbFunction is before
+
+
+def test_a_trl_head_with_other_arguments_is_kept(monkeypatch):
+    """Another TRL version's head function (other arguments) is not replaced."""
+    import trl.trainer.utils as trl_utils
+
+    from retmask.methods.retmask.fused_head import cpu_lm_head
+
+    class OtherHead(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, targets, chunk_size):
+            return hidden
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", OtherHead)
+    with cpu_lm_head("retmask") as impl:
+        assert impl == "trl" and trl_utils._ChunkedLogProbFunction is OtherHead
