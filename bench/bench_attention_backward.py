@@ -26,7 +26,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_kind, cpu_label, machine_description, markdown_table, save_figure, write_page  # noqa: E402
+from common import (  # noqa: E402
+    cpu_kind,
+    cpu_label,
+    interleaved,
+    machine_description,
+    markdown_table,
+    save_figure,
+    write_page,
+)
 
 from retmask.kernels import backward_precision, ops  # noqa: E402
 
@@ -44,14 +52,14 @@ def cell(batch: int, keys: int, repeats: int) -> dict:
     mask[-1, keys - keys // 4 :] = False
     call = {"grad_out": grad_out, "q": q, "k": k, "v": v, "causal": True, "key_padding_mask": mask,
             "sm_scale": HEAD_DIM**-0.5}  # fmt: skip
-    results, times = {}, {"native": [], "fp32": []}
-    for precision in times:  # untimed first calls
+    results = {}
+
+    def timed(precision: str) -> float:
+        start = time.perf_counter()
         results[precision] = ops._proxy_grads(precision, call)
-    for r in range(repeats):
-        for precision in ("native", "fp32") if r % 2 == 0 else ("fp32", "native"):
-            start = time.perf_counter()
-            ops._proxy_grads(precision, call)
-            times[precision].append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    times = interleaved({p: (lambda p=p: timed(p)) for p in ("native", "fp32")}, repeats)
     diff = max(
         float((a.float() - b.float()).abs().max() / b.float().abs().max())
         for a, b in zip(results["fp32"], results["native"], strict=True)

@@ -22,13 +22,20 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_kind, cpu_label, machine_description, markdown_table, save_figure, write_page  # noqa: E402
+from common import (  # noqa: E402
+    cpu_kind,
+    cpu_label,
+    interleaved,
+    machine_description,
+    markdown_table,
+    save_figure,
+    write_page,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICY_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")  # what TRL's DPO policy requests
@@ -38,18 +45,6 @@ IMPLS = ("trl", "retmask")
 
 def autocast(dtype: str):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-
-
-def interleaved(calls: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each call, A B B A ... order after one untimed call each."""
-    for fn in calls.values():
-        fn()
-    names = list(calls)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(calls[name]())
-    return times
 
 
 def head_alone(rows: int, dtype: str, repeats: int) -> dict:

@@ -175,6 +175,19 @@ def time_calls(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
     return times
 
 
+def interleaved(calls: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each call in A B B A ... order (so that drift of the machine hits all alike), after one
+    untimed call each; every call returns its own seconds (it may leave its setup out)."""
+    for fn in calls.values():
+        fn()
+    names = list(calls)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(calls[name]())
+    return times
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

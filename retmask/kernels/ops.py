@@ -238,48 +238,47 @@ def recompute_grads(
             grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
-    if _half_precision_on_cpu_eager(q):
-        case = backward_precision.case_of(q, k, causal, key_padding_mask is not None)
-        if backward_precision.precision_for(case, _proxy_grads) == "fp32":
-            dq, dk, dv = _sdpa_grads(
-                grad_out.float(), q.float(), k.float(), v.float(), causal=causal, sm_scale=sm_scale,
-                key_padding_mask=key_padding_mask, skip_heads=skip_heads,
-            )  # fmt: skip
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
     dq, dk, dv = _sdpa_grads(
         grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads,
+        skip_heads=skip_heads, fp32=_backward_in_fp32(q, k, causal, key_padding_mask is not None),
     )  # fmt: skip
     return dq, dk, dv, None
 
 
-def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_heads):
-    """(dq, dk, dv) of ``recompute_attention`` at (q, k, v) for ``grad_out``, in their dtype."""
+def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_heads, fp32=False):
+    """(dq, dk, dv) of ``recompute_attention`` at (q, k, v) for ``grad_out``, in their dtypes; with
+    ``fp32`` computed on float32 copies and rounded back once."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    if fp32:
+        grad_out, q, k, v = (t.float() for t in (grad_out, q, k, v))
     with torch.enable_grad():
         qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
         recomputed = recompute_attention(
             qr, kr, vr, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads,
         )  # fmt: skip
-        return torch.autograd.grad(recomputed, (qr, kr, vr), grad_out)
+        grads = torch.autograd.grad(recomputed, (qr, kr, vr), grad_out)
+    return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
 
 
-def _half_precision_on_cpu_eager(q: torch.Tensor) -> bool:
-    """Whether the backward's precision is a measured choice (``backward_precision``) for this call."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and not torch.compiler.is_compiling()
-    )
+def _backward_in_fp32(q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool) -> bool:
+    """Whether this backward runs in fp32: eager bf16 / fp16 CPU calls where ``backward_precision``
+    measured (or was told) that fp32 is faster for the shape; never for other calls."""
+    if (
+        q.device.type != "cpu"
+        or q.dtype not in (torch.bfloat16, torch.float16)
+        or torch.compiler.is_compiling()
+    ):
+        return False
+    case = backward_precision.case_of(q, k, causal, masked)
+    return backward_precision.precision_for(case, _proxy_grads) == "fp32"
 
 
 def _proxy_grads(precision: str, call: dict) -> tuple[torch.Tensor, ...]:
-    """The gradients of a ``backward_precision`` proxy call in its dtype ("native") or in fp32."""
-    tensors = [call[name] for name in ("grad_out", "q", "k", "v")]
-    if precision == "fp32":
-        tensors = [t.float() for t in tensors]
-    return _sdpa_grads(*tensors, causal=call["causal"], sm_scale=call["sm_scale"],
-                       key_padding_mask=call["key_padding_mask"], skip_heads=None)  # fmt: skip
+    """The gradients of a ``backward_precision`` proxy call, computed in its dtype ("native") or in fp32."""
+    return _sdpa_grads(call["grad_out"], call["q"], call["k"], call["v"], causal=call["causal"],
+                       sm_scale=call["sm_scale"], key_padding_mask=call["key_padding_mask"], skip_heads=None,
+                       fp32=precision == "fp32")  # fmt: skip
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
