@@ -96,7 +96,8 @@ def train_dpo(
 
     cfg = cfg or TrainConfig()
     check_positions(cfg.lm_head_positions)  # before loading anything, like the pairs file
-    lm_head_impl()  # a bad $RETMASK_LM_HEAD fails here too
+    lm_head_impl()  # a bad $RETMASK_LM_HEAD or $RETMASK_CPU_ATTN_BWD fails here too, not at the first step
+    backward_precision.forced_precision()
     pairs = read_pairs_file(pairs_path)  # before loading anything: a wrong file fails fast
     if model is None:
         model, tokenizer = load_model(model_spec)
@@ -133,6 +134,7 @@ def train_sft(
     from trl import SFTConfig, SFTTrainer
 
     cfg = cfg or TrainConfig()
+    backward_precision.forced_precision()  # a bad $RETMASK_CPU_ATTN_BWD fails before any loading
     pairs = read_pairs_file(pairs_path)
     if model is None:
         model, tokenizer = load_model(model_spec)

@@ -181,3 +181,14 @@ def test_train_refuses_to_replace_an_earlier_model(pairs_file, tmp_path, capsys)
     err = capsys.readouterr().err
     assert "already holds files" in err and "--overwrite" in err
     assert (out / "model.safetensors").read_bytes() == b"earlier model"
+
+
+@pytest.mark.parametrize(("env", "value"), [("RETMASK_CPU_ATTN_BWD", "bf16"), ("RETMASK_LM_HEAD", "liger")])
+def test_bad_cpu_override_fails_before_training(
+    tiny_dir, pairs_file, tmp_path, monkeypatch, capsys, env, value
+):
+    monkeypatch.setenv(env, value)
+    argv = ["train", "--pairs", str(pairs_file), "--model", str(tiny_dir), "--out", str(tmp_path / "out"),
+            "--max-steps", "1"]  # fmt: skip
+    assert cli(argv) != 0 and env in capsys.readouterr().err
+    assert not (tmp_path / "out" / "retmask_train.json").exists()
