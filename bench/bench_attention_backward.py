@@ -1,12 +1,14 @@
-"""Benchmark: the bf16 attention backward on the CPU (the SDPA recompute that the CPU kernel's autograd
-uses), in bf16 against in fp32 (q, k, v and the output gradient converted, the gradients converted back),
-and what ``retmask.kernels.backward_precision`` decides for each shape on this machine.
+"""Benchmark: the attention backward on the CPU, the C++ kernel (``retmask.kernels.cpu_backward``)
+against PyTorch SDPA's backward (the recompute the CPU kernel's autograd used before it: in the
+inputs' dtype, and for bf16 also on fp32 copies rounded back), and what
+``retmask.kernels.backward_choice`` decides for each shape on this machine.
 
-SmolLM2's attention shape (9 query heads, 3 kv heads, head dim 64), causal, square (training), the last
-batch row right-padded by a quarter; batch 1 and 4; 64-2,048 keys. Both precisions interleaved in one
-process, median of ``--repeats`` calls; max |Δ| of the gradients between the two, relative to their
-scale. The decision column is the autotuner's own measurement (on its proxy call of the same keys below
-512, keys rounded up to a multiple of 64 from there), made in a fresh cache folder.
+SmolLM2's attention shape (9 query heads, 3 kv heads, head dim 64) at batch 1 and 4, and Llama-3.1-8B's
+(32 / 8, head dim 128) at batch 1; causal, square (training), the last batch row right-padded by a
+quarter; fp32 and bf16. All candidates interleaved in one process, median of ``--repeats`` calls; the
+gradients' largest difference from SDPA's fp32 ones, relative to their scale. The decision column is the
+autotuner's own measurement on its proxy call (keys rounded up to a multiple of 64 from 512, capped at
+2,048), made in a fresh cache folder.
 
 Writes bench/results/attention_backward_<cpu kind>.{md,json,png}.
 
@@ -36,88 +38,116 @@ from common import (  # noqa: E402
     write_page,
 )
 
-from retmask.kernels import backward_precision, ops  # noqa: E402
+from retmask.kernels import backward_choice, cpu_backward, ops  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+SHAPES = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128)}
 
 
-def cell(batch: int, keys: int, repeats: int) -> dict:
+def cell(model: str, dtype: torch.dtype, batch: int, keys: int, repeats: int) -> dict:
+    heads, kv_heads, head_dim = SHAPES[model]
     gen = torch.Generator().manual_seed(keys + batch)
-    q = torch.randn(batch, HEADS, keys, HEAD_DIM, generator=gen).bfloat16()
-    k = torch.randn(batch, KV_HEADS, keys, HEAD_DIM, generator=gen).bfloat16()
-    v = torch.randn(batch, KV_HEADS, keys, HEAD_DIM, generator=gen).bfloat16()
-    grad_out = torch.randn(q.shape, generator=gen).bfloat16()
+    q = torch.randn(batch, heads, keys, head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, kv_heads, keys, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, kv_heads, keys, head_dim, generator=gen).to(dtype)
+    grad_out = torch.randn(q.shape, generator=gen).to(dtype)
     mask = torch.ones(batch, keys, dtype=torch.bool)
     mask[-1, keys - keys // 4 :] = False
     call = {"grad_out": grad_out, "q": q, "k": k, "v": v, "causal": True, "key_padding_mask": mask,
-            "sm_scale": HEAD_DIM**-0.5}  # fmt: skip
+            "sm_scale": head_dim**-0.5}  # fmt: skip
     results = {}
 
-    def timed(precision: str) -> float:
+    def timed(choice: str) -> float:
         start = time.perf_counter()
-        results[precision] = ops._proxy_grads(precision, call)
+        results[choice] = ops._proxy_grads(choice, call)
         return time.perf_counter() - start
 
-    times = interleaved({p: (lambda p=p: timed(p)) for p in ("native", "fp32")}, repeats)
-    diff = max(
-        float((a.float() - b.float()).abs().max() / b.float().abs().max())
-        for a, b in zip(results["fp32"], results["native"], strict=True)
-    )
-    case = backward_precision.case_of(q, k, True, True)
+    names = ["kernel", "native"] + (["fp32"] if dtype != torch.float32 else [])
+    times = interleaved({name: (lambda name=name: timed(name)) for name in names}, repeats)
+    exact = results.get("fp32", results["native"])
+    diff = {
+        name: max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                  for a, b in zip(results[name], exact, strict=True))
+        for name in names if results[name] is not exact
+    }  # fmt: skip
+    case = backward_choice.case_of(q, k, True, True)
+    seconds = {name: statistics.median(t) for name, t in times.items()}
     return {
-        "batch": batch, "keys": keys, "seconds": {p: statistics.median(t) for p, t in times.items()},
-        "max_rel_grad_diff": diff, "decision": backward_precision.precision_for(case, ops._proxy_grads),
-        "case": case.name(),
+        "model": model, "dtype": str(dtype).removeprefix("torch."), "batch": batch, "keys": keys,
+        "seconds": seconds, "kernel_over_best_sdpa": seconds["kernel"] / min(seconds[n] for n in names[1:]),
+        "max_rel_grad_diff_vs_sdpa_fp32": diff,
+        "decision": backward_choice.choice_for(case, ops._proxy_grads, kernel=True), "case": case.name(),
     }  # fmt: skip
 
 
 def plot(path: Path, cells: list[dict], title: str) -> None:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for batch, marker in ((1, "o"), (4, "s")):
-        row = [c for c in cells if c["batch"] == batch]
-        ax.plot([c["keys"] for c in row], [c["seconds"]["fp32"] / c["seconds"]["native"] for c in row],
-                marker=marker, label=f"batch {batch}")  # fmt: skip
-    ax.axhline(backward_precision.FP32_MAX_RATIO, color="grey", lw=0.8, ls="--", label="fp32 chosen below")
-    ax.set(xscale="log", xlabel="keys (= queries)", ylabel="fp32 / bf16 backward time")
-    ax.legend()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    series = sorted({(c["model"], c["batch"], c["dtype"]) for c in cells})
+    for model, batch, dtype in series:
+        row = [c for c in cells if (c["model"], c["batch"], c["dtype"]) == (model, batch, dtype)]
+        ax.plot([c["keys"] for c in row], [c["kernel_over_best_sdpa"] for c in row],
+                marker="o" if dtype == "float32" else "s", ls="-" if batch == 1 else "--",
+                label=f"{model} B{batch} {dtype}")  # fmt: skip
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set(
+        xscale="log", xlabel="keys (= queries)", ylabel="kernel / fastest SDPA backward time", ylim=(0, None)
+    )
+    ax.legend(fontsize=7)
     save_figure(fig, path, title)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--keys", type=int, nargs="+", default=[64, 128, 163, 192, 256, 384, 512, 1024, 2048])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--keys", type=int, nargs="+", default=[64, 163, 256, 512, 1024, 2048, 4096])
+    ap.add_argument("--llama-keys", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--batch4-max-keys", type=int, default=2048, help="batch 4 only up to this many keys")
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if not cpu_backward.available():
+        raise SystemExit(
+            "retmask._C has no attention backward: rebuild it (pip install --no-build-isolation -e .)"
+        )
     machine = machine_description()
     stem = args.out or RESULTS / f"attention_backward_{cpu_kind(machine)}"
-    os.environ[backward_precision.PRECISION_ENV] = "auto"
+    os.environ[backward_choice.CHOICE_ENV] = "auto"
     os.environ["RETMASK_CACHE"] = tempfile.mkdtemp(prefix="retmask-bwd-")  # decide afresh, not from a cache
-    cells = [cell(b, n, args.repeats) for b in args.batches for n in args.keys]
+    plan = [("SmolLM2", b, n) for b in (1, 4) for n in args.keys if b == 1 or n <= args.batch4_max_keys]
+    plan += [("Llama-3.1-8B", 1, n) for n in args.llama_keys]
+    cells = []
+    for model, batch, keys in plan:
+        for dtype in (torch.float32, torch.bfloat16):
+            cells.append(cell(model, dtype, batch, keys, args.repeats))
+            print(cells[-1], flush=True)
+
+    def ms(c: dict, name: str) -> str:
+        return f"{c['seconds'][name] * 1e3:.2f} ms" if name in c["seconds"] else "-"
+
     rows = [
-        [str(c["batch"]), str(c["keys"]), f"{c['seconds']['native'] * 1e3:.2f} ms", f"{c['seconds']['fp32'] * 1e3:.2f} ms",
-         f"{c['seconds']['fp32'] / c['seconds']['native']:.2f}x", f"{c['max_rel_grad_diff']:.1e}", c["decision"]]
+        [c["model"], c["dtype"], str(c["batch"]), str(c["keys"]), ms(c, "native"), ms(c, "fp32"), ms(c, "kernel"),
+         f"{c['kernel_over_best_sdpa']:.2f}x", f"{c['max_rel_grad_diff_vs_sdpa_fp32']['kernel']:.1e}", c["decision"]]
         for c in cells
     ]  # fmt: skip
-    title = f"bf16 attention backward on the CPU: bf16 vs fp32 ({cpu_label(machine)})"
+    title = f"Attention backward on the CPU: C++ kernel vs SDPA ({cpu_label(machine)})"
     lines = [
         f"# {title}",
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + ".",
         "",
-        f"SDPA recompute + backward (`retmask.kernels.ops.recompute_grads`), {HEADS} / {KV_HEADS} heads, head dim "
-        f"{HEAD_DIM}, causal, last row right-padded by a quarter. Median of {args.repeats} interleaved calls. "
-        f"`auto` decides fp32 at <= {backward_precision.FP32_MAX_RATIO} of the bf16 time on its own proxy "
-        f"(the same keys below {backward_precision.EXACT_KEYS}, rounded up to a multiple of "
-        f"{backward_precision.KEYS_BUCKET} from there); from {backward_precision.MAX_KEYS} keys on it keeps bf16 "
-        "without measuring. Separate measurements of one cell move by 10-15% on this machine.",
+        "Gradients of q, k, v for a given output gradient; causal, square, the last batch row right-padded by a "
+        "quarter. `SDPA` = recompute + backward through `torch.nn.functional.scaled_dot_product_attention` in "
+        "the inputs' dtype, `SDPA fp32` = the same on fp32 copies, rounded back (bf16 only), `kernel` = "
+        f"`retmask.kernels.cpu_backward` (fp32 inside, rounded once). Median of {args.repeats} interleaved calls. "
+        "`kernel / best` = the kernel's time over the faster SDPA variant's. `Δ` = the kernel's largest gradient "
+        "difference from SDPA fp32's (fp32: SDPA's), relative to the gradient's scale. `auto` = what "
+        "`backward_choice` decides on its own proxy call for that case (keys capped at "
+        f"{backward_choice.MAX_KEYS}). Separate measurements of one cell move by 10-15% on this machine.",
         "",
         markdown_table(
-            ["batch", "keys", "bf16", "fp32", "fp32 / bf16", "grad Δ / scale", "auto decides"], rows
+            ["model", "dtype", "batch", "keys", "SDPA", "SDPA fp32", "kernel", "kernel / best", "Δ", "auto"],
+            rows,
         ),
         "",
         f"![ratios]({stem.name}.png)",

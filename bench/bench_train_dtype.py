@@ -11,8 +11,11 @@ Steps (each a ``retmask`` command, run as a subprocess; finished steps are skipp
      (TRL's own CPU behaviour: every position), and once more in float32 with the linears on torch's
      ``nn.Linear`` (``RETMASK_CPU_LINEAR=torch``, against retmask's measured fp32 linear backend); same
      pairs, seed, order and steps; and in both dtypes with TRL's own CPU kernel for the fused LM head
-     (``RETMASK_LM_HEAD=trl``) instead of retmask's ``CPUChunkedLogProb``. The seven variants run in
-     A B ... G G ... B A order (``--repeats 2``, default) so that drift of the shared machine hits all alike.
+     (``RETMASK_LM_HEAD=trl``) instead of retmask's ``CPUChunkedLogProb``; and in both dtypes with the
+     attention backward on PyTorch SDPA (``RETMASK_CPU_ATTN_BWD=native`` in fp32, ``fp32`` in bf16: what
+     the CPU attention's autograd ran before retmask's C++ backward) instead of ``auto``. The nine variants
+     run in A B ... I I ... B A order (``--repeats 2``, default) so that drift of the shared machine hits
+     all alike.
      Each run's ``retmask_train.json`` gives the per-step losses and the seconds per optimizer step.
 
 The learning rate defaults to 2e-5, 40x the paper's 5e-7: at 5e-7 the loss barely leaves ln 2 in a few
@@ -55,16 +58,23 @@ POSITIONS = ("labelled", "all")  # retmask's default first, then TRL's own CPU p
 TORCH_LINEARS = "float32/torch-linears"
 # TRL's own fused-LM-head kernel on the CPU (RETMASK_LM_HEAD=trl) instead of retmask's CPUChunkedLogProb.
 TRL_HEAD = {d: f"{d}/trl-head" for d in DTYPES}
+# The attention backward on PyTorch SDPA (fp32: in fp32; bf16: on fp32 copies, which the session-17
+# autotuner picked for these lengths) instead of retmask's C++ backward.
+SDPA_BACKWARD = {"float32": "float32/sdpa-backward", "bfloat16": "bfloat16/sdpa-fp32-backward"}
 # What a variant's "/option" sets in the environment of its `retmask train` subprocess.
+DEFAULT_ENV = {"RETMASK_CPU_LINEAR": "auto", "RETMASK_LM_HEAD": "retmask", "RETMASK_CPU_ATTN_BWD": "auto"}
 OPTION_ENV = {
     "": {},
     "torch-linears": {"RETMASK_CPU_LINEAR": "torch"},
     "trl-head": {"RETMASK_LM_HEAD": "trl"},
+    "sdpa-backward": {"RETMASK_CPU_ATTN_BWD": "native"},
+    "sdpa-fp32-backward": {"RETMASK_CPU_ATTN_BWD": "fp32"},
 }
 VARIANTS = (
     tuple((d, p) for p in POSITIONS for d in DTYPES)
     + ((TORCH_LINEARS, "labelled"),)
     + tuple((TRL_HEAD[d], "labelled") for d in DTYPES)
+    + tuple((SDPA_BACKWARD[d], "labelled") for d in DTYPES)
 )
 
 
@@ -143,7 +153,7 @@ def main() -> None:
     for variant, positions, r in schedule(args.repeats):
         dtype, _, option = variant.partition("/")
         out = w / f"train_{variant.replace('/', '_')}_{positions}_{r}"
-        os.environ.update({"RETMASK_CPU_LINEAR": "auto", "RETMASK_LM_HEAD": "retmask"})
+        os.environ.update(DEFAULT_ENV)
         os.environ.update(OPTION_ENV[option])  # the subprocess inherits it
         run_step([*py, "train", "--pairs", str(pairs), "--out", str(out), "--dtype", dtype,
                   "--lm-head-positions", positions, "--max-steps", str(args.steps),
@@ -151,7 +161,7 @@ def main() -> None:
                   "--seed", "0", "--overwrite"],
                  out / "retmask_train.json", log)  # fmt: skip
         every[variant, positions].append(json.loads((out / "retmask_train.json").read_text()))
-    os.environ.update({"RETMASK_CPU_LINEAR": "auto", "RETMASK_LM_HEAD": "retmask"})
+    os.environ.update(DEFAULT_ENV)
     runs = {d: every[d, "labelled"] for d in DTYPES}  # the loss comparison: retmask's default head
 
     # Runs of one variant are the same computation: their losses must agree (a check of the bench itself).
@@ -178,21 +188,26 @@ def main() -> None:
             )
         )
     )
-    # retmask's CPU LM head against TRL's kernel on the same runs otherwise (same pairs, head positions).
-    trl_head = {
-        d: {
-            "trl_s": step_median[TRL_HEAD[d], "labelled"],
-            "ratio": step_median[d, "labelled"] / step_median[TRL_HEAD[d], "labelled"],
-            "max_abs_loss_diff": float(
-                np.max(
-                    np.abs(
-                        np.array(losses[d][:n]) - np.array(every[TRL_HEAD[d], "labelled"][0]["losses"][:n])
+
+    def against(other: dict[str, str]) -> dict[str, dict[str, float]]:
+        """Each dtype's default run against the variant ``other[dtype]`` (same pairs, head positions)."""
+        return {
+            d: {
+                "other_s": step_median[other[d], "labelled"],
+                "ratio": step_median[d, "labelled"] / step_median[other[d], "labelled"],
+                "max_abs_loss_diff": float(
+                    np.max(
+                        np.abs(
+                            np.array(losses[d][:n]) - np.array(every[other[d], "labelled"][0]["losses"][:n])
+                        )
                     )
-                )
-            ),
+                ),
+            }
+            for d in DTYPES
         }
-        for d in DTYPES
-    }
+
+    trl_head = against(TRL_HEAD)  # retmask's CPU LM head against TRL's kernel
+    sdpa_backward = against(SDPA_BACKWARD)  # retmask's C++ attention backward against SDPA's
     time_rows = [
         [p, f"{step_median['float32', p]:.2f}", f"{step_median['bfloat16', p]:.2f}",
          f"{step_median['bfloat16', p] / step_median['float32', p]:.2f}x"]
@@ -246,8 +261,16 @@ def main() -> None:
         "- The fused LM head on TRL's own CPU kernel (`RETMASK_LM_HEAD=trl`, head `labelled`) instead of "
         "retmask's `CPUChunkedLogProb`: "
         + "; ".join(
-            f"{d} {trl_head[d]['trl_s']:.2f} s/step, retmask's head takes {trl_head[d]['ratio']:.2f}x of it "
+            f"{d} {trl_head[d]['other_s']:.2f} s/step, retmask's head takes {trl_head[d]['ratio']:.2f}x of it "
             f"(largest |Δ loss| {trl_head[d]['max_abs_loss_diff']:.2e})"
+            for d in DTYPES
+        )
+        + ".",
+        "- The attention backward on PyTorch SDPA (`RETMASK_CPU_ATTN_BWD=native` in fp32, `fp32` in bf16: the "
+        "recompute the CPU attention used before retmask's C++ backward) instead of `auto`: "
+        + "; ".join(
+            f"{d} {sdpa_backward[d]['other_s']:.2f} s/step, `auto` takes {sdpa_backward[d]['ratio']:.2f}x of it "
+            f"(largest |Δ loss| {sdpa_backward[d]['max_abs_loss_diff']:.2e})"
             for d in DTYPES
         )
         + ".",
@@ -267,6 +290,7 @@ def main() -> None:
         "losses_all_positions": {d: every[d, "all"][0]["losses"] for d in DTYPES},
         "max_abs_loss_diff_labelled_vs_all": head_diff,
         "retmask_head_vs_trl_head": trl_head,
+        "auto_backward_vs_sdpa_backward": sdpa_backward,
     }  # fmt: skip
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     plot(stem.with_suffix(".png"), losses, step_median, title)

@@ -49,7 +49,6 @@ if [[ "$native_bf16" == 1 ]]; then
     step attention-bf16 python bench/bench_attention.py --dtype bfloat16 --max-n 16384
     step detect-bf16 python bench/bench_detect.py --dtype bfloat16
     step prefill-bf16 python bench/bench_prefill.py --dtype bfloat16
-    step attention-backward python bench/bench_attention_backward.py
     step train-dtype python bench/bench_train_dtype.py --work "runs/train_dtype_$kind"
     step generate-masks-bf16 python bench/bench_generate_masks.py --dtype bfloat16
 fi
@@ -57,5 +56,6 @@ step generate-masks python bench/bench_generate_masks.py
 # the heads of the pages written before --heads (comparable across CPU kinds measured earlier)
 step generate-masks-random python bench/bench_generate_masks.py --heads random
 step padded-backward python bench/bench_padded_backward.py
+step attention-backward python bench/bench_attention_backward.py
 step lm-head python bench/bench_lm_head.py
 echo "pages written: bench/results/*_$kind*"

@@ -39,7 +39,9 @@ std::string fstr(float x) {  // %g: "-1", "nan", "inf"
     return buf;
 }
 
-void check(const retmask::AttentionFwdArgs& p) {
+// The dtype and sizes, as the forward and the backward both take them.
+template <class Args>
+void check_sizes(const Args& p) {
     using retmask::DType;
     if (p.dtype != DType::Float32 && p.dtype != DType::Float16 && p.dtype != DType::BFloat16)
         bad("dtype", "code " + str(static_cast<int>(p.dtype)) + " is not float32 (0), float16 (1) or bfloat16 (2)");
@@ -51,6 +53,11 @@ void check(const retmask::AttentionFwdArgs& p) {
     if (p.M < 0 || p.M > p.N)
         bad("M", str(p.M) + " query rows for N = " + str(p.N) + " keys (need 0 <= M <= N: the queries are the last M positions)");
     if (p.D <= 0) bad("D", "head dim " + str(p.D) + ", need at least 1");
+}
+
+void check(const retmask::AttentionFwdArgs& p) {
+    using retmask::DType;
+    check_sizes(p);
     if (p.argmax_rows < 0 || p.argmax_rows > p.M)
         bad("argmax_rows", str(p.argmax_rows) + " is not in [0, M = " + str(p.M) + "]");
     if (p.block_m <= 0) bad("block_m", str(p.block_m) + " rows per work item, need at least 1");
@@ -85,12 +92,29 @@ void check(const retmask::AttentionFwdArgs& p) {
 }
 
 
+void check(const retmask::AttentionBwdArgs& p) {
+    check_sizes(p);
+    if (p.block_m < 0) bad("block_m", str(p.block_m) + " rows per block, need >= 1 (or 0: sized for the cache)");
+    if (!std::isfinite(p.sm_scale)) bad("sm_scale", fstr(p.sm_scale) + " is not finite");
+    if (p.B > 0 && p.N > 0) {  // pointers the kernel reads or writes (q, dout, dq only with query rows)
+        if (p.M > 0 && !p.q) bad("q", "null data pointer");
+        if (p.M > 0 && !p.dout) bad("dout", "null data pointer");
+        if (p.M > 0 && !p.dq) bad("dq", "null data pointer");
+        if (!p.k) bad("k", "null data pointer");
+        if (!p.v) bad("v", "null data pointer");
+        if (!p.dk) bad("dk", "null data pointer");
+        if (!p.dv) bad("dv", "null data pointer");
+    }
+}
+
 using RunFn = void (*)(const KernelArgs&, retmask::DType, int);
+using RunBwdFn = void (*)(const retmask::detail::BwdKernelArgs&, retmask::DType, int);
 
 struct Build {
     const char* name;
     int lanes;
     RunFn run;
+    RunBwdFn run_bwd;
 };
 
 // The builds this CPU can run, widest first.
@@ -100,12 +124,12 @@ const std::vector<Build>& builds() {
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_cpu_init();
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"))
-            v.push_back({"avx512bf16", 16, retmask::detail::avx512bf16::run});
-        if (__builtin_cpu_supports("avx512f")) v.push_back({"avx512", 16, retmask::detail::avx512::run});
+            v.push_back({"avx512bf16", 16, retmask::detail::avx512bf16::run, retmask::detail::avx512bf16::run_bwd});
+        if (__builtin_cpu_supports("avx512f")) v.push_back({"avx512", 16, retmask::detail::avx512::run, retmask::detail::avx512::run_bwd});
         if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-            v.push_back({"avx2", 8, retmask::detail::avx2::run});
+            v.push_back({"avx2", 8, retmask::detail::avx2::run, retmask::detail::avx2::run_bwd});
 #endif
-        v.push_back({"generic", 8, retmask::detail::generic::run});
+        v.push_back({"generic", 8, retmask::detail::generic::run, retmask::detail::generic::run_bwd});
         return v;
     }();
     return list;
@@ -155,6 +179,29 @@ void attention_fwd_cpu(const AttentionFwdArgs& p) {
     threads = 1;
 #endif
     build.run(a, p.dtype, threads);
+}
+
+// Calls with less work than this run on the calling thread (an OpenMP region costs more than they do).
+constexpr int64_t BWD_SERIAL_FLOPS = int64_t(1) << 22;
+
+void attention_bwd_cpu(const AttentionBwdArgs& p) {
+    check(p);
+    const Build& build = pick(p.isa);
+    if (p.B == 0 || p.N == 0) return;
+    const detail::BwdKernelArgs a{p.q, p.k, p.v, p.dout, p.dq, p.dk, p.dv,
+                                  p.q_strides.data(), p.k_strides.data(), p.v_strides.data(), p.dout_strides.data(),
+                                  p.dq_strides.data(), p.dk_strides.data(), p.dv_strides.data(),
+                                  p.key_padding_mask, p.skip_heads, p.B, p.Hq, p.Hkv, p.M, p.N, p.D,
+                                  p.causal, p.sm_scale, p.block_m};
+    int threads = p.num_threads;
+#ifdef _OPENMP
+    if (threads <= 0) threads = omp_get_max_threads();
+#else
+    threads = 1;
+#endif
+    // five products of 2 * M * N * D flops per query head (half of them when causal)
+    if (10 * p.B * p.Hq * p.M * p.N * p.D < BWD_SERIAL_FLOPS) threads = 1;
+    build.run_bwd(a, p.dtype, threads);
 }
 
 }  // namespace retmask

@@ -85,4 +85,35 @@ std::vector<std::pair<std::string, int>> cpu_builds();
 // scratch memory cannot be allocated. Touches no Python state: the binding calls it without the GIL.
 void attention_fwd_cpu(const AttentionFwdArgs& args);
 
+// The backward of attention_fwd_cpu for plain attention (causal or not, key padding, skipped heads, GQA;
+// no window, soft-capping or sinks): the gradients of out with respect to q, k and v given the gradient
+// dout of out, computed in fp32 whatever the dtype (fp16 / bf16 converted exactly on load, each gradient
+// rounded once when stored). The logits are recomputed; the forward's output is not needed.
+struct AttentionBwdArgs {
+    DType dtype = DType::Float32;  // of every tensor
+    const void* q = nullptr;       // [B, Hq, M, D]
+    const void* k = nullptr;       // [B, Hkv, N, D]
+    const void* v = nullptr;       // [B, Hkv, N, D]
+    const void* dout = nullptr;    // [B, Hq, M, D]
+    void* dq = nullptr;            // [B, Hq, M, D]
+    void* dk = nullptr;            // [B, Hkv, N, D]
+    void* dv = nullptr;            // [B, Hkv, N, D]
+    std::array<int64_t, 4> q_strides{}, k_strides{}, v_strides{}, dout_strides{};  // in elements
+    std::array<int64_t, 4> dq_strides{}, dk_strides{}, dv_strides{};
+    const uint8_t* key_padding_mask = nullptr;  // [B, N] contiguous, 1 = valid key; or null
+    const uint8_t* skip_heads = nullptr;        // [B, Hq] contiguous, 1 = skipped head; or null
+    int64_t B = 0, Hq = 0, Hkv = 0, M = 0, N = 0, D = 0;
+    bool causal = true;  // query row i sits at key position N - M + i
+    float sm_scale = 1.f;
+    int64_t block_m = 0;  // query rows per block (whole rows: all their keys); 0 = sized for the cache
+    int num_threads = 0;  // OpenMP threads; <= 0: the OpenMP default
+    std::string isa;      // as in AttentionFwdArgs
+};
+
+// Checks the arguments (std::invalid_argument naming the bad field), then writes every element of dq, dk
+// and dv. Skipped heads get dq = 0 and add nothing to dk, dv; a row with no allowed key gets dq = 0.
+// Gradients do not depend on the thread count. Throws std::bad_alloc if scratch cannot be allocated.
+// Touches no Python state.
+void attention_bwd_cpu(const AttentionBwdArgs& args);
+
 }  // namespace retmask

@@ -36,10 +36,12 @@
 #define RETMASK_ISA avx512bf16
 #define RETMASK_BF16_DOT 1
 #include "attention_cpu_kernel.h"
+#include "attention_bwd_cpu_kernel.h"
 #pragma GCC pop_options
 #else
 // Not x86: this build does not exist (attention_cpu.cpp never lists it); the symbol keeps the link whole.
 namespace retmask::detail::avx512bf16 {
 void run(const KernelArgs&, DType, int) {}
+void run_bwd(const BwdKernelArgs&, DType, int) {}
 }  // namespace retmask::detail::avx512bf16
 #endif

@@ -27,3 +27,4 @@
 #define RETMASK_VL 8
 #define RETMASK_ISA generic
 #include "attention_cpu_kernel.h"
+#include "attention_bwd_cpu_kernel.h"

@@ -28,19 +28,36 @@ struct KernelArgs {
     bool bf16_dot;          // bfloat16, even D: the lanes layout's products as bf16 dot products (no gemm)
 };
 
+// The backward (attention_bwd_cpu_kernel.h), normalised: strides in elements, [4] each.
+struct BwdKernelArgs {
+    const void *q, *k, *v, *dout;
+    void *dq, *dk, *dv;
+    const int64_t *qs, *ks, *vs, *dos, *dqs, *dks, *dvs;
+    const uint8_t* kpm;   // [B, N] contiguous (1 = valid), or null
+    const uint8_t* skip;  // [B, Hq] contiguous (1 = skipped), or null
+    int64_t B, Hq, Hkv, M, N, D;
+    bool causal;
+    float scale;
+    int64_t block_m;  // query rows per block; 0: sized for the cache
+};
+
 // One build of the kernel per instruction set; attention_cpu.cpp calls the one the CPU runs (x86: the
 // AVX-512 (+ BF16) and AVX2 builds exist only on x86, chosen at run time with __builtin_cpu_supports).
 namespace avx512bf16 {
 void run(const KernelArgs& a, DType dtype, int threads);
+void run_bwd(const BwdKernelArgs& a, DType dtype, int threads);
 }
 namespace avx512 {
 void run(const KernelArgs& a, DType dtype, int threads);
+void run_bwd(const BwdKernelArgs& a, DType dtype, int threads);
 }
 namespace avx2 {
 void run(const KernelArgs& a, DType dtype, int threads);
+void run_bwd(const BwdKernelArgs& a, DType dtype, int threads);
 }
 namespace generic {
 void run(const KernelArgs& a, DType dtype, int threads);
+void run_bwd(const BwdKernelArgs& a, DType dtype, int threads);
 }
 
 }  // namespace retmask::detail

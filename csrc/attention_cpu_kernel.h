@@ -166,6 +166,16 @@ struct BF16 {
     }
 };
 
+// f(E{}) for the element type E of a call's dtype (checked to be one of the three before).
+template <class F>
+void by_dtype(DType dtype, F&& f) {
+    switch (dtype) {
+        case DType::Float32: f(F32{}); break;
+        case DType::Float16: f(F16{}); break;
+        default: f(BF16{}); break;
+    }
+}
+
 // ---- micro-kernels ---------------------------------------------------------------------------------
 // The tile is kept transposed so that query rows live in vector lanes: Qt [D][RP], St [BN][RP],
 // Ot [D][RP] (RP = rows rounded up to VL). K and V are read row-major straight from the input (or a
@@ -1353,11 +1363,7 @@ void run(const Args& a, int threads) {
 }  // namespace
 
 void run(const KernelArgs& a, DType dtype, int threads) {
-    switch (dtype) {
-        case DType::Float32: run<F32>(a, threads); break;
-        case DType::Float16: run<F16>(a, threads); break;
-        default: run<BF16>(a, threads); break;
-    }
+    by_dtype(dtype, [&](auto e) { run<decltype(e)>(a, threads); });
 }
 
 }  // namespace retmask::detail::RETMASK_ISA

@@ -104,6 +104,49 @@ std::array<int64_t, 4> strides4(const Tensor& x) {
     return {x.strides[0], x.strides[1], x.strides[2], x.strides[3]};
 }
 
+// The checks the forward and the backward share: q's dtype is a float type, k / v of q's dtype and
+// shapes [B, Hkv, N, D] with B and D of q; returns (B, Hq, M, D, Hkv, N).
+std::array<int64_t, 6> check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
+    if (q.dtype != static_cast<int>(DType::Float32) && q.dtype != static_cast<int>(DType::Float16) &&
+        q.dtype != static_cast<int>(DType::BFloat16))
+        bad("q", "dtype " + dtype_str(q.dtype) + ", expected float32, float16 or bfloat16");
+    if (k.dtype != q.dtype) bad("k", "dtype " + dtype_str(k.dtype) + ", expected " + dtype_str(q.dtype));
+    if (v.dtype != q.dtype) bad("v", "dtype " + dtype_str(v.dtype) + ", expected " + dtype_str(q.dtype));
+    const int64_t B = q.shape[0], Hq = q.shape[1], M = q.shape[2], D = q.shape[3];
+    const int64_t Hkv = k.shape[1], N = k.shape[2];
+    expect_shape(k, {B, Hkv, N, D}, "[B, Hkv, N, D] with B and D of q");
+    expect_shape(v, k.shape, "the shape of k");
+    return {B, Hq, M, D, Hkv, N};
+}
+
+// A bool [rows, cols] contiguous mask argument (None: null).
+const uint8_t* mask_arg(const char* name, const std::optional<TensorArg>& arg, int64_t rows, int64_t cols,
+                        const char* what) {
+    if (!arg) return nullptr;
+    const Tensor m = unpack(name, *arg, 2, static_cast<int>(DType::Bool));
+    expect_shape(m, {rows, cols}, what);
+    expect_contiguous(m);
+    return reinterpret_cast<const uint8_t*>(m.ptr);
+}
+
+// The fields the forward's and the backward's arguments share: masks, sizes (shape from check_qkv),
+// causal and the scale.
+template <class Args>
+void set_shared(Args& a, const std::array<int64_t, 6>& shape, const std::optional<TensorArg>& kpm_arg,
+                const std::optional<TensorArg>& skip_arg, bool causal, float sm_scale) {
+    const auto [B, Hq, M, D, Hkv, N] = shape;
+    a.key_padding_mask = mask_arg("key_padding_mask", kpm_arg, B, N, "[B, N]");
+    a.skip_heads = mask_arg("skip_heads", skip_arg, B, Hq, "[B, Hq]");
+    a.B = B;
+    a.Hq = Hq;
+    a.Hkv = Hkv;
+    a.M = M;
+    a.N = N;
+    a.D = D;
+    a.causal = causal;
+    a.sm_scale = sm_scale;
+}
+
 void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorArg& v_arg, const TensorArg& out_arg,
                    const std::optional<TensorArg>& argmax_arg, const std::optional<TensorArg>& kpm_arg,
                    const std::optional<TensorArg>& skip_arg, bool causal, float sm_scale, int block_m, int block_n,
@@ -111,16 +154,11 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
                    const std::string& isa, const std::optional<BlockGemmArg>& gemm_arg, bool gemm_fp32_operands,
                    bool bf16_dot) {
     const Tensor q = unpack("q", q_arg, 4, -1);
-    if (q.dtype != static_cast<int>(DType::Float32) && q.dtype != static_cast<int>(DType::Float16) &&
-        q.dtype != static_cast<int>(DType::BFloat16))
-        bad("q", "dtype " + dtype_str(q.dtype) + ", expected float32, float16 or bfloat16");
-    const Tensor k = unpack("k", k_arg, 4, q.dtype);
-    const Tensor v = unpack("v", v_arg, 4, q.dtype);
+    const Tensor k = unpack("k", k_arg, 4, -1);
+    const Tensor v = unpack("v", v_arg, 4, -1);
+    const std::array<int64_t, 6> shape = check_qkv(q, k, v);
+    const auto [B, Hq, M, D, Hkv, N] = shape;
     const Tensor out = unpack("out", out_arg, 4, q.dtype);
-    const int64_t B = q.shape[0], Hq = q.shape[1], M = q.shape[2], D = q.shape[3];
-    const int64_t Hkv = k.shape[1], N = k.shape[2];
-    expect_shape(k, {B, Hkv, N, D}, "[B, Hkv, N, D] with B and D of q");
-    expect_shape(v, k.shape, "the shape of k");
     expect_shape(out, q.shape, "the shape of q");
 
     retmask::AttentionFwdArgs a;
@@ -142,26 +180,7 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
         a.argmax_rows = am.shape[2];  // the kernel checks 0 <= T <= M
         if (a.argmax_rows > 0) a.argmax = reinterpret_cast<int64_t*>(am.ptr);
     }
-    if (kpm_arg) {
-        const Tensor kpm = unpack("key_padding_mask", *kpm_arg, 2, static_cast<int>(DType::Bool));
-        expect_shape(kpm, {B, N}, "[B, N]");
-        expect_contiguous(kpm);
-        a.key_padding_mask = reinterpret_cast<const uint8_t*>(kpm.ptr);
-    }
-    if (skip_arg) {
-        const Tensor skip = unpack("skip_heads", *skip_arg, 2, static_cast<int>(DType::Bool));
-        expect_shape(skip, {B, Hq}, "[B, Hq]");
-        expect_contiguous(skip);
-        a.skip_heads = reinterpret_cast<const uint8_t*>(skip.ptr);
-    }
-    a.B = B;
-    a.Hq = Hq;
-    a.Hkv = Hkv;
-    a.M = M;
-    a.N = N;
-    a.D = D;
-    a.causal = causal;
-    a.sm_scale = sm_scale;
+    set_shared(a, shape, kpm_arg, skip_arg, causal, sm_scale);
     a.block_m = block_m;
     a.block_n = block_n;
     a.num_threads = num_threads;
@@ -197,6 +216,47 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
     a.bf16_dot = bf16_dot;  // the kernel checks bfloat16, an even D and no block_gemm
     py::gil_scoped_release no_gil;
     retmask::attention_fwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
+}
+
+void attention_bwd(const TensorArg& dout_arg, const TensorArg& q_arg, const TensorArg& k_arg, const TensorArg& v_arg,
+                   const TensorArg& dq_arg, const TensorArg& dk_arg, const TensorArg& dv_arg,
+                   const std::optional<TensorArg>& kpm_arg, const std::optional<TensorArg>& skip_arg, bool causal,
+                   float sm_scale, int64_t block_m, int num_threads, const std::string& isa) {
+    const Tensor q = unpack("q", q_arg, 4, -1);
+    const Tensor k = unpack("k", k_arg, 4, -1);
+    const Tensor v = unpack("v", v_arg, 4, -1);
+    const std::array<int64_t, 6> shape = check_qkv(q, k, v);
+    const Tensor dout = unpack("dout", dout_arg, 4, q.dtype);
+    const Tensor dq = unpack("dq", dq_arg, 4, q.dtype);
+    const Tensor dk = unpack("dk", dk_arg, 4, q.dtype);
+    const Tensor dv = unpack("dv", dv_arg, 4, q.dtype);
+    expect_shape(dout, q.shape, "the shape of q");
+    expect_shape(dq, q.shape, "the shape of q");
+    expect_shape(dk, k.shape, "the shape of k");
+    expect_shape(dv, k.shape, "the shape of k");
+
+    retmask::AttentionBwdArgs a;
+    a.dtype = static_cast<DType>(q.dtype);
+    a.q = reinterpret_cast<const void*>(q.ptr);
+    a.k = reinterpret_cast<const void*>(k.ptr);
+    a.v = reinterpret_cast<const void*>(v.ptr);
+    a.dout = reinterpret_cast<const void*>(dout.ptr);
+    a.dq = reinterpret_cast<void*>(dq.ptr);
+    a.dk = reinterpret_cast<void*>(dk.ptr);
+    a.dv = reinterpret_cast<void*>(dv.ptr);
+    a.q_strides = strides4(q);
+    a.k_strides = strides4(k);
+    a.v_strides = strides4(v);
+    a.dout_strides = strides4(dout);
+    a.dq_strides = strides4(dq);
+    a.dk_strides = strides4(dk);
+    a.dv_strides = strides4(dv);
+    set_shared(a, shape, kpm_arg, skip_arg, causal, sm_scale);
+    a.block_m = block_m;
+    a.num_threads = num_threads;
+    a.isa = isa;
+    py::gil_scoped_release no_gil;
+    retmask::attention_bwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
 }
 
 }  // namespace
@@ -240,8 +300,22 @@ vector: vdpbf16ps in the avx512bf16 build, emulated bit for bit by the others; n
 Rows without an allowed key give 0 and -1; rows with a NaN or +inf logit among their allowed keys give
 NaN and -1.
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
-    m.attr("FEATURES") =
-        py::make_tuple("window", "softcap", "sinks", "block_gemm", "gemm_fp32_operands", "bf16_dot");
+    m.def("attention_bwd", &attention_bwd, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dq"),
+          py::arg("dk"), py::arg("dv"), py::arg("key_padding_mask").none(true), py::arg("skip_heads").none(true),
+          py::arg("causal"), py::arg("sm_scale"), py::arg("block_m") = 0, py::arg("num_threads") = 0,
+          py::arg("isa") = "",
+          R"doc(Backward of attention_fwd for plain attention (no window, soft-capping or sinks): writes
+dq, dk, dv, the gradients of out = softmax(sm_scale * q k^T + mask) v for the output gradient dout.
+
+Tensors as in attention_fwd: dout, q, dq [B, Hq, M, D]; k, v, dk, dv [B, Hkv, N, D]; one dtype (float32,
+float16 or bfloat16), any strides; key_padding_mask bool [B, N] and skip_heads bool [B, Hq] contiguous or
+None. Computed in fp32 (half-precision inputs converted exactly, each gradient rounded once); the logits
+are recomputed, so the forward's output is not needed. Skipped heads get dq = 0 and add nothing to dk, dv;
+rows without an allowed key get dq = 0. block_m: query rows per block (0: sized for the cache);
+num_threads: OpenMP threads (<= 0: the OpenMP default; small calls run on one); isa: as in attention_fwd.
+Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
+    m.attr("FEATURES") = py::make_tuple("window", "softcap", "sinks", "block_gemm", "gemm_fp32_operands", "bf16_dot",
+                                        "backward");
     // The kernel's builds this CPU runs, widest first: ((name, fp32 lanes), ...); the first is the default.
     py::list builds;
     for (const auto& [name, lanes] : retmask::cpu_builds()) builds.append(py::make_tuple(name, lanes));

@@ -21,7 +21,7 @@ os.environ.setdefault("RETMASK_CPU_PATH", "cpp")
 # Likewise the float32 CPU linears keep torch's own backend (retmask.kernels.linear_cpu measures oneDNN
 # against it); the tests of that module and of the patched models force "onednn" or "auto" themselves.
 os.environ.setdefault("RETMASK_CPU_LINEAR", "torch")
-os.environ.setdefault("RETMASK_CPU_ATTN_BWD", "native")  # no measuring in tests (test_backward_precision does)
+os.environ.setdefault("RETMASK_CPU_ATTN_BWD", "kernel")  # no measuring in tests (test_backward_choice does)
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,10 @@ are empty tensors:
 ``attention_bwd(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
 softcap, backend) -> (dq, dk, dv, dsinks)``, contiguous, in the inputs' dtypes (dsinks: [Hq] in sinks'
 dtype, or an empty tensor without sinks): the backend's own backward (Triton), given the forward's
-``out`` and ``lse``. Backends without one (CPU) get their gradients from a recompute, differentiated in
-the autograd formula (``_AttentionAutograd``) rather than inside an operator: through PyTorch SDPA
+``out`` and ``lse``. Backends without one (CPU) get their gradients, in the autograd formula
+(``_AttentionAutograd``) rather than inside an operator, from the C++ CPU backward (``cpu_backward.py``,
+plain attention in eager mode, where ``backward_choice`` measured it fastest on this machine) or from a
+differentiated recompute: through PyTorch SDPA
 (memory-efficient) for plain attention, one SDPA call per key run for a left- or right-padded batch
 (``padded_sdpa.py``: no dense [B, 1, M, N] mask; from ``KEY_RUNS_MIN_KEYS`` keys, in eager mode),
 through ``chunked.py`` (query-row chunks against the keys they see) for a sliding window, soft-capping
@@ -45,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import backward_precision
+from . import backward_choice, cpu_backward
 from .chunked import chunked_grads
 from .padded_sdpa import key_runs, sdpa_over_key_runs
 from .reference import allowed_keys
@@ -231,16 +233,23 @@ def recompute_grads(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dq, dk, dv, dsinks or None) by recomputing the forward: SDPA for plain attention, query-row chunks
-    (``chunked.py``) for a window, soft-capping or sinks."""
+    """(dq, dk, dv, dsinks or None): the C++ backward or an SDPA recompute for plain attention (as
+    ``backward_choice`` decides), query-row chunks (``chunked.py``) for a window, soft-capping or sinks."""
     if window is not None or softcap is not None or sinks is not None:
         return chunked_grads(
             grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
+    choice = _cpu_backward_choice(q, k, causal, key_padding_mask is not None)
+    if choice == "kernel":
+        dq, dk, dv = cpu_backward.backward(
+            grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
+            skip_heads=skip_heads,
+        )  # fmt: skip
+        return dq, dk, dv, None
     dq, dk, dv = _sdpa_grads(
         grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, fp32=_backward_in_fp32(q, k, causal, key_padding_mask is not None),
+        skip_heads=skip_heads, fp32=choice == "fp32",
     )  # fmt: skip
     return dq, dk, dv, None
 
@@ -261,24 +270,43 @@ def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_h
     return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
 
 
-def _backward_in_fp32(q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool) -> bool:
-    """Whether this backward runs in fp32: eager bf16 / fp16 CPU calls where ``backward_precision``
-    measured (or was told) that fp32 is faster for the shape; never for other calls."""
-    if (
-        q.device.type != "cpu"
-        or q.dtype not in (torch.bfloat16, torch.float16)
-        or torch.compiler.is_compiling()
-    ):
-        return False
-    case = backward_precision.case_of(q, k, causal, masked)
-    return backward_precision.precision_for(case, _proxy_grads) == "fp32"
+def _cpu_backward_choice(q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool) -> str:
+    """How a plain-attention backward runs: "kernel" (the C++ backward), "native" (SDPA in the inputs'
+    dtype) or "fp32" (SDPA on fp32 copies), as ``backward_choice`` measured (or was told) for plain eager
+    CPU calls. CPU calls that are traced (``torch.compile``, fake tensors) or seen by a dispatch mode
+    cannot run the kernel: they get SDPA in fp32 for bf16 / fp16 (unless ``RETMASK_CPU_ATTN_BWD=native``),
+    so that a compiled graph's gradients match the eager kernel's to rounding, and SDPA otherwise; other devices keep SDPA in their dtype."""
+    if q.device.type != "cpu":
+        return "native"
+    if not _plain_eager(q, k):  # traced: fp32 SDPA for half precision (the kernel's numerics) unless forced
+        half = q.dtype in (torch.bfloat16, torch.float16)
+        return "fp32" if half and backward_choice.forced() != "native" else "native"
+    case = backward_choice.case_of(q, k, causal, masked)
+    kernel = cpu_backward.applies(q, window=None, softcap=None, sinks=None)
+    return backward_choice.choice_for(case, _proxy_grads, kernel=kernel)
 
 
-def _proxy_grads(precision: str, call: dict) -> tuple[torch.Tensor, ...]:
-    """The gradients of a ``backward_precision`` proxy call, computed in its dtype ("native") or in fp32."""
-    return _sdpa_grads(call["grad_out"], call["q"], call["k"], call["v"], causal=call["causal"],
-                       sm_scale=call["sm_scale"], key_padding_mask=call["key_padding_mask"], skip_heads=None,
-                       fp32=precision == "fp32")  # fmt: skip
+def _plain_eager(*tensors: torch.Tensor) -> bool:
+    """Plain tensors outside any tracer or dispatch / function mode: what the C++ backward, which reads
+    the data, needs. AOTAutograd traces the backward with fake tensors and without ``is_compiling()``."""
+    return not (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or any(type(t) is not torch.Tensor for t in tensors)
+    )
+
+
+def _proxy_grads(choice: str, call: dict) -> tuple[torch.Tensor, ...]:
+    """The gradients of a ``backward_choice`` proxy call, computed by ``choice``."""
+    kwargs = {name: call[name] for name in ("causal", "sm_scale", "key_padding_mask")}
+    if choice == "kernel":
+        return cpu_backward.backward(
+            call["grad_out"], call["q"], call["k"], call["v"], skip_heads=None, **kwargs
+        )
+    return _sdpa_grads(call["grad_out"], call["q"], call["k"], call["v"], skip_heads=None, fp32=choice == "fp32",
+                       **kwargs)  # fmt: skip
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,

@@ -15,6 +15,12 @@ from retmask.kernels.sdpa import sdpa_attention
 from .helpers import make_qkv
 
 
+@pytest.fixture(autouse=True)
+def sdpa_backward(monkeypatch):
+    """These tests are about the SDPA recompute of the CPU backend's backward, not the C++ backward."""
+    monkeypatch.setenv("RETMASK_CPU_ATTN_BWD", "native")
+
+
 def mask_from_runs(N: int, runs: list[tuple[int, int]]) -> torch.Tensor:
     mask = torch.zeros(len(runs), N, dtype=torch.bool)
     for b, (s, e) in enumerate(runs):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.hf.loading import load_model
-from retmask.kernels import backward_precision, linear_cpu
+from retmask.kernels import backward_choice, linear_cpu
 from retmask.methods.retmask.fused_head import (
     check_positions,
     cpu_lm_head,
@@ -72,7 +72,7 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
     # the measured CPU choices this run used: fp32 linear backends, bf16 / fp16 attention backward precision
     summary["cpu_decisions"] = {
         "linears": {name: d["backend"] for name, d in linear_cpu.decisions().items()},
-        "attention_backward": {name: d["precision"] for name, d in backward_precision.decisions().items()},
+        "attention_backward": {name: d["choice"] for name, d in backward_choice.decisions().items()},
     }
     (out / "retmask_train.json").write_text(json.dumps(summary, indent=1))
     return result
@@ -97,7 +97,7 @@ def train_dpo(
     cfg = cfg or TrainConfig()
     check_positions(cfg.lm_head_positions)  # before loading anything, like the pairs file
     lm_head_impl()  # a bad $RETMASK_LM_HEAD or $RETMASK_CPU_ATTN_BWD fails here too, not at the first step
-    backward_precision.forced_precision()
+    backward_choice.forced()
     pairs = read_pairs_file(pairs_path)  # before loading anything: a wrong file fails fast
     if model is None:
         model, tokenizer = load_model(model_spec)
@@ -134,7 +134,7 @@ def train_sft(
     from trl import SFTConfig, SFTTrainer
 
     cfg = cfg or TrainConfig()
-    backward_precision.forced_precision()  # a bad $RETMASK_CPU_ATTN_BWD fails before any loading
+    backward_choice.forced()  # a bad $RETMASK_CPU_ATTN_BWD fails before any loading
     pairs = read_pairs_file(pairs_path)
     if model is None:
         model, tokenizer = load_model(model_spec)

@@ -1,0 +1,331 @@
+// The ISA-generic body of the CPU attention backward, compiled once per instruction set right after
+// attention_cpu_kernel.h (whose vectors, exp, element types, tile helpers and scratch memory it uses).
+//
+// Gradients of out = softmax(scale * Q K^T + mask) V for one query block of m rows and the n keys they
+// see, everything in fp32 (fp16 / bf16 inputs are converted on load, exactly; the gradients are rounded
+// once, when stored):
+//
+//   S  = Q K^T                    [m, n]   (1)  recomputed: the forward keeps no logits
+//   P  = softmax(scale * S)       [m, n]        row max, exp, sum over the row's allowed keys
+//   dP = dO V^T                   [m, n]   (2)
+//   Di = sum_j P_ij dP_ij                       (= dO_i . O_i, so the forward's output is not needed)
+//   dS = scale * P (dP - Di)      [m, n]
+//   dV += P^T dO                  [n, D]   (3)
+//   dK += dS^T Q                  [n, D]   (4)
+//   dQ  = dS K                    [m, D]   (5)
+//
+// A query block holds whole rows (all the keys a row sees), so the softmax needs no online rescaling and
+// dQ is final when the block ends; m is chosen so that S and dP stay in the core's cache. All five
+// products are one micro-kernel, C[r][c] (+)= sum_k A(r, k) B[k][c] with B row-major along c (vectors)
+// and A read one broadcast scalar at a time through strides, so a transposed A (P^T, dS^T) costs
+// nothing: (1) and (2) take B = K^T / V^T (transposed once per work item), (3)-(5) B = dO, Q, K.
+// Causal attention skips what the triangle hides: (1)-(2) start each key tile at the first row that
+// sees it, (3)-(4) start each key tile's sum at that row, (5) stops each row tile's sum at its last key.
+//
+// Work items are (batch, kv head, part): the active query heads of a kv group are split into `parts`
+// interleaved subsets when there are too few groups to keep every thread busy. Each item sums its dK,
+// dV into its own fp32 buffer; a second pass adds the parts of a group in a fixed order and stores the
+// result, so the gradients do not depend on the thread count or the schedule. Skipped heads get dq = 0
+// and add nothing to dk, dv. A row with no allowed key gets dq = 0.
+
+namespace retmask::detail::RETMASK_ISA {
+namespace {
+
+#if RETMASK_VL == 16
+constexpr int BW_NR = 6;  // 6 rows x 4 vectors = 24 accumulators + 4 B vectors + 1 broadcast (32 zmm)
+constexpr int BW_CV = 4;
+#else
+constexpr int BW_NR = 6;  // 6 rows x 2 vectors = 12 accumulators + 2 B vectors + 1 broadcast (16 ymm)
+constexpr int BW_CV = 2;
+#endif
+
+// C[r][c] = (ACC ? C[r][c] : 0) + sum_{k0 <= k < k1} A[r * ars + k * aks] * B[k * ldb + c] for NR rows and
+// CV * VL columns (B and C rows 64-byte aligned at every vector).
+template <int NR, int CV, bool ACC>
+RETMASK_INLINE void bw_tile(const float* __restrict A, int64_t ars, int64_t aks, const float* __restrict B,
+                            int64_t ldb, float* __restrict C, int64_t ldc, int64_t k0, int64_t k1) {
+    vf acc[NR][CV];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < CV; ++c) acc[r][c] = ACC ? vload(C + r * ldc + c * VL) : vf{};
+    for (int64_t k = k0; k < k1; ++k) {
+        vf b[CV];
+#pragma GCC unroll 4
+        for (int c = 0; c < CV; ++c) b[c] = vload(B + k * ldb + c * VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) {
+            const vf x = vbroadcast(A[r * ars + k * aks]);
+#pragma GCC unroll 4
+            for (int c = 0; c < CV; ++c) acc[r][c] += x * b[c];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < CV; ++c) vstore(C + r * ldc + c * VL, acc[r][c]);
+}
+
+// C[r][c] (+)= sum_k A(r, k) B[k][c] for rows [r_begin(c0), rows) and columns [0, cols) (cols a multiple
+// of VL), k over k_range(r0, nr) = [k0, k1) for the row tile [r0, r0 + nr). Column panels outside, so a
+// panel of B stays in cache across the row tiles.
+template <bool ACC, class RowBegin, class KRange>
+RETMASK_INLINE void bw_gemm(int64_t rows, int64_t cols, const float* A, int64_t ars, int64_t aks, const float* B,
+                            int64_t ldb, float* C, int64_t ldc, RowBegin&& r_begin, KRange&& k_range) {
+    tiles<BW_CV>(static_cast<int>(cols / VL), [&](auto cv, int c) RETMASK_LAMBDA_INLINE {
+        const int64_t r0 = r_begin(static_cast<int64_t>(c) * VL);
+        tiles<BW_NR>(static_cast<int>(rows - r0), [&](auto nr, int r) RETMASK_LAMBDA_INLINE {
+            const int64_t row = r0 + r;
+            const auto [k0, k1] = k_range(row, static_cast<int64_t>(decltype(nr)::value));
+            bw_tile<decltype(nr)::value, decltype(cv)::value, ACC>(A + row * ars, ars, aks, B + c * VL, ldb,
+                                                                    C + row * ldc + c * VL, ldc, k0, k1);
+        });
+    });
+}
+
+// Rows [r0, r0 + n) of one (batch, head) of a typed [.., rows, D] input as fp32 rows of ld floats
+// (columns D..ld zero).
+template <class E>
+void load_rows(const typename E::T* base, const int64_t* st, int64_t r0, int64_t n, int64_t D, float* dst,
+               int64_t ld) {
+    for (int64_t r = 0; r < n; ++r) {
+        const typename E::T* src = base + (r0 + r) * st[2];
+        float* row = dst + r * ld;
+        for (int64_t d = 0; d < D; ++d) row[d] = E::load(src + d * st[3]);
+        for (int64_t d = D; d < ld; ++d) row[d] = 0.f;
+    }
+}
+
+// fp32 rows (ld floats apart) stored into a typed [.., rows, D] output at rows [r0, r0 + n).
+template <class E>
+void store_rows(const float* src, int64_t ld, typename E::T* base, const int64_t* st, int64_t r0, int64_t n,
+                int64_t D) {
+    for (int64_t r = 0; r < n; ++r) {
+        typename E::T* row = base + (r0 + r) * st[2];
+        for (int64_t d = 0; d < D; ++d) E::store(row + d * st[3], src[r * ld + d]);
+    }
+}
+
+template <class E>
+void zero_rows(typename E::T* base, const int64_t* st, int64_t n, int64_t D) {
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t d = 0; d < D; ++d) E::store(base + r * st[2] + d * st[3], 0.f);
+}
+
+// Row i of the block: P_i = softmax over its allowed keys j < lim of scale * S_i (S row of npad floats,
+// key_ok[j] != 0 for a valid key), written over S; Di = P_i . dP_i; dS_i = scale * P_i (dP_i - Di)
+// written over dP. Keys j >= lim (and the padding up to npad) get P = dS = 0; so does the whole row when
+// no key is allowed.
+void softmax_grad_row(float* __restrict S, float* __restrict dP, const int32_t* __restrict key_ok, int64_t lim,
+                      int64_t npad, float scale) {
+    const vf ninf = vbroadcast(NEG_INF);
+    vi lane;
+    for (int l = 0; l < VL; ++l) lane[l] = l;
+    const int64_t vend = round_up(lim, VL);
+    // Masking is a select, never an add: a NaN logit of a key the row may not see cannot reach it.
+    auto logits = [&](int64_t j) RETMASK_LAMBDA_INLINE {
+        const vi ok = (viload(key_ok + j) != 0) & (lane + static_cast<int32_t>(j) < static_cast<int32_t>(lim));
+        return ok ? vload(S + j) * scale : ninf;
+    };
+    vf mx = ninf;
+    for (int64_t j = 0; j < vend; j += VL) {
+        const vf s = logits(j);
+        mx = s > mx ? s : mx;
+    }
+    const float row_max = hmax(mx);
+    if (row_max == NEG_INF) {  // no allowed key: the forward gives 0, so every gradient is 0
+        for (int64_t j = 0; j < npad; j += VL) {
+            vstore(S + j, vf{});
+            vstore(dP + j, vf{});
+        }
+        return;
+    }
+    vf sum = vf{};
+    for (int64_t j = 0; j < vend; j += VL) {
+        const vf p = vexp(logits(j) - row_max);
+        vstore(S + j, p);
+        sum += p;
+    }
+    const float inv = 1.f / hsum(sum);
+    vf dsum = vf{};
+    for (int64_t j = 0; j < vend; j += VL) {
+        const vf p = vload(S + j) * inv;
+        vstore(S + j, p);
+        dsum += p * vload(dP + j);
+    }
+    const float di = hsum(dsum);
+    for (int64_t j = 0; j < vend; j += VL) {
+        const vf p = vload(S + j);
+        vstore(dP + j, p * (vload(dP + j) - di) * scale);
+    }
+    for (int64_t j = vend; j < npad; j += VL) {
+        vstore(S + j, vf{});
+        vstore(dP + j, vf{});
+    }
+}
+
+struct BwdShape {
+    int64_t DP;      // head dim rounded up to VL: the row length of every [.., D] scratch array
+    int64_t NP;      // keys rounded up to VL
+    int64_t m;       // query rows per block
+    int64_t parts;   // items per (batch, kv head)
+    int64_t group;   // query heads per kv head
+};
+
+BwdShape bwd_shape(const BwdKernelArgs& a, int threads) {
+    BwdShape s{};
+    s.DP = round_up(a.D, VL);
+    s.NP = round_up(a.N, VL);
+    // S and dP of a block: 2 * m * NP floats; about 512 KB (a Zen 4 / 5 core has 1 MB of L2) unless the
+    // caller asked for a block size.
+    const int64_t fit = (int64_t(1) << 16) / s.NP;
+    s.m = a.block_m > 0 ? a.block_m : std::max<int64_t>(16, std::min<int64_t>(256, fit));
+    s.m = std::min<int64_t>(s.m, std::max<int64_t>(a.M, 1));
+    s.group = a.Hq / a.Hkv;
+    const int64_t groups = a.B * a.Hkv;
+    s.parts = 1;
+    if (threads > 1 && groups < 2 * threads)  // too few items: split each group's heads
+        s.parts = std::min<int64_t>(s.group, (2 * threads + groups - 1) / groups);
+    return s;
+}
+
+template <class E>
+void run_bwd(const BwdKernelArgs& a, int threads) {
+    using T = typename E::T;
+    const BwdShape sh = bwd_shape(a, threads);
+    const int64_t DP = sh.DP, NP = sh.NP, D = a.D, N = a.N, M = a.M;
+    const int64_t off = N - a.M;  // query row i sits at key position off + i
+    const int64_t n_items = a.B * a.Hkv * sh.parts;
+    threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n_items)));
+
+    // dK, dV partial sums of every item: [item][NP][DP] each; zero-filled by their items.
+    const size_t part_floats = static_cast<size_t>(NP * DP);
+    float* partials = static_cast<float*>(std::aligned_alloc(64, 2 * part_floats * n_items * sizeof(float) + 64));
+    if (!partials) throw std::bad_alloc();
+    struct Free {
+        float* p;
+        ~Free() { std::free(p); }
+    } free_partials{partials};
+
+    auto carve = [&](Carve& c) {
+        struct Bufs {
+            float *Kf, *Kt, *Vt, *Qb, *dOb, *dQb, *S, *dP;
+            int32_t* key_ok;
+        } b;
+        b.Kf = c.take<float>(NP * DP);  // K rows, fp32 [NP][DP]
+        b.Kt = c.take<float>(DP * NP);  // K^T [D][NP]
+        b.Vt = c.take<float>(DP * NP);  // V^T [D][NP]
+        b.Qb = c.take<float>(sh.m * DP);
+        b.dOb = c.take<float>(sh.m * DP);
+        b.dQb = c.take<float>(sh.m * DP);
+        b.S = c.take<float>(sh.m * NP);
+        b.dP = c.take<float>(sh.m * NP);
+        b.key_ok = c.take<int32_t>(NP);
+        return b;
+    };
+    Carve sizing;
+    carve(sizing);
+    const Scratch scratch(sizing.bytes(), threads);
+
+    const T* q = static_cast<const T*>(a.q);
+    const T* k = static_cast<const T*>(a.k);
+    const T* v = static_cast<const T*>(a.v);
+    const T* dout = static_cast<const T*>(a.dout);
+    T* dq = static_cast<T*>(a.dq);
+    T* dk = static_cast<T*>(a.dk);
+    T* dv = static_cast<T*>(a.dv);
+
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        Carve c(scratch.zeroed_slice(thread_num()));
+        const auto buf = carve(c);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; ++it) {
+            const int64_t part = it % sh.parts, g = (it / sh.parts) % a.Hkv, b = it / (sh.parts * a.Hkv);
+            float* dKacc = partials + 2 * part_floats * it;
+            float* dVacc = dKacc + part_floats;
+            std::memset(dKacc, 0, 2 * part_floats * sizeof(float));
+            bool loaded = false;  // K, V of this group converted (only once a head needs them)
+            for (int64_t h = g * sh.group + part; h < (g + 1) * sh.group; h += sh.parts) {
+                const T* qh = q + b * a.qs[0] + h * a.qs[1];
+                const T* doh = dout + b * a.dos[0] + h * a.dos[1];
+                T* dqh = dq + b * a.dqs[0] + h * a.dqs[1];
+                if (a.skip && a.skip[b * a.Hq + h]) {
+                    zero_rows<E>(dqh, a.dqs, M, D);
+                    continue;
+                }
+                if (!loaded) {
+                    load_rows<E>(k + b * a.ks[0] + g * a.ks[1], a.ks, 0, N, D, buf.Kf, DP);
+                    std::memset(buf.Kf + N * DP, 0, (NP - N) * DP * sizeof(float));
+                    std::memset(buf.Vt, 0, DP * NP * sizeof(float));
+                    std::memset(buf.Kt, 0, DP * NP * sizeof(float));
+                    const T* vg = v + b * a.vs[0] + g * a.vs[1];
+                    for (int64_t j = 0; j < N; ++j)
+                        for (int64_t d = 0; d < D; ++d) {
+                            buf.Kt[d * NP + j] = buf.Kf[j * DP + d];
+                            buf.Vt[d * NP + j] = E::load(vg + j * a.vs[2] + d * a.vs[3]);
+                        }
+                    for (int64_t j = 0; j < NP; ++j) buf.key_ok[j] = j < N && (!a.kpm || a.kpm[b * N + j]);
+                    loaded = true;
+                }
+                for (int64_t i0 = 0; i0 < M; i0 += sh.m) {
+                    const int64_t mb = std::min<int64_t>(sh.m, M - i0);
+                    // keys the block sees: [0, nb), and row i's own limit lim(i) = off + i0 + i + 1
+                    const int64_t nb = a.causal ? std::min<int64_t>(N, off + i0 + mb) : N;
+                    if (nb <= 0) {  // no row of the block sees a key
+                        zero_rows<E>(dqh + i0 * a.dqs[2], a.dqs, mb, D);
+                        continue;
+                    }
+                    const int64_t npad = round_up(nb, VL);
+                    auto lim = [&](int64_t i) { return a.causal ? std::min<int64_t>(N, off + i0 + i + 1) : N; };
+                    load_rows<E>(qh, a.qs, i0, mb, D, buf.Qb, DP);
+                    load_rows<E>(doh, a.dos, i0, mb, D, buf.dOb, DP);
+                    // the first row of the block that sees key j
+                    auto first_row = [&](int64_t j) -> int64_t {
+                        return a.causal ? std::min<int64_t>(mb, std::max<int64_t>(0, j - off - i0)) : 0;
+                    };
+                    auto all_d = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, D); };
+                    // (1) S = Q K^T and (2) dP = dO V^T, rows [first_row(c), mb) of each key tile
+                    bw_gemm<false>(mb, npad, buf.Qb, DP, 1, buf.Kt, NP, buf.S, NP, first_row, all_d);
+                    bw_gemm<false>(mb, npad, buf.dOb, DP, 1, buf.Vt, NP, buf.dP, NP, first_row, all_d);
+                    for (int64_t i = 0; i < mb; ++i)
+                        softmax_grad_row(buf.S + i * NP, buf.dP + i * NP, buf.key_ok, lim(i), npad, a.scale);
+                    // (3) dV += P^T dO and (4) dK += dS^T Q over the keys [0, nb): key tile [j, j + n) sums
+                    // the rows from the first that sees j
+                    auto from_first = [&](int64_t j, int64_t) {
+                        return std::pair<int64_t, int64_t>(first_row(j), mb);
+                    };
+                    auto row0 = [](int64_t) -> int64_t { return 0; };
+                    bw_gemm<true>(nb, DP, buf.S, 1, NP, buf.dOb, DP, dVacc, DP, row0, from_first);
+                    bw_gemm<true>(nb, DP, buf.dP, 1, NP, buf.Qb, DP, dKacc, DP, row0, from_first);
+                    // (5) dQ = dS K: row tile [i, i + n) sums the keys up to the last row's limit
+                    auto to_last = [&](int64_t i, int64_t n) {
+                        return std::pair<int64_t, int64_t>(0, lim(std::min<int64_t>(i + n, mb) - 1));
+                    };
+                    bw_gemm<false>(mb, DP, buf.dP, NP, 1, buf.Kf, DP, buf.dQb, DP, row0, to_last);
+                    store_rows<E>(buf.dQb, DP, dqh, a.dqs, i0, mb, D);
+                }
+            }
+        }
+        // The parts of each group, added in order of part, stored as dk, dv.
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t bg = 0; bg < a.B * a.Hkv; ++bg) {
+            float* first = partials + 2 * part_floats * (bg * sh.parts);
+            for (int64_t p = 1; p < sh.parts; ++p) {
+                const float* more = first + 2 * part_floats * p;
+                for (size_t x = 0; x < 2 * part_floats; x += VL) vstore(first + x, vload(first + x) + vload(more + x));
+            }
+            const int64_t b = bg / a.Hkv, g = bg % a.Hkv;
+            store_rows<E>(first, DP, dk + b * a.dks[0] + g * a.dks[1], a.dks, 0, N, D);
+            store_rows<E>(first + part_floats, DP, dv + b * a.dvs[0] + g * a.dvs[1], a.dvs, 0, N, D);
+        }
+    }
+}
+
+}  // namespace
+
+void run_bwd(const BwdKernelArgs& a, DType dtype, int threads) {
+    by_dtype(dtype, [&](auto e) { run_bwd<decltype(e)>(a, threads); });
+}
+
+}  // namespace retmask::detail::RETMASK_ISA

@@ -1,0 +1,94 @@
+"""The C++ CPU attention backward: ``attention_bwd`` of ``retmask._C`` (csrc/attention_bwd_cpu_kernel.h).
+
+The gradients of plain attention (causal or not, key padding, skipped heads, GQA; no sliding window,
+soft-capping or sinks) in one pass per block of whole query rows: the logits are recomputed and the five
+products of the backward (Q K^T, dO V^T, P^T dO, dS^T Q, dS K) run on the kernel's FMA micro-kernels with
+the causal triangle skipped, everything in fp32. fp16 / bf16 inputs are converted exactly on load and
+each gradient is rounded once when stored, as autocast's own fp32 backward would; no [B, H, M, N] tensor
+is ever built (scratch: two [rows, N] blocks per thread, ~512 KB, and one fp32 dK / dV pair per kv
+head).
+
+``ops.recompute_grads`` uses it where ``backward_choice`` chose it for the call (measured on this
+machine against PyTorch SDPA's backward, or forced with ``RETMASK_CPU_ATTN_BWD=kernel``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu
+
+
+def available() -> bool:
+    """Whether this build of ``retmask._C`` has the backward (builds from before it do not)."""
+    lib = cpu._library()
+    return lib is not None and "backward" in lib.features
+
+
+def applies(
+    q: torch.Tensor, *, window: int | None, softcap: float | None, sinks: torch.Tensor | None
+) -> bool:
+    """Whether a call can run on the C++ backward: CPU tensors of a float dtype the kernel takes, plain
+    attention (no window, soft-capping or sinks), an eager call (a traced graph keeps the SDPA
+    recompute, which AOTAutograd can trace), and a build that has it."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and window is None
+        and softcap is None
+        and sinks is None
+        and not torch.compiler.is_compiling()
+        and available()
+    )
+
+
+def backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    sm_scale: float,
+    key_padding_mask: torch.Tensor | None,
+    skip_heads: torch.Tensor | None,
+    block_m: int = 0,
+    isa: str | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of attention at (q, k, v) for the output gradient ``grad_out``.
+
+    grad_out, q: [B, Hq, M, D]; k, v: [B, Hkv, N, D]; one float dtype, any strides, M <= N (the queries
+    are the last M positions when causal); key_padding_mask: bool [B, N] (True = valid key) or None;
+    skip_heads: bool [B, Hq] (True = skipped) or None. Returns contiguous gradients in the inputs' dtype:
+    dq [B, Hq, M, D] (0 for skipped heads and rows without a valid key), dk, dv [B, Hkv, N, D].
+    ``out`` = (dq, dk, dv) to write into (any strides; tests pre-fill them to prove every element is
+    written); ``block_m``: query rows per block (0: sized for the cache); ``isa``: the build to run (see
+    ``cpu.selected_isa``). Raises ValueError (from the binding, naming the argument) for inconsistent
+    tensors, RuntimeError for a build without the backward.
+    """
+    lib = cpu._library()
+    if lib is None or "backward" not in lib.features:
+        raise RuntimeError(
+            "this build of retmask._C has no attention backward; rebuild it with "
+            "`pip install --no-build-isolation -e .` (or use RETMASK_CPU_ATTN_BWD=native)"
+        )
+    codes = lib.codes
+    if out is None:
+        out = (
+            torch.empty(q.shape, dtype=q.dtype),
+            torch.empty(k.shape, dtype=k.dtype),
+            torch.empty(v.shape, dtype=v.dtype),
+        )
+    dq, dk, dv = out
+    kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
+    skip = skip_heads.contiguous() if skip_heads is not None else None
+    arg = cpu._tensor_arg
+    lib.module.attention_bwd(
+        arg("grad_out", grad_out, codes), arg("q", q, codes), arg("k", k, codes), arg("v", v, codes),
+        arg("dq", dq, codes), arg("dk", dk, codes), arg("dv", dv, codes),
+        arg("key_padding_mask", kpm, codes) if kpm is not None else None,
+        arg("skip_heads", skip, codes) if skip is not None else None,
+        bool(causal), float(sm_scale), int(block_m), torch.get_num_threads(), cpu.selected_isa(isa),
+    )  # fmt: skip
+    return dq, dk, dv
