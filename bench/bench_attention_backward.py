@@ -3,8 +3,9 @@ against PyTorch SDPA's backward (the recompute the CPU kernel's autograd used be
 inputs' dtype, and for bf16 also on fp32 copies rounded back), and what
 ``retmask.kernels.backward_choice`` decides for each shape on this machine.
 
-SmolLM2's attention shape (9 query heads, 3 kv heads, head dim 64) at batch 1 and 4, and Llama-3.1-8B's
-(32 / 8, head dim 128) at batch 1; causal, square (training), the last batch row right-padded by a
+SmolLM2's attention shape (9 query heads, 3 kv heads, head dim 64) at batch 1 and 4, Llama-3.1-8B's
+(32 / 8, head dim 128) at batch 1, and Gemma-3-270M's sliding-window layers (4 / 1, head dim 256, a window
+of 512 keys; against the query-chunked recompute) at batch 1; causal, square (training), the last batch row right-padded by a
 quarter; fp32 and bf16. All candidates interleaved in one process, median of ``--repeats`` calls; the
 gradients' largest difference from SDPA's fp32 ones, relative to their scale. The decision column is the
 autotuner's own measurement on its proxy call (keys rounded up to a multiple of 64 from 512, capped at
@@ -41,10 +42,13 @@ from common import (  # noqa: E402
 from retmask.kernels import backward_choice, cpu_backward, ops  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHAPES = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128)}
+SHAPES = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128), "Gemma-3-270M": (4, 1, 256)}
+GEMMA_WINDOW = 512  # Gemma-3's sliding-window layers (5 of every 6)
 
 
-def cell(model: str, dtype: torch.dtype, batch: int, keys: int, repeats: int) -> dict:
+def cell(
+    model: str, dtype: torch.dtype, batch: int, keys: int, repeats: int, window: int | None = None
+) -> dict:
     heads, kv_heads, head_dim = SHAPES[model]
     gen = torch.Generator().manual_seed(keys + batch)
     q = torch.randn(batch, heads, keys, head_dim, generator=gen).to(dtype)
@@ -54,7 +58,7 @@ def cell(model: str, dtype: torch.dtype, batch: int, keys: int, repeats: int) ->
     mask = torch.ones(batch, keys, dtype=torch.bool)
     mask[-1, keys - keys // 4 :] = False
     call = {"grad_out": grad_out, "q": q, "k": k, "v": v, "causal": True, "key_padding_mask": mask,
-            "sm_scale": head_dim**-0.5}  # fmt: skip
+            "sm_scale": head_dim**-0.5, "window": window}  # fmt: skip
     results = {}
 
     def timed(choice: str) -> float:
@@ -62,7 +66,7 @@ def cell(model: str, dtype: torch.dtype, batch: int, keys: int, repeats: int) ->
         results[choice] = ops._proxy_grads(choice, call)
         return time.perf_counter() - start
 
-    names = ["kernel", "native"] + (["fp32"] if dtype != torch.float32 else [])
+    names = ["kernel", "native"] + (["fp32"] if dtype != torch.float32 and window is None else [])
     times = interleaved({name: (lambda name=name: timed(name)) for name in names}, repeats)
     exact = results.get("fp32", results["native"])
     diff = {
@@ -70,10 +74,11 @@ def cell(model: str, dtype: torch.dtype, batch: int, keys: int, repeats: int) ->
                   for a, b in zip(results[name], exact, strict=True))
         for name in names if results[name] is not exact
     }  # fmt: skip
-    case = backward_choice.case_of(q, k, True, True)
+    case = backward_choice.case_of(q, k, True, True, window)
     seconds = {name: statistics.median(t) for name, t in times.items()}
     return {
-        "model": model, "dtype": str(dtype).removeprefix("torch."), "batch": batch, "keys": keys,
+        "model": model + (f" window {window}" if window else ""), "dtype": str(dtype).removeprefix("torch."),
+        "batch": batch, "keys": keys,
         "seconds": seconds, "kernel_over_best_sdpa": seconds["kernel"] / min(seconds[n] for n in names[1:]),
         "max_rel_grad_diff_vs_sdpa_fp32": diff,
         "decision": backward_choice.choice_for(case, ops._proxy_grads, kernel=True), "case": case.name(),
@@ -102,6 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, nargs="+", default=[64, 163, 256, 512, 1024, 2048, 4096])
     ap.add_argument("--llama-keys", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--gemma-keys", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--batch4-max-keys", type=int, default=2048, help="batch 4 only up to this many keys")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
@@ -116,10 +122,12 @@ def main() -> None:
     os.environ["RETMASK_CACHE"] = tempfile.mkdtemp(prefix="retmask-bwd-")  # decide afresh, not from a cache
     plan = [("SmolLM2", b, n) for b in (1, 4) for n in args.keys if b == 1 or n <= args.batch4_max_keys]
     plan += [("Llama-3.1-8B", 1, n) for n in args.llama_keys]
+    plan += [("Gemma-3-270M", 1, n) for n in args.gemma_keys]
     cells = []
     for model, batch, keys in plan:
+        window = GEMMA_WINDOW if model.startswith("Gemma") else None
         for dtype in (torch.float32, torch.bfloat16):
-            cells.append(cell(model, dtype, batch, keys, args.repeats))
+            cells.append(cell(model, dtype, batch, keys, args.repeats, window))
             print(cells[-1], flush=True)
 
     def ms(c: dict, name: str) -> str:
@@ -138,10 +146,13 @@ def main() -> None:
         "",
         "Gradients of q, k, v for a given output gradient; causal, square, the last batch row right-padded by a "
         "quarter. `SDPA` = recompute + backward through `torch.nn.functional.scaled_dot_product_attention` in "
-        "the inputs' dtype, `SDPA fp32` = the same on fp32 copies, rounded back (bf16 only), `kernel` = "
+        "the inputs' dtype (with Gemma-3's sliding window of 512 keys, which SDPA cannot express without an [M, N] "
+        "mask: the query-chunked recompute of `retmask.kernels.chunked`), `SDPA fp32` = the same on fp32 copies, "
+        "rounded back (bf16 only), `kernel` = "
         f"`retmask.kernels.cpu_backward` (fp32 inside, rounded once). Median of {args.repeats} interleaved calls. "
         "`kernel / best` = the kernel's time over the faster SDPA variant's. `Δ` = the kernel's largest gradient "
-        "difference from SDPA fp32's (fp32: SDPA's), relative to the gradient's scale. `auto` = what "
+        "difference from SDPA fp32's (fp32 and windows: the recompute's in the dtype), relative to the gradient's "
+        "scale. `auto` = what "
         "`backward_choice` decides on its own proxy call for that case (keys capped at "
         f"{backward_choice.MAX_KEYS}). Separate measurements of one cell move by 10-15% on this machine.",
         "",

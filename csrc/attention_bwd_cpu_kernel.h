@@ -66,15 +66,15 @@ RETMASK_INLINE void bw_tile(const float* __restrict A, int64_t ars, int64_t aks,
         for (int c = 0; c < CV; ++c) vstore(C + r * ldc + c * VL, acc[r][c]);
 }
 
-// C[r][c] (+)= sum_k A(r, k) B[k][c] for rows [r_begin(c0), rows) and columns [0, cols) (cols a multiple
-// of VL), k over k_range(r0, nr) = [k0, k1) for the row tile [r0, r0 + nr). Column panels outside, so a
-// panel of B stays in cache across the row tiles.
-template <bool ACC, class RowBegin, class KRange>
-RETMASK_INLINE void bw_gemm(int64_t rows, int64_t cols, const float* A, int64_t ars, int64_t aks, const float* B,
-                            int64_t ldb, float* C, int64_t ldc, RowBegin&& r_begin, KRange&& k_range) {
+// C[r][c] (+)= sum_k A(r, k) B[k][c] for columns [0, cols) (a multiple of VL) and, in the column panel
+// starting at c0, rows [r0, r1) = row_range(c0); k over k_range(r, nr) = [k0, k1) for the row tile
+// [r, r + nr). Column panels outside, so a panel of B stays in cache across the row tiles.
+template <bool ACC, class RowRange, class KRange>
+RETMASK_INLINE void bw_gemm(int64_t cols, const float* A, int64_t ars, int64_t aks, const float* B, int64_t ldb,
+                            float* C, int64_t ldc, RowRange&& row_range, KRange&& k_range) {
     tiles<BW_CV>(static_cast<int>(cols / VL), [&](auto cv, int c) RETMASK_LAMBDA_INLINE {
-        const int64_t r0 = r_begin(static_cast<int64_t>(c) * VL);
-        tiles<BW_NR>(static_cast<int>(rows - r0), [&](auto nr, int r) RETMASK_LAMBDA_INLINE {
+        const auto [r0, r1] = row_range(static_cast<int64_t>(c) * VL);
+        tiles<BW_NR>(static_cast<int>(std::max<int64_t>(0, r1 - r0)), [&](auto nr, int r) RETMASK_LAMBDA_INLINE {
             const int64_t row = r0 + r;
             const auto [k0, k1] = k_range(row, static_cast<int64_t>(decltype(nr)::value));
             bw_tile<decltype(nr)::value, decltype(cv)::value, ACC>(A + row * ars, ars, aks, B + c * VL, ldb,
@@ -106,67 +106,96 @@ void store_rows(const float* src, int64_t ld, typename E::T* base, const int64_t
     }
 }
 
+constexpr int64_t TRANSPOSE_ROWS = 16;  // keys per step of the transposes: one 64-byte line of K^T per dim
+
+// One kv head's K and V as the products take them: Kf [NP][DP] (K rows, fp32), Kt, Vt [DP][NP] (K^T, V^T),
+// zero beyond N keys and D dims. The transposes go TRANSPOSE_ROWS keys at a time, so each write fills
+// whole cache lines (one key at a time, every write of a long K^T row missed the cache: at 8K keys and
+// D = 256 the transposes took a third of a windowed backward). tile: TRANSPOSE_ROWS x DP floats.
+template <class E>
+void load_kv(const typename E::T* k, const int64_t* ks, const typename E::T* v, const int64_t* vs, int64_t N,
+             int64_t D, int64_t NP, int64_t DP, float* Kf, float* Kt, float* Vt, float* tile) {
+    load_rows<E>(k, ks, 0, N, D, Kf, DP);
+    std::memset(Kf + N * DP, 0, (NP - N) * DP * sizeof(float));
+    for (int64_t j0 = 0; j0 < NP; j0 += TRANSPOSE_ROWS) {
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(TRANSPOSE_ROWS, N - j0));  // real keys
+        const int64_t w = std::min<int64_t>(TRANSPOSE_ROWS, NP - j0);  // columns up to NP
+        load_rows<E>(v, vs, j0, n, D, tile, DP);
+        for (int64_t d = 0; d < DP; ++d)
+            for (int64_t j = 0; j < w; ++j) {
+                const bool in = j < n && d < D;
+                Kt[d * NP + j0 + j] = in ? Kf[(j0 + j) * DP + d] : 0.f;
+                Vt[d * NP + j0 + j] = in ? tile[j * DP + d] : 0.f;
+            }
+    }
+}
+
 template <class E>
 void zero_rows(typename E::T* base, const int64_t* st, int64_t n, int64_t D) {
     for (int64_t r = 0; r < n; ++r)
         for (int64_t d = 0; d < D; ++d) E::store(base + r * st[2] + d * st[3], 0.f);
 }
 
-// Row i of the block: P_i = softmax over its allowed keys j < lim of scale * S_i (S row of npad floats,
-// key_ok[j] != 0 for a valid key), written over S; Di = P_i . dP_i; dS_i = scale * P_i (dP_i - Di)
-// written over dP. Keys j >= lim (and the padding up to npad) get P = dS = 0; so does the whole row when
-// no key is allowed.
-void softmax_grad_row(float* __restrict S, float* __restrict dP, const int32_t* __restrict key_ok, int64_t lim,
-                      int64_t npad, float scale) {
+// Row i of the block: P_i = softmax over its allowed keys lo <= j < lim of scale * S_i (S row of width
+// floats, column c holding key kbase + c; key_ok[key] != 0 for a valid key), written over S;
+// Di = P_i . dP_i; dS_i = scale * P_i (dP_i - Di) written over dP. Every other column gets P = dS = 0
+// (columns of keys the row does not see may never have been computed); so does the whole row when no key
+// is allowed.
+void softmax_grad_row(float* __restrict S, float* __restrict dP, const int32_t* __restrict key_ok, int64_t kbase,
+                      int64_t lo, int64_t lim, int64_t width, float scale) {
     const vf ninf = vbroadcast(NEG_INF);
     vi lane;
     for (int l = 0; l < VL; ++l) lane[l] = l;
-    const int64_t vend = round_up(lim, VL);
+    const int64_t vbegin = std::max<int64_t>(0, (lo - kbase) / VL * VL), vend = round_up(lim - kbase, VL);
     // Masking is a select, never an add: a NaN logit of a key the row may not see cannot reach it.
-    auto logits = [&](int64_t j) RETMASK_LAMBDA_INLINE {
-        const vi ok = (viload(key_ok + j) != 0) & (lane + static_cast<int32_t>(j) < static_cast<int32_t>(lim));
-        return ok ? vload(S + j) * scale : ninf;
+    auto logits = [&](int64_t c) RETMASK_LAMBDA_INLINE {
+        const vi key = lane + static_cast<int32_t>(kbase + c);
+        const vi ok = (viload(key_ok + kbase + c) != 0) & (key < static_cast<int32_t>(lim)) &
+                      (key >= static_cast<int32_t>(lo));
+        return ok ? vload(S + c) * scale : ninf;
+    };
+    auto zero = [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; c += VL) {
+            vstore(S + c, vf{});
+            vstore(dP + c, vf{});
+        }
     };
     vf mx = ninf;
-    for (int64_t j = 0; j < vend; j += VL) {
-        const vf s = logits(j);
-        mx = s > mx ? s : mx;
+    for (int64_t c = vbegin; c < vend; c += VL) {
+        const vf x = logits(c);
+        mx = x > mx ? x : mx;
     }
     const float row_max = hmax(mx);
     if (row_max == NEG_INF) {  // no allowed key: the forward gives 0, so every gradient is 0
-        for (int64_t j = 0; j < npad; j += VL) {
-            vstore(S + j, vf{});
-            vstore(dP + j, vf{});
-        }
+        zero(0, width);
         return;
     }
+    zero(0, vbegin);
     vf sum = vf{};
-    for (int64_t j = 0; j < vend; j += VL) {
-        const vf p = vexp(logits(j) - row_max);
-        vstore(S + j, p);
+    for (int64_t c = vbegin; c < vend; c += VL) {
+        const vf p = vexp(logits(c) - row_max);
+        vstore(S + c, p);
         sum += p;
     }
     const float inv = 1.f / hsum(sum);
     vf dsum = vf{};
-    for (int64_t j = 0; j < vend; j += VL) {
-        const vf p = vload(S + j) * inv;
-        vstore(S + j, p);
-        dsum += p * vload(dP + j);
+    for (int64_t c = vbegin; c < vend; c += VL) {
+        const vf p = vload(S + c) * inv;
+        vstore(S + c, p);
+        dsum += p * vload(dP + c);
     }
     const float di = hsum(dsum);
-    for (int64_t j = 0; j < vend; j += VL) {
-        const vf p = vload(S + j);
-        vstore(dP + j, p * (vload(dP + j) - di) * scale);
+    for (int64_t c = vbegin; c < vend; c += VL) {
+        const vf p = vload(S + c);
+        vstore(dP + c, p * (vload(dP + c) - di) * scale);
     }
-    for (int64_t j = vend; j < npad; j += VL) {
-        vstore(S + j, vf{});
-        vstore(dP + j, vf{});
-    }
+    zero(vend, width);
 }
 
 struct BwdShape {
     int64_t DP;      // head dim rounded up to VL: the row length of every [.., D] scratch array
     int64_t NP;      // keys rounded up to VL
+    int64_t SW;      // columns of the S and dP blocks: NP, or what a block of m rows sees through the window
     int64_t m;       // query rows per block
     int64_t parts;   // items per (batch, kv head)
     int64_t group;   // query heads per kv head
@@ -176,11 +205,13 @@ BwdShape bwd_shape(const BwdKernelArgs& a, int threads) {
     BwdShape s{};
     s.DP = round_up(a.D, VL);
     s.NP = round_up(a.N, VL);
-    // S and dP of a block: 2 * m * NP floats; about 512 KB (a Zen 4 / 5 core has 1 MB of L2) unless the
-    // caller asked for a block size.
-    const int64_t fit = (int64_t(1) << 16) / s.NP;
-    s.m = a.block_m > 0 ? a.block_m : std::max<int64_t>(16, std::min<int64_t>(256, fit));
+    // S and dP of a block: 2 * m * SW floats; about 512 KB (a Zen 4 / 5 core has 1 MB of L2) unless the
+    // caller asked for a block size. Through a window, m rows see at most m + window - 1 keys.
+    const int64_t seen = a.window ? std::min<int64_t>(s.NP, a.window + 128) : s.NP;
+    s.m = a.block_m > 0 ? a.block_m : std::max<int64_t>(16, std::min<int64_t>(256, (int64_t(1) << 16) / seen));
     s.m = std::min<int64_t>(s.m, std::max<int64_t>(a.M, 1));
+    // + 2 VL: the block's first key rounded down and its last rounded up to a vector
+    s.SW = a.window ? std::min<int64_t>(s.NP, round_up(s.m + a.window, VL) + 2 * VL) : s.NP;
     s.group = a.Hq / a.Hkv;
     const int64_t groups = a.B * a.Hkv;
     s.parts = 1;
@@ -209,7 +240,7 @@ void run_bwd(const BwdKernelArgs& a, int threads) {
 
     auto carve = [&](Carve& c) {
         struct Bufs {
-            float *Kf, *Kt, *Vt, *Qb, *dOb, *dQb, *S, *dP;
+            float *Kf, *Kt, *Vt, *Qb, *dOb, *dQb, *S, *dP, *tile;
             int32_t* key_ok;
         } b;
         b.Kf = c.take<float>(NP * DP);  // K rows, fp32 [NP][DP]
@@ -218,9 +249,10 @@ void run_bwd(const BwdKernelArgs& a, int threads) {
         b.Qb = c.take<float>(sh.m * DP);
         b.dOb = c.take<float>(sh.m * DP);
         b.dQb = c.take<float>(sh.m * DP);
-        b.S = c.take<float>(sh.m * NP);
-        b.dP = c.take<float>(sh.m * NP);
+        b.S = c.take<float>(sh.m * sh.SW);
+        b.dP = c.take<float>(sh.m * sh.SW);
         b.key_ok = c.take<int32_t>(NP);
+        b.tile = c.take<float>(TRANSPOSE_ROWS * DP);
         return b;
     };
     Carve sizing;
@@ -255,54 +287,63 @@ void run_bwd(const BwdKernelArgs& a, int threads) {
                     continue;
                 }
                 if (!loaded) {
-                    load_rows<E>(k + b * a.ks[0] + g * a.ks[1], a.ks, 0, N, D, buf.Kf, DP);
-                    std::memset(buf.Kf + N * DP, 0, (NP - N) * DP * sizeof(float));
-                    std::memset(buf.Vt, 0, DP * NP * sizeof(float));
-                    std::memset(buf.Kt, 0, DP * NP * sizeof(float));
-                    const T* vg = v + b * a.vs[0] + g * a.vs[1];
-                    for (int64_t j = 0; j < N; ++j)
-                        for (int64_t d = 0; d < D; ++d) {
-                            buf.Kt[d * NP + j] = buf.Kf[j * DP + d];
-                            buf.Vt[d * NP + j] = E::load(vg + j * a.vs[2] + d * a.vs[3]);
-                        }
+                    load_kv<E>(k + b * a.ks[0] + g * a.ks[1], a.ks, v + b * a.vs[0] + g * a.vs[1], a.vs, N, D, NP,
+                               DP, buf.Kf, buf.Kt, buf.Vt, buf.tile);
                     for (int64_t j = 0; j < NP; ++j) buf.key_ok[j] = j < N && (!a.kpm || a.kpm[b * N + j]);
                     loaded = true;
                 }
                 for (int64_t i0 = 0; i0 < M; i0 += sh.m) {
                     const int64_t mb = std::min<int64_t>(sh.m, M - i0);
-                    // keys the block sees: [0, nb), and row i's own limit lim(i) = off + i0 + i + 1
-                    const int64_t nb = a.causal ? std::min<int64_t>(N, off + i0 + mb) : N;
-                    if (nb <= 0) {  // no row of the block sees a key
+                    // Row i (position p = off + i0 + i) sees the keys [lo(i), lim(i)); the block sees [klo, nb).
+                    auto lim = [&](int64_t i) { return a.causal ? std::min<int64_t>(N, off + i0 + i + 1) : N; };
+                    auto lo = [&](int64_t i) { return a.window ? std::max<int64_t>(0, off + i0 + i - a.window + 1) : 0; };
+                    const int64_t nb = lim(mb - 1), klo = lo(0);
+                    if (nb <= klo) {  // no row of the block sees a key
                         zero_rows<E>(dqh + i0 * a.dqs[2], a.dqs, mb, D);
                         continue;
                     }
-                    const int64_t npad = round_up(nb, VL);
-                    auto lim = [&](int64_t i) { return a.causal ? std::min<int64_t>(N, off + i0 + i + 1) : N; };
+                    // S and dP column c holds key kbase + c (kbase aligned to a vector), up to key npad
+                    const int64_t kbase = klo / VL * VL, npad = round_up(nb, VL), SW = sh.SW;
                     load_rows<E>(qh, a.qs, i0, mb, D, buf.Qb, DP);
                     load_rows<E>(doh, a.dos, i0, mb, D, buf.dOb, DP);
-                    // the first row of the block that sees key j
+                    // The rows that see key j: [first_row(j), last_row(j)] (clamped to the block).
                     auto first_row = [&](int64_t j) -> int64_t {
                         return a.causal ? std::min<int64_t>(mb, std::max<int64_t>(0, j - off - i0)) : 0;
                     };
+                    auto rows_end = [&](int64_t j) -> int64_t {  // last_row(j) + 1
+                        return a.window ? std::max<int64_t>(0, std::min<int64_t>(mb, j + a.window - off - i0)) : mb;
+                    };
+                    // (1) S = Q K^T and (2) dP = dO V^T: in the panel of keys [j, j + w), the rows that see one
+                    const int64_t panel = BW_CV * VL;
+                    auto panel_rows = [&](int64_t c) {
+                        const int64_t j = kbase + c;
+                        return std::pair<int64_t, int64_t>(first_row(j), rows_end(std::min<int64_t>(j + panel, npad) - 1));
+                    };
                     auto all_d = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, D); };
-                    // (1) S = Q K^T and (2) dP = dO V^T, rows [first_row(c), mb) of each key tile
-                    bw_gemm<false>(mb, npad, buf.Qb, DP, 1, buf.Kt, NP, buf.S, NP, first_row, all_d);
-                    bw_gemm<false>(mb, npad, buf.dOb, DP, 1, buf.Vt, NP, buf.dP, NP, first_row, all_d);
+                    bw_gemm<false>(npad - kbase, buf.Qb, DP, 1, buf.Kt + kbase, NP, buf.S, SW, panel_rows, all_d);
+                    bw_gemm<false>(npad - kbase, buf.dOb, DP, 1, buf.Vt + kbase, NP, buf.dP, SW, panel_rows, all_d);
                     for (int64_t i = 0; i < mb; ++i)
-                        softmax_grad_row(buf.S + i * NP, buf.dP + i * NP, buf.key_ok, lim(i), npad, a.scale);
-                    // (3) dV += P^T dO and (4) dK += dS^T Q over the keys [0, nb): key tile [j, j + n) sums
-                    // the rows from the first that sees j
-                    auto from_first = [&](int64_t j, int64_t) {
-                        return std::pair<int64_t, int64_t>(first_row(j), mb);
+                        softmax_grad_row(buf.S + i * SW, buf.dP + i * SW, buf.key_ok, kbase, lo(i), lim(i),
+                                         npad - kbase, a.scale);
+                    // (3) dV += P^T dO and (4) dK += dS^T Q over the keys [klo, nb) (C rows relative to kbase):
+                    // key tile [j, j + n) sums the rows that see one of its keys
+                    auto key_rows = [&](int64_t) {
+                        return std::pair<int64_t, int64_t>(klo - kbase, nb - kbase);
                     };
-                    auto row0 = [](int64_t) -> int64_t { return 0; };
-                    bw_gemm<true>(nb, DP, buf.S, 1, NP, buf.dOb, DP, dVacc, DP, row0, from_first);
-                    bw_gemm<true>(nb, DP, buf.dP, 1, NP, buf.Qb, DP, dKacc, DP, row0, from_first);
-                    // (5) dQ = dS K: row tile [i, i + n) sums the keys up to the last row's limit
-                    auto to_last = [&](int64_t i, int64_t n) {
-                        return std::pair<int64_t, int64_t>(0, lim(std::min<int64_t>(i + n, mb) - 1));
+                    auto seeing_rows = [&](int64_t r, int64_t n) {
+                        const int64_t j = kbase + r;
+                        return std::pair<int64_t, int64_t>(first_row(j), rows_end(j + n - 1));
                     };
-                    bw_gemm<false>(mb, DP, buf.dP, NP, 1, buf.Kf, DP, buf.dQb, DP, row0, to_last);
+                    float* dVb = dVacc + kbase * DP;
+                    float* dKb = dKacc + kbase * DP;
+                    bw_gemm<true>(DP, buf.S, 1, SW, buf.dOb, DP, dVb, DP, key_rows, seeing_rows);
+                    bw_gemm<true>(DP, buf.dP, 1, SW, buf.Qb, DP, dKb, DP, key_rows, seeing_rows);
+                    // (5) dQ = dS K: row tile [i, i + n) sums the keys from its first row's lo to its last row's lim
+                    auto block_rows = [&](int64_t) { return std::pair<int64_t, int64_t>(0, mb); };
+                    auto seen_keys = [&](int64_t i, int64_t n) {
+                        return std::pair<int64_t, int64_t>(lo(i) - kbase, lim(i + n - 1) - kbase);
+                    };
+                    bw_gemm<false>(DP, buf.dP, SW, 1, buf.Kf + kbase * DP, DP, buf.dQb, DP, block_rows, seen_keys);
                     store_rows<E>(buf.dQb, DP, dqh, a.dqs, i0, mb, D);
                 }
             }

@@ -95,6 +95,9 @@ void check(const retmask::AttentionFwdArgs& p) {
 void check(const retmask::AttentionBwdArgs& p) {
     check_sizes(p);
     if (p.block_m < 0) bad("block_m", str(p.block_m) + " rows per block, need >= 1 (or 0: sized for the cache)");
+    if (p.window < 0) bad("window", str(p.window) + " keys, need >= 1 (or 0: no window)");
+    if (p.window > 0 && !p.causal)
+        bad("window", "a sliding window (" + str(p.window) + " keys) needs causal attention");
     if (!std::isfinite(p.sm_scale)) bad("sm_scale", fstr(p.sm_scale) + " is not finite");
     if (p.B > 0 && p.N > 0) {  // pointers the kernel reads or writes (q, dout, dq only with query rows)
         if (p.M > 0 && !p.q) bad("q", "null data pointer");
@@ -192,7 +195,8 @@ void attention_bwd_cpu(const AttentionBwdArgs& p) {
                                   p.q_strides.data(), p.k_strides.data(), p.v_strides.data(), p.dout_strides.data(),
                                   p.dq_strides.data(), p.dk_strides.data(), p.dv_strides.data(),
                                   p.key_padding_mask, p.skip_heads, p.B, p.Hq, p.Hkv, p.M, p.N, p.D,
-                                  p.causal, p.sm_scale, p.block_m};
+                                  p.causal, p.sm_scale, p.block_m,
+                                  p.window < p.N ? p.window : 0};  // a window of N or more keys hides nothing
     int threads = p.num_threads;
 #ifdef _OPENMP
     if (threads <= 0) threads = omp_get_max_threads();

@@ -85,8 +85,8 @@ std::vector<std::pair<std::string, int>> cpu_builds();
 // scratch memory cannot be allocated. Touches no Python state: the binding calls it without the GIL.
 void attention_fwd_cpu(const AttentionFwdArgs& args);
 
-// The backward of attention_fwd_cpu for plain attention (causal or not, key padding, skipped heads, GQA;
-// no window, soft-capping or sinks): the gradients of out with respect to q, k and v given the gradient
+// The backward of attention_fwd_cpu without soft-capping or sinks (causal or not, key padding, skipped
+// heads, GQA, a sliding window): the gradients of out with respect to q, k and v given the gradient
 // dout of out, computed in fp32 whatever the dtype (fp16 / bf16 converted exactly on load, each gradient
 // rounded once when stored). The logits are recomputed; the forward's output is not needed.
 struct AttentionBwdArgs {
@@ -105,6 +105,7 @@ struct AttentionBwdArgs {
     int64_t B = 0, Hq = 0, Hkv = 0, M = 0, N = 0, D = 0;
     bool causal = true;  // query row i sits at key position N - M + i
     float sm_scale = 1.f;
+    int64_t window = 0;   // as in AttentionFwdArgs: > 0 needs causal; >= N is no window
     int64_t block_m = 0;  // query rows per block (whole rows: all their keys); 0 = sized for the cache
     int num_threads = 0;  // OpenMP threads; <= 0: the OpenMP default
     std::string isa;      // as in AttentionFwdArgs

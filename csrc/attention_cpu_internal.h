@@ -39,6 +39,7 @@ struct BwdKernelArgs {
     bool causal;
     float scale;
     int64_t block_m;  // query rows per block; 0: sized for the cache
+    int64_t window;   // 1 <= window < N (needs causal), or 0: no window
 };
 
 // One build of the kernel per instruction set; attention_cpu.cpp calls the one the CPU runs (x86: the

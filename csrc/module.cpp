@@ -221,7 +221,7 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
 void attention_bwd(const TensorArg& dout_arg, const TensorArg& q_arg, const TensorArg& k_arg, const TensorArg& v_arg,
                    const TensorArg& dq_arg, const TensorArg& dk_arg, const TensorArg& dv_arg,
                    const std::optional<TensorArg>& kpm_arg, const std::optional<TensorArg>& skip_arg, bool causal,
-                   float sm_scale, int64_t block_m, int num_threads, const std::string& isa) {
+                   float sm_scale, int64_t block_m, int num_threads, const std::string& isa, int64_t window) {
     const Tensor q = unpack("q", q_arg, 4, -1);
     const Tensor k = unpack("k", k_arg, 4, -1);
     const Tensor v = unpack("v", v_arg, 4, -1);
@@ -255,6 +255,7 @@ void attention_bwd(const TensorArg& dout_arg, const TensorArg& q_arg, const Tens
     a.block_m = block_m;
     a.num_threads = num_threads;
     a.isa = isa;
+    a.window = window;  // the kernel checks window >= 0 and causal
     py::gil_scoped_release no_gil;
     retmask::attention_bwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
 }
@@ -303,8 +304,8 @@ Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be
     m.def("attention_bwd", &attention_bwd, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dq"),
           py::arg("dk"), py::arg("dv"), py::arg("key_padding_mask").none(true), py::arg("skip_heads").none(true),
           py::arg("causal"), py::arg("sm_scale"), py::arg("block_m") = 0, py::arg("num_threads") = 0,
-          py::arg("isa") = "",
-          R"doc(Backward of attention_fwd for plain attention (no window, soft-capping or sinks): writes
+          py::arg("isa") = "", py::arg("window") = 0,
+          R"doc(Backward of attention_fwd without soft-capping or sinks: writes
 dq, dk, dv, the gradients of out = softmax(sm_scale * q k^T + mask) v for the output gradient dout.
 
 Tensors as in attention_fwd: dout, q, dq [B, Hq, M, D]; k, v, dk, dv [B, Hkv, N, D]; one dtype (float32,
@@ -312,10 +313,12 @@ float16 or bfloat16), any strides; key_padding_mask bool [B, N] and skip_heads b
 None. Computed in fp32 (half-precision inputs converted exactly, each gradient rounded once); the logits
 are recomputed, so the forward's output is not needed. Skipped heads get dq = 0 and add nothing to dk, dv;
 rows without an allowed key get dq = 0. block_m: query rows per block (0: sized for the cache);
-num_threads: OpenMP threads (<= 0: the OpenMP default; small calls run on one); isa: as in attention_fwd.
+num_threads: OpenMP threads (<= 0: the OpenMP default; small calls run on one); isa: as in attention_fwd;
+window: int >= 1, the sliding window of attention_fwd (needs causal; only the keys a block of rows sees
+are visited), 0 = none.
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
     m.attr("FEATURES") = py::make_tuple("window", "softcap", "sinks", "block_gemm", "gemm_fp32_operands", "bf16_dot",
-                                        "backward");
+                                        "backward", "backward_window");
     // The kernel's builds this CPU runs, widest first: ((name, fp32 lanes), ...); the first is the default.
     py::list builds;
     for (const auto& [name, lanes] : retmask::cpu_builds()) builds.append(py::make_tuple(name, lanes));

@@ -12,15 +12,16 @@ one is fastest is a property of the machine and the shape, so it is measured onc
 proxy call, the candidates interleaved, and cached like the other CPU decisions (``decision_cache``):
 
 * a :class:`BackwardCase` is (dtype, batch up to ``MAX_PROXY_BATCH``, query heads, kv heads, head dim,
-  keys, square or not, causal, masked, threads). Keys are exact below ``EXACT_KEYS`` (SDPA's bf16 time
+  keys, square or not, causal, masked, threads, window). Keys are exact below ``EXACT_KEYS`` (SDPA's bf16 time
   is not monotone in them: on that EPYC 192 keys took 10.6 ms and 163 keys 11.9 ms, a multiple of 64
   being fast), rounded up to ``KEYS_BUCKET`` from there, and capped at ``MAX_KEYS``: a longer call uses
   the decision measured at ``MAX_KEYS`` keys, so that a training run with many padded lengths measures
   a bounded number of cases (each once per machine, ~0.1-1 s);
-* the candidates: "kernel" where the C++ backward applies (plain attention: no window, soft-capping or
-  sinks; a build that has it), "native" (SDPA in the dtype), and "fp32" (SDPA on fp32 copies, rounded
-  back once) for bf16 / fp16 calls below ``MAX_KEYS`` keys (the copies double the memory of longer
-  ones). The kernel is used when it is the fastest; otherwise fp32 at <= ``FP32_MAX_RATIO`` of the
+* the candidates: "kernel" where the C++ backward applies (no soft-capping or sinks; a build that has
+  it), "native" (SDPA in the dtype; with a sliding window, which SDPA cannot express without an [M, N]
+  mask, the query-chunked recompute of ``chunked.py``), and "fp32" (SDPA on fp32 copies, rounded back
+  once) for bf16 / fp16 calls without a window below ``MAX_KEYS`` keys (the copies double the memory of
+  longer ones). The kernel is used when it is the fastest; otherwise fp32 at <= ``FP32_MAX_RATIO`` of the
   native time, else native.
 
 ``RETMASK_CPU_ATTN_BWD=kernel|native|fp32`` forces a choice (``auto``, the default, measures): "kernel"
@@ -49,7 +50,7 @@ EXACT_KEYS = 512
 MAX_KEYS = 2048
 MAX_PROXY_BATCH = 4
 CACHE_FILE = "cpu_attention_backward.json"
-_FORMAT = 2  # 1: "precision" native / fp32, before the C++ backward
+_FORMAT = 3  # 1: "precision" native / fp32, before the C++ backward; 2: no window in the case
 
 log = logging.getLogger("retmask.kernels")
 
@@ -67,22 +68,26 @@ class BackwardCase(NamedTuple):
     causal: bool
     masked: bool
     threads: int
+    window: int = 0  # sliding window (keys), 0 = none
 
     def name(self) -> str:
         return (
             f"{self.dtype} B{self.batch} H{self.q_heads}/{self.kv_heads} D{self.head_dim} N{self.keys} "
             f"{'square' if self.square else 'rect'} causal={self.causal} masked={self.masked} "
-            f"threads={self.threads}"
+            f"threads={self.threads}" + (f" window={self.window}" if self.window else "")
         )
 
 
-def case_of(q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool) -> BackwardCase:
-    """The case of a call with q: [B, Hq, M, D], k: [B, Hkv, N, D]."""
+def case_of(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool, window: int | None = None
+) -> BackwardCase:
+    """The case of a call with q: [B, Hq, M, D], k: [B, Hkv, N, D] (a window of N or more keys is none)."""
     n = k.shape[2]
     keys = n if n < EXACT_KEYS else min(MAX_KEYS, -(-n // KEYS_BUCKET) * KEYS_BUCKET)
     return BackwardCase(
         str(q.dtype).removeprefix("torch."), min(q.shape[0], MAX_PROXY_BATCH), q.shape[1], k.shape[1], q.shape[3],
         keys, q.shape[2] == n, bool(causal), bool(masked), torch.get_num_threads(),
+        int(window) if window is not None and window < min(n, keys) else 0,
     )  # fmt: skip
 
 
@@ -143,15 +148,16 @@ def proxy_call(case: BackwardCase) -> dict[str, Any]:
         "k": randn(case.batch, case.kv_heads, case.keys, case.head_dim),
         "v": randn(case.batch, case.kv_heads, case.keys, case.head_dim),
         "causal": case.causal, "key_padding_mask": mask, "sm_scale": case.head_dim**-0.5,
+        "window": case.window or None,
     }  # fmt: skip
 
 
 def candidates(case: BackwardCase, kernel: bool) -> list[str]:
     """What is measured for ``case``: "kernel" if the C++ backward applies (``kernel``), "native", and
-    "fp32" for half-precision cases below ``MAX_KEYS`` keys."""
+    "fp32" for half-precision cases below ``MAX_KEYS`` keys without a window."""
     names = ["kernel"] if kernel else []
     names.append("native")
-    if case.dtype in ("bfloat16", "float16") and case.keys < MAX_KEYS:
+    if case.dtype in ("bfloat16", "float16") and case.keys < MAX_KEYS and not case.window:
         names.append("fp32")
     return names
 
@@ -188,6 +194,6 @@ def choice_for(case: BackwardCase, run: Runner, *, kernel: bool) -> str:
             choice = _chosen[case] = _store.get(case.name(), measure_now)["choice"]
     if choice == "kernel" and not kernel:
         return "native"
-    if choice == "fp32" and case.dtype not in ("bfloat16", "float16"):
+    if choice == "fp32" and (case.dtype not in ("bfloat16", "float16") or case.window):
         return "native"
     return choice

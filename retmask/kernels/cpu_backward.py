@@ -1,7 +1,7 @@
 """The C++ CPU attention backward: ``attention_bwd`` of ``retmask._C`` (csrc/attention_bwd_cpu_kernel.h).
 
-The gradients of plain attention (causal or not, key padding, skipped heads, GQA; no sliding window,
-soft-capping or sinks) in one pass per block of whole query rows: the logits are recomputed and the five
+The gradients of attention without soft-capping or sinks (causal or not, key padding, skipped heads,
+GQA, a sliding window: O(M x window) work) in one pass per block of whole query rows: the logits are recomputed and the five
 products of the backward (Q K^T, dO V^T, P^T dO, dS^T Q, dS K) run on the kernel's FMA micro-kernels with
 the causal triangle skipped, everything in fp32. fp16 / bf16 inputs are converted exactly on load and
 each gradient is rounded once when stored, as autocast's own fp32 backward would; no [B, H, M, N] tensor
@@ -19,26 +19,28 @@ import torch
 from . import cpu
 
 
-def available() -> bool:
-    """Whether this build of ``retmask._C`` has the backward (builds from before it do not)."""
+def available(*, window: bool = False) -> bool:
+    """Whether this build of ``retmask._C`` has the backward (builds from before it do not), and with
+    ``window`` its sliding-window support."""
     lib = cpu._library()
-    return lib is not None and "backward" in lib.features
+    return (
+        lib is not None and "backward" in lib.features and (not window or "backward_window" in lib.features)
+    )
 
 
 def applies(
     q: torch.Tensor, *, window: int | None, softcap: float | None, sinks: torch.Tensor | None
 ) -> bool:
-    """Whether a call can run on the C++ backward: CPU tensors of a float dtype the kernel takes, plain
-    attention (no window, soft-capping or sinks), an eager call (a traced graph keeps the SDPA
-    recompute, which AOTAutograd can trace), and a build that has it."""
+    """Whether a call can run on the C++ backward: CPU tensors of a float dtype the kernel takes, no
+    soft-capping or sinks, an eager call (a traced graph keeps the recompute, which AOTAutograd can
+    trace), and a build that has it (with the window, if any)."""
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and window is None
         and softcap is None
         and sinks is None
         and not torch.compiler.is_compiling()
-        and available()
+        and available(window=window is not None)
     )
 
 
@@ -52,6 +54,7 @@ def backward(
     sm_scale: float,
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
+    window: int | None = None,
     block_m: int = 0,
     isa: str | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -60,7 +63,8 @@ def backward(
 
     grad_out, q: [B, Hq, M, D]; k, v: [B, Hkv, N, D]; one float dtype, any strides, M <= N (the queries
     are the last M positions when causal); key_padding_mask: bool [B, N] (True = valid key) or None;
-    skip_heads: bool [B, Hq] (True = skipped) or None. Returns contiguous gradients in the inputs' dtype:
+    skip_heads: bool [B, Hq] (True = skipped) or None; window: int >= 1 (needs causal: row i at position
+    p = N - M + i sees keys p - window < j <= p) or None. Returns contiguous gradients in the inputs' dtype:
     dq [B, Hq, M, D] (0 for skipped heads and rows without a valid key), dk, dv [B, Hkv, N, D].
     ``out`` = (dq, dk, dv) to write into (any strides; tests pre-fill them to prove every element is
     written); ``block_m``: query rows per block (0: sized for the cache); ``isa``: the build to run (see
@@ -68,7 +72,7 @@ def backward(
     tensors, RuntimeError for a build without the backward.
     """
     lib = cpu._library()
-    if lib is None or "backward" not in lib.features:
+    if not available(window=window is not None):
         raise RuntimeError(
             "this build of retmask._C has no attention backward; rebuild it with "
             "`pip install --no-build-isolation -e .` (or use RETMASK_CPU_ATTN_BWD=native)"
@@ -90,5 +94,6 @@ def backward(
         arg("key_padding_mask", kpm, codes) if kpm is not None else None,
         arg("skip_heads", skip, codes) if skip is not None else None,
         bool(causal), float(sm_scale), int(block_m), torch.get_num_threads(), cpu.selected_isa(isa),
+        **({"window": min(int(window), max(1, k.shape[2]))} if window is not None else {}),
     )  # fmt: skip
     return dq, dk, dv

@@ -24,7 +24,7 @@ softcap, backend) -> (dq, dk, dv, dsinks)``, contiguous, in the inputs' dtypes (
 dtype, or an empty tensor without sinks): the backend's own backward (Triton), given the forward's
 ``out`` and ``lse``. Backends without one (CPU) get their gradients, in the autograd formula
 (``_AttentionAutograd``) rather than inside an operator, from the C++ CPU backward (``cpu_backward.py``,
-plain attention in eager mode, where ``backward_choice`` measured it fastest on this machine) or from a
+eager calls without soft-capping or sinks, where ``backward_choice`` measured it fastest on this machine) or from a
 differentiated recompute: through PyTorch SDPA
 (memory-efficient) for plain attention, one SDPA call per key run for a left- or right-padded batch
 (``padded_sdpa.py``: no dense [B, 1, M, N] mask; from ``KEY_RUNS_MIN_KEYS`` keys, in eager mode),
@@ -233,25 +233,26 @@ def recompute_grads(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dq, dk, dv, dsinks or None): the C++ backward or an SDPA recompute for plain attention (as
-    ``backward_choice`` decides), query-row chunks (``chunked.py``) for a window, soft-capping or sinks."""
-    if window is not None or softcap is not None or sinks is not None:
+    """(dq, dk, dv, dsinks or None): the C++ backward or a recompute (SDPA; query-row chunks,
+    ``chunked.py``, for a window) as ``backward_choice`` decides, and query-row chunks for soft-capping or
+    sinks."""
+    if softcap is not None or sinks is not None:
         return chunked_grads(
             grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
-    choice = _cpu_backward_choice(q, k, causal, key_padding_mask is not None)
+    choice = _cpu_backward_choice(q, k, causal, key_padding_mask is not None, window)
+    kwargs = {
+        "causal": causal,
+        "sm_scale": sm_scale,
+        "key_padding_mask": key_padding_mask,
+        "skip_heads": skip_heads,
+    }
     if choice == "kernel":
-        dq, dk, dv = cpu_backward.backward(
-            grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-            skip_heads=skip_heads,
-        )  # fmt: skip
-        return dq, dk, dv, None
-    dq, dk, dv = _sdpa_grads(
-        grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, fp32=choice == "fp32",
-    )  # fmt: skip
-    return dq, dk, dv, None
+        return (*cpu_backward.backward(grad_out, q, k, v, window=window, **kwargs), None)
+    if window is not None:
+        return chunked_grads(grad_out, q, k, v, window=window, softcap=None, sinks=None, **kwargs)
+    return (*_sdpa_grads(grad_out, q, k, v, fp32=choice == "fp32", **kwargs), None)
 
 
 def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_heads, fp32=False):
@@ -270,19 +271,23 @@ def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_h
     return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
 
 
-def _cpu_backward_choice(q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool) -> str:
-    """How a plain-attention backward runs: "kernel" (the C++ backward), "native" (SDPA in the inputs'
-    dtype) or "fp32" (SDPA on fp32 copies), as ``backward_choice`` measured (or was told) for plain eager
-    CPU calls. CPU calls that are traced (``torch.compile``, fake tensors) or seen by a dispatch mode
-    cannot run the kernel: they get SDPA in fp32 for bf16 / fp16 (unless ``RETMASK_CPU_ATTN_BWD=native``),
-    so that a compiled graph's gradients match the eager kernel's to rounding, and SDPA otherwise; other devices keep SDPA in their dtype."""
+def _cpu_backward_choice(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool, window: int | None = None
+) -> str:
+    """How a backward without soft-capping or sinks runs: "kernel" (the C++ backward), "native" (SDPA in
+    the inputs' dtype; the chunked recompute with a window) or "fp32" (SDPA on fp32 copies), as
+    ``backward_choice`` measured (or was told) for plain eager CPU calls. CPU calls that are traced
+    (``torch.compile``, fake tensors) or seen by a dispatch mode cannot run the kernel: they get SDPA in
+    fp32 for bf16 / fp16 without a window (unless ``RETMASK_CPU_ATTN_BWD=native``), so that a compiled
+    graph's gradients match the eager kernel's to rounding, and "native" otherwise; other devices keep
+    "native"."""
     if q.device.type != "cpu":
         return "native"
     if not _plain_eager(q, k):  # traced: fp32 SDPA for half precision (the kernel's numerics) unless forced
-        half = q.dtype in (torch.bfloat16, torch.float16)
+        half = q.dtype in (torch.bfloat16, torch.float16) and window is None
         return "fp32" if half and backward_choice.forced() != "native" else "native"
-    case = backward_choice.case_of(q, k, causal, masked)
-    kernel = cpu_backward.applies(q, window=None, softcap=None, sinks=None)
+    case = backward_choice.case_of(q, k, causal, masked, window)
+    kernel = cpu_backward.applies(q, window=window, softcap=None, sinks=None)
     return backward_choice.choice_for(case, _proxy_grads, kernel=kernel)
 
 
@@ -300,13 +305,14 @@ def _plain_eager(*tensors: torch.Tensor) -> bool:
 
 def _proxy_grads(choice: str, call: dict) -> tuple[torch.Tensor, ...]:
     """The gradients of a ``backward_choice`` proxy call, computed by ``choice``."""
+    args = (call["grad_out"], call["q"], call["k"], call["v"])
     kwargs = {name: call[name] for name in ("causal", "sm_scale", "key_padding_mask")}
+    window = call.get("window")
     if choice == "kernel":
-        return cpu_backward.backward(
-            call["grad_out"], call["q"], call["k"], call["v"], skip_heads=None, **kwargs
-        )
-    return _sdpa_grads(call["grad_out"], call["q"], call["k"], call["v"], skip_heads=None, fp32=choice == "fp32",
-                       **kwargs)  # fmt: skip
+        return cpu_backward.backward(*args, skip_heads=None, window=window, **kwargs)
+    if window is not None:
+        return chunked_grads(*args, skip_heads=None, window=window, softcap=None, sinks=None, **kwargs)[:3]
+    return _sdpa_grads(*args, skip_heads=None, fp32=choice == "fp32", **kwargs)
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,

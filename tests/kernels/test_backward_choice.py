@@ -64,21 +64,33 @@ def test_fp32_backward_is_the_float32_computation_and_closer_to_float64(monkeypa
 
 
 def test_kernel_choice_runs_the_cpp_backward(monkeypatch):
-    """Forced "kernel": plain attention runs the C++ backward (fp32 and bf16 calls); a sliding window
-    keeps the chunked recompute, which the kernel does not cover."""
+    """Forced "kernel": plain and windowed attention run the C++ backward (fp32 and bf16 calls), with the
+    recompute's gradients; soft-capping keeps the chunked recompute, which the kernel does not cover."""
     calls = []
     real = cpu_backward.backward
-    monkeypatch.setattr(cpu_backward, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setenv(bp.CHOICE_ENV, "kernel")
+    monkeypatch.setattr(
+        cpu_backward, "backward", lambda *a, **kw: calls.append(kw["window"]) or real(*a, **kw)
+    )
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = make_qkv(1, 4, 2, 20, 20, 16, dtype=dtype, seed=1)
-        dq, _, _ = grads(q, k, v, torch.randn(q.shape).to(dtype), None)
-        assert dq.dtype == dtype
-    assert len(calls) == 2
-    q, k, v = make_qkv(1, 4, 2, 20, 20, 16, seed=1)
-    ops.recompute_grads(torch.randn(q.shape), q, k, v, causal=True, sm_scale=0.125, key_padding_mask=None,
-                        skip_heads=None, window=8, softcap=None, sinks=None)  # fmt: skip
-    assert len(calls) == 2
+        grad_out = torch.randn(q.shape).to(dtype)
+        for window in (None, 6):
+            monkeypatch.setenv(bp.CHOICE_ENV, "native")
+            want = windowed_grads(q, k, v, grad_out, window)
+            monkeypatch.setenv(bp.CHOICE_ENV, "kernel")
+            got = windowed_grads(q, k, v, grad_out, window)
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == dtype
+                torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+    assert calls == [None, 6, None, 6]
+    ops.recompute_grads(grad_out, q, k, v, causal=True, sm_scale=0.125, key_padding_mask=None, skip_heads=None,
+                        window=None, softcap=5.0, sinks=None)  # fmt: skip
+    assert len(calls) == 4
+
+
+def windowed_grads(q, k, v, grad_out, window):
+    return ops.recompute_grads(grad_out, q, k, v, causal=True, sm_scale=0.125, key_padding_mask=None,
+                               skip_heads=None, window=window, softcap=None, sinks=None)[:3]  # fmt: skip
 
 
 def test_fp32_choice_leaves_float32_calls_native(monkeypatch):
@@ -119,6 +131,23 @@ def test_candidates():
     assert bp.candidates(CASE, False) == ["native", "fp32"]
     assert bp.candidates(CASE._replace(dtype="float32"), True) == ["kernel", "native"]
     assert bp.candidates(CASE._replace(keys=bp.MAX_KEYS), True) == ["kernel", "native"]  # no fp32 copies
+    assert bp.candidates(CASE._replace(window=32), True) == [
+        "kernel",
+        "native",
+    ]  # native: the chunked recompute
+
+
+def test_window_is_part_of_the_case():
+    q, k, _ = make_qkv(1, 4, 2, 100, 100, 16)
+    assert bp.case_of(q, k, True, False, 32).window == 32
+    assert bp.case_of(q, k, True, False, 100).window == 0  # a window of N keys hides nothing
+    assert bp.case_of(q, k, True, False).window == 0
+
+
+def test_real_measurement_of_a_windowed_proxy(auto):
+    case = CASE._replace(window=24)
+    decision = bp.measure(case, ops._proxy_grads, bp.candidates(case, True))
+    assert set(decision["times_s"]) == {"kernel", "native"}
 
 
 def test_decisions_are_cached_on_disk_and_reused(auto, monkeypatch):

@@ -1,8 +1,9 @@
 """The C++ CPU attention backward (retmask.kernels.cpu_backward) against float64 autograd through the
 plain-torch reference: fresh random inputs, awkward shapes (rows, keys and head dims off the vector width
-and the row block, GQA / MQA, fewer queries than keys, one query), causal or not, key padding (with rows
-that see no key), skipped heads (a whole kv group too), strided inputs and output gradient, every kernel
-build this CPU runs, and outputs poisoned with NaN so that an unwritten element fails.
+and the row block, GQA / MQA, fewer queries than keys, one query), causal or not, sliding windows, key
+padding (with rows that see no key), skipped heads (a whole kv group too), strided inputs and output
+gradient, every kernel build this CPU runs, and outputs poisoned with NaN so that an unwritten element
+fails.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ def poisoned(*like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(torch.full(t.shape, POISON_FLOAT, dtype=t.dtype) for t in like)
 
 
-def float64_grads(q, k, v, grad_out, *, causal, mask, skip, scale):
+def float64_grads(q, k, v, grad_out, *, causal, mask, skip, scale, window=None):
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
     out, _ = reference_attention(
-        qd, kd, vd, causal=causal, sm_scale=scale, key_padding_mask=mask, skip_heads=skip
+        qd, kd, vd, causal=causal, sm_scale=scale, key_padding_mask=mask, skip_heads=skip, window=window
     )
     return torch.autograd.grad(out, (qd, kd, vd), grad_out.double())
 
@@ -65,7 +66,9 @@ def run_case(shape, *, dtype, causal, masked, skip_some, seed=0, **kwargs):
     got = cpu_backward.backward(grad_out, q, k, v, causal=causal, sm_scale=scale, key_padding_mask=mask,
                                 skip_heads=skip, out=out, **kwargs)  # fmt: skip
     assert all(g is o for g, o in zip(got, out, strict=True))
-    want = float64_grads(q, k, v, grad_out, causal=causal, mask=mask, skip=skip, scale=scale)
+    want = float64_grads(
+        q, k, v, grad_out, causal=causal, mask=mask, skip=skip, scale=scale, window=kwargs.get("window")
+    )
     return got, want, skip
 
 
@@ -84,6 +87,35 @@ def test_every_build_and_dtype(isa, dtype):
     got, want, _ = run_case((2, 6, 2, 45, 51, 24), dtype=dtype, causal=True, masked=True, skip_some=True,
                             seed=5, isa=isa)  # fmt: skip
     assert_close(got, want, dtype, isa)
+
+
+# (B, Hq, Hkv, M, N, D, window, block_m)
+WINDOWS = [
+    (2, 4, 2, 37, 37, 16, 5, 0),  # a window much smaller than the block
+    (1, 3, 1, 50, 90, 40, 17, 7),  # fewer queries than keys, several row blocks
+    (2, 4, 1, 130, 130, 64, 33, 16),
+    (1, 2, 2, 1, 33, 8, 4, 0),  # one query
+    (2, 9, 3, 200, 200, 72, 64, 0),
+    (1, 4, 1, 150, 150, 256, 100, 0),  # Gemma-3's head dim
+    (1, 2, 1, 20, 20, 16, 1, 0),  # each row sees only itself
+    (1, 2, 1, 20, 20, 16, 20, 0),  # a window of N keys: no window
+]
+
+
+@pytest.mark.parametrize("case", WINDOWS, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window(case, dtype):
+    *shape, window, block_m = case
+    got, want, _ = run_case(tuple(shape), dtype=dtype, causal=True, masked=True, skip_some=True, seed=11,
+                            window=window, block_m=block_m)  # fmt: skip
+    assert_close(got, want, dtype, case)
+
+
+def test_window_needs_causal():
+    q, k, v = make_qkv(1, 2, 1, 8, 8, 16)
+    with pytest.raises(ValueError, match="window"):
+        cpu_backward.backward(q, q, k, v, causal=False, sm_scale=0.25, key_padding_mask=None, skip_heads=None,
+                              window=3)  # fmt: skip
 
 
 @pytest.mark.parametrize("block_m", [1, 7, 16])
