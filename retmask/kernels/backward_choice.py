@@ -4,7 +4,7 @@ in fp32.
 Why. The CPU kernel's gradients come either from its own C++ backward (``cpu_backward``: one pass per
 block of whole query rows, fp32 throughout) or from recomputing the attention through PyTorch SDPA and
 differentiating that (``ops.recompute_grads``). On a 2-core AMD Zen 5 EPYC the C++ backward took
-0.18-0.35x the time of the faster SDPA variant in fp32 and 0.18-0.47x in bf16 (9 / 3 and 32 / 8 heads,
+0.15-0.31x the time of the faster SDPA variant in fp32 and 0.16-0.43x in bf16 (9 / 3 and 32 / 8 heads,
 64-4,096 keys; in bf16 the ratio grows with the keys, where SDPA's bf16 backward gets faster); SDPA's bf16 CPU flash backward, in turn, took 1.5-2x the time of the same backward in fp32
 on short sequences (10.9 against 7.1 ms at 163 keys: a DPO batch of SmolLM2) and 1.1-1.4x less from 256
 keys on. On a CPU whose bf16 GEMM runs on matrix units (AMX), SDPA's bf16 backward may well win. Which
