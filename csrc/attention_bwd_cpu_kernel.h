@@ -25,7 +25,8 @@
 // Work items are (batch, kv head, part): the active query heads of a kv group are split into `parts`
 // interleaved subsets when there are too few groups to keep every thread busy. Each item sums its dK,
 // dV into its own fp32 buffer; a second pass adds the parts of a group in a fixed order and stores the
-// result, so the gradients do not depend on the thread count or the schedule. Skipped heads get dq = 0
+// result: no atomics, so a call is deterministic for a given thread count whatever the schedule (the
+// number of parts follows the thread count, so another count may round differently). Skipped heads get dq = 0
 // and add nothing to dk, dv. A row with no allowed key gets dq = 0.
 
 namespace retmask::detail::RETMASK_ISA {

@@ -113,7 +113,8 @@ struct AttentionBwdArgs {
 
 // Checks the arguments (std::invalid_argument naming the bad field), then writes every element of dq, dk
 // and dv. Skipped heads get dq = 0 and add nothing to dk, dv; a row with no allowed key gets dq = 0.
-// Gradients do not depend on the thread count. Throws std::bad_alloc if scratch cannot be allocated.
+// Deterministic for a given thread count (fixed order of sums; another count may round differently).
+// Throws std::bad_alloc if scratch cannot be allocated.
 // Touches no Python state.
 void attention_bwd_cpu(const AttentionBwdArgs& args);
 
