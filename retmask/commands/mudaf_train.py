@@ -131,9 +131,15 @@ def _run(args: argparse.Namespace) -> int:
     from retmask.heads.selection import SelectionError, write_heads
     from retmask.hf.layers import head_layout
     from retmask.hf.precision import resolve_training_dtype
+    from retmask.kernels import backward_choice
     from retmask.methods.mudaf.mdqa import MDQAError, load_mdqa
     from retmask.methods.mudaf.train import MuDAFConfig, train_mudaf
 
+    try:
+        backward_choice.forced()  # a bad $RETMASK_CPU_ATTN_BWD fails before any loading
+    except ValueError as e:
+        print(f"retmask mudaf-train: error: {e}", file=sys.stderr)
+        return 2
     try:
         if args.limit is not None and args.limit < 1:
             raise MDQAError(f"--limit must be >= 1, got {args.limit}")

@@ -69,7 +69,7 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
     }  # fmt: skip
     if lm_head is not None:
         summary["lm_head"] = lm_head  # who computed the fused LM head's log-probabilities on the CPU
-    # the measured CPU choices this run used: fp32 linear backends, bf16 / fp16 attention backward precision
+    # the measured CPU choices this run used: fp32 linear backends, how the attention backward ran
     summary["cpu_decisions"] = {
         "linears": {name: d["backend"] for name, d in linear_cpu.decisions().items()},
         "attention_backward": {name: d["choice"] for name, d in backward_choice.decisions().items()},
