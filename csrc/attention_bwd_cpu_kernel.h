@@ -16,9 +16,9 @@
 //
 // A query block holds whole rows (all the keys a row sees), so the softmax needs no online rescaling and
 // dQ is final when the block ends; m is chosen so that S and dP stay in the core's cache. All five
-// products are one micro-kernel, C[r][c] (+)= sum_k A(r, k) B[k][c] with B row-major along c (vectors)
-// and A read one broadcast scalar at a time through strides, so a transposed A (P^T, dS^T) costs
-// nothing: (1) and (2) take B = K^T / V^T (transposed once per work item), (3)-(5) B = dO, Q, K.
+// products run on the forward's micro-kernel (fma_tile), C[r][c] (+)= sum_k A(r, k) B[k][c] with B
+// row-major along c (vectors) and A read one broadcast scalar at a time through strides, so a transposed
+// A (P^T, dS^T) costs nothing: (1) and (2) take B = K^T / V^T (transposed once per work item), (3)-(5) B = dO, Q, K.
 // Causal attention skips what the triangle hides: (1)-(2) start each key tile at the first row that
 // sees it, (3)-(4) start each key tile's sum at that row, (5) stops each row tile's sum at its last key.
 //
@@ -40,33 +40,6 @@ constexpr int BW_NR = 6;  // 6 rows x 2 vectors = 12 accumulators + 2 B vectors 
 constexpr int BW_CV = 2;
 #endif
 
-// C[r][c] = (ACC ? C[r][c] : 0) + sum_{k0 <= k < k1} A[r * ars + k * aks] * B[k * ldb + c] for NR rows and
-// CV * VL columns (B and C rows 64-byte aligned at every vector).
-template <int NR, int CV, bool ACC>
-RETMASK_INLINE void bw_tile(const float* __restrict A, int64_t ars, int64_t aks, const float* __restrict B,
-                            int64_t ldb, float* __restrict C, int64_t ldc, int64_t k0, int64_t k1) {
-    vf acc[NR][CV];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-        for (int c = 0; c < CV; ++c) acc[r][c] = ACC ? vload(C + r * ldc + c * VL) : vf{};
-    for (int64_t k = k0; k < k1; ++k) {
-        vf b[CV];
-#pragma GCC unroll 4
-        for (int c = 0; c < CV; ++c) b[c] = vload(B + k * ldb + c * VL);
-#pragma GCC unroll 8
-        for (int r = 0; r < NR; ++r) {
-            const vf x = vbroadcast(A[r * ars + k * aks]);
-#pragma GCC unroll 4
-            for (int c = 0; c < CV; ++c) acc[r][c] += x * b[c];
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-        for (int c = 0; c < CV; ++c) vstore(C + r * ldc + c * VL, acc[r][c]);
-}
-
 // C[r][c] (+)= sum_k A(r, k) B[k][c] for columns [0, cols) (a multiple of VL) and, in the column panel
 // starting at c0, rows [r0, r1) = row_range(c0); k over k_range(r, nr) = [k0, k1) for the row tile
 // [r, r + nr). Column panels outside, so a panel of B stays in cache across the row tiles.
@@ -78,7 +51,7 @@ RETMASK_INLINE void bw_gemm(int64_t cols, const float* A, int64_t ars, int64_t a
         tiles<BW_NR>(static_cast<int>(std::max<int64_t>(0, r1 - r0)), [&](auto nr, int r) RETMASK_LAMBDA_INLINE {
             const int64_t row = r0 + r;
             const auto [k0, k1] = k_range(row, static_cast<int64_t>(decltype(nr)::value));
-            bw_tile<decltype(nr)::value, decltype(cv)::value, ACC>(A + row * ars, ars, aks, B + c * VL, ldb,
+            fma_tile<decltype(nr)::value, decltype(cv)::value, ACC>(A + row * ars, ars, aks, B + c * VL, ldb,
                                                                     C + row * ldc + c * VL, ldc, k0, k1);
         });
     });
@@ -232,12 +205,8 @@ void run_bwd(const BwdKernelArgs& a, int threads) {
 
     // dK, dV partial sums of every item: [item][NP][DP] each; zero-filled by their items.
     const size_t part_floats = static_cast<size_t>(NP * DP);
-    float* partials = static_cast<float*>(std::aligned_alloc(64, 2 * part_floats * n_items * sizeof(float) + 64));
-    if (!partials) throw std::bad_alloc();
-    struct Free {
-        float* p;
-        ~Free() { std::free(p); }
-    } free_partials{partials};
+    const Scratch partial_block(2 * part_floats * n_items * sizeof(float), 1);
+    float* partials = reinterpret_cast<float*>(partial_block.slice(0));
 
     auto carve = [&](Carve& c) {
         struct Bufs {

@@ -149,6 +149,16 @@ const Build& pick(const std::string& isa) {
     bad("isa", "'" + isa + "' is not a build this CPU can run (" + names + "; empty: the widest)");
 }
 
+// The threads a call asks for (<= 0: the OpenMP default; 1 without OpenMP).
+int resolve_threads(int requested) {
+#ifdef _OPENMP
+    return requested > 0 ? requested : omp_get_max_threads();
+#else
+    (void)requested;
+    return 1;
+#endif
+}
+
 }  // namespace
 
 namespace retmask {
@@ -175,12 +185,7 @@ void attention_fwd_cpu(const AttentionFwdArgs& p) {
                  p.window < p.N ? p.window : 0,  // a window of N or more keys hides nothing: none
                  p.softcap, cap_inv, cap_post, p.sinks,
                  p.block_gemm.gemm ? &p.block_gemm : nullptr, p.bf16_dot};
-    int threads = p.num_threads;
-#ifdef _OPENMP
-    if (threads <= 0) threads = omp_get_max_threads();
-#else
-    threads = 1;
-#endif
+    int threads = resolve_threads(p.num_threads);
     build.run(a, p.dtype, threads);
 }
 
@@ -197,12 +202,7 @@ void attention_bwd_cpu(const AttentionBwdArgs& p) {
                                   p.key_padding_mask, p.skip_heads, p.B, p.Hq, p.Hkv, p.M, p.N, p.D,
                                   p.causal, p.sm_scale, p.block_m,
                                   p.window < p.N ? p.window : 0};  // a window of N or more keys hides nothing
-    int threads = p.num_threads;
-#ifdef _OPENMP
-    if (threads <= 0) threads = omp_get_max_threads();
-#else
-    threads = 1;
-#endif
+    int threads = resolve_threads(p.num_threads);
     // five products of 2 * M * N * D flops per query head (half of them when causal)
     if (10 * p.B * p.Hq * p.M * p.N * p.D < BWD_SERIAL_FLOPS) threads = 1;
     build.run_bwd(a, p.dtype, threads);

@@ -176,11 +176,47 @@ void by_dtype(DType dtype, F&& f) {
     }
 }
 
+// Forced inlining keeps the dispatch helpers and their lambdas out of the generated code: the loops
+// below compile to what hand-written switch statements give (checked with bench/bench_kernel_ab.py).
+#define RETMASK_INLINE inline __attribute__((always_inline))
+#define RETMASK_LAMBDA_INLINE __attribute__((always_inline))
+
 // ---- micro-kernels ---------------------------------------------------------------------------------
 // The tile is kept transposed so that query rows live in vector lanes: Qt [D][RP], St [BN][RP],
 // Ot [D][RP] (RP = rows rounded up to VL). K and V are read row-major straight from the input (or a
 // converted fp32 copy) and broadcast one scalar at a time, so nothing is transposed and the softmax
 // (max, exp, sum, argmax, rescale) is element-wise over rows with no horizontal reductions.
+
+// The one FMA micro-kernel every block product runs on (the forward's layouts below, and the five
+// products of the backward, attention_bwd_cpu_kernel.h):
+// C[r][c] = (ACC ? C[r][c] : 0) + sum_{k0 <= k < k1} A[r * ars + k * aks] * B[k * ldb + c] for NR rows and
+// CV * VL columns (B and C rows aligned at every vector). A is read one broadcast scalar at a time through
+// its two strides, so a transposed A costs nothing; each C element is one FMA chain over k in order.
+// Forced inline, so that constant strides (1) fold into the addressing.
+template <int NR, int CV, bool ACC>
+RETMASK_INLINE void fma_tile(const float* __restrict A, int64_t ars, int64_t aks, const float* __restrict B,
+                             int64_t ldb, float* __restrict C, int64_t ldc, int64_t k0, int64_t k1) {
+    vf acc[NR][CV];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < CV; ++c) acc[r][c] = ACC ? vload(C + r * ldc + c * VL) : vf{};
+    for (int64_t k = k0; k < k1; ++k) {
+        vf b[CV];
+#pragma GCC unroll 4
+        for (int c = 0; c < CV; ++c) b[c] = vload(B + k * ldb + c * VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) {
+            const vf x = vbroadcast(A[r * ars + k * aks]);
+#pragma GCC unroll 4
+            for (int c = 0; c < CV; ++c) acc[r][c] += x * b[c];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < CV; ++c) vstore(C + r * ldc + c * VL, acc[r][c]);
+}
 
 // St[j][r] = sum_d K[j][d] * Qt[d][r] for NJ keys x RV*VL rows. Every logit is the same FMA chain
 // over d = 0..D-1 whatever its position in a tile, so duplicate keys give bit-identical logits and
@@ -188,52 +224,14 @@ void by_dtype(DType dtype, F&& f) {
 template <int NJ, int RV>
 inline void qk_tile(const float* __restrict K, int64_t ldk, const float* __restrict Qt, int RP,
                     float* __restrict St, int D) {
-    vf acc[NJ][RV];
-#pragma GCC unroll 8
-    for (int j = 0; j < NJ; ++j)
-#pragma GCC unroll 4
-        for (int c = 0; c < RV; ++c) acc[j][c] = vf{};
-    for (int d = 0; d < D; ++d) {
-        vf qv[RV];
-#pragma GCC unroll 4
-        for (int c = 0; c < RV; ++c) qv[c] = vload(Qt + d * RP + c * VL);
-#pragma GCC unroll 8
-        for (int j = 0; j < NJ; ++j) {
-            const vf kb = vbroadcast(K[j * ldk + d]);
-#pragma GCC unroll 4
-            for (int c = 0; c < RV; ++c) acc[j][c] += kb * qv[c];
-        }
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < NJ; ++j)
-#pragma GCC unroll 4
-        for (int c = 0; c < RV; ++c) vstore(St + j * RP + c * VL, acc[j][c]);
+    fma_tile<NJ, RV, false>(K, ldk, 1, Qt, RP, St, RP, 0, D);
 }
 
 // Ot[d][r] += sum_j V[j][d] * P[j][r] for ND head dims x RV*VL rows, keys j < nj.
 template <int ND, int RV>
 inline void pv_tile(const float* __restrict V, int64_t ldv, const float* __restrict P, int RP,
                     float* __restrict Ot, int nj) {
-    vf acc[ND][RV];
-#pragma GCC unroll 8
-    for (int d = 0; d < ND; ++d)
-#pragma GCC unroll 4
-        for (int c = 0; c < RV; ++c) acc[d][c] = vload(Ot + d * RP + c * VL);
-    for (int j = 0; j < nj; ++j) {
-        vf pv[RV];
-#pragma GCC unroll 4
-        for (int c = 0; c < RV; ++c) pv[c] = vload(P + j * RP + c * VL);
-#pragma GCC unroll 8
-        for (int d = 0; d < ND; ++d) {
-            const vf vb = vbroadcast(V[j * ldv + d]);
-#pragma GCC unroll 4
-            for (int c = 0; c < RV; ++c) acc[d][c] += vb * pv[c];
-        }
-    }
-#pragma GCC unroll 8
-    for (int d = 0; d < ND; ++d)
-#pragma GCC unroll 4
-        for (int c = 0; c < RV; ++c) vstore(Ot + d * RP + c * VL, acc[d][c]);
+    fma_tile<ND, RV, true>(V, 1, ldv, P, RP, Ot, RP, 0, nj);
 }
 
 // Register blocking of the micro-kernels: accumulators + one row of operands + one broadcast must fit the
@@ -250,10 +248,6 @@ constexpr int RV_MAX = 3;
 constexpr int MR_PV = 6;  // row-major PV: 6 rows x 2 vectors = 12 accumulators + 2 V vectors + 1 broadcast
 #endif
 
-// Forced inlining keeps the dispatch helpers and their lambdas out of the generated code: the loops
-// below compile to what hand-written switch statements give (checked with bench/bench_kernel_ab.py).
-#define RETMASK_INLINE inline __attribute__((always_inline))
-#define RETMASK_LAMBDA_INLINE __attribute__((always_inline))
 
 // f(std::integral_constant<int, n>{}) for a runtime n in [1, N] (nothing for n outside): turns the
 // remainder of a tile loop into a template argument, so tails get their own unrolled micro-kernel.
@@ -461,26 +455,7 @@ namespace rowmajor {
 template <int MR, int NV>
 inline void pv_tile(const float* __restrict P, int BN, const float* __restrict V, int ldv, float* __restrict O,
                     int ldo, int nj) {
-    vf acc[MR][NV];
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-        for (int c = 0; c < NV; ++c) acc[r][c] = vload(O + r * ldo + c * VL);
-    for (int j = 0; j < nj; ++j) {
-        vf vv[NV];
-#pragma GCC unroll 4
-        for (int c = 0; c < NV; ++c) vv[c] = vload(V + j * ldv + c * VL);
-#pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-            vf p = vbroadcast(P[r * BN + j]);
-#pragma GCC unroll 4
-            for (int c = 0; c < NV; ++c) acc[r][c] += p * vv[c];
-        }
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-        for (int c = 0; c < NV; ++c) vstore(O + r * ldo + c * VL, acc[r][c]);
+    fma_tile<MR, NV, true>(P, BN, 1, V, ldv, O, ldo, 0, nj);
 }
 
 template <int MR>
@@ -552,9 +527,11 @@ class Scratch {
     ~Scratch() { std::free(p_); }
     Scratch(const Scratch&) = delete;
     Scratch& operator=(const Scratch&) = delete;
-    // Slice t (t < slices), zero-filled first.
+    // Slice t (t < slices), as it is.
+    char* slice(int t) const { return p_ + slice_ * static_cast<size_t>(t); }
+    // Slice t, zero-filled first.
     char* zeroed_slice(int t) const {
-        char* s = p_ + slice_ * static_cast<size_t>(t);
+        char* s = slice(t);
         std::memset(s, 0, slice_);
         return s;
     }
