@@ -31,15 +31,15 @@ def available(*, window: bool = False) -> bool:
 def applies(
     q: torch.Tensor, *, window: int | None, softcap: float | None, sinks: torch.Tensor | None
 ) -> bool:
-    """Whether a call can run on the C++ backward: CPU tensors of a float dtype the kernel takes, no
-    soft-capping or sinks, an eager call (a traced graph keeps the recompute, which AOTAutograd can
-    trace), and a build that has it (with the window, if any)."""
+    """Whether a call's arguments can run on the C++ backward: CPU tensors of a float dtype the kernel
+    takes, no soft-capping or sinks, and a build that has it (with the window, if any). Whether the call
+    is eager (a traced graph keeps the recompute, which AOTAutograd can trace) is the caller's check
+    (``ops._plain_eager``)."""
     return (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and softcap is None
         and sinks is None
-        and not torch.compiler.is_compiling()
         and available(window=window is not None)
     )
 

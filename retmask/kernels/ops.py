@@ -242,6 +242,14 @@ def recompute_grads(
             skip_heads=skip_heads, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
     choice = _cpu_backward_choice(q, k, causal, key_padding_mask is not None, window)
+    return _grads_by(choice, grad_out, q, k, v, causal=causal, sm_scale=sm_scale,
+                     key_padding_mask=key_padding_mask, skip_heads=skip_heads, window=window)  # fmt: skip
+
+
+def _grads_by(choice, grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_heads, window):
+    """(dq, dk, dv, None) of attention without soft-capping or sinks, computed as ``choice`` says: the C++
+    backward ("kernel"), or a recompute: query-row chunks with a window, else SDPA in the dtype ("native")
+    or on fp32 copies ("fp32")."""
     kwargs = {
         "causal": causal,
         "sm_scale": sm_scale,
@@ -292,8 +300,9 @@ def _cpu_backward_choice(
 
 
 def _plain_eager(*tensors: torch.Tensor) -> bool:
-    """Plain tensors outside any tracer or dispatch / function mode: what the C++ backward, which reads
-    the data, needs. AOTAutograd traces the backward with fake tensors and without ``is_compiling()``."""
+    """Plain tensors outside any tracer, dispatch / function mode or functorch transform: what the C++
+    backward (which reads the data) and ``eager_direct`` need. AOTAutograd traces the backward with fake
+    tensors and without ``is_compiling()``, hence the type check."""
     return not (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
@@ -305,14 +314,9 @@ def _plain_eager(*tensors: torch.Tensor) -> bool:
 
 def _proxy_grads(choice: str, call: dict) -> tuple[torch.Tensor, ...]:
     """The gradients of a ``backward_choice`` proxy call, computed by ``choice``."""
-    args = (call["grad_out"], call["q"], call["k"], call["v"])
-    kwargs = {name: call[name] for name in ("causal", "sm_scale", "key_padding_mask")}
-    window = call.get("window")
-    if choice == "kernel":
-        return cpu_backward.backward(*args, skip_heads=None, window=window, **kwargs)
-    if window is not None:
-        return chunked_grads(*args, skip_heads=None, window=window, softcap=None, sinks=None, **kwargs)[:3]
-    return _sdpa_grads(*args, skip_heads=None, fp32=choice == "fp32", **kwargs)
+    return _grads_by(choice, call["grad_out"], call["q"], call["k"], call["v"], causal=call["causal"],
+                     sm_scale=call["sm_scale"], key_padding_mask=call["key_padding_mask"], skip_heads=None,
+                     window=call.get("window"))[:3]  # fmt: skip
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
@@ -427,17 +431,8 @@ def eager_direct(*tensors: torch.Tensor | None) -> bool:
     Hkv=3, D=64, M=1, N=512, stub kernel, CPU time on the 2-core dev machine): 26 us with the shortcut,
     76 us through the operator, 60 us for the autograd.Function wrapper before the operator existed.
     """
-    if torch.compiler.is_compiling():  # dynamo / export: folded to a constant while tracing
+    present = [t for t in tensors if t is not None]
+    # dynamo / export fold is_compiling() to a constant while tracing; forward AD must see the operator too
+    if not _plain_eager(*present) or torch.autograd.forward_ad._current_level >= 0:
         return False
-    if (
-        torch._C._len_torch_dispatch_stack()
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._are_functorch_transforms_active()
-        or torch.autograd.forward_ad._current_level >= 0
-    ):
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
-            return False
-    return True
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
