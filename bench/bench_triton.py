@@ -1,24 +1,35 @@
 """Time the Triton backend against torch SDPA and eager attention on a CUDA GPU.
 
 Usage:  python bench/bench_triton.py [--model smollm2|llama] [--dtype bf16|fp16|fp32]
-                                     [--lengths 1024 4096 8192 ...] [--argmax-rows 50]
+                                     [--lengths 1024 4096 ...] [--train-max 16384] [--argmax-rows 50]
 
-Prefill (causal, M = N, batch 1) and decode (M = 1) for each length; the Triton backend with and
-without argmax (last ``--argmax-rows`` rows, the teacher-forcing case, and all rows), with half of the
-query heads skipped (both grid modes), SDPA (no argmax: the floor to approach) and eager softmax(QK^T)V + argmax (what
-``output_attentions=True`` costs today; skipped where its [Hq, N, N] fp32 logits would not fit).
-Prints a table and writes bench/results/attention_triton.md and attention_triton.png.
-Without a CUDA GPU it exits with a message and measures nothing (the interpreter is no benchmark).
+Batch 1, three phases per length N:
+- prefill (causal, M = N): the Triton backend without argmax, with argmax of the last ``--argmax-rows`` rows
+  (the teacher-forcing case of detection) and of all rows, with half of the query heads skipped (both
+  grid modes); SDPA (no argmax: the floor to approach); eager softmax(QK^T)V + argmax, what
+  ``output_attentions=True`` costs (only where its [Hq, N, N] fp32 logits fit);
+- decode (M = 1): the same cases;
+- train (forward + backward, M = N, up to ``--train-max``): Triton, Triton with half the heads skipped, SDPA.
+
+Each cell is triton.testing.do_bench's median and the peak memory the call allocated beyond its inputs;
+"vs sdpa" is the ratio to SDPA's time in the same phase and N. Writes
+bench/results/attention_triton_<model>_<dtype>_<gpu>.{md,json,png}. Without a CUDA GPU it exits with a
+message and measures nothing (the interpreter is no benchmark).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import markdown_table, save_figure, write_page  # noqa: E402
 
 MODELS = {"smollm2": (9, 3, 64), "llama": (32, 8, 128)}  # (Hq, Hkv, D)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -47,38 +58,99 @@ def _eager_fits(hq: int, m: int, n: int) -> bool:
     return 3 * hq * m * n * 4 < 0.8 * free  # logits, probabilities, a temporary
 
 
-def _bench_shape(attention, hq, hkv, d, m, n, dtype, argmax_rows, skip_half):
-    """Yield (method, median ms) for one (M, N) shape at batch 1."""
+def _sync_free(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with RETMASK_TRITON_SYNC_FREE=1 (one program per (batch, head) pair, no host sync)."""
+
+    def run():
+        os.environ["RETMASK_TRITON_SYNC_FREE"] = "1"
+        try:
+            return fn()
+        finally:
+            del os.environ["RETMASK_TRITON_SYNC_FREE"]
+
+    return run
+
+
+def _with_backward(fn: Callable[[], torch.Tensor], inputs, grad_out) -> Callable[[], None]:
+    """One training call: ``fn``'s forward, then its backward into ``inputs``' gradients."""
+
+    def run():
+        for t in inputs:
+            t.grad = None
+        fn().backward(grad_out)
+
+    return run
+
+
+def _measure(fn: Callable[[], object]) -> tuple[float, int]:
+    """(median ms, peak bytes allocated beyond what was live before) of ``fn``."""
     import triton.testing
 
+    fn()  # compile / autotune outside the timing and the memory peak
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), peak
+
+
+def _cases(attention, phase, hq, hkv, d, n, dtype, argmax_rows, skip_half):
+    """{method: callable} for one phase at N keys (batch 1)."""
     dev = torch.device("cuda")
+    m = 1 if phase == "decode" else n
     gen = torch.Generator(device=dev).manual_seed(n)
-    q = torch.randn(1, hq, m, d, device=dev, dtype=dtype, generator=gen)
-    k = torch.randn(1, hkv, n, d, device=dev, dtype=dtype, generator=gen)
-    v = torch.randn(1, hkv, n, d, device=dev, dtype=dtype, generator=gen)
+    train = phase == "train"
+    q = torch.randn(1, hq, m, d, device=dev, dtype=dtype, generator=gen, requires_grad=train)
+    k = torch.randn(1, hkv, n, d, device=dev, dtype=dtype, generator=gen, requires_grad=train)
+    v = torch.randn(1, hkv, n, d, device=dev, dtype=dtype, generator=gen, requires_grad=train)
+    if train:
+        grad_out = torch.randn(q.shape, device=dev, dtype=dtype, generator=gen)
+        fwd = {
+            "triton": lambda: attention(q, k, v, backend="triton"),
+            "triton, half heads skipped": lambda: attention(q, k, v, backend="triton", skip_heads=skip_half),
+            "sdpa": lambda: _sdpa(q, k, v),
+        }
+        return {name: _with_backward(fn, (q, k, v), grad_out) for name, fn in fwd.items()}
     t_rows = min(argmax_rows, m)
+    skipped = lambda: attention(q, k, v, backend="triton", skip_heads=skip_half)  # noqa: E731
     cases = {
         "triton": lambda: attention(q, k, v, backend="triton"),
         f"triton+argmax(last {t_rows})": lambda: attention(
             q, k, v, backend="triton", return_argmax=True, argmax_rows=t_rows
         ),
         "triton+argmax(all)": lambda: attention(q, k, v, backend="triton", return_argmax=True),
-        "triton, half heads skipped": lambda: attention(q, k, v, backend="triton", skip_heads=skip_half),
+        "triton, half heads skipped": skipped,
+        "triton, half heads skipped, sync-free grid": _sync_free(skipped),
         "sdpa": lambda: _sdpa(q, k, v),
     }
-
-    def sync_free_skip():
-        os.environ["RETMASK_TRITON_SYNC_FREE"] = "1"
-        try:
-            return attention(q, k, v, backend="triton", skip_heads=skip_half)
-        finally:
-            del os.environ["RETMASK_TRITON_SYNC_FREE"]
-
-    cases["triton, half heads skipped, sync-free grid"] = sync_free_skip
     if _eager_fits(hq, m, n):
         cases[f"eager+argmax(last {t_rows})"] = lambda: _eager(q, k, v, t_rows)
-    for name, fn in cases.items():
-        yield name, triton.testing.do_bench(fn, warmup=25, rep=100)
+    return cases
+
+
+def gpu_slug(name: str) -> str:
+    """File-name tag of a GPU, e.g. ``h100`` for "NVIDIA H100 80GB HBM3"."""
+    found = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name.upper())
+    return found.group(1).lower() if found else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _plot(rows: list[dict], stem: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = list(dict.fromkeys(r["phase"] for r in rows))
+    fig, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4.5), squeeze=False)
+    for ax, phase in zip(axes[0], phases, strict=True):
+        for method in dict.fromkeys(r["method"] for r in rows if r["phase"] == phase):
+            pts = [(r["n"], r["ms"]) for r in rows if r["phase"] == phase and r["method"] == method]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=method)
+        ax.set(xscale="log", yscale="log", xlabel="N (keys)", ylabel="ms (median)", title=phase)
+        ax.legend(fontsize=7)
+    save_figure(fig, stem.with_suffix(".png"), title)
 
 
 def main() -> int:
@@ -88,7 +160,9 @@ def main() -> int:
     parser.add_argument(
         "--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 50000]
     )
+    parser.add_argument("--train-max", type=int, default=16384, help="longest N of the train phase")
     parser.add_argument("--argmax-rows", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the result page")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -99,6 +173,8 @@ def main() -> int:
         )
         return 1
 
+    import triton
+
     from retmask.kernels import attention
 
     hq, hkv, d = MODELS[args.model]
@@ -106,40 +182,59 @@ def main() -> int:
     skip_half = torch.arange(hq, device="cuda") % 2 == 1
     rows: list[dict] = []
     for n in args.lengths:
-        for phase, m in (("prefill", n), ("decode", 1)):
-            for name, ms in _bench_shape(attention, hq, hkv, d, m, n, dtype, args.argmax_rows, skip_half):
-                rows.append(dict(phase=phase, n=n, method=name, ms=ms))
-                print(f"{phase:8s} N={n:6d} {name:44s} {ms:9.3f} ms", flush=True)
+        phases = ["prefill", "decode"] + (["train"] if n <= args.train_max else [])
+        for phase in phases:
+            measured = {}
+            for name, fn in _cases(
+                attention, phase, hq, hkv, d, n, dtype, args.argmax_rows, skip_half
+            ).items():
+                try:
+                    measured[name] = _measure(fn)
+                except torch.OutOfMemoryError:
+                    print(f"{phase:8s} N={n:6d} {name:44s} out of memory", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                ms, peak = measured[name]
+                print(f"{phase:8s} N={n:6d} {name:44s} {ms:9.3f} ms  {peak / 2**20:9.1f} MiB", flush=True)
+            sdpa_ms = measured.get("sdpa", (None, 0))[0]
+            for name, (ms, peak) in measured.items():
+                ratio = ms / sdpa_ms if sdpa_ms else None
+                rows.append(dict(phase=phase, n=n, method=name, ms=ms, peak_bytes=peak, vs_sdpa=ratio))
             torch.cuda.empty_cache()
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name()
+    stem = args.out / f"attention_triton_{args.model}_{args.dtype}_{gpu_slug(device_name)}"
+    title = (
+        f"Triton attention ({args.model}: Hq={hq}, Hkv={hkv}, D={d}, {args.dtype}, batch 1) on {device_name}"
+    )
     lines = [
-        f"# Triton attention benchmark ({args.model}: Hq={hq}, Hkv={hkv}, D={d}, {args.dtype}, batch 1)",
+        f"# {title}",
         "",
-        f"Measured on {device_name} with triton.testing.do_bench (median ms). Prefill is causal with M = N.",
+        f"Machine: {device_name}; torch {torch.__version__}, triton {triton.__version__}. "
+        "triton.testing.do_bench medians; peak = memory the call allocated beyond its inputs. "
+        "Prefill and train are causal with M = N; decode has M = 1; train is forward + backward.",
         "",
-        "| phase | N | method | ms |",
-        "|---|---:|---|---:|",
+        markdown_table(
+            ["phase", "N", "method", "ms", "vs sdpa", "peak"],
+            [
+                [
+                    r["phase"],
+                    r["n"],
+                    r["method"],
+                    f"{r['ms']:.3f}",
+                    "-" if r["vs_sdpa"] is None else f"{r['vs_sdpa']:.2f}x",
+                    f"{r['peak_bytes'] / 2**20:.1f} MiB",
+                ]
+                for r in rows
+            ],
+        ),  # fmt: skip
+        "",
     ]
-    lines += [f"| {r['phase']} | {r['n']} | {r['method']} | {r['ms']:.3f} |" for r in rows]
-    (RESULTS / "attention_triton.md").write_text("\n".join(lines) + "\n")
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, phase in zip(axes, ("prefill", "decode"), strict=True):
-        for method in dict.fromkeys(r["method"] for r in rows if r["phase"] == phase):
-            pts = [(r["n"], r["ms"]) for r in rows if r["phase"] == phase and r["method"] == method]
-            ax.plot(*zip(*pts, strict=True), marker="o", label=method)
-        ax.set(xscale="log", yscale="log", xlabel="N (keys)", ylabel="ms", title=f"{phase} on {device_name}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "attention_triton.png", dpi=120)
-    print(f"wrote {RESULTS / 'attention_triton.md'} and {RESULTS / 'attention_triton.png'}")
+    payload = dict(device=device_name, torch=torch.__version__, triton=triton.__version__, args=vars(args))
+    payload["args"]["out"] = str(args.out)
+    payload["rows"] = rows
+    write_page(stem, lines, payload)
+    _plot(rows, stem, title)
     return 0
 
 

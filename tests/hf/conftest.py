@@ -3,6 +3,8 @@
 Tiny = hidden 64, 2 layers, 4 query heads over 2 KV heads (GQA), head dim 16, vocab 128. Weights are
 drawn with a large init range so attention logits are well separated: argmax comparisons against eager
 attention are then not decided by float rounding.
+
+With ``RETMASK_TEST_DEVICE=cuda`` the models and batches are made on the GPU (see tests/device.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import transformers
 
 import retmask
 from retmask.hf.export import zero_heads_
+
+from ..device import TEST_DEVICE
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "olmo2")
 VOCAB = 128
@@ -33,13 +37,13 @@ def tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
 
 
 def tiny_model(arch: str, attn: str = "retmask", seed: int = 0, **overrides) -> transformers.PreTrainedModel:
-    """A random tiny causal LM in float32, eval mode."""
+    """A random tiny causal LM in float32, eval mode, on TEST_DEVICE."""
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=attn, dtype=torch.float32
     )
-    return model.eval()
+    return model.to(TEST_DEVICE).eval()
 
 
 def with_attn(model: transformers.PreTrainedModel, attn: str) -> transformers.PreTrainedModel:
@@ -60,14 +64,15 @@ def zeroed_copy(
 
 
 def random_batch(batch: int, seq: int, left_pad: list[int] | None = None, seed: int = 0):
-    """input_ids [B, S] (ids 3..VOCAB-1) and attention_mask [B, S] with ``left_pad[b]`` pad tokens on the left."""
+    """input_ids [B, S] (ids 3..VOCAB-1) and attention_mask [B, S] with ``left_pad[b]`` pad tokens on the
+    left, on TEST_DEVICE."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
     mask = torch.ones(batch, seq, dtype=torch.long)
     for b, p in enumerate(left_pad or []):
         ids[b, :p] = 0
         mask[b, :p] = 0
-    return ids, mask
+    return ids.to(TEST_DEVICE), mask.to(TEST_DEVICE)
 
 
 def assert_argmax_matches(kernel_idx: torch.Tensor, weights: torch.Tensor, atol: float = 1e-6) -> None:

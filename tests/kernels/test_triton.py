@@ -7,6 +7,9 @@ blocks. bf16 is not tested here: ``tl.dot`` on bf16 is wrong in the interpreter 
 What the interpreter cannot check, GPU code generation, is covered by compiling the recorded launches
 for sm_90 with ptxas (``test_kernels_compile_for_sm90_without_spills``); timing needs a real GPU
 (bench/bench_triton.py).
+
+With ``RETMASK_TEST_DEVICE=cuda`` (on a machine with a GPU) the same tests run the compiled kernels on
+the GPU, with their GPU tile tables, and also in bfloat16; inputs are still made on the CPU.
 """
 
 from __future__ import annotations
@@ -18,16 +21,30 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from retmask.kernels import attention, reference_attention
+from retmask.kernels import attention as _attention
+from retmask.kernels import reference_attention, triton_backend, triton_bwd, triton_decode, triton_fwd
 from retmask.kernels.reference import reference_logits
 from retmask.kernels.triton_common import POISON_ENV, POISON_INDEX, SYNC_FREE_ENV, active_pairs
-from retmask.kernels.triton_decode import decode_forward
-from retmask.kernels.triton_fwd import attention_forward
 
+from ..device import TEST_DEVICE, on_test_device
 from .helpers import assert_argmax_matches, left_padding_mask, make_qkv
 
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
-ARGMAX_ATOL = {torch.float32: 1e-4, torch.float16: 1e-3}
+# The entry points under test, on TEST_DEVICE (the CPU and the interpreter unless RETMASK_TEST_DEVICE).
+attention = on_test_device(_attention)
+attention_forward = on_test_device(triton_fwd.attention_forward)
+attention_backward = on_test_device(triton_bwd.attention_backward)
+decode_forward = on_test_device(triton_decode.decode_forward)
+triton_forward = on_test_device(triton_backend.forward)
+
+# Half precisions under test: bf16 only on a GPU (tl.dot on bf16 is wrong in the interpreter).
+HALF = [torch.float16] + ([torch.bfloat16] if TEST_DEVICE.type == "cuda" else [])
+
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+ARGMAX_ATOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -87,9 +104,7 @@ def check_forward(
             q, k, v, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip,
             return_argmax=True, argmax_rows=T, backend="triton", **feats,
         )  # fmt: skip
-        from retmask.kernels.triton_backend import forward
-
-        _, _, lse = forward(
+        _, _, lse = triton_forward(
             q, k, v, causal=causal, sm_scale=scale, key_padding_mask=pad, skip_heads=skip,
             argmax_rows=T, return_lse=True, **feats,
         )  # fmt: skip
@@ -138,7 +153,7 @@ def test_forward_matches_reference(shape, causal):
     check_forward(q, k, v, causal=causal)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 def test_forward_padding_skips_noncontiguous(dtype, grid_mode):
     B, Hq, Hkv, M, N = 2, 4, 2, 40, 61
     q, k, v = make_qkv(B, Hq, Hkv, M, N, 32, dtype=dtype, seed=3, noncontiguous_q=True)
@@ -211,7 +226,7 @@ def test_duplicate_keys_tie_across_blocks():
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 def test_decode_splits(splits, dtype, grid_mode):
     B, Hq, Hkv, N = 2, 4, 2, 70
     q, k, v = make_qkv(B, Hq, Hkv, 1, N, 32, dtype=dtype, seed=10 + splits, noncontiguous_q=True)
@@ -301,7 +316,7 @@ def test_forward_hypothesis_shapes(B, kv_heads, group, N, m_frac, D, causal, pad
 
 def _grads(backend, q, k, v, grad_out, **kw):
     """(out, dq, dk, dv) of ``attention`` for one backend; reference grads in fp32 for fp16 inputs."""
-    if backend == "reference" and q.dtype == torch.float16:
+    if backend == "reference" and q.dtype in HALF:
         q, k, v, grad_out = (t.float() for t in (q, k, v, grad_out))
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     out = attention(q, k, v, backend=backend, **kw)
@@ -309,7 +324,11 @@ def _grads(backend, q, k, v, grad_out, **kw):
     return out, q.grad, k.grad, v.grad
 
 
-GRAD_TOL = {torch.float32: dict(atol=5e-5, rtol=5e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+GRAD_TOL = {
+    torch.float32: dict(atol=5e-5, rtol=5e-5),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+    torch.bfloat16: dict(atol=6e-2, rtol=6e-2),
+}
 
 # (B, Hq, Hkv, M, N, D, pads, skip rows)
 GRAD_CASES = [
@@ -345,24 +364,23 @@ def test_backward_matches_reference(case, causal, grid_mode):
         assert (dq[0] == 0).all() and (dk[0] == 0).all() and (dv[0] == 0).all()
 
 
-def test_backward_fp16_noncontiguous_grad_out(grid_mode):
+@pytest.mark.parametrize("dtype", HALF)
+def test_backward_half_noncontiguous_grad_out(dtype, grid_mode):
     B, Hq, Hkv, M, N, D = 2, 4, 2, 40, 40, 32
-    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=torch.float16, seed=30, noncontiguous_q=True)
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=30, noncontiguous_q=True)
     # transformers transposes the output: its gradient arrives as a [B, Hq, M, D] view of [B, M, Hq, D].
-    grad_out = torch.randn(B, M, Hq, D, generator=torch.Generator().manual_seed(3)).half().transpose(1, 2)
+    grad_out = torch.randn(B, M, Hq, D, generator=torch.Generator().manual_seed(3)).to(dtype).transpose(1, 2)
     kw = dict(
         causal=True, key_padding_mask=left_padding_mask(B, N, [0, 10]), skip_heads=_random_skip(B, Hq, 4)
     )
     got = _grads("triton", q, k, v, grad_out, **kw)
     ref = _grads("reference", q, k, v, grad_out, **kw)
     for a, b in zip(got, ref, strict=True):
-        assert a.dtype == torch.float16
-        torch.testing.assert_close(a.float(), b, **GRAD_TOL[torch.float16])
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b, **GRAD_TOL[dtype])
 
 
 def test_backward_all_heads_skipped_and_tile_shapes(grid_mode):
-    from retmask.kernels.triton_bwd import attention_backward
-
     q, k, v = make_qkv(1, 2, 1, 21, 37, 16, seed=31)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
     out, _, lse = attention_forward(
@@ -452,7 +470,6 @@ def test_launch_grids_cover_only_enabled_heads():
     enabled (batch, head) pairs; the memory-bound decode and the dK/dV kernel enumerate KV heads with at
     least one enabled query head (a fully disabled GQA group costs nothing)."""
     from retmask.kernels.triton_aot import record_launches
-    from retmask.kernels.triton_bwd import attention_backward
 
     B, Hq, Hkv, M, N, D = 2, 8, 2, 300, 300, 64
     q = torch.zeros(B, Hq, M, D)
@@ -620,8 +637,6 @@ def test_window_loops_skip_blocks_outside_the_window():
     """Key loops start at the first block inside the window: keys in earlier blocks are never loaded.
     Checked by making them NaN (a loaded NaN value reaches the output even with weight 0 in eager
     attention, and here too: 0 * NaN is NaN in ``tl.dot``): the results match the clean oracle."""
-    from retmask.kernels.triton_bwd import attention_backward
-
     B, Hq, Hkv, M, N, D, window = 1, 2, 1, 70, 150, 16, 12
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=60)
     # Prefill tiles start at positions 80, 112, 144: the first one's window starts at key 69, in the
@@ -661,8 +676,6 @@ def test_window_dkdv_programs_visit_only_rows_that_see_their_keys():
     gradient on the last row must not reach the keys that row does not see (a visited row block would
     add 0 * NaN). M = N = 96, window 8, tiles 32 x 16: the row block [64, 96) is visited by the key
     blocks from [48, 64) on, so keys 0..47 stay finite."""
-    from retmask.kernels.triton_bwd import attention_backward
-
     q, k, v = make_qkv(1, 2, 1, 96, 96, 16, seed=61)
     kw = dict(causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=None, window=8)
     out, _, lse = attention_forward(q, k, v, argmax_rows=0, return_lse=True, block_m=32, block_n=16, **kw)
@@ -678,7 +691,7 @@ def test_window_dkdv_programs_visit_only_rows_that_see_their_keys():
 
 def _feature_grads(backend, q, k, v, sinks, grad_out, **kw):
     """(out, dq, dk, dv, dsinks) of ``attention``; the reference runs in fp32 for fp16 inputs."""
-    if backend == "reference" and q.dtype == torch.float16:
+    if backend == "reference" and q.dtype in HALF:
         q, k, v, grad_out = (t.float() for t in (q, k, v, grad_out))
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     s = None if sinks is None else sinks.detach().clone().requires_grad_(True)

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every check this project runs on a CUDA GPU, in one go, for a machine lent for a few minutes:
+#   env    the GPU, driver and library versions;
+#   tests  the Triton kernel tests (compiled kernels, GPU tile tables, bf16 too) and the Hugging Face
+#          equivalence tests with their tiny models on the GPU (RETMASK_TEST_DEVICE=cuda);
+#   bench  bench_triton.py in bf16 for the SmolLM2 and Llama-3.1-8B attention shapes (pages in OUTDIR).
+# Usage:  bash bench/gpu_check.sh OUTDIR [stage ...]      (default: env tests bench)
+# Each stage has its own time limit (TESTS_TIMEOUT, BENCH_TIMEOUT seconds), so one that hangs cannot eat
+# the others' time; OUTDIR/status.txt has one line per stage with its exit code.
+set -u
+out=$(realpath -m "${1:?usage: bash bench/gpu_check.sh OUTDIR [stage ...]}")
+shift
+stages=${*:-env tests bench}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+gpu_tests=(
+    tests/kernels/test_triton.py
+    tests/hf/test_equivalence.py tests/hf/test_heads.py tests/hf/test_capture.py tests/hf/test_kv_cache.py
+    tests/hf/test_attention_features.py tests/hf/test_models.py tests/hf/test_shared_prefill.py
+)
+
+for stage in $stages; do
+    start=$SECONDS
+    case $stage in
+    env)
+        {
+            nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+            $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+        } >"$out/env.txt" 2>&1
+        rc=$?
+        cat "$out/env.txt"
+        ;;
+    tests)
+        RETMASK_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT:-240}" $py -m pytest -q -n "${WORKERS:-8}" \
+            -p no:cacheprovider -o addopts="" -rfE "${gpu_tests[@]}" >"$out/tests.log" 2>&1
+        rc=$?
+        grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -40
+        ;;
+    bench)
+        rc=0
+        for model in smollm2 llama; do
+            timeout "${BENCH_TIMEOUT:-150}" $py bench/bench_triton.py --model $model --dtype bf16 --out "$out" \
+                >"$out/bench_$model.log" 2>&1 || rc=$?
+            grep -E "^\| (prefill|decode|train)" "$out/bench_$model.log" | grep -E "\| (triton|sdpa)" \
+                | grep -vE "sync-free|argmax\(all\)" | cut -c1-100 | tail -60
+        done
+        ;;
+    *)
+        echo "unknown stage $stage (env, tests, bench)" >&2
+        rc=2
+        ;;
+    esac
+    echo "$stage rc=$rc $((SECONDS - start))s" | tee -a "$out/status.txt"
+done
