@@ -3,9 +3,10 @@
 #   env    the GPU, driver and library versions;
 #   tests  the Triton kernel tests (compiled kernels, GPU tile tables, bf16 too) and the Hugging Face
 #          equivalence tests with their tiny models on the GPU (RETMASK_TEST_DEVICE=cuda);
+#   tune   tune_triton.py: every candidate tile config of the forward and backward, timed (page in OUTDIR);
 #   bench  bench_triton.py in bf16 for the SmolLM2 and Llama-3.1-8B attention shapes (pages in OUTDIR).
 # Usage:  bash bench/gpu_check.sh OUTDIR [stage ...]      (default: env tests bench)
-# Each stage has its own time limit (TESTS_TIMEOUT, BENCH_TIMEOUT seconds), so one that hangs cannot eat
+# Each stage has its own time limit (TESTS_TIMEOUT, TUNE_TIMEOUT, BENCH_TIMEOUT seconds), so one that hangs cannot eat
 # the others' time; OUTDIR/status.txt has one line per stage with its exit code.
 set -u
 out=$(realpath -m "${1:?usage: bash bench/gpu_check.sh OUTDIR [stage ...]}")
@@ -17,7 +18,7 @@ py=${PYTHON:-python3}
 gpu_tests=(
     tests/kernels/test_triton.py
     tests/hf/test_equivalence.py tests/hf/test_heads.py tests/hf/test_capture.py tests/hf/test_kv_cache.py
-    tests/hf/test_attention_features.py tests/hf/test_models.py tests/hf/test_shared_prefill.py
+    tests/hf/test_attention_features.py tests/hf/test_shared_prefill.py
 )
 
 for stage in $stages; do
@@ -37,6 +38,12 @@ for stage in $stages; do
         rc=$?
         grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -40
         ;;
+    tune)
+        timeout "${TUNE_TIMEOUT:-240}" $py bench/tune_triton.py --out "$out" >"$out/tune.log" 2>&1
+        rc=$?
+        grep -E "^\| (fwd|bwd)" "$out/tune.log" | cut -c1-140
+        tail -3 "$out/tune.log"
+        ;;
     bench)
         rc=0
         for model in smollm2 llama; do
@@ -47,7 +54,7 @@ for stage in $stages; do
         done
         ;;
     *)
-        echo "unknown stage $stage (env, tests, bench)" >&2
+        echo "unknown stage $stage (env, tests, tune, bench)" >&2
         rc=2
         ;;
     esac

@@ -133,8 +133,8 @@ def record_launches(label: str = "") -> Iterator[list[Launch]]:
 
 
 def record_standard_launches(dtype: torch.dtype, head_dim: int, features: bool = False) -> list[Launch]:
-    """Launches of a causal GQA prefill with padding, skips and argmax on the last rows (both forward
-    variants), a decode step and the backward, on tiny CPU tensors (nothing runs). ``features`` adds a
+    """Launches of a causal GQA prefill with padding and skips, with argmax on the last rows and without
+    (both forward variants), a decode step and the backward, on tiny CPU tensors (nothing runs). ``features`` adds a
     sliding window (100 of 256 keys), soft-capping and sinks to all of them."""
     from .triton_bwd import attention_backward
     from .triton_decode import decode_forward
@@ -151,6 +151,7 @@ def record_standard_launches(dtype: torch.dtype, head_dim: int, features: bool =
         common.update(window=100, softcap=30.0, sinks=torch.zeros(Hq))
     with record_launches(label) as launches:
         out, _, lse = attention_forward(q, k, k, causal=True, argmax_rows=50, return_lse=True, **common)
+        attention_forward(q, k, k, causal=True, argmax_rows=0, return_lse=False, **common)
         decode_forward(q[:, :, -1:], k, k, argmax_rows=1, return_lse=True, **common)
         attention_backward(out, q, k, k, out, torch.zeros(B, Hq, N), causal=True, **common)
     del lse

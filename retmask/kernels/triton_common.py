@@ -46,20 +46,19 @@ class TileConfig:
 
 # Fixed configs keyed by the padded head dim (BLOCK_D) for 2-byte inputs (fp16/bf16), with _FP32
 # overrides for fp32 inputs, whose IEEE tl.dot runs on the CUDA cores (no tensor cores) and needs far
-# more registers. Not timed (no GPU was available): each entry was chosen so that the kernel compiles
-# for sm_90 without register spills, with and without sliding window / soft-capping / sinks (checked
-# with ptxas via ``python -m retmask.kernels.triton_aot``; exception: the fp32 D=128 forward without
-# argmax spills 700-1000 B, although the same tile with argmax or with soft-capping uses 150-180
-# registers and none; smaller fp32 tiles spill too) and the pipelined tiles fit shared memory.
-# On a GPU, autotune per (BLOCK_D, dtype, causal, argmax on/off) over BLOCK_M in {64, 128},
-# BLOCK_N in {32, 64, 128}, num_warps in {4, 8}, num_stages in {2, 3, 4} (the interpreter has no
-# driver, so @triton.autotune cannot run here).
+# more registers. The 2-byte forward and backward entries for D = 64, 128 and 256 were measured on an
+# H200 (triton 3.6; bf16, causal, 8K keys, the SmolLM2 / Llama-3.1-8B / Gemma-3 head layouts) against
+# 8-12 candidates each with ``bench/tune_triton.py``; the notes give the time against the previous
+# entry. Register allocation differs between Triton versions: a measured winner may spill some bytes
+# under another version's ptxas (``python -m retmask.kernels.triton_aot`` shows it); where a faster
+# candidate spilled much, a spill-free one was kept. Unmeasured: fp32, D = 16 / 32 (as D = 64), the
+# soft-capping tables and decode (host-bound at batch 1, see bench/README.md).
 _FWD_CONFIGS: dict[int, TileConfig] = {
-    16: TileConfig(128, 64, 8, 3),
-    32: TileConfig(128, 64, 8, 3),
-    64: TileConfig(128, 64, 8, 3),
-    128: TileConfig(128, 32, 8, 3),
-    256: TileConfig(32, 32, 8, 2),  # 64 x 32 spilled 88-120 B (q, the [64, 256] accumulator, the logits)
+    16: TileConfig(64, 64, 4, 3),  # D = 16, 32: as D = 64 (not measured apart)
+    32: TileConfig(64, 64, 4, 3),
+    64: TileConfig(64, 64, 4, 3),  # H200: 0.91x the old 128 x 64 / 8 warps; 0.79x with argmax of 50 rows
+    128: TileConfig(128, 64, 8, 3),  # H200: 0.77x the old 128 x 32
+    256: TileConfig(128, 32, 8, 2),  # H200: 0.39x the old 32 x 32; 64 x 32 / 4 warps was faster but spilled
 }
 _FWD_CONFIGS_FP32: dict[int, TileConfig] = {
     16: TileConfig(64, 32, 8, 2),
@@ -72,9 +71,9 @@ _FWD_CONFIGS_FP32: dict[int, TileConfig] = {
 _BWD_CONFIGS: dict[int, TileConfig] = {
     16: TileConfig(64, 64, 4, 2),
     32: TileConfig(64, 64, 4, 2),
-    64: TileConfig(64, 64, 4, 2),
-    128: TileConfig(32, 64, 8, 2),
-    256: TileConfig(16, 32, 8, 1),
+    64: TileConfig(64, 64, 4, 2),  # H200: the fastest of 10 within 3%
+    128: TileConfig(64, 64, 4, 2),  # H200: 0.41x the old 32 x 64 / 8 warps (spills ~54 B, measured faster)
+    256: TileConfig(32, 32, 8, 1),  # H200: 0.69x the old 16 x 32; 32 x 64 was 0.56x but spilled 42-600 B
 }
 _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
     16: TileConfig(16, 32, 4, 2),
@@ -84,8 +83,8 @@ _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
     256: TileConfig(16, 16, 4, 1),
 }
 # Soft-capping keeps the tanh of a whole logit tile alive (in the backward also its derivative): where
-# the table's tile then spills (2-byte inputs: D=64 forward 32 B, D=128 dK/dV 16 B), a smaller one.
-_FWD_CONFIGS_SOFTCAP: dict[int, TileConfig] = {64: TileConfig(128, 32, 8, 3)}
+# the table's tile then spills, a smaller one (chosen with ptxas, not timed).
+_FWD_CONFIGS_SOFTCAP: dict[int, TileConfig] = {64: TileConfig(128, 32, 8, 3), 128: TileConfig(128, 32, 8, 3)}
 _BWD_CONFIGS_SOFTCAP: dict[int, TileConfig] = {128: TileConfig(32, 32, 8, 2)}
 # Decode: one program per (KV head, key split) holds the G query heads of the group as a [BLOCK_G, D]
 # tile (BLOCK_G = G padded to >= 16, derived from the shapes) and walks keys in BLOCK_N chunks; block_m

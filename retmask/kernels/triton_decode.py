@@ -8,7 +8,7 @@ that share one KV head (GQA) as the rows of one [BLOCK_G, D] query tile: each K/
 HBM once per split instead of once per query head, and the logits become a small tensor-core ``tl.dot``
 (BLOCK_G = G padded to >= 16 rows; the padding rows cost compute, which decode has to spare).
 
-Math. Program (split s, KV pair) runs the online softmax of ``triton_fwd`` (the same ``_fwd_block``)
+Math. Program (split s, KV pair) runs the online softmax of ``triton_fwd`` (the same ``_key_loops``)
 over its key range and writes, for every row, a partial state: ``m_s`` (largest base-2 logit in the
 range, -inf if the range has no valid key), ``i_s`` (its smallest key index), ``l_s = sum 2^(s_j - m_s)``
 and ``a_s = sum 2^(s_j - m_s) v_j``. With ``m = max_s m_s`` the exact result is
@@ -48,7 +48,7 @@ from .triton_common import (
     new_index,
     num_sms,
 )
-from .triton_fwd import _fwd_block, _logit_scales
+from .triton_fwd import _key_loops, _logit_scales
 
 
 @triton.jit
@@ -100,25 +100,13 @@ def _decode_partial_kernel(
     if WINDOW:
         # Only the block holding the window's first key N - window straddles its edge: masked.
         mid_lo = tl.maximum(lo, tl.cdiv(N - window, BLOCK_N) * BLOCK_N)
-        for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
-            acc, l_i, m_i, idx_i = _fwd_block(
-                acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
-                stride_kn, stride_kd, stride_vn, stride_vd,
-                HEAD_DIM, BLOCK_N, BLOCK_D, True, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION,
-            )  # fmt: skip
     full_hi = tl.maximum(mid_lo, (hi // BLOCK_N) * BLOCK_N)  # whole blocks need no bounds mask
-    for start_n in range(mid_lo, full_hi, BLOCK_N):
-        acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, False, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION,
-        )  # fmt: skip
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION,
-        )  # fmt: skip
+    # The prefill's key loops with one query row per head: no causal mask, argmax always tracked.
+    acc, l_i, m_i, idx_i = _key_loops(
+        acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, lo, mid_lo, full_hi, hi, pos, N, qk_scale, cap2,
+        window, stride_kn, stride_kd, stride_vn, stride_vd,
+        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION,
+    )  # fmt: skip
 
     part = (slot * num_splits + split) * BLOCK_G + offs_g  # [BLOCK_G] partial-state rows
     tl.store(PartM + part, m_i)

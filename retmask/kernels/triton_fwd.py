@@ -52,9 +52,14 @@ disabled heads' outputs are written with torch (0 / -1 / +inf). Sync-free grid
 (RETMASK_TRITON_SYNC_FREE=1): one program per pair, enabled pairs first; a program past the enabled
 count runs empty key loops, so its epilogue writes the disabled head's 0 / -1 / +inf, with no host sync.
 
-Argmax rows. Only the last T rows need an argmax. Query tiles that hold none of them are launched
-separately with the argmax bookkeeping compiled out, so teacher forcing (T ~ 50 of 50K rows) pays
-almost nothing for it.
+Argmax rows. Only the last T rows need an argmax. One launch covers every tile; a runtime branch sends
+the tiles that hold none of them through key loops compiled without the argmax bookkeeping, so teacher
+forcing (T ~ 50 of 50K rows) pays almost nothing for it. (Launching those tiles separately, as an
+earlier version did, left the few long argmax tiles of the second launch running alone after the
+first: +50% at 8K keys on an H200.)
+
+Tile order. Program 0 takes the last row block: under a causal mask it has the most keys, and starting
+with the longest tiles leaves the short ones to fill the tail of the launch.
 
 Layout: q [B, Hq, M, D] with arbitrary strides; k, v [B, Hkv, N, D] with arbitrary strides (GQA: query
 head h reads KV head ``h // (Hq // Hkv)``); D is padded to BLOCK_D (a power of two) with masked loads.
@@ -172,6 +177,39 @@ def _fwd_block(
 
 
 @triton.jit
+def _key_loops(
+    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, lo, mid_lo, full_hi, hi, pos, N, qk_scale, cap2,
+    window, stride_kn, stride_kd, stride_vn, stride_vd,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr, TRACK_ARGMAX: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """All key blocks of one query tile in three runs: window-edge blocks [lo, mid_lo) (masked, WINDOW
+    only), blocks every row sees in full [mid_lo, full_hi) (unmasked), the rest up to ``hi`` (masked)."""
+    if WINDOW:
+        for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
+            acc, l_i, m_i, idx_i = _fwd_block(
+                acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+                stride_kn, stride_kd, stride_vn, stride_vd,
+                HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP,
+                DOT_PRECISION,
+            )  # fmt: skip
+    for start_n in range(mid_lo, full_hi, BLOCK_N):
+        acc, l_i, m_i, idx_i = _fwd_block(
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
+        )  # fmt: skip
+    for start_n in range(tl.maximum(mid_lo, full_hi), hi, BLOCK_N):
+        acc, l_i, m_i, idx_i = _fwd_block(
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+            stride_kn, stride_kd, stride_vn, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
+        )  # fmt: skip
+    return acc, l_i, m_i, idx_i
+
+
+@triton.jit
 def _add_sink(acc, l_i, m_i, sink2):
     """Join a sink logit (base 2) to the softmax denominator only: move the reference point to
     ``max(m, sink)`` and add ``2^(sink - m')`` to ``l`` (a row without keys, m = -inf, gets l = 1 and
@@ -189,14 +227,16 @@ def _fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    H_Q, GROUP, M, N, sm_scale, argmax_first_row, argmax_rows, first_m_block, window, softcap,
+    H_Q, GROUP, M, N, sm_scale, argmax_first_row, argmax_rows, last_m_block, window, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one enabled (batch, head) pair, all their keys."""
-    start_m = tl.program_id(0) + first_m_block
+    # Longest tiles first: under a causal mask the last row block has the most keys; starting with it
+    # leaves the short tiles to fill the tail of the launch.
+    start_m = last_m_block - tl.program_id(0)
     if HAS_PAIRS:
         pair32 = tl.load(Pairs + tl.program_id(1))
     else:
@@ -248,25 +288,17 @@ def _fwd_kernel(
         enabled = tl.program_id(1) < tl.load(NEnabled)
         hi = tl.where(enabled, hi, 0)
         full_hi = tl.where(enabled, full_hi, 0)
-    if WINDOW:
-        for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
-            acc, l_i, m_i, idx_i = _fwd_block(
-                acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
-                stride_kn, stride_kd, stride_vn, stride_vd,
-                HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP,
-                DOT_PRECISION,
-            )  # fmt: skip
-    for start_n in range(mid_lo, full_hi, BLOCK_N):
-        acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
+    if TRACK_ARGMAX and start_m * BLOCK_M + BLOCK_M > argmax_first_row:  # the tile holds argmax rows
+        acc, l_i, m_i, idx_i = _key_loops(
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, lo, mid_lo, full_hi, hi, pos, N, qk_scale,
+            cap2, window, stride_kn, stride_kd, stride_vn, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
-    for start_n in range(tl.maximum(mid_lo, full_hi), hi, BLOCK_N):
-        acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
-            stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
+    else:
+        acc, l_i, m_i, idx_i = _key_loops(
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, lo, mid_lo, full_hi, hi, pos, N, qk_scale,
+            cap2, window, stride_kn, stride_kd, stride_vn, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, False, WINDOW, SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
 
     # l is a sum of terms in [0, 1]: it is NaN exactly when a NaN or +inf logit reached the row (its term
@@ -334,29 +366,23 @@ def attention_forward(
     dummy = out  # stands in for pointers whose use is compiled out
     window = effective_window(window, N)
     n_blocks = triton.cdiv(M, bm)
-    # Tiles [0, split) hold no argmax row: launch them without the argmax bookkeeping.
-    split = (M - argmax_rows) // bm if argmax_rows else n_blocks
-    launches = [(0, split, False), (split, n_blocks, True)]
     with device_guard(q):
-        for lo, hi, track in launches:
-            if hi <= lo:
-                continue
-            _fwd_kernel[(hi - lo, plist.grid)](
-                q, k, v, out, lse if lse is not None else dummy, argmax if track else dummy,
-                key_padding_mask if key_padding_mask is not None else dummy,
-                key_start if key_start is not None else dummy,
-                plist.pairs if plist.pairs is not None else dummy,
-                plist.n_enabled if plist.n_enabled is not None else dummy,
-                sinks if sinks is not None else dummy,
-                *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                Hq, Hq // Hkv, M, N, float(sm_scale), M - argmax_rows, argmax_rows, lo,
-                window or 0, float(softcap or 1.0),
-                HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(D),
-                CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
-                TRACK_ARGMAX=track, WRITE_LSE=return_lse, WINDOW=window is not None,
-                SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )  # fmt: skip
+        _fwd_kernel[(n_blocks, plist.grid)](
+            q, k, v, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
+            key_padding_mask if key_padding_mask is not None else dummy,
+            key_start if key_start is not None else dummy,
+            plist.pairs if plist.pairs is not None else dummy,
+            plist.n_enabled if plist.n_enabled is not None else dummy,
+            sinks if sinks is not None else dummy,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            Hq, Hq // Hkv, M, N, float(sm_scale), M - argmax_rows, argmax_rows, n_blocks - 1,
+            window or 0, float(softcap or 1.0),
+            HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(D),
+            CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
+            TRACK_ARGMAX=argmax is not None, WRITE_LSE=return_lse, WINDOW=window is not None,
+            SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     return out, argmax, lse
 
 

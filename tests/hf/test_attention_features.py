@@ -17,6 +17,7 @@ from transformers import DynamicCache
 import retmask
 from retmask.hf.kv_cache import cache_kwargs
 
+from ..device import TEST_DEVICE
 from .conftest import assert_argmax_matches, random_batch, tiny_config, with_attn, zeroed_copy
 
 WINDOW = 5
@@ -48,7 +49,7 @@ def feature_model(arch: str, attn: str = "retmask", seed: int = 0) -> transforme
         with torch.no_grad():
             for layer in retmask.hf.head_layout(model).layers:
                 layer.sinks.normal_(0.0, 2.0)
-    model.eval()
+    model.to(TEST_DEVICE).eval()
     return retmask.patch(model) if attn == "retmask" else model
 
 
@@ -130,7 +131,7 @@ def test_capture_equals_eager_argmax_prefill_chunk_decode(feature_arch):
             valid_rows = seen[:, start:stop].bool()[:, None, :].expand_as(local)
             assert_argmax_matches(local[valid_rows], w[valid_rows])  # padding query rows excluded
             if layer_is_local(model, layer):
-                pos = torch.arange(start, stop)
+                pos = torch.arange(start, stop, device=got.device)
                 assert bool(((got > pos - WINDOW) | (got < 0)).all()), (
                     "a local layer's argmax is in its window"
                 )
@@ -159,8 +160,8 @@ def test_head_mask_equals_o_proj_zeroing(feature_arch):
 def test_bidirectional_sliding_overlay_is_refused():
     """Gemma 3 used as a bidirectional encoder adds an overlay retmask cannot express: a clear error."""
     config = tiny_config("gemma3_text", **FEATURE_ARCHS["gemma3_text"], use_bidirectional_attention=True)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    retmask.patch(model)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    retmask.patch(model.to(TEST_DEVICE).eval())
     ids, _ = random_batch(1, 8)
     with pytest.raises(NotImplementedError, match="gemma3_text.*attention pattern"), torch.no_grad():
         model(input_ids=ids)

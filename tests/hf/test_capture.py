@@ -89,9 +89,9 @@ def test_capture_decode_steps_and_chunk_against_cache(arch):
     model = tiny_model(arch)
     eager = with_attn(model, "eager")
     ids, mask = random_batch(2, 10, left_pad=[0, 2])
-    steps = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    steps = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1)).to(ids.device)
     full_ids = torch.cat([ids, steps], 1)
-    full_mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], 1)
+    full_mask = torch.cat([mask, torch.ones_like(steps)], 1)
     weights, _ = eager_attentions(eager, full_ids, full_mask)  # [L, B, Hq, 15, 15]
 
     past = DynamicCache(config=model.config)

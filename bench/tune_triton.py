@@ -1,0 +1,228 @@
+"""Measure the Triton kernels' tile configs on this GPU and report the fastest per head dim.
+
+Usage:  python bench/tune_triton.py [--n 8192] [--workers 8] [--kinds fwd bwd] [--head-dims 64 128 256]
+
+The tile tables in ``retmask/kernels/triton_common.py`` (BLOCK_M, BLOCK_N, num_warps, num_stages per
+padded head dim) decide most of the kernels' speed. This script times each candidate config on the
+attention shapes of the models we ship or target (bf16, batch 1, causal, M = N keys):
+  D = 64: SmolLM2-135M (Hq 9, Hkv 3); D = 128: Llama-3.1-8B (32, 8); D = 256: Gemma-3-270M (4, 1).
+- fwd: the prefill forward without argmax; the fastest few are re-timed with the argmax of the last 50
+  rows (the detection case) and with the argmax of every row;
+- bwd: the backward alone (preprocess + dK/dV + dQ kernels, which share one config), after one forward.
+Compilation dominates a sweep, so worker processes compile every candidate first (they share Triton's
+on-disk cache) and the timing then runs in this process, one config at a time. A config that does not
+compile or launch (too much shared memory, ...) is reported as failed. Registers and spills are read
+from the compiled kernels where this Triton version exposes them.
+Writes bench/results/triton_tune_<gpu>.{md,json} (or --out). Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import multiprocessing
+import sys
+from dataclasses import astuple
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import markdown_table, write_page  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEVICE = "cuda"
+SHAPES = {
+    64: (9, 3, "SmolLM2-135M"),
+    128: (32, 8, "Llama-3.1-8B"),
+    256: (4, 1, "Gemma-3-270M"),
+}  # D: (Hq, Hkv)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel kind and padded head dim.
+FWD_CANDIDATES = {
+    64: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 128, 8, 3), (128, 128, 8, 2),
+         (128, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4)],
+    128: [(128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3),
+          (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 128, 4, 2), (64, 64, 8, 3), (128, 64, 8, 4)],
+    256: [(32, 32, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 3),
+          (128, 32, 8, 2), (32, 32, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2)],
+}  # fmt: skip
+BWD_CANDIDATES = {
+    64: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
+         (128, 128, 8, 2), (64, 32, 4, 2), (32, 128, 4, 2), (64, 128, 4, 2)],
+    128: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2),
+          (32, 128, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2)],
+    256: [(16, 32, 8, 1), (16, 64, 8, 1), (32, 32, 8, 1), (32, 32, 4, 1), (16, 32, 4, 1), (32, 64, 8, 1),
+          (16, 32, 8, 2), (32, 32, 8, 2)],
+}  # fmt: skip
+TABLES = {"fwd": "_FWD_CONFIGS", "bwd": "_BWD_CONFIGS"}
+KERNELS = {"fwd": ("triton_fwd", ["_fwd_kernel"]),
+           "bwd": ("triton_bwd", ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"])}  # fmt: skip
+
+
+def _set_config(kind: str, d: int, cfg: tuple[int, int, int, int]) -> None:
+    from retmask.kernels import triton_common as tc
+
+    getattr(tc, TABLES[kind])[d] = tc.TileConfig(*cfg)
+
+
+def _inputs(d: int, n: int, *, grad: bool = False):
+    hq, hkv, _ = SHAPES[d]
+    gen = torch.Generator(device=DEVICE).manual_seed(d + n)
+    mk = lambda h: torch.randn(1, h, n, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q, k, v = mk(hq), mk(hkv), mk(hkv)
+    return q, k, v, (mk(hq) if grad else None)
+
+
+def _call(kind: str, d: int, n: int, argmax_rows: int = 0):
+    """A callable running one ``kind`` call at D = ``d``, N = ``n`` with the current tables."""
+    from retmask.kernels.triton_bwd import attention_backward
+    from retmask.kernels.triton_fwd import attention_forward
+
+    scale = d**-0.5
+    kw = dict(sm_scale=scale, key_padding_mask=None, skip_heads=None)
+    if kind == "fwd":
+        q, k, v, _ = _inputs(d, n)
+        return lambda: attention_forward(
+            q, k, v, causal=True, argmax_rows=argmax_rows, return_lse=False, **kw
+        )
+    q, k, v, do = _inputs(d, n, grad=True)
+    out, _, lse = attention_forward(q, k, v, causal=True, argmax_rows=0, return_lse=True, **kw)
+    return lambda: attention_backward(do, q, k, v, out, lse, causal=True, **kw)
+
+
+def _resources(kind: str) -> dict[str, int]:
+    """Largest register count and spill size over the kernels of ``kind`` compiled in this process."""
+    import importlib
+
+    module, names = KERNELS[kind]
+    mod = importlib.import_module(f"retmask.kernels.{module}")
+    regs = spills = -1
+    for name in names:
+        try:
+            caches = getattr(mod, name).device_caches
+            for cache in caches.values():
+                for compiled in cache[0].values():
+                    regs = max(regs, int(getattr(compiled, "n_regs", -1)))
+                    spills = max(spills, int(getattr(compiled, "n_spills", -1)))
+        except (AttributeError, TypeError, IndexError):
+            pass
+    return {"regs": regs, "spills": spills}
+
+
+def _compile_one(kind: str, d: int, cfg: tuple[int, int, int, int], n: int) -> dict:
+    """Worker: compile (and run once) one candidate; its resources, or why it failed."""
+    if DEVICE == "cuda":
+        torch.cuda.init()
+    _set_config(kind, d, cfg)
+    try:
+        _call(kind, d, n)()
+        if kind == "fwd":
+            _call(kind, d, n, argmax_rows=50)()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001  (any compile / launch failure disqualifies the config)
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"}
+    return _resources(kind)
+
+
+def _time(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=8192, help="keys (= query rows, causal)")
+    ap.add_argument("--kinds", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
+    ap.add_argument("--head-dims", type=int, nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    ap.add_argument("--workers", type=int, default=8, help="processes that compile the candidates")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("tune_triton.py needs a CUDA GPU; nothing was measured.", file=sys.stderr)
+        return 1
+    import triton
+
+    from retmask.kernels import triton_common as tc
+
+    # The tables as shipped (each timing below swaps one entry in and restores it).
+    shipped = {kind: {d: astuple(c) for d, c in getattr(tc, TABLES[kind]).items()} for kind in TABLES}
+    jobs = [
+        (kind, d, cfg)
+        for kind in args.kinds
+        for d in args.head_dims
+        for cfg in (FWD_CANDIDATES if kind == "fwd" else BWD_CANDIDATES)[d]
+    ]
+    ctx = multiprocessing.get_context("spawn")
+    with futures.ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as pool:
+        compiled = list(pool.map(_compile_one, *zip(*jobs, strict=True), [args.n] * len(jobs)))
+    print(f"compiled {len(jobs)} candidates", flush=True)
+
+    rows: list[dict] = []
+    for (kind, d, cfg), res in zip(jobs, compiled, strict=True):
+        row = dict(kind=kind, d=d, config=list(cfg), current=cfg == shipped[kind][d], **res)
+        if "error" not in res:
+            _set_config(kind, d, cfg)
+            try:
+                row["ms"] = _time(_call(kind, d, args.n))
+            except Exception as err:  # noqa: BLE001
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            _set_config(kind, d, shipped[kind][d])
+        rows.append(row)
+        print(kind, d, cfg, {k: v for k, v in row.items() if k not in ("kind", "d", "config")}, flush=True)
+
+    # Re-time the three fastest forward configs per D (and the current one) with argmax.
+    for d in args.head_dims if "fwd" in args.kinds else []:
+        cands = sorted(
+            (r for r in rows if r["kind"] == "fwd" and r["d"] == d and "ms" in r), key=lambda r: r["ms"]
+        )
+        for r in {id(r): r for r in cands[:3] + [r for r in cands if r["current"]]}.values():
+            _set_config("fwd", d, tuple(r["config"]))
+            r["ms_argmax_last50"] = _time(_call("fwd", d, args.n, argmax_rows=50))
+            r["ms_argmax_all"] = _time(_call("fwd", d, args.n, argmax_rows=args.n))
+            _set_config("fwd", d, shipped["fwd"][d])
+
+    from bench_triton import gpu_slug
+
+    name = torch.cuda.get_device_name()
+    slug = gpu_slug(name)
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    table = []
+    for r in sorted(rows, key=lambda r: (r["kind"], r["d"], r.get("ms", float("inf")))):
+        table.append([
+            r["kind"], f"{r['d']} ({SHAPES[r['d']][2]})", "x".join(map(str, r["config"][:2])) + f" w{r['config'][2]} s{r['config'][3]}",
+            "yes" if r["current"] else "", fmt(r.get("ms")), fmt(r.get("ms_argmax_last50")), fmt(r.get("ms_argmax_all")),
+            r.get("regs", "-"), r.get("spills", "-"), r.get("error", ""),
+        ])  # fmt: skip
+    lines = [
+        f"# Triton tile configs measured on {name}",
+        "",
+        f"Machine: {name}; torch {torch.__version__}, triton {triton.__version__}. bf16, batch 1, causal, "
+        f"M = N = {args.n}; triton.testing.do_bench medians (ms). fwd = prefill forward (argmax columns: "
+        "last 50 rows / every row, for the fastest three and the table's config); bwd = the backward alone. "
+        "Config = BLOCK_M x BLOCK_N, warps, stages; 'table' marks the config in triton_common.py when this ran.",
+        "",
+        markdown_table(
+            [
+                "kind",
+                "D (shape)",
+                "config",
+                "table",
+                "ms",
+                "argmax last 50",
+                "argmax all",
+                "regs",
+                "spills",
+                "error",
+            ],
+            table,
+        ),
+        "",
+    ]
+    write_page(args.out / f"triton_tune_{slug}", lines, dict(device=name, n=args.n, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
