@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every check this project runs on a CUDA GPU, in one go, for a machine lent for a few minutes:
 #   env    the GPU, driver and library versions;
-#   tests  the Triton kernel tests (compiled kernels, GPU tile tables, bf16 too) and the Hugging Face
-#          equivalence tests with their tiny models on the GPU (RETMASK_TEST_DEVICE=cuda);
+#   tests  the Triton kernel tests (compiled kernels, GPU tile tables, bf16 too), the Hugging Face
+#          equivalence tests and detection's exactness proofs (fast path == step-by-step oracle) with
+#          their tiny models on the GPU (RETMASK_TEST_DEVICE=cuda; the last two were added after the
+#          first GPU session and have not run on a GPU yet);
 #   tune   tune_triton.py: every candidate tile config of the forward and backward, timed (page in OUTDIR);
 #   bench  bench_triton.py in bf16 for the SmolLM2 and Llama-3.1-8B attention shapes (pages in OUTDIR).
 # Usage:  bash bench/gpu_check.sh OUTDIR [stage ...]      (default: env tests bench)
@@ -19,6 +21,7 @@ gpu_tests=(
     tests/kernels/test_triton.py
     tests/hf/test_equivalence.py tests/hf/test_heads.py tests/hf/test_capture.py tests/hf/test_kv_cache.py
     tests/hf/test_attention_features.py tests/hf/test_shared_prefill.py
+    tests/detect/test_fast_equals_oracle.py tests/detect/test_kv_only.py
 )
 
 for stage in $stages; do

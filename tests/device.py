@@ -1,7 +1,8 @@
 """The device the device-aware tests run on: the CPU, unless ``RETMASK_TEST_DEVICE`` names another.
 
 ``RETMASK_TEST_DEVICE=cuda`` (on a machine with a GPU) runs the Triton kernel tests on compiled kernels
-instead of the interpreter, and the Hugging Face equivalence tests with their tiny models on the GPU.
+instead of the interpreter, and puts the tiny models of the Hugging Face and detection tests
+(``tests/hf/conftest.py``, ``tests/tiny.py``) on the GPU; ``bench/gpu_check.sh`` lists the files that run so.
 Inputs are still drawn on the CPU, so both runs check the same numbers. CI has no GPU and runs the CPU.
 """
 

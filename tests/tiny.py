@@ -15,6 +15,8 @@ import transformers
 
 import retmask  # noqa: F401  (registers attn_implementation="retmask")
 
+from .device import TEST_DEVICE
+
 
 def tiny_llama(
     vocab: int = 16,
@@ -28,14 +30,16 @@ def tiny_llama(
     bos_token_id: int = 1,
     eos_token_id: int = 2,
 ) -> transformers.PreTrainedModel:
-    """A random tiny causal Llama in eval mode, seeded."""
+    """A random tiny causal Llama in eval mode, seeded, on TEST_DEVICE (the CPU unless
+    ``RETMASK_TEST_DEVICE`` names another)."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=init,
         pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=False,
     )  # fmt: skip
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    return model.to(TEST_DEVICE).eval()
 
 
 def tiny_llama_for(tokenizer: Any, **kw: Any) -> transformers.PreTrainedModel:
