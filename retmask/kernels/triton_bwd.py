@@ -47,6 +47,7 @@ from .triton_common import (
     active_pairs,
     block_d,
     bwd_config,
+    cdiv,
     device_guard,
     dot_precision,
     effective_window,
@@ -337,7 +338,7 @@ def attention_backward(
     plist = active_pairs(skip_heads, B, Hq)
     kv_skip = None if skip_heads is None else skip_heads.view(B, Hkv, group).all(-1)
     kv_plist = active_pairs(kv_skip, B, Hkv)  # KV heads with at least one enabled query head
-    m_blocks = triton.cdiv(M, bm)
+    m_blocks = cdiv(M, bm)
     # dsinks partial sums per (pair, row block); pairs without a program (disabled, exact grid) stay 0.
     dsink_part = (
         None if sinks is None else torch.zeros((B * Hq, m_blocks), dtype=torch.float32, device=device)
@@ -370,7 +371,7 @@ def attention_backward(
             *out.stride(), *grad_out.stride(), Hq, M,
             BLOCK_M=bm, HAS_PAIRS=plist.pairs is not None, HAS_SINKS=sinks is not None, **common,
         )  # fmt: skip
-        _bwd_dkdv_kernel[(triton.cdiv(N, bn), kv_plist.grid)](
+        _bwd_dkdv_kernel[(cdiv(N, bn), kv_plist.grid)](
             q, k, v, grad_out, lse, delta, dk, dv, pad_arg, start_arg,
             skip_heads if skip_heads is not None else dummy, kv_pairs, kv_n_enabled,
             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),

@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453
@@ -101,9 +100,21 @@ _DECODE_CONFIGS: dict[int, TileConfig] = {
 _INTERPRET_CONFIG = TileConfig(32, 16, 1, 1)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host-side ints. Plain Python on purpose: ``triton.cdiv`` is a constexpr function
+    whose wrapper costs microseconds per call, and a decode step makes several (launch overhead is most
+    of a decode call's time)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for n <= 1), for host-side ints (see ``cdiv``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def block_d(head_dim: int) -> int:
     """Head dim padded to a power of two (>= 16, the smallest ``tl.dot`` operand); extra lanes masked."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _lookup(

@@ -37,6 +37,7 @@ import triton.language as tl
 from .triton_common import (
     active_pairs,
     block_d,
+    cdiv,
     decode_config,
     device_guard,
     dot_precision,
@@ -46,6 +47,7 @@ from .triton_common import (
     interpreting,
     new_float,
     new_index,
+    next_power_of_2,
     num_sms,
 )
 from .triton_fwd import _key_loops, _logit_scales
@@ -185,10 +187,10 @@ def default_num_splits(n_programs: int, kv_len: int, block_n: int, device: torch
     """Enough programs to fill the GPU about twice, each with at least 4 key blocks to amortise its
     partial write (tune on GPU); at most 4 splits in the interpreter, where programs run serially.
     n_programs: programs per split (enabled KV heads over the batch)."""
-    max_splits = max(1, triton.cdiv(kv_len, 4 * block_n))
+    max_splits = max(1, cdiv(kv_len, 4 * block_n))
     if interpreting():
-        return min(4, triton.cdiv(kv_len, block_n))
-    want = triton.cdiv(2 * num_sms(device), max(1, n_programs))
+        return min(4, cdiv(kv_len, block_n))
+    want = cdiv(2 * num_sms(device), max(1, n_programs))
     return max(1, min(want, max_splits))
 
 
@@ -243,10 +245,10 @@ def decode_forward(
     key_lo = (N - window) // bn * bn if window is not None else 0
     span = N - key_lo
     splits = num_splits or default_num_splits(n_kv, span, bn, device)
-    splits = max(1, min(splits, triton.cdiv(span, bn)))
-    keys_per_split = max(bn, triton.cdiv(triton.cdiv(span, splits), bn) * bn)  # whole key blocks per split
-    splits = max(1, triton.cdiv(span, keys_per_split))  # drop splits that rounding left empty
-    bd, bg = block_d(D), max(16, triton.next_power_of_2(group))
+    splits = max(1, min(splits, cdiv(span, bn)))
+    keys_per_split = max(bn, cdiv(cdiv(span, splits), bn) * bn)  # whole key blocks per split
+    splits = max(1, cdiv(span, keys_per_split))  # drop splits that rounding left empty
+    bd, bg = block_d(D), max(16, next_power_of_2(group))
     # Partial states: every (slot, split, row) is written by the partial kernel, so plain empty buffers.
     rows = n_kv * splits * bg
     part_m = torch.empty(rows, dtype=torch.float32, device=device)
@@ -277,7 +279,7 @@ def decode_forward(
             part_m, part_idx, part_l, part_acc, o2,
             lse if lse is not None else dummy, argmax if argmax is not None else dummy,
             *o2.stride(), Hq, Hkv, group, splits,
-            HEAD_DIM=D, BLOCK_G=bg, BLOCK_D=bd, SPLITS=max(2, triton.next_power_of_2(splits)),
+            HEAD_DIM=D, BLOCK_G=bg, BLOCK_D=bd, SPLITS=max(2, next_power_of_2(splits)),
             HAS_PAIRS=plist.pairs is not None, HAS_SKIP=skip_heads is not None,
             HAS_SINKS=sinks is not None, WRITE_ARGMAX=argmax is not None, WRITE_LSE=lse is not None,
             num_warps=4,

@@ -76,6 +76,7 @@ import triton.language as tl
 from .triton_common import (
     active_pairs,
     block_d,
+    cdiv,
     device_guard,
     dot_precision,
     effective_window,
@@ -365,7 +366,7 @@ def attention_forward(
     key_start = first_valid_keys(key_padding_mask)
     dummy = out  # stands in for pointers whose use is compiled out
     window = effective_window(window, N)
-    n_blocks = triton.cdiv(M, bm)
+    n_blocks = cdiv(M, bm)
     with device_guard(q):
         _fwd_kernel[(n_blocks, plist.grid)](
             q, k, v, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
