@@ -1,0 +1,105 @@
+"""Host (Python) time of one Triton-backend attention call, with the kernel launches stubbed out.
+
+Usage:  python bench/bench_triton_host_overhead.py [--calls 3000] [--tag NAME]
+
+On a GPU a decode call (M = 1) is host-bound: its kernels take microseconds, the call about 0.1 ms. This
+measures, on any machine, the part of that host time that is ours: validation, dispatch, allocations,
+grid sizing and argument building, everything except the Triton launches themselves, which are replaced
+by no-ops (the kernels run nowhere; inputs are small CPU tensors in interpreter mode). Cases: decode and
+a 256-row prefill at SmolLM2's shape (Hq 9, Hkv 3, D 64, 4,096 keys), with and without argmax, and with
+half the heads skipped (the default grid mode, whose pair list is built on the host). Prints a table
+and writes bench/results/triton_host_overhead_<cpu kind>[_<tag>].{md,json}; times are medians of 5
+rounds of ``--calls`` calls, in microseconds per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors reach the Triton launchers; the launches are stubbed
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_kind, cpu_label, machine_description, markdown_table, write_page  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STUBBED = {"triton_fwd": ["_fwd_kernel"], "triton_decode": ["_decode_partial_kernel", "_decode_merge_kernel"]}
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _stub_launches() -> None:
+    import importlib
+
+    for module, kernels in STUBBED.items():
+        mod = importlib.import_module(f"retmask.kernels.{module}")
+        for name in kernels:
+            setattr(mod, name, _NoLaunch())
+
+
+def _per_call_us(fn, calls: int) -> float:
+    for _ in range(100):
+        fn()
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(rounds)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    _stub_launches()
+    from retmask.kernels import attention
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 3, 4096, 64, generator=gen)
+    v = torch.randn(1, 3, 4096, 64, generator=gen)
+    q1 = torch.randn(1, 9, 1, 64, generator=gen)
+    qp = torch.randn(1, 9, 256, 64, generator=gen)
+    skip = torch.arange(9) % 2 == 1
+    cases = {
+        "decode": lambda: attention(q1, k, v, backend="triton"),
+        "decode + argmax": lambda: attention(q1, k, v, backend="triton", return_argmax=True),
+        "decode, half the heads skipped": lambda: attention(q1, k, v, backend="triton", skip_heads=skip),
+        "prefill (256 rows)": lambda: attention(qp, k, v, backend="triton"),
+        "prefill + argmax of the last 50": lambda: attention(
+            qp, k, v, backend="triton", return_argmax=True, argmax_rows=50
+        ),
+    }
+    rows = {name: _per_call_us(fn, args.calls) for name, fn in cases.items()}
+    machine = machine_description()
+    stem = RESULTS / ("triton_host_overhead_" + cpu_kind(machine) + (f"_{args.tag}" if args.tag else ""))
+    lines = [
+        f"# Host time of a Triton-backend call, launches stubbed ({cpu_label(machine)})",
+        "",
+        f"Machine: {machine['cpu']}, {machine['simd']}; torch {machine['torch']}; one thread. Median of 5 rounds "
+        f"of {args.calls} calls; SmolLM2 shape (Hq 9, Hkv 3, D 64), 4,096 keys. On a GPU add the Triton "
+        "launches (two for decode, one for prefill) and the device time.",
+        "",
+        markdown_table(["call", "host us / call"], [[name, f"{us:.1f}"] for name, us in rows.items()]),
+        "",
+    ]
+    write_page(stem, lines, dict(machine=machine, calls=args.calls, us_per_call=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
