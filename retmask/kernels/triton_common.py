@@ -7,10 +7,14 @@ Nothing here launches a kernel. The kernels themselves live in ``triton_fwd`` (p
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453
@@ -149,6 +153,57 @@ def bwd_config(head_dim: int, dtype: torch.dtype, softcap: bool = False) -> Tile
 
 def decode_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
     return _lookup(_DECODE_CONFIGS, {}, head_dim, dtype)
+
+
+def with_blocks(cfg: TileConfig, block_m: int | None, block_n: int | None) -> TileConfig:
+    """``cfg`` with BLOCK_M / BLOCK_N overridden where given (the launchers' test hooks)."""
+    if block_m is None and block_n is None:  # the usual call: skip dataclasses.replace (microseconds)
+        return cfg
+    return replace(cfg, block_m=block_m or cfg.block_m, block_n=block_n or cfg.block_n)
+
+
+def shrunk(cfg: TileConfig) -> TileConfig | None:
+    """The next smaller config to try where ``cfg`` needs more shared memory than the GPU has: fewer
+    pipeline stages first (same tile, same speed class), then half the key block, then half the query
+    block, never below 16 (the smallest ``tl.dot`` operand); None when nothing smaller is left."""
+    if cfg.num_stages > 1:
+        return replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_n > 16:
+        return replace(cfg, block_n=cfg.block_n // 2)
+    if 16 < cfg.block_m:
+        return replace(cfg, block_m=cfg.block_m // 2)
+    return None
+
+
+_log = logging.getLogger(__name__)
+_FITTED: dict[tuple, TileConfig] = {}  # (kernel family, table config, dtype, device, ...) -> config that ran
+T = TypeVar("T")
+
+
+def launch_fitting(key: tuple, cfg: TileConfig, launch: Callable[[TileConfig], T]) -> T:
+    """Run ``launch(cfg)``, shrinking ``cfg`` until the GPU can run it.
+
+    The tile tables were measured on Hopper (227 KB of shared memory per block); GPUs with less (about
+    99 KB on consumer Ampere / Ada, 163 KB on the A100, 64 KB on Turing) refuse some of their tiles with
+    Triton's ``OutOfResources`` at launch. Then the next smaller config (``shrunk``) is tried, and the one
+    that ran is remembered for ``key`` (which must hold ``cfg`` and everything else the kernel's shared
+    memory depends on), so later calls go straight to it. Other errors pass through."""
+    start = cfg
+    cfg = _FITTED.get((key, start), start)
+    while True:
+        try:
+            result = launch(cfg)
+        except OutOfResources as err:
+            smaller = shrunk(cfg)
+            if smaller is None:
+                raise
+            _log.info(
+                "retmask Triton %s: %s does not fit this GPU (%s); trying %s", key[0], cfg, err, smaller
+            )
+            cfg = smaller
+            continue
+        _FITTED[(key, start)] = cfg
+        return result
 
 
 def num_sms(device: torch.device) -> int:

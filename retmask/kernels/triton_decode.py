@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
+    TileConfig,
     active_pairs,
     block_d,
     cdiv,
@@ -45,10 +46,12 @@ from .triton_common import (
     fill_skipped,
     first_valid_keys,
     interpreting,
+    launch_fitting,
     new_float,
     new_index,
     next_power_of_2,
     num_sms,
+    with_blocks,
 )
 from .triton_fwd import _key_loops, _logit_scales
 
@@ -226,8 +229,7 @@ def decode_forward(
         raise ValueError(f"decode_forward needs exactly one query row, got q of shape {list(q.shape)}")
     Hkv, N = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    cfg = decode_config(D, q.dtype)
-    bn = block_n or cfg.block_n
+    cfg = with_blocks(decode_config(D, q.dtype), None, block_n)
     device = q.device
     out = new_float((B, Hq, 1, D), q.dtype, device)
     argmax = new_index((B, Hq, 1), device) if argmax_rows else None
@@ -241,49 +243,55 @@ def decode_forward(
     n_kv = plist.grid
 
     window = effective_window(window, N)
-    # The row sees keys N - window .. N - 1: the splits share the blocks from the one holding N - window.
-    key_lo = (N - window) // bn * bn if window is not None else 0
-    span = N - key_lo
-    splits = num_splits or default_num_splits(n_kv, span, bn, device)
-    splits = max(1, min(splits, cdiv(span, bn)))
-    keys_per_split = max(bn, cdiv(cdiv(span, splits), bn) * bn)  # whole key blocks per split
-    splits = max(1, cdiv(span, keys_per_split))  # drop splits that rounding left empty
     bd, bg = block_d(D), max(16, next_power_of_2(group))
-    # Partial states: every (slot, split, row) is written by the partial kernel, so plain empty buffers.
-    rows = n_kv * splits * bg
-    part_m = torch.empty(rows, dtype=torch.float32, device=device)
-    part_idx = torch.empty(rows, dtype=torch.int32, device=device)
-    part_l = torch.empty(rows, dtype=torch.float32, device=device)
-    part_acc = torch.empty(rows * bd, dtype=torch.float32, device=device)
     key_start = first_valid_keys(key_padding_mask)
     dummy = out
     pairs_arg = plist.pairs if plist.pairs is not None else dummy
     n_enabled_arg = plist.n_enabled if plist.n_enabled is not None else dummy
     q2, o2 = q[:, :, 0], out[:, :, 0]  # [B, Hq, D] views
-    with device_guard(q):
-        _decode_partial_kernel[(splits, n_kv)](
-            q2, k, v, key_padding_mask if key_padding_mask is not None else dummy,
-            key_start if key_start is not None else dummy, pairs_arg, n_enabled_arg,
-            part_m, part_idx, part_l, part_acc,
-            *q2.stride(), *k.stride(), *v.stride(),
-            Hkv, group, N, key_lo, keys_per_split, splits, float(sm_scale), window or 0,
-            float(softcap or 1.0),
-            HEAD_DIM=D, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd,
-            HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
-            WINDOW=window is not None, SOFTCAP=softcap is not None,
-            DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-        _decode_merge_kernel[(n_kv, group)](
-            pairs_arg, skip_heads if skip_heads is not None else dummy,
-            sinks if sinks is not None else dummy,
-            part_m, part_idx, part_l, part_acc, o2,
-            lse if lse is not None else dummy, argmax if argmax is not None else dummy,
-            *o2.stride(), Hq, Hkv, group, splits,
-            HEAD_DIM=D, BLOCK_G=bg, BLOCK_D=bd, SPLITS=max(2, next_power_of_2(splits)),
-            HAS_PAIRS=plist.pairs is not None, HAS_SKIP=skip_heads is not None,
-            HAS_SINKS=sinks is not None, WRITE_ARGMAX=argmax is not None, WRITE_LSE=lse is not None,
-            num_warps=4,
-        )  # fmt: skip
+
+    def launch(cfg: TileConfig) -> None:
+        bn = cfg.block_n
+        # The row sees keys N - window .. N - 1: the splits share the blocks from the one holding N - window.
+        key_lo = (N - window) // bn * bn if window is not None else 0
+        span = N - key_lo
+        splits = num_splits or default_num_splits(n_kv, span, bn, device)
+        splits = max(1, min(splits, cdiv(span, bn)))
+        keys_per_split = max(bn, cdiv(cdiv(span, splits), bn) * bn)  # whole key blocks per split
+        splits = max(1, cdiv(span, keys_per_split))  # drop splits that rounding left empty
+        # Partial states: every (slot, split, row) is written by the partial kernel, so plain empty buffers.
+        rows = n_kv * splits * bg
+        part_m = torch.empty(rows, dtype=torch.float32, device=device)
+        part_idx = torch.empty(rows, dtype=torch.int32, device=device)
+        part_l = torch.empty(rows, dtype=torch.float32, device=device)
+        part_acc = torch.empty(rows * bd, dtype=torch.float32, device=device)
+        with device_guard(q):
+            _decode_partial_kernel[(splits, n_kv)](
+                q2, k, v, key_padding_mask if key_padding_mask is not None else dummy,
+                key_start if key_start is not None else dummy, pairs_arg, n_enabled_arg,
+                part_m, part_idx, part_l, part_acc,
+                *q2.stride(), *k.stride(), *v.stride(),
+                Hkv, group, N, key_lo, keys_per_split, splits, float(sm_scale), window or 0,
+                float(softcap or 1.0),
+                HEAD_DIM=D, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd,
+                HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
+                WINDOW=window is not None, SOFTCAP=softcap is not None,
+                DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+            _decode_merge_kernel[(n_kv, group)](
+                pairs_arg, skip_heads if skip_heads is not None else dummy,
+                sinks if sinks is not None else dummy,
+                part_m, part_idx, part_l, part_acc, o2,
+                lse if lse is not None else dummy, argmax if argmax is not None else dummy,
+                *o2.stride(), Hq, Hkv, group, splits,
+                HEAD_DIM=D, BLOCK_G=bg, BLOCK_D=bd, SPLITS=max(2, next_power_of_2(splits)),
+                HAS_PAIRS=plist.pairs is not None, HAS_SKIP=skip_heads is not None,
+                HAS_SINKS=sinks is not None, WRITE_ARGMAX=argmax is not None, WRITE_LSE=lse is not None,
+                num_warps=4,
+            )  # fmt: skip
+
+    key = ("decode", D, q.dtype, device, window is not None, softcap is not None)
+    launch_fitting(key, cfg, launch)
     return out, argmax, lse
 
 

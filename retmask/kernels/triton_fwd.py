@@ -74,6 +74,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import (
+    TileConfig,
     active_pairs,
     block_d,
     cdiv,
@@ -83,8 +84,10 @@ from .triton_common import (
     fill_skipped,
     first_valid_keys,
     fwd_config,
+    launch_fitting,
     new_float,
     new_index,
+    with_blocks,
 )
 
 
@@ -351,8 +354,7 @@ def attention_forward(
     """
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
-    cfg = fwd_config(D, q.dtype, softcap is not None)
-    bm, bn = block_m or cfg.block_m, block_n or cfg.block_n
+    cfg = with_blocks(fwd_config(D, q.dtype, softcap is not None), block_m, block_n)
     device = q.device
     out = new_float((B, Hq, M, D), q.dtype, device)
     argmax = new_index((B, Hq, argmax_rows), device) if argmax_rows else None
@@ -366,24 +368,38 @@ def attention_forward(
     key_start = first_valid_keys(key_padding_mask)
     dummy = out  # stands in for pointers whose use is compiled out
     window = effective_window(window, N)
-    n_blocks = cdiv(M, bm)
-    with device_guard(q):
-        _fwd_kernel[(n_blocks, plist.grid)](
-            q, k, v, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
-            key_padding_mask if key_padding_mask is not None else dummy,
-            key_start if key_start is not None else dummy,
-            plist.pairs if plist.pairs is not None else dummy,
-            plist.n_enabled if plist.n_enabled is not None else dummy,
-            sinks if sinks is not None else dummy,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            Hq, Hq // Hkv, M, N, float(sm_scale), M - argmax_rows, argmax_rows, n_blocks - 1,
-            window or 0, float(softcap or 1.0),
-            HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d(D),
-            CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
-            TRACK_ARGMAX=argmax is not None, WRITE_LSE=return_lse, WINDOW=window is not None,
-            SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+
+    def launch(cfg: TileConfig) -> None:
+        n_blocks = cdiv(M, cfg.block_m)
+        with device_guard(q):
+            _fwd_kernel[(n_blocks, plist.grid)](
+                q, k, v, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
+                key_padding_mask if key_padding_mask is not None else dummy,
+                key_start if key_start is not None else dummy,
+                plist.pairs if plist.pairs is not None else dummy,
+                plist.n_enabled if plist.n_enabled is not None else dummy,
+                sinks if sinks is not None else dummy,
+                *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                Hq, Hq // Hkv, M, N, float(sm_scale), M - argmax_rows, argmax_rows, n_blocks - 1,
+                window or 0, float(softcap or 1.0),
+                HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(D),
+                CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
+                TRACK_ARGMAX=argmax is not None, WRITE_LSE=return_lse, WINDOW=window is not None,
+                SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+
+    key = (
+        "fwd",
+        D,
+        q.dtype,
+        device,
+        argmax is not None,
+        window is not None,
+        softcap is not None,
+        sinks is not None,
+    )
+    launch_fitting(key, cfg, launch)
     return out, argmax, lse
 
 

@@ -797,3 +797,97 @@ def test_non_finite_rows_in_every_kernel_path(M, features):
             return_lse=False, num_splits=3, block_n=16, **kw,
         )  # fmt: skip
         assert torch.equal(torch.isnan(out3).any(-1), nan_rows) and torch.equal(am3, ref_am)
+
+
+def test_shrunk_goes_stages_then_key_block_then_query_block():
+    from retmask.kernels.triton_common import TileConfig, shrunk
+
+    seen, cfg = [], TileConfig(64, 32, 4, 2)
+    while cfg is not None:
+        seen.append((cfg.block_m, cfg.block_n, cfg.num_stages))
+        cfg = shrunk(cfg)
+    assert seen == [(64, 32, 2), (64, 32, 1), (64, 16, 1), (32, 16, 1), (16, 16, 1)]
+    assert all(c.num_warps == 4 for c in [TileConfig(64, 32, 4, 2), shrunk(TileConfig(64, 32, 4, 2))])
+
+
+def test_launch_fitting_retries_smaller_configs_and_remembers_the_fit(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    from retmask.kernels import triton_common as tc
+
+    monkeypatch.setattr(tc, "_FITTED", {})
+    tried = []
+
+    def launch(cfg):  # a GPU whose shared memory holds block_n * stages <= 32
+        tried.append(cfg)
+        if cfg.block_n * cfg.num_stages > 32:
+            raise OutOfResources(cfg.block_n * cfg.num_stages, 32, "shared memory")
+        return "ran"
+
+    start = tc.TileConfig(128, 64, 8, 3)
+    assert tc.launch_fitting(("k",), start, launch) == "ran"
+    assert tried[-1] == tc.TileConfig(128, 32, 8, 1) and len(tried) == 4  # stages 3, 2, 1; then keys 32
+    tried.clear()
+    assert tc.launch_fitting(("k",), start, launch) == "ran"
+    assert tried == [tc.TileConfig(128, 32, 8, 1)], "the fitted config is remembered per key"
+
+    def never(cfg):
+        raise OutOfResources(1 << 20, 1, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        tc.launch_fitting(("other",), tc.TileConfig(16, 16, 1, 1), never)
+
+    def broken(cfg):
+        raise RuntimeError("not a resource problem")
+
+    with pytest.raises(RuntimeError, match="not a resource"):
+        tc.launch_fitting(("third",), start, broken)
+
+
+class _SmallGpu:
+    """Stands in for a Triton kernel on a GPU with little shared memory: launches whose tiles exceed
+    BLOCK_N 16 or one pipeline stage are refused with OutOfResources, the others run the real kernel."""
+
+    def __init__(self, kernel, refused):
+        self.kernel, self.refused = kernel, refused
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def run(*args, **kwargs):
+            if kwargs.get("BLOCK_N", 16) > 16 or kwargs.get("num_stages", 1) > 1:
+                self.refused.append(kwargs.get("BLOCK_N"))
+                raise OutOfResources(1 << 18, 1 << 16, "shared memory")
+            return self.kernel[grid](*args, **kwargs)
+
+        return run
+
+
+def test_kernels_fall_back_to_tiles_the_gpu_can_run(monkeypatch):
+    """Forward, decode and backward shrink their tiles where the GPU refuses them and still give the
+    reference's results (the fallback's retry of the backward reruns all three kernels)."""
+    from retmask.kernels import triton_common as tc
+
+    monkeypatch.setattr(tc, "_FITTED", {})
+    # Interpreter tiles are already 16 keys wide; start from wider ones, as on a GPU.
+    monkeypatch.setattr(tc, "_INTERPRET_CONFIG", tc.TileConfig(32, 32, 1, 2))
+    refused: list = []
+    for module, names in (
+        (triton_fwd, ["_fwd_kernel"]),
+        (triton_decode, ["_decode_partial_kernel"]),
+        (triton_bwd, ["_bwd_dkdv_kernel"]),
+    ):
+        for name in names:
+            monkeypatch.setattr(module, name, _SmallGpu(getattr(module, name), refused))
+    q, k, v = make_qkv(2, 4, 2, 37, 53, 16, seed=90)
+    pad = left_padding_mask(2, 53, [0, 9])
+    check_forward(q, k, v, pad=pad, argmax_rows=5)
+    check_forward(q[:, :, -1:], k, v, pad=pad)  # decode
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(91))
+    got = _grads("triton", q, k, v, grad_out, key_padding_mask=pad)
+    ref = _grads("reference", q, k, v, grad_out, key_padding_mask=pad)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32])
+    assert refused, "the small GPU refused the first tiles"
+    assert {key[0] for key, _ in tc._FITTED} == {"fwd", "decode", "bwd"}
+    assert all(c.block_n == 16 and c.num_stages == 1 for c in tc._FITTED.values())
