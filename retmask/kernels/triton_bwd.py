@@ -340,10 +340,10 @@ def attention_backward(
     plist = active_pairs(skip_heads, B, Hq)
     kv_skip = None if skip_heads is None else skip_heads.view(B, Hkv, group).all(-1)
     kv_plist = active_pairs(kv_skip, B, Hkv)  # KV heads with at least one enabled query head
-    if plist.host_fill:
-        dq[skip_heads] = 0
-        dk[kv_skip] = 0
-        dv[kv_skip] = 0
+    if plist.host_fill:  # masked_fill_, not boolean-index assignment (a host sync each, see fill_skipped)
+        dq.masked_fill_(skip_heads[:, :, None, None], 0)
+        dk.masked_fill_(kv_skip[:, :, None, None], 0)
+        dv.masked_fill_(kv_skip[:, :, None, None], 0)
     if plist.grid == 0:
         return dq, dk, dv, None if sinks is None else torch.zeros(Hq, dtype=torch.float32, device=device)
 

@@ -313,13 +313,14 @@ def fill_skipped(
     """Write the fixed results of disabled heads when no program visits them (exact grid mode): out 0,
     argmax -1, lse +inf (+inf makes exp(s - lse) = 0: a backward that read it gives zero gradients).
 
-    skip: bool [B, Hq]; out: [B, Hq, M, D]; argmax: [B, Hq, T]; lse: [B, Hq, M]. Advanced indexing
-    touches only the disabled heads' elements.
+    skip: bool [B, Hq]; out: [B, Hq, M, D]; argmax: [B, Hq, T]; lse: [B, Hq, M]. ``masked_fill_`` with
+    the mask broadcast over the rows, not ``out[skip] = 0``: assigning through a boolean index turns the
+    mask into indices first, a device-to-host sync on a GPU for each tensor.
     """
     if skip is None:
         return
-    out[skip] = 0
+    out.masked_fill_(skip[:, :, None, None], 0)
     if argmax is not None:
-        argmax[skip] = -1
+        argmax.masked_fill_(skip[:, :, None], -1)
     if lse is not None:
-        lse[skip] = float("inf")
+        lse.masked_fill_(skip[:, :, None], float("inf"))
