@@ -10,6 +10,11 @@
 # Usage:  bash bench/gpu_check.sh OUTDIR [stage ...]      (default: env tests bench)
 # Each stage has its own time limit (TESTS_TIMEOUT, TUNE_TIMEOUT, BENCH_TIMEOUT seconds), so one that hangs cannot eat
 # the others' time; OUTDIR/status.txt has one line per stage with its exit code.
+# On this workplace's lent GPU machines (torch 2.11, triton 3.6, transformers 5.17 there), the 2026-11-26
+# runs carried the transformers wheel used here (pip download --no-deps ... -d .whl transformers==5.24.0;
+# .whl ignored in .git/info/exclude, carry [".whl"]) and ran, in about 4 minutes:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+#   bash bench/gpu_check.sh /tmp/gc env tests bench; tar czf $OUT/gpu_check.tgz -C /tmp/gc .
 set -u
 out=$(realpath -m "${1:?usage: bash bench/gpu_check.sh OUTDIR [stage ...]}")
 shift
