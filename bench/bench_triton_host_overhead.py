@@ -18,7 +18,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors reach the Triton launchers; the launches are stubbed
@@ -26,7 +25,14 @@ os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors reach the Triton launchers; 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_kind, cpu_label, machine_description, markdown_table, write_page  # noqa: E402
+from common import (  # noqa: E402
+    cpu_kind,
+    cpu_label,
+    machine_description,
+    markdown_table,
+    time_calls,
+    write_page,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STUBBED = {"triton_fwd": ["_fwd_kernel"], "triton_decode": ["_decode_partial_kernel", "_decode_merge_kernel"]}
@@ -49,15 +55,9 @@ def _stub_launches() -> None:
 
 
 def _per_call_us(fn, calls: int) -> float:
-    for _ in range(100):
-        fn()
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(rounds)
+    """Microseconds per call: the median over 5 rounds of ``calls`` calls, after one untimed round."""
+    rounds = time_calls(lambda: [fn() for _ in range(calls)], repeats=5, warmup=1)
+    return statistics.median(rounds) / calls * 1e6
 
 
 def main() -> int:

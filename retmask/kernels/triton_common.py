@@ -170,7 +170,7 @@ def shrunk(cfg: TileConfig) -> TileConfig | None:
         return replace(cfg, num_stages=cfg.num_stages - 1)
     if cfg.block_n > 16:
         return replace(cfg, block_n=cfg.block_n // 2)
-    if 16 < cfg.block_m:
+    if cfg.block_m > 16:
         return replace(cfg, block_m=cfg.block_m // 2)
     return None
 
