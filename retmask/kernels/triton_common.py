@@ -176,7 +176,9 @@ def shrunk(cfg: TileConfig) -> TileConfig | None:
 
 
 _log = logging.getLogger(__name__)
-_FITTED: dict[tuple, TileConfig] = {}  # (kernel family, table config, dtype, device, ...) -> config that ran
+_FITTED: dict[
+    tuple, TileConfig
+] = {}  # ((kernel family, D, dtype, device, ...), table config) -> config that ran
 T = TypeVar("T")
 
 
@@ -186,8 +188,8 @@ def launch_fitting(key: tuple, cfg: TileConfig, launch: Callable[[TileConfig], T
     The tile tables were measured on Hopper (227 KB of shared memory per block); GPUs with less (about
     99 KB on consumer Ampere / Ada, 163 KB on the A100, 64 KB on Turing) refuse some of their tiles with
     Triton's ``OutOfResources`` at launch. Then the next smaller config (``shrunk``) is tried, and the one
-    that ran is remembered for ``key`` (which must hold ``cfg`` and everything else the kernel's shared
-    memory depends on), so later calls go straight to it. Other errors pass through."""
+    that ran is remembered for (``key``, ``cfg``), so later calls go straight to it; ``key`` must hold
+    everything else the kernel's shared memory depends on. Other errors pass through."""
     start = cfg
     cfg = _FITTED.get((key, start), start)
     while True:
