@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from retmask.commands.argtypes import nonneg_int, positive_int
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, save_figure, write_page  # noqa: E402
 
@@ -158,17 +160,17 @@ def main() -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument(
-        "--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 50000]
+        "--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 50000]
     )
-    parser.add_argument("--train-max", type=int, default=16384, help="longest N of the train phase")
-    parser.add_argument("--argmax-rows", type=int, default=50)
+    parser.add_argument("--train-max", type=nonneg_int, default=16384, help="longest N of the train phase")
+    parser.add_argument("--argmax-rows", type=positive_int, default=50)
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the result page")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
         print(
             "bench_triton.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured. "
-            "See docs/triton_roofline.md for the estimated H100 numbers.",
+            "Measured H200 numbers: bench/results/triton_h200_notes.md.",
             file=sys.stderr,
         )
         return 1

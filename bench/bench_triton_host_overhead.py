@@ -24,6 +24,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors reach the Triton launchers; 
 
 import torch  # noqa: E402
 
+from retmask.commands.argtypes import positive_int  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     cpu_kind,
@@ -62,7 +64,7 @@ def _per_call_us(fn, calls: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--calls", type=positive_int, default=3000)
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     torch.set_num_threads(1)

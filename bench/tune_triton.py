@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from retmask.commands.argtypes import positive_int
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, write_page  # noqa: E402
 
@@ -133,10 +135,10 @@ def _time(fn) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=8192, help="keys (= query rows, causal)")
+    ap.add_argument("--n", type=positive_int, default=8192, help="keys (= query rows, causal)")
     ap.add_argument("--kinds", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     ap.add_argument("--head-dims", type=int, nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
-    ap.add_argument("--workers", type=int, default=8, help="processes that compile the candidates")
+    ap.add_argument("--workers", type=positive_int, default=8, help="processes that compile the candidates")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
