@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_kind, cpu_label, dtype_suffix, machine_description, markdown_table  # noqa: E402
+from common import cpu_kind, cpu_label, dtype_suffix, gpu_slug, machine_description, markdown_table  # noqa: E402
 
 import retmask  # noqa: E402
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: E402
@@ -149,6 +149,14 @@ def main() -> None:
         help="float32 linears of the reference side: torch's nn.Linear, what the published script runs "
         "(default), or retmask's measured backend, as the fast side uses (isolates the detection method)",
     )  # fmt: skip
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda[:i]: where both sides run (on a GPU the page names the GPU)",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=RESULTS, help="folder of the result page (default bench/results)"
+    )
     ap.add_argument("--long", type=int, default=0, help="only the long-context memory check at this length")
     ap.add_argument(
         "--no-history-side",
@@ -172,10 +180,15 @@ def main() -> None:
 
     from retmask.hf.loading import resolve_dtype_name
 
-    dtype = resolve_dtype_name(args.dtype)
+    dtype = resolve_dtype_name(args.dtype, args.device)
+    machine = machine_description()
+    on_gpu = torch.device(args.device).type == "cuda"
+    if on_gpu:
+        machine["gpu"] = torch.cuda.get_device_name(args.device)
     if args.tag is None:
-        args.tag = f"detect_{cpu_kind(machine_description())}{dtype_suffix(dtype)}"
-    model, tok = retmask.load_model(args.model, dtype=getattr(torch, dtype))
+        where = gpu_slug(machine["gpu"]) if on_gpu else cpu_kind(machine)
+        args.tag = f"detect_{where}{dtype_suffix(dtype)}"
+    model, tok = retmask.load_model(args.model, dtype=getattr(torch, dtype), device=args.device)
     model_name = args.model or "embedded SmolLM2-135M-Instruct"
     needles = load_needles()[: args.needles]
     chat = resolve_prompt_style(tok, args.prompt_style) == "chat"
@@ -262,9 +275,11 @@ def main() -> None:
         ["all", str(len(tests)), f"{ref_total:.1f}", f"{fast_total:.1f}", f"{ref_total / fast_total:.1f}x"]
     )
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_dir = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
     summary = {
-        "machine": machine_description(),
+        "machine": machine,
+        "device": args.device,
         "model": model_name,
         "dtype": dtype,
         "grid": {"lengths": lengths, "depths": depths, "needles": len(needles), "tests": len(tests)},
@@ -307,12 +322,16 @@ def main() -> None:
             },
         },  # fmt: skip
     }
-    (RESULTS / f"{args.tag}.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / f"{args.tag}.json").write_text(json.dumps(summary, indent=1))
+    where = (
+        f"{machine['gpu']}, host {cpu_label(machine)}"
+        if on_gpu
+        else f"{cpu_label(machine)}, SIMD {machine.get('simd', '?')}, kernel build {machine.get('kernel build', '?')}"
+    )
     md = [
-        f"# `retmask detect` vs reference-style detection ({cpu_label(summary['machine'])}, SIMD "
-        f"{summary['machine'].get('simd', '?')}, kernel build {summary['machine'].get('kernel build', '?')})",
+        f"# `retmask detect` vs reference-style detection ({where})",
         "",
-        f"{model_name}, {dtype}, 2 threads, prompt style {'chat' if chat else 'base'}; {len(tests)} tests = lengths {lengths} x depths {depths} "
+        f"{model_name}, {dtype}, {'on ' + args.device if on_gpu else '2 threads'}, prompt style {'chat' if chat else 'base'}; {len(tests)} tests = lengths {lengths} x depths {depths} "
         f"x {len(needles)} needles"
         + (
             f" ({len(built) - len(tests)} skipped: {sorted({t.skip_reason for t in built if t.skip_reason})})"
@@ -371,7 +390,7 @@ def main() -> None:
         ]
         md += [f"- {name}: {backend}" for name, backend in summary["cpu_linears"].items()]
     md += ["", ON_PAPER]
-    (RESULTS / f"{args.tag}.md").write_text("\n".join(md) + "\n")
+    (out_dir / f"{args.tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
     import matplotlib
@@ -393,7 +412,7 @@ def main() -> None:
     b.set_ylabel("retmask detect mean score")
     b.set_title(f"Spearman {rho:.3f}, top-10 overlap {overlap}/10", fontsize=9)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{args.tag}.png", dpi=120)
+    fig.savefig(out_dir / f"{args.tag}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 from retmask.commands.argtypes import nonneg_int, positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, save_figure, write_page  # noqa: E402
+from common import gpu_slug, markdown_table, save_figure, write_page  # noqa: E402
 
 MODELS = {"smollm2": (9, 3, 64), "llama": (32, 8, 128)}  # (Hq, Hkv, D)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -130,12 +129,6 @@ def _cases(attention, phase, hq, hkv, d, n, dtype, argmax_rows, skip_half):
     if _eager_fits(hq, m, n):
         cases[f"eager+argmax(last {t_rows})"] = lambda: _eager(q, k, v, t_rows)
     return cases
-
-
-def gpu_slug(name: str) -> str:
-    """File-name tag of a GPU, e.g. ``h100`` for "NVIDIA H100 80GB HBM3"."""
-    found = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name.upper())
-    return found.group(1).lower() if found else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def _plot(rows: list[dict], stem: Path, title: str) -> None:

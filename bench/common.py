@@ -121,6 +121,12 @@ def cpu_kind(machine: dict[str, str]) -> str:
     return f"{slug}-{machine.get('simd', 'unknown')}"
 
 
+def gpu_slug(name: str) -> str:
+    """File-name tag of a GPU, e.g. ``h100`` for "NVIDIA H100 80GB HBM3"."""
+    found = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name.upper())
+    return found.group(1).lower() if found else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def cpu_label(machine: dict[str, str]) -> str:
     """The CPU for a page title: model and family, e.g. ``AMD EPYC family 25`` (a hypervisor's generic
     model name says nothing without the family; see ``cpu_kind``)."""

@@ -1,10 +1,12 @@
 """Measure the Triton kernels' tile configs on this GPU and report the fastest per head dim.
 
-Usage:  python bench/tune_triton.py [--n 8192] [--workers 8] [--kinds fwd bwd] [--head-dims 64 128 256]
+Usage:  python bench/tune_triton.py [--dtype bf16|fp32] [--n 8192] [--workers 8] [--kinds fwd bwd]
+                                    [--head-dims 64 128 256]
 
 The tile tables in ``retmask/kernels/triton_common.py`` (BLOCK_M, BLOCK_N, num_warps, num_stages per
 padded head dim) decide most of the kernels' speed. This script times each candidate config on the
-attention shapes of the models we ship or target (bf16, batch 1, causal, M = N keys):
+attention shapes of the models we ship or target (bf16 or --dtype fp32, each with its own tables; batch 1,
+causal, M = N keys):
   D = 64: SmolLM2-135M (Hq 9, Hkv 3); D = 128: Llama-3.1-8B (32, 8); D = 256: Gemma-3-270M (4, 1).
 - fwd: the prefill forward without argmax; the fastest few are re-timed with the argmax of the last 50
   rows (the detection case) and with the argmax of every row;
@@ -13,7 +15,7 @@ Compilation dominates a sweep, so worker processes compile every candidate first
 on-disk cache) and the timing then runs in this process, one config at a time. A config that does not
 compile or launch (too much shared memory, ...) is reported as failed. Registers and spills are read
 from the compiled kernels where this Triton version exposes them.
-Writes bench/results/triton_tune_<gpu>.{md,json} (or --out). Needs a CUDA GPU.
+Writes bench/results/triton_tune_<gpu>[_fp32].{md,json} (or --out). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from retmask.commands.argtypes import positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_page  # noqa: E402
+from common import gpu_slug, markdown_table, write_page  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEVICE = "cuda"
@@ -56,26 +58,51 @@ BWD_CANDIDATES = {
     256: [(16, 32, 8, 1), (16, 64, 8, 1), (32, 32, 8, 1), (32, 32, 4, 1), (16, 32, 4, 1), (32, 64, 8, 1),
           (16, 32, 8, 2), (32, 32, 8, 2)],
 }  # fmt: skip
-TABLES = {"fwd": "_FWD_CONFIGS", "bwd": "_BWD_CONFIGS"}
+# fp32 inputs run tl.dot in IEEE fp32 on the CUDA cores (no tensor cores) and hold fp32 tiles: far more
+# registers per element, so smaller tiles. D = 16 / 32 share D = 64's entries and are not swept.
+FWD_CANDIDATES_FP32 = {
+    64: [(64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2),
+         (64, 16, 4, 2), (32, 32, 8, 2), (16, 32, 4, 2), (64, 64, 4, 1)],
+    128: [(64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2),
+          (64, 16, 4, 2), (32, 32, 8, 2), (16, 32, 4, 2), (32, 16, 4, 2)],
+    256: [(16, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1), (32, 32, 8, 1), (16, 16, 8, 1), (32, 32, 4, 1),
+          (16, 64, 4, 1), (64, 16, 8, 1)],
+}  # fmt: skip
+BWD_CANDIDATES_FP32 = {
+    64: [(16, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (16, 32, 8, 2), (32, 64, 8, 2),
+         (16, 16, 4, 2), (64, 32, 8, 2)],
+    128: [(16, 32, 8, 2), (16, 32, 4, 2), (32, 32, 8, 2), (16, 16, 4, 2), (16, 64, 8, 2), (32, 16, 4, 2),
+          (32, 32, 4, 1), (16, 32, 8, 1)],
+    256: [(16, 16, 4, 1), (16, 16, 8, 1), (16, 32, 8, 1), (32, 16, 8, 1), (16, 32, 4, 1)],
+}  # fmt: skip
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+CANDIDATES = {
+    ("fwd", "bf16"): FWD_CANDIDATES, ("bwd", "bf16"): BWD_CANDIDATES,
+    ("fwd", "fp32"): FWD_CANDIDATES_FP32, ("bwd", "fp32"): BWD_CANDIDATES_FP32,
+}  # fmt: skip
+TABLES = {
+    ("fwd", "bf16"): "_FWD_CONFIGS", ("bwd", "bf16"): "_BWD_CONFIGS",
+    ("fwd", "fp32"): "_FWD_CONFIGS_FP32", ("bwd", "fp32"): "_BWD_CONFIGS_FP32",
+}  # fmt: skip
 KERNELS = {"fwd": ("triton_fwd", ["_fwd_kernel"]),
            "bwd": ("triton_bwd", ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"])}  # fmt: skip
 
 
-def _set_config(kind: str, d: int, cfg: tuple[int, int, int, int]) -> None:
+def _set_config(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int]) -> None:
     from retmask.kernels import triton_common as tc
 
-    getattr(tc, TABLES[kind])[d] = tc.TileConfig(*cfg)
+    getattr(tc, TABLES[kind, dtype])[d] = tc.TileConfig(*cfg)
 
 
-def _inputs(d: int, n: int, *, grad: bool = False):
+def _inputs(d: int, n: int, dtype: str, *, grad: bool = False):
     hq, hkv, _ = SHAPES[d]
     gen = torch.Generator(device=DEVICE).manual_seed(d + n)
-    mk = lambda h: torch.randn(1, h, n, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    mk = lambda h: torch.randn(1, h, n, d, device=DEVICE, dtype=DTYPES[dtype], generator=gen)  # noqa: E731
     q, k, v = mk(hq), mk(hkv), mk(hkv)
     return q, k, v, (mk(hq) if grad else None)
 
 
-def _call(kind: str, d: int, n: int, argmax_rows: int = 0):
+def _call(kind: str, dtype: str, d: int, n: int, argmax_rows: int = 0):
     """A callable running one ``kind`` call at D = ``d``, N = ``n`` with the current tables."""
     from retmask.kernels.triton_bwd import attention_backward
     from retmask.kernels.triton_fwd import attention_forward
@@ -83,11 +110,11 @@ def _call(kind: str, d: int, n: int, argmax_rows: int = 0):
     scale = d**-0.5
     kw = dict(sm_scale=scale, key_padding_mask=None, skip_heads=None)
     if kind == "fwd":
-        q, k, v, _ = _inputs(d, n)
+        q, k, v, _ = _inputs(d, n, dtype)
         return lambda: attention_forward(
             q, k, v, causal=True, argmax_rows=argmax_rows, return_lse=False, **kw
         )
-    q, k, v, do = _inputs(d, n, grad=True)
+    q, k, v, do = _inputs(d, n, dtype, grad=True)
     out, _, lse = attention_forward(q, k, v, causal=True, argmax_rows=0, return_lse=True, **kw)
     return lambda: attention_backward(do, q, k, v, out, lse, causal=True, **kw)
 
@@ -111,15 +138,15 @@ def _resources(kind: str) -> dict[str, int]:
     return {"regs": regs, "spills": spills}
 
 
-def _compile_one(kind: str, d: int, cfg: tuple[int, int, int, int], n: int) -> dict:
+def _compile_one(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int], n: int) -> dict:
     """Worker: compile (and run once) one candidate; its resources, or why it failed."""
     if DEVICE == "cuda":
         torch.cuda.init()
-    _set_config(kind, d, cfg)
+    _set_config(kind, dtype, d, cfg)
     try:
-        _call(kind, d, n)()
+        _call(kind, dtype, d, n)()
         if kind == "fwd":
-            _call(kind, d, n, argmax_rows=50)()
+            _call(kind, dtype, d, n, argmax_rows=50)()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
     except Exception as err:  # noqa: BLE001  (any compile / launch failure disqualifies the config)
@@ -138,6 +165,9 @@ def main() -> int:
     ap.add_argument("--n", type=positive_int, default=8192, help="keys (= query rows, causal)")
     ap.add_argument("--kinds", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     ap.add_argument("--head-dims", type=int, nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    ap.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (its own tile tables)"
+    )
     ap.add_argument("--workers", type=positive_int, default=8, help="processes that compile the candidates")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -149,12 +179,10 @@ def main() -> int:
     from retmask.kernels import triton_common as tc
 
     # The tables as shipped (each timing below swaps one entry in and restores it).
-    shipped = {kind: {d: astuple(c) for d, c in getattr(tc, TABLES[kind]).items()} for kind in TABLES}
+    dt = args.dtype
+    shipped = {kind: {d: astuple(c) for d, c in getattr(tc, TABLES[kind, dt]).items()} for kind in args.kinds}
     jobs = [
-        (kind, d, cfg)
-        for kind in args.kinds
-        for d in args.head_dims
-        for cfg in (FWD_CANDIDATES if kind == "fwd" else BWD_CANDIDATES)[d]
+        (kind, dt, d, cfg) for kind in args.kinds for d in args.head_dims for cfg in CANDIDATES[kind, dt][d]
     ]
     ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as pool:
@@ -162,15 +190,15 @@ def main() -> int:
     print(f"compiled {len(jobs)} candidates", flush=True)
 
     rows: list[dict] = []
-    for (kind, d, cfg), res in zip(jobs, compiled, strict=True):
+    for (kind, _, d, cfg), res in zip(jobs, compiled, strict=True):
         row = dict(kind=kind, d=d, config=list(cfg), current=cfg == shipped[kind][d], **res)
         if "error" not in res:
-            _set_config(kind, d, cfg)
+            _set_config(kind, dt, d, cfg)
             try:
-                row["ms"] = _time(_call(kind, d, args.n))
+                row["ms"] = _time(_call(kind, dt, d, args.n))
             except Exception as err:  # noqa: BLE001
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-            _set_config(kind, d, shipped[kind][d])
+            _set_config(kind, dt, d, shipped[kind][d])
         rows.append(row)
         print(kind, d, cfg, {k: v for k, v in row.items() if k not in ("kind", "d", "config")}, flush=True)
 
@@ -180,12 +208,10 @@ def main() -> int:
             (r for r in rows if r["kind"] == "fwd" and r["d"] == d and "ms" in r), key=lambda r: r["ms"]
         )
         for r in {id(r): r for r in cands[:3] + [r for r in cands if r["current"]]}.values():
-            _set_config("fwd", d, tuple(r["config"]))
-            r["ms_argmax_last50"] = _time(_call("fwd", d, args.n, argmax_rows=50))
-            r["ms_argmax_all"] = _time(_call("fwd", d, args.n, argmax_rows=args.n))
-            _set_config("fwd", d, shipped["fwd"][d])
-
-    from bench_triton import gpu_slug
+            _set_config("fwd", dt, d, tuple(r["config"]))
+            r["ms_argmax_last50"] = _time(_call("fwd", dt, d, args.n, argmax_rows=50))
+            r["ms_argmax_all"] = _time(_call("fwd", dt, d, args.n, argmax_rows=args.n))
+            _set_config("fwd", dt, d, shipped["fwd"][d])
 
     name = torch.cuda.get_device_name()
     slug = gpu_slug(name)
@@ -200,7 +226,7 @@ def main() -> int:
     lines = [
         f"# Triton tile configs measured on {name}",
         "",
-        f"Machine: {name}; torch {torch.__version__}, triton {triton.__version__}. bf16, batch 1, causal, "
+        f"Machine: {name}; torch {torch.__version__}, triton {triton.__version__}. {dt}, batch 1, causal, "
         f"M = N = {args.n}; triton.testing.do_bench medians (ms). fwd = prefill forward (argmax columns: "
         "last 50 rows / every row, for the fastest three and the table's config); bwd = the backward alone. "
         "Config = BLOCK_M x BLOCK_N, warps, stages; 'table' marks the config in triton_common.py when this ran.",
@@ -222,7 +248,10 @@ def main() -> int:
         ),
         "",
     ]
-    write_page(args.out / f"triton_tune_{slug}", lines, dict(device=name, n=args.n, rows=rows))
+    suffix = "" if dt == "bf16" else f"_{dt}"
+    write_page(
+        args.out / f"triton_tune_{slug}{suffix}", lines, dict(device=name, n=args.n, dtype=dt, rows=rows)
+    )
     return 0
 
 

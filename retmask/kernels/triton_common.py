@@ -218,17 +218,20 @@ def num_sms(device: torch.device) -> int:
 SYNC_FREE_ENV = "RETMASK_TRITON_SYNC_FREE"
 
 
-def sync_free() -> bool:
-    """Grid mode for head skipping (env RETMASK_TRITON_SYNC_FREE=1 selects sync-free).
+def sync_free(device: torch.device | None = None) -> bool:
+    """Grid mode for head skipping: sync-free while a CUDA graph is being captured on ``device``'s
+    current stream, or everywhere with the environment variable RETMASK_TRITON_SYNC_FREE=1; else exact.
 
-    exact (default): the grid has one program per *enabled* pair; sizing it needs the enabled count on
-    the host, i.e. one device->host sync per call, and the disabled heads' fixed outputs are written by
-    torch indexing. sync-free: the grid has one program per pair, the pair list holds the enabled pairs
-    first, and programs past the enabled count only write the fixed outputs of a disabled pair (their
-    key loops are empty). No host sync (a prerequisite for CUDA-graph capture); the extra programs do
-    no math.
+    exact: the grid has one program per *enabled* pair; sizing it needs the enabled count on the host,
+    i.e. one device->host sync per call, and the disabled heads' fixed outputs are written with torch ops.
+    sync-free: the grid has one program per pair, the pair list holds the enabled pairs first, and
+    programs past the enabled count only write the fixed outputs of a disabled pair (their key loops are
+    empty). No host sync, which graph capture requires (a sync during capture is an error); the extra
+    programs do no math.
     """
-    return os.environ.get(SYNC_FREE_ENV) == "1"
+    if os.environ.get(SYNC_FREE_ENV) == "1":
+        return True
+    return device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True)
@@ -253,7 +256,7 @@ def active_pairs(skip: torch.Tensor | None, rows: int, cols: int) -> PairList:
         return PairList(None, None, rows * cols, host_fill=False)
     flat = skip.reshape(-1)
     n_enabled = (~flat).sum(dtype=torch.int32).reshape(1)
-    if sync_free():
+    if sync_free(skip.device):
         # Stable sort on the disabled flag: enabled pairs first, each group in index order.
         pairs = torch.argsort(flat.to(torch.uint8), stable=True).to(torch.int32)
         return PairList(pairs, n_enabled, rows * cols, host_fill=False)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from retmask.kernels import attention as _attention
 from retmask.kernels import reference_attention, triton_backend, triton_bwd, triton_decode, triton_fwd
 from retmask.kernels.reference import reference_logits
-from retmask.kernels.triton_common import POISON_ENV, POISON_INDEX, SYNC_FREE_ENV, active_pairs
+from retmask.kernels.triton_common import POISON_ENV, POISON_INDEX, SYNC_FREE_ENV, active_pairs, sync_free
 
 from ..device import TEST_DEVICE, on_test_device
 from .helpers import assert_argmax_matches, left_padding_mask, make_qkv
@@ -282,6 +282,56 @@ def test_active_pairs(monkeypatch):
     assert free.n_enabled.tolist() == [3]
     none = active_pairs(None, 2, 3)
     assert none.pairs is None and none.grid == 6 and not none.host_fill
+
+
+def test_grid_mode_is_sync_free_while_a_cuda_graph_is_captured(monkeypatch):
+    """Capturing a CUDA graph forbids host syncs, so the grid switches to sync-free on its own there."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert not sync_free(cpu) and not sync_free(cuda) and not sync_free()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert sync_free(cuda) and not sync_free(cpu)
+    monkeypatch.setenv(SYNC_FREE_ENV, "1")
+    assert sync_free(cpu) and sync_free()
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA graphs need a GPU (RETMASK_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("M", [1, 37])
+@pytest.mark.parametrize("with_skip", [False, True])
+def test_calls_captured_in_a_cuda_graph_replay_on_new_inputs(M, with_skip):
+    """``attention()`` (decode and prefill, argmax, skipped heads) captured once in a CUDA graph, then
+    replayed on new values copied into the captured inputs, matches an eager call on those values; with
+    skipped heads the capture succeeds only because the grid went sync-free by itself."""
+    B, Hq, Hkv, N, D = 2, 6, 2, 300, 64
+    dev = TEST_DEVICE
+    q, k, v = (t.to(dev) for t in make_qkv(B, Hq, Hkv, M, N, D, dtype=torch.bfloat16, seed=40 + M))
+    skip = _random_skip(B, Hq, seed=41).to(dev) if with_skip else None
+
+    def call():
+        return _attention(q, k, v, skip_heads=skip, return_argmax=True, argmax_rows=min(M, 5))
+
+    call()  # compile outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, argmax_g = call()
+    for seed in (42, 43):
+        for dst, src in zip(
+            (q, k, v), make_qkv(B, Hq, Hkv, M, N, D, dtype=torch.bfloat16, seed=seed), strict=True
+        ):
+            dst.copy_(src.to(dev))
+        graph.replay()
+        out_e, argmax_e = call()
+        # Same logits and argmax; the output may differ in rounding: with skipped heads the two grid modes
+        # can split a decode row's keys differently.
+        torch.testing.assert_close(out_g, out_e, **TOL[torch.bfloat16])
+        assert torch.equal(argmax_g, argmax_e)
+        ref_out, _ = reference_attention(q.float(), k.float(), v.float(), skip_heads=skip)
+        torch.testing.assert_close(out_g.float(), ref_out, **TOL[torch.bfloat16])
 
 
 @settings(
