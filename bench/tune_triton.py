@@ -119,22 +119,26 @@ def _call(kind: str, dtype: str, d: int, n: int, argmax_rows: int = 0):
     return lambda: attention_backward(do, q, k, v, out, lse, causal=True, **kw)
 
 
-def _resources(kind: str) -> dict[str, int]:
-    """Largest register count and spill size over the kernels of ``kind`` compiled in this process."""
+def _compiled(kind: str) -> list:
+    """Every compiled kernel of ``kind`` in this process (Triton keeps one per specialisation / config)."""
     import importlib
 
     module, names = KERNELS[kind]
     mod = importlib.import_module(f"retmask.kernels.{module}")
-    regs = spills = -1
+    found = []
     for name in names:
         try:
-            caches = getattr(mod, name).device_caches
-            for cache in caches.values():
-                for compiled in cache[0].values():
-                    regs = max(regs, int(getattr(compiled, "n_regs", -1)))
-                    spills = max(spills, int(getattr(compiled, "n_spills", -1)))
+            for cache in getattr(mod, name).device_caches.values():
+                found.extend(cache[0].values())
         except (AttributeError, TypeError, IndexError):
             pass
+    return found
+
+
+def _resources(compiled: list) -> dict[str, int]:
+    """Largest register count and spill size over ``compiled`` kernels."""
+    regs = max((int(getattr(c, "n_regs", -1)) for c in compiled), default=-1)
+    spills = max((int(getattr(c, "n_spills", -1)) for c in compiled), default=-1)
     return {"regs": regs, "spills": spills}
 
 
@@ -143,6 +147,8 @@ def _compile_one(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int], 
     if DEVICE == "cuda":
         torch.cuda.init()
     _set_config(kind, dtype, d, cfg)
+    # A worker compiles several candidates: only the kernels this one added count for its resources.
+    before = {id(c) for c in _compiled(kind)}
     try:
         _call(kind, dtype, d, n)()
         if kind == "fwd":
@@ -151,7 +157,7 @@ def _compile_one(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int], 
             torch.cuda.synchronize()
     except Exception as err:  # noqa: BLE001  (any compile / launch failure disqualifies the config)
         return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"}
-    return _resources(kind)
+    return _resources([c for c in _compiled(kind) if id(c) not in before])
 
 
 def _time(fn) -> float:

@@ -96,7 +96,7 @@ def test_tiny_sdpa_prefill_equals_oracle(tiny_oracle):
 def _top2_margin_in_bf16_ulps(model, prompt: np.ndarray, answer: list[int]) -> float:
     """Gap between the two largest next-token logits after ``prompt + answer`` (an eager bf16 forward), in
     units of the bf16 spacing at the largest one (2^-7 relative)."""
-    seq = torch.as_tensor(np.concatenate([prompt, np.asarray(answer, dtype=np.int64)]))
+    seq = torch.as_tensor(np.concatenate([prompt, np.asarray(answer, dtype=np.int64)]), device=model.device)
     with torch.no_grad(), attn_implementation(model, "eager"):
         top = model(input_ids=seq[None]).logits[0, -1].float().topk(2).values
     ulp = 2.0 ** (torch.floor(torch.log2(top[0].abs())) - 7)

@@ -16,6 +16,7 @@ from tests.tiny import tiny_llama
 
 def _chunked_prefill(model, ids: torch.Tensor, chunk: int, kv_only: bool):
     """Fill a fresh cache with ``ids`` [1, N] in calls of ``chunk`` tokens; return it and the last logits."""
+    ids = ids.to(model.device)
     cache = growing_cache(model)
     reserve(cache, ids.shape[1])
     logits = None
@@ -58,7 +59,7 @@ def test_last_layer_mlp_and_heads_are_skipped_and_restored():
     for i, layer in enumerate(model.model.layers):
         layer.mlp.gate_proj.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     attention = head_layout(model).layers[-1]
-    ids = torch.randint(3, 50, (1, 20), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 50, (1, 20), generator=torch.Generator().manual_seed(0)).to(model.device)
     with torch.no_grad(), last_layer_kv_only(model):
         assert attention._retmask_skip.tolist() == [True] * 4
         model(input_ids=ids)
@@ -79,7 +80,11 @@ def test_an_existing_shared_head_mask_is_restored():
         torch.testing.assert_close(
             first._retmask_skip, before_first, rtol=0, atol=0
         )  # other layers untouched
-        model(input_ids=torch.randint(3, 50, (1, 16), generator=torch.Generator().manual_seed(0)))
+        model(
+            input_ids=torch.randint(3, 50, (1, 16), generator=torch.Generator().manual_seed(0)).to(
+                model.device
+            )
+        )
     torch.testing.assert_close(last._retmask_skip, before_last, rtol=0, atol=0)
 
 
@@ -90,7 +95,7 @@ def test_a_per_row_head_mask_keeps_its_batch_check_and_is_restored():
     retmask.set_head_mask(model, heads)
     last = head_layout(model).layers[-1]
     before = last._retmask_skip.clone()
-    ids = torch.randint(3, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 50, (2, 16), generator=torch.Generator().manual_seed(0)).to(model.device)
     with torch.no_grad(), last_layer_kv_only(model):
         assert last._retmask_skip.shape == (2, 4) and bool(last._retmask_skip.all())
         model(input_ids=ids)

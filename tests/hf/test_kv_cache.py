@@ -24,7 +24,7 @@ def _poison_spare_capacity(cache) -> None:
 def test_growing_cache_equals_dynamic_cache(impl):
     model = tiny_llama(vocab=50)
     model.set_attn_implementation(impl)
-    ids = torch.randint(3, 50, (1, 700), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 50, (1, 700), generator=torch.Generator().manual_seed(1)).to(model.device)
     ref, ours = DynamicCache(config=model.config), growing_cache(model)
     assert all(isinstance(layer, GrowingLayer) for layer in ours.layers)
     # chunked prefill across several capacity doublings (256 -> 512 -> 1024), then passes with crops

@@ -472,6 +472,10 @@ def test_gpu_tile_tables_cover_head_dims_and_fit_shared_memory(monkeypatch, dtyp
 
 
 MAX_SPILL = 512  # bytes of spill stack a kernel may use (see below)
+# Table entries that were measured fastest on a GPU with their stack (bench/results/triton_tune_h200.md):
+# the D = 128 backward's 64 x 64 / 4-warp tile uses 1,496 B of stack under triton 3.6 (on the H200; under
+# 512 B with 3.9) and still ran in 0.69x the time of the fastest candidate without spills (64 x 32).
+MEASURED_STACK = {("_bwd_dkdv_kernel", 128): 2048}  # (kernel, HEAD_DIM) without soft-capping -> bytes
 
 
 def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
@@ -518,7 +522,9 @@ def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
         # between Triton versions: a measured winner may spill a little under another Triton's ptxas
         # (the fp16 D = 64 forward: 0 B here with triton 3.9, 24 B with 3.6). More than MAX_SPILL bytes
         # would mean a tile far too large for the registers.
-        assert res["stack"] <= MAX_SPILL, f"{launch.label} {launch.kernel} spills {res['stack']} B"
+        key = (launch.kernel, launch.constexprs.get("HEAD_DIM"))
+        limit = MAX_SPILL if launch.constexprs.get("SOFTCAP") else MEASURED_STACK.get(key, MAX_SPILL)
+        assert res["stack"] <= limit, f"{launch.label} {launch.kernel} spills {res['stack']} B"
         assert res["shared"] <= 227 * 1024
 
 
