@@ -166,6 +166,47 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
+def write_tune_page(rows: list[dict], out: Path, dtype: str, n: int, versions: str, note: str = "") -> None:
+    """The sweep's page: one row per candidate, fastest first per (kind, D); ``note`` says what is missing."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else versions.split(";")[0]
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    table = []
+    for r in sorted(rows, key=lambda r: (r["kind"], r["d"], r.get("ms", float("inf")))):
+        table.append([
+            r["kind"], f"{r['d']} ({SHAPES[r['d']][2]})", "x".join(map(str, r["config"][:2])) + f" w{r['config'][2]} s{r['config'][3]}",
+            "yes" if r["current"] else "", fmt(r.get("ms")), fmt(r.get("ms_argmax_last50")), fmt(r.get("ms_argmax_all")),
+            r.get("regs", "-"), r.get("spills", "-"), r.get("error", ""),
+        ])  # fmt: skip
+    headers = [
+        "kind",
+        "D (shape)",
+        "config",
+        "table",
+        "ms",
+        "argmax last 50",
+        "argmax all",
+        "regs",
+        "spills",
+        "error",
+    ]
+    lines = [
+        f"# Triton tile configs measured on {name}",
+        "",
+        f"Machine: {versions}. {dtype}, batch 1, causal, "
+        f"M = N = {n}; triton.testing.do_bench medians (ms). fwd = prefill forward (argmax columns: "
+        "last 50 rows / every row, for the fastest three and the table's config); bwd = the backward alone. "
+        "Config = BLOCK_M x BLOCK_N, warps, stages; 'table' marks the config in triton_common.py when this ran.",
+        "",
+        *([note, ""] if note else []),
+        markdown_table(headers, table),
+        "",
+    ]
+    suffix = "" if dtype == "bf16" else f"_{dtype}"
+    write_page(
+        out / f"triton_tune_{gpu_slug(name)}{suffix}", lines, dict(device=name, n=n, dtype=dtype, rows=rows)
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=positive_int, default=8192, help="keys (= query rows, causal)")
@@ -208,6 +249,9 @@ def main() -> int:
         rows.append(row)
         print(kind, d, cfg, {k: v for k, v in row.items() if k not in ("kind", "d", "config")}, flush=True)
 
+    versions = f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}"
+    # Written now and again after the argmax timings, so a run stopped there keeps what it measured.
+    write_tune_page(rows, args.out, dt, args.n, versions, note="(argmax timings still running)")
     # Re-time the three fastest forward configs per D (and the current one) with argmax.
     for d in args.head_dims if "fwd" in args.kinds else []:
         cands = sorted(
@@ -219,45 +263,7 @@ def main() -> int:
             r["ms_argmax_all"] = _time(_call("fwd", dt, d, args.n, argmax_rows=args.n))
             _set_config("fwd", dt, d, shipped["fwd"][d])
 
-    name = torch.cuda.get_device_name()
-    slug = gpu_slug(name)
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    table = []
-    for r in sorted(rows, key=lambda r: (r["kind"], r["d"], r.get("ms", float("inf")))):
-        table.append([
-            r["kind"], f"{r['d']} ({SHAPES[r['d']][2]})", "x".join(map(str, r["config"][:2])) + f" w{r['config'][2]} s{r['config'][3]}",
-            "yes" if r["current"] else "", fmt(r.get("ms")), fmt(r.get("ms_argmax_last50")), fmt(r.get("ms_argmax_all")),
-            r.get("regs", "-"), r.get("spills", "-"), r.get("error", ""),
-        ])  # fmt: skip
-    lines = [
-        f"# Triton tile configs measured on {name}",
-        "",
-        f"Machine: {name}; torch {torch.__version__}, triton {triton.__version__}. {dt}, batch 1, causal, "
-        f"M = N = {args.n}; triton.testing.do_bench medians (ms). fwd = prefill forward (argmax columns: "
-        "last 50 rows / every row, for the fastest three and the table's config); bwd = the backward alone. "
-        "Config = BLOCK_M x BLOCK_N, warps, stages; 'table' marks the config in triton_common.py when this ran.",
-        "",
-        markdown_table(
-            [
-                "kind",
-                "D (shape)",
-                "config",
-                "table",
-                "ms",
-                "argmax last 50",
-                "argmax all",
-                "regs",
-                "spills",
-                "error",
-            ],
-            table,
-        ),
-        "",
-    ]
-    suffix = "" if dt == "bf16" else f"_{dt}"
-    write_page(
-        args.out / f"triton_tune_{slug}{suffix}", lines, dict(device=name, n=args.n, dtype=dt, rows=rows)
-    )
+    write_tune_page(rows, args.out, dt, args.n, versions)
     return 0
 
 

@@ -102,7 +102,9 @@ def add_grid_args(
             + (" (default: all)" if num_needles is None else f" (default {num_needles})"),
         )
     p.add_argument(
-        "--haystack", default=None, help="haystack text file or directory of *.txt (default: shipped)"
+        "--haystack",
+        default=None,
+        help="haystack text file or directory of *.txt (default: the essays shipped with retmask; 'pydoc': the default before 2026-11-26, which depends on the Python version)",
     )
     p.add_argument("--max-new-tokens", type=positive_int, default=50, help="answer tokens per test at most")
     p.add_argument(

@@ -262,6 +262,23 @@ def _stability_tracker(
     return tracker
 
 
+def environment() -> dict[str, str]:
+    """Versions that decide a run's numbers besides its config: Python, the libraries that tokenise and
+    compute, retmask itself, and the GPU where one ran."""
+    import platform
+    from importlib import metadata
+
+    env = {"python": platform.python_version()}
+    for name in ("retmask", "torch", "transformers", "tokenizers", "triton"):
+        try:
+            env[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
 def _run_record(
     cfg: DetectConfig,
     fingerprint: dict,
@@ -290,6 +307,7 @@ def _run_record(
         },
         "needles": fingerprint["needles"],
         "haystack_sha256": fingerprint["haystack_sha256"],
+        "environment": environment(),
         "skipped": [
             {
                 "key": t.key,

@@ -54,8 +54,8 @@ class TileConfig:
 # 8-12 candidates each with ``bench/tune_triton.py``; the notes give the time against the previous
 # entry. Register allocation differs between Triton versions: a measured winner may spill some bytes
 # under another version's ptxas (``python -m retmask.kernels.triton_aot`` shows it); where a faster
-# candidate spilled much, a spill-free one was kept. Unmeasured: fp32, D = 16 / 32 (as D = 64), the
-# soft-capping tables and decode (host-bound at batch 1, see bench/README.md).
+# candidate spilled much, a spill-free one was kept. Unmeasured: D = 16 / 32 (as D = 64), the soft-capping
+# tables and decode (at batch 1 its eager time is host time: bench/results/attention_triton_decode_*).
 _FWD_CONFIGS: dict[int, TileConfig] = {
     16: TileConfig(64, 64, 4, 3),  # D = 16, 32: as D = 64 (not measured apart)
     32: TileConfig(64, 64, 4, 3),
@@ -63,6 +63,9 @@ _FWD_CONFIGS: dict[int, TileConfig] = {
     128: TileConfig(128, 64, 8, 3),  # H200: 0.77x the old 128 x 32
     256: TileConfig(128, 32, 8, 2),  # H200: 0.39x the old 32 x 32; 64 x 32 / 4 warps was faster but spilled
 }
+# fp32 forward: the H200 sweep (without argmax) found nothing clearly better without spills; the two
+# faster candidates (64 x 64 / 4 warps / 1 stage at D = 64: 0.82x, 390 B of spills; 16 x 64 / 4 / 1 at
+# D = 256: 0.56x, 368 B) were not timed with argmax, which needs more registers: kept until they are.
 _FWD_CONFIGS_FP32: dict[int, TileConfig] = {
     16: TileConfig(64, 32, 8, 2),
     32: TileConfig(64, 32, 8, 2),
@@ -78,12 +81,14 @@ _BWD_CONFIGS: dict[int, TileConfig] = {
     128: TileConfig(64, 64, 4, 2),  # H200: 0.41x the old 32 x 64 / 8 warps (spills ~54 B, measured faster)
     256: TileConfig(32, 32, 8, 1),  # H200: 0.69x the old 16 x 32; 32 x 64 was 0.56x but spilled 42-600 B
 }
+# fp32 backward: measured on an H200 (triton 3.6; 8K keys, causal, the same three head layouts; 8-10
+# candidates per D, bench/results/triton_tune_h200_fp32.md). Spill bytes as that Triton reported them.
 _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
-    16: TileConfig(16, 32, 4, 2),
-    32: TileConfig(16, 32, 4, 2),
-    64: TileConfig(16, 32, 4, 2),
-    128: TileConfig(16, 32, 8, 2),  # 4 warps: dK/dV spilled 16 B, 72 B with soft-capping
-    256: TileConfig(16, 16, 4, 1),
+    16: TileConfig(32, 32, 4, 2),  # D = 16, 32: as D = 64 (not measured apart)
+    32: TileConfig(32, 32, 4, 2),
+    64: TileConfig(32, 32, 4, 2),  # H200: 0.64x the old 16 x 32 (spills 92 B)
+    128: TileConfig(32, 32, 4, 1),  # H200: 0.63x the old 16 x 32 / 8 warps (spills 144 B)
+    256: TileConfig(16, 32, 8, 1),  # H200: 0.90x the old 16 x 16 / 4 warps (no spills)
 }
 # Soft-capping keeps the tanh of a whole logit tile alive (in the backward also its derivative): where
 # the table's tile then spills, a smaller one (chosen with ptxas, not timed).

@@ -1,4 +1,5 @@
-"""Haystack text: the project's default (prose assembled from ``pydoc_data.topics``) or user text files."""
+"""Haystack text: the project's default (essays shipped in ``retmask/data/haystack``), the earlier default
+assembled from the interpreter's ``pydoc_data.topics`` (``"pydoc"``), or user text files."""
 
 from __future__ import annotations
 
@@ -6,9 +7,31 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "data" / "haystack"
+# ``--haystack pydoc``: the default of retmask runs before 2026-11-26. Its text depends on the Python
+# version (CPython 3.11 and 3.12 ship different topics, so the same run gave different prompts beyond
+# about 1,700 tokens); kept only to reproduce those runs on the Python that made them.
+PYDOC = "pydoc"
+
 
 class HaystackError(ValueError):
     """A haystack file or directory that cannot be used; the message names the file (and line)."""
+
+
+@lru_cache(maxsize=1)
+def default_haystack_text() -> str:
+    """The default haystack: original essays written for this project (plain prose paragraphs, about
+    9,000 words, 12,000 tokens), shipped as ``retmask/data/haystack/*.txt`` and joined in file-name order
+    with a blank line between essays. The same text on every machine and Python version.
+
+    Longer haystacks are obtained by repetition (:func:`haystack_token_ids`), as the reference script does.
+    """
+    files = sorted(DEFAULT_DIR.glob("*.txt"))
+    if not files:
+        raise HaystackError(
+            f"the shipped haystack is missing ({DEFAULT_DIR} has no *.txt files); reinstall retmask"
+        )
+    return "\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
 def _is_prose(paragraph: str) -> bool:
@@ -25,12 +48,11 @@ def _is_prose(paragraph: str) -> bool:
 
 
 @lru_cache(maxsize=1)
-def default_haystack_text() -> str:
-    """Plain English prose (≈27K words ≈ 35K tokens) assembled at run time from the Python documentation
-    topics bundled with CPython (``pydoc_data.topics``, PSF licence), in a fixed order: deterministic.
-
-    Longer haystacks are obtained by repetition (:func:`haystack_token_ids`), as the reference script does.
-    """
+def pydoc_haystack_text() -> str:
+    """The earlier default (``--haystack pydoc``): prose paragraphs of the Python documentation topics
+    bundled with CPython (``pydoc_data.topics``, PSF licence), in sorted topic order. Differs between
+    Python versions; use it only to reproduce a run recorded with it (its run record has the text's
+    sha256 and the Python version)."""
     from pydoc_data.topics import topics
 
     paragraphs: list[str] = []
@@ -42,11 +64,15 @@ def default_haystack_text() -> str:
     return "\n\n".join(paragraphs) + "\n\n"
 
 
+@lru_cache(maxsize=4)
 def load_haystack(path: str | Path | None = None) -> str:
-    """The haystack text: ``None`` -> :func:`default_haystack_text`; a file -> its text; a directory -> all
-    ``*.txt`` files in it (sorted by name, recursively) concatenated. Errors name the file and line."""
+    """The haystack text: ``None`` -> :func:`default_haystack_text`; ``"pydoc"`` -> :func:`pydoc_haystack_text`;
+    a file -> its text; a directory -> all ``*.txt`` files in it (sorted by name, recursively)
+    concatenated. Errors name the file and line."""
     if path is None:
         return default_haystack_text()
+    if str(path) == PYDOC and not Path(path).exists():
+        return pydoc_haystack_text()
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
@@ -57,7 +83,10 @@ def load_haystack(path: str | Path | None = None) -> str:
     elif path.is_file():
         files = [path]
     else:
-        raise HaystackError(f"haystack {path} does not exist; pass --haystack FILE|DIR")
+        raise HaystackError(
+            f"haystack {path} does not exist; pass --haystack FILE|DIR (or '{PYDOC}' for the pre-2026-11-26 "
+            "default)"
+        )
     parts = []
     for f in files:
         data = f.read_bytes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from retmask.cli import main
 from retmask.detect import DetectConfig, run_detect
@@ -110,6 +112,9 @@ def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
     assert key(resumed) == key(ref)
     record = json.loads(out.with_name("s.run.json").read_text())
     assert record["grid"]["lengths"] == [350, 600] and record["tests_run"] == 8
+    # the versions that decide the numbers besides the config (a haystack or tokenizer can change with them)
+    assert record["environment"]["python"] == platform.python_version()
+    assert record["environment"]["torch"] == torch.__version__
 
     # the finished run deleted its progress file; resuming it again says there is nothing to resume
     assert not progress.exists()
