@@ -30,11 +30,17 @@ import torch
 from retmask.commands.argtypes import nonneg_int, positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import gpu_slug, markdown_table, save_figure, write_page  # noqa: E402
+from common import gpu_slug, markdown_table, plot_lines, save_figure, write_page  # noqa: E402
 
 MODELS = {"smollm2": (9, 3, 64), "llama": (32, 8, 128)}  # (Hq, Hkv, D)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """--model (the attention shape) and --dtype, shared by the Triton benches."""
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
 
 
 def _eager(q, k, v, argmax_rows):
@@ -140,18 +146,14 @@ def _plot(rows: list[dict], stem: Path, title: str) -> None:
     phases = list(dict.fromkeys(r["phase"] for r in rows))
     fig, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4.5), squeeze=False)
     for ax, phase in zip(axes[0], phases, strict=True):
-        for method in dict.fromkeys(r["method"] for r in rows if r["phase"] == phase):
-            pts = [(r["n"], r["ms"]) for r in rows if r["phase"] == phase and r["method"] == method]
-            ax.plot(*zip(*pts, strict=True), marker="o", label=method)
-        ax.set(xscale="log", yscale="log", xlabel="N (keys)", ylabel="ms (median)", title=phase)
-        ax.legend(fontsize=7)
+        plot_lines(ax, [r for r in rows if r["phase"] == phase], "method", "ms")
+        ax.set(ylabel="ms (median)", title=phase)
     save_figure(fig, stem.with_suffix(".png"), title)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    add_shape_args(parser)
     parser.add_argument(
         "--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 50000]
     )

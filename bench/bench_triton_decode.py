@@ -29,10 +29,9 @@ import torch
 from retmask.commands.argtypes import positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import gpu_slug, markdown_table, median, save_figure, write_page  # noqa: E402
+from bench_triton import DTYPES, MODELS, add_shape_args  # noqa: E402
+from common import gpu_slug, markdown_table, median, plot_lines, save_figure, write_page  # noqa: E402
 
-MODELS = {"smollm2": (9, 3, 64), "llama": (32, 8, 128)}  # (Hq, Hkv, D)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -104,19 +103,14 @@ def _plot(rows: list[dict], stem: Path, title: str) -> None:
         (axes[0], "eager_us", "eager call (us)"),
         (axes[1], "graph_us", "GPU time in a graph (us)"),
     ):
-        for case in dict.fromkeys(r["case"] for r in rows):
-            pts = [(r["n"], r[key]) for r in rows if r["case"] == case and r[key] is not None]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=case)
-        ax.set(xscale="log", yscale="log", xlabel="N (keys)", ylabel=label)
-        ax.legend(fontsize=7)
+        plot_lines(ax, rows, "case", key)
+        ax.set(ylabel=label)
     save_figure(fig, stem.with_suffix(".png"), title)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    add_shape_args(parser)
     parser.add_argument("--lengths", type=positive_int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--batch", type=positive_int, default=1)
     parser.add_argument("--graph-calls", type=positive_int, default=20, help="calls captured per graph")

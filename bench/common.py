@@ -333,6 +333,17 @@ def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def plot_lines(ax: Any, rows: Sequence[dict[str, Any]], series: str, y: str) -> None:
+    """One line per distinct ``row[series]`` of ``row[y]`` against ``row["n"]`` (rows without a ``y``
+    value are left out), on log-log axes with a legend."""
+    for name in dict.fromkeys(r[series] for r in rows):
+        pts = [(r["n"], r[y]) for r in rows if r[series] == name and r.get(y) is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+    ax.set(xscale="log", yscale="log", xlabel="N (keys)")
+    ax.legend(fontsize=7)
+
+
 def save_figure(fig: Any, path: Path, title: str) -> None:
     """Title a matplotlib figure, lay it out, write it to ``path`` (PNG, 110 dpi) and close it."""
     import matplotlib.pyplot as plt
