@@ -17,6 +17,7 @@ Writes bench/results/detect_<cpu kind>[_bf16].md (table + agreement), .json and 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -31,7 +32,7 @@ from common import cpu_kind, cpu_label, dtype_suffix, gpu_slug, machine_descript
 import retmask  # noqa: E402
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: E402
 from retmask.detect.answers import earlier_answers, prefix_order  # noqa: E402
-from retmask.detect.run import RECALL_THRESHOLD  # noqa: E402
+from retmask.detect.run import RECALL_THRESHOLD, environment  # noqa: E402
 from retmask.detect.scores import head_scores, mean_matrix, ranking  # noqa: E402
 from retmask.hf.linears import torch_linears  # noqa: E402
 from retmask.kernels import cpu_autotune, linear_cpu  # noqa: E402
@@ -280,6 +281,8 @@ def main() -> None:
     summary = {
         "machine": machine,
         "device": args.device,
+        "haystack_sha256": hashlib.sha256(default_haystack_text().encode("utf-8")).hexdigest(),
+        "environment": environment(),
         "model": model_name,
         "dtype": dtype,
         "grid": {"lengths": lengths, "depths": depths, "needles": len(needles), "tests": len(tests)},
