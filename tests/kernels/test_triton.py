@@ -472,11 +472,17 @@ def test_gpu_tile_tables_cover_head_dims_and_fit_shared_memory(monkeypatch, dtyp
 
 
 MAX_SPILL = 512  # bytes of spill stack a kernel may use (see below)
-# Table entries that were measured fastest on a GPU with their stack (bench/results/triton_tune_h200.md):
-# the D = 128 backward's 64 x 64 / 4-warp tile gives the dK/dV kernel 1,496 B of stack under triton 3.6
-# (on the H200; under 512 B with 3.9), and the whole backward still ran in 0.69x the time of the fastest
-# candidate without spills (64 x 32). Its kernels share that tile, so both get the measured allowance.
-MEASURED_STACK = {("_bwd_dkdv_kernel", 128): 4096, ("_bwd_dq_kernel", 128): 4096}  # without soft-capping
+# Table entries whose GPU timing already includes their stack (bench/results/triton_tune_h200.md: timed on
+# an H200 under triton 3.6, which allocates registers differently from later versions). Under 3.6 the D = 128
+# backward's 64 x 64 / 4-warp tile gives the dK/dV kernel 1,496 B of stack and the dQ kernel 264 B, and
+# the whole backward ran in 0.69x the time of the fastest spill-free candidate (64 x 32); the D = 256
+# forward's 128 x 32 / 8-warp tile has 480-648 B (with argmax, window, soft-capping, sinks) and ran in
+# 0.39x the time of the old 32 x 32. Under 3.9 all of them stay under MAX_SPILL.
+MEASURED_STACK = {  # (kernel, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps) -> bytes allowed
+    ("_bwd_dkdv_kernel", 128, 64, 64, 4): 2048,
+    ("_bwd_dq_kernel", 128, 64, 64, 4): 2048,
+    ("_fwd_kernel", 256, 128, 32, 8): 1024,
+}
 
 
 def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
@@ -524,8 +530,9 @@ def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
         # between Triton versions: a measured winner may spill a little under another Triton's ptxas
         # (the fp16 D = 64 forward: 0 B here with triton 3.9, 24 B with 3.6). More than MAX_SPILL bytes
         # would mean a tile far too large for the registers.
-        key = (launch.kernel, launch.constexprs.get("HEAD_DIM"))
-        limit = MAX_SPILL if launch.constexprs.get("SOFTCAP") else MEASURED_STACK.get(key, MAX_SPILL)
+        c = launch.constexprs
+        key = (launch.kernel, c.get("HEAD_DIM"), c.get("BLOCK_M"), c.get("BLOCK_N"), launch.num_warps)
+        limit = MEASURED_STACK.get(key, MAX_SPILL)
         if res["stack"] > limit:
             too_large.append(f"{launch.label} {launch.kernel}: {res['stack']} B of stack (limit {limit})")
         assert res["shared"] <= 227 * 1024
