@@ -82,7 +82,10 @@ _BWD_CONFIGS: dict[int, TileConfig] = {
     256: TileConfig(32, 32, 8, 1),  # H200: 0.69x the old 16 x 32; 32 x 64 was 0.56x but spilled 42-600 B
 }
 # fp32 backward: measured on an H200 (triton 3.6; 8K keys, causal, the same three head layouts; 8-10
-# candidates per D, bench/results/triton_tune_h200_fp32.md). Spill bytes as that Triton reported them.
+# candidates per D, bench/results/triton_tune_h200_fp32.md). Spill bytes as that Triton reported them;
+# ptxas's stack frames are larger (``python -m retmask.kernels.triton_aot --dtypes fp32``): the dK/dV
+# kernel keeps ~1 KB per thread at D = 64 and ~9.7 KB at D = 128 in local memory, which the H200's caches
+# absorb (the times include it); a GPU with smaller L1 / L2 may prefer the spill-free 32 x 32 / 8 warps.
 _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
     16: TileConfig(32, 32, 4, 2),  # D = 16, 32: as D = 64 (not measured apart)
     32: TileConfig(32, 32, 4, 2),
