@@ -7,7 +7,8 @@ measures, on any machine, the part of that host time that is ours: validation, d
 grid sizing and argument building, everything except the Triton launches themselves, which are replaced
 by no-ops (the kernels run nowhere; inputs are small CPU tensors in interpreter mode). Cases: decode and
 a 256-row prefill at SmolLM2's shape (Hq 9, Hkv 3, D 64, 4,096 keys), with and without argmax, and with
-half the heads skipped (the default grid mode, whose pair list is built on the host). Prints a table
+half the heads skipped (the default grid mode, whose pair list is built on the host, and the sync-free
+mode that CUDA-graph capture uses). Prints a table
 and writes bench/results/triton_host_overhead_<cpu kind>[_<tag>].{md,json}; times are medians of 5
 rounds of ``--calls`` calls, in microseconds per call.
 """
@@ -56,6 +57,20 @@ def _stub_launches() -> None:
             setattr(mod, name, _NoLaunch())
 
 
+def _sync_free(fn):
+    """``fn`` run in the sync-free grid mode (what a CUDA-graph capture uses)."""
+    from retmask.kernels.triton_common import SYNC_FREE_ENV
+
+    def run():
+        os.environ[SYNC_FREE_ENV] = "1"
+        try:
+            return fn()
+        finally:
+            del os.environ[SYNC_FREE_ENV]
+
+    return run
+
+
 def _per_call_us(fn, calls: int) -> float:
     """Microseconds per call: the median over 5 rounds of ``calls`` calls, after one untimed round."""
     rounds = time_calls(lambda: [fn() for _ in range(calls)], repeats=5, warmup=1)
@@ -81,6 +96,9 @@ def main() -> int:
         "decode": lambda: attention(q1, k, v, backend="triton"),
         "decode + argmax": lambda: attention(q1, k, v, backend="triton", return_argmax=True),
         "decode, half the heads skipped": lambda: attention(q1, k, v, backend="triton", skip_heads=skip),
+        "decode, half the heads skipped, sync-free grid": _sync_free(
+            lambda: attention(q1, k, v, backend="triton", skip_heads=skip)
+        ),
         "prefill (256 rows)": lambda: attention(qp, k, v, backend="triton"),
         "prefill + argmax of the last 50": lambda: attention(
             qp, k, v, backend="triton", return_argmax=True, argmax_rows=50

@@ -106,7 +106,7 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, PadMask, KeyStart, Skip, KvPairs, NEnabled,
+    Q, K, V, DO, Lse, Delta, DK, DV, PadMask, KeyStart, Skip, KvPairs, KvDisabled,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -116,7 +116,7 @@ def _bwd_dkdv_kernel(
     H_Q, H_KV, GROUP, M, N, sm_scale, window, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_PAIRS: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FLAGGED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (key block, enabled KV pair): dK, dV of BLOCK_N keys, summed over the group's heads."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -157,8 +157,8 @@ def _bwd_dkdv_kernel(
         m_hi = tl.minimum(M, start_n + BLOCK_N - 1 + window - (N - M))
     if HAS_PAD:  # a block wholly before the first valid key holds only padding: dK = dV = 0
         m_lo = tl.where(start_n + BLOCK_N > tl.load(KeyStart + b), m_lo, M)
-    if HAS_PAIRS:  # sync-free grid: slots past the enabled count are fully disabled groups: dK = dV = 0
-        m_lo = tl.where(tl.program_id(1) < tl.load(NEnabled), m_lo, M)
+    if FLAGGED:  # sync-free grid: a fully disabled group's programs visit no rows: dK = dV = 0
+        m_lo = tl.where(tl.load(KvDisabled + kv_pair) == 0, m_lo, M)
     for g in range(0, GROUP):
         h = kvh * GROUP + g
         enabled = True
@@ -214,7 +214,7 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, PadMask, KeyStart, Pairs, NEnabled,
+    Q, K, V, DO, Lse, Delta, DQ, PadMask, KeyStart, Pairs, Disabled,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -222,8 +222,8 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H_Q, GROUP, M, N, sm_scale, window, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, FLAGGED: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, enabled pair): dQ of BLOCK_M rows, looping over the visible keys."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -266,8 +266,8 @@ def _bwd_dq_kernel(
         lo = (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N
     if WINDOW:  # the block's first row sees keys from its position - window + 1 on
         lo = tl.maximum(lo, (tl.maximum(start_m + (N - M) - window + 1, 0) // BLOCK_N) * BLOCK_N)
-    if HAS_PAIRS:  # sync-free grid: programs past the enabled count are disabled heads: dQ = 0
-        hi = tl.where(tl.program_id(1) < tl.load(NEnabled), hi, 0)
+    if FLAGGED:  # sync-free grid: a disabled head's programs visit no keys: dQ = 0
+        hi = tl.where(tl.load(Disabled + pair32) == 0, hi, 0)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         n_ok = cols < N
@@ -357,9 +357,9 @@ def attention_backward(
     feats = dict(WINDOW=window is not None, SOFTCAP=softcap is not None)
     feat_args = (window or 0, float(softcap or 1.0))
     pairs = plist.pairs if plist.pairs is not None else dummy
-    n_enabled = plist.n_enabled if plist.n_enabled is not None else dummy
+    disabled = plist.disabled if plist.disabled is not None else dummy
     kv_pairs = kv_plist.pairs if kv_plist.pairs is not None else dummy
-    kv_n_enabled = kv_plist.n_enabled if kv_plist.n_enabled is not None else dummy
+    kv_disabled = kv_plist.disabled if kv_plist.disabled is not None else dummy
 
     def launch(cfg: TileConfig) -> torch.Tensor | None:
         """The three kernels with tile ``cfg``; returns the dsinks partial sums [B * Hq, row blocks]."""
@@ -379,19 +379,21 @@ def attention_backward(
             )  # fmt: skip
             _bwd_dkdv_kernel[(cdiv(N, bn), kv_plist.grid)](
                 q, k, v, grad_out, lse, delta, dk, dv, pad_arg, start_arg,
-                skip_heads if skip_heads is not None else dummy, kv_pairs, kv_n_enabled,
+                skip_heads if skip_heads is not None else dummy, kv_pairs, kv_disabled,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
                 Hq, Hkv, group, M, N, float(sm_scale), *feat_args,
                 BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
-                HAS_SKIP=skip_heads is not None, HAS_PAIRS=kv_plist.pairs is not None, DOT_PRECISION=precision,
+                HAS_SKIP=skip_heads is not None, HAS_PAIRS=kv_plist.pairs is not None,
+                FLAGGED=kv_plist.disabled is not None, DOT_PRECISION=precision,
                 **feats, **common,
             )  # fmt: skip
             _bwd_dq_kernel[(m_blocks, plist.grid)](
-                q, k, v, grad_out, lse, delta, dq, pad_arg, start_arg, pairs, n_enabled,
+                q, k, v, grad_out, lse, delta, dq, pad_arg, start_arg, pairs, disabled,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
                 Hq, group, M, N, float(sm_scale), *feat_args,
                 BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
-                HAS_PAIRS=plist.pairs is not None, DOT_PRECISION=precision, **feats, **common,
+                HAS_PAIRS=plist.pairs is not None, FLAGGED=plist.disabled is not None, DOT_PRECISION=precision,
+                **feats, **common,
             )  # fmt: skip
         return dsink_part
 

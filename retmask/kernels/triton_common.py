@@ -230,12 +230,13 @@ def sync_free(device: torch.device | None = None) -> bool:
     """Grid mode for head skipping: sync-free while a CUDA graph is being captured on ``device``'s
     current stream, or everywhere with the environment variable RETMASK_TRITON_SYNC_FREE=1; else exact.
 
-    exact: the grid has one program per *enabled* pair; sizing it needs the enabled count on the host,
-    i.e. one device->host sync per call, and the disabled heads' fixed outputs are written with torch ops.
-    sync-free: the grid has one program per pair, the pair list holds the enabled pairs first, and
-    programs past the enabled count only write the fixed outputs of a disabled pair (their key loops are
-    empty). No host sync, which graph capture requires (a sync during capture is an error); the extra
-    programs do no math.
+    exact: the grid has one program per *enabled* pair, read from a pair list; sizing it needs the
+    enabled count on the host, i.e. one device->host sync per call, and the disabled heads' fixed outputs
+    are written with torch ops. sync-free: the grid has one program per pair in natural order and each
+    program reads its pair's disabled flag (the mask itself): a disabled pair's program runs empty key
+    loops, so its epilogue writes exactly the fixed outputs. No host sync, which graph capture requires
+    (a sync during capture is an error), and no extra kernel to build a pair list; the extra programs do
+    no math.
     """
     if os.environ.get(SYNC_FREE_ENV) == "1":
         return True
@@ -246,14 +247,14 @@ def sync_free(device: torch.device | None = None) -> bool:
 class PairList:
     """The (batch, head) pairs one grid axis visits.
 
-    pairs: int32 [grid] flat indices ``b * cols + h``, enabled pairs first (None: every pair, in order,
-    all enabled); n_enabled: int32 [1] on the device, the number of enabled pairs (programs with a
-    larger id handle disabled pairs); grid: programs on the axis; host_fill: the disabled pairs get no
-    program, so their fixed outputs must be written on the host (``fill_skipped``).
+    pairs: int32 [grid] flat indices ``b * cols + h`` of the enabled pairs, in order (exact grid; None:
+    program i visits pair i); disabled: bool [grid], True where pair i is disabled (sync-free grid: the
+    kernels read it; None: nothing to check); grid: programs on the axis; host_fill: the disabled pairs
+    get no program, so their fixed outputs must be written on the host (``fill_skipped``).
     """
 
     pairs: torch.Tensor | None
-    n_enabled: torch.Tensor | None
+    disabled: torch.Tensor | None
     grid: int
     host_fill: bool
 
@@ -263,13 +264,10 @@ def active_pairs(skip: torch.Tensor | None, rows: int, cols: int) -> PairList:
     if skip is None:
         return PairList(None, None, rows * cols, host_fill=False)
     flat = skip.reshape(-1)
-    n_enabled = (~flat).sum(dtype=torch.int32).reshape(1)
     if sync_free(skip.device):
-        # Stable sort on the disabled flag: enabled pairs first, each group in index order.
-        pairs = torch.argsort(flat.to(torch.uint8), stable=True).to(torch.int32)
-        return PairList(pairs, n_enabled, rows * cols, host_fill=False)
+        return PairList(None, flat.contiguous(), rows * cols, host_fill=False)
     pairs = (~flat).nonzero().flatten().to(torch.int32)  # host sync: the count sizes the grid
-    return PairList(pairs, n_enabled, int(pairs.numel()), host_fill=True)
+    return PairList(pairs, None, int(pairs.numel()), host_fill=True)
 
 
 def first_valid_keys(key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:

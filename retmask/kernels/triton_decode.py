@@ -58,14 +58,14 @@ from .triton_fwd import _key_loops, _logit_scales
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K, V, PadMask, KeyStart, KvPairs, NEnabled, PartM, PartIdx, PartL, PartAcc,
+    Q, K, V, PadMask, KeyStart, KvPairs, KvDisabled, PartM, PartIdx, PartL, PartAcc,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     H_KV, GROUP, N, key_lo, keys_per_split, num_splits, sm_scale, window, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, FLAGGED: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (split, KV slot): partial (m, idx, l, acc) of the group's rows over keys
     [key_lo + split * kps, min(key_lo + (split + 1) * kps, N)); key_lo and kps are multiples of BLOCK_N
@@ -99,8 +99,8 @@ def _decode_partial_kernel(
     hi = tl.minimum(lo + keys_per_split, N)
     if HAS_PAD:  # blocks before the first valid key hold only padding (splits there do no work)
         lo = tl.maximum(lo, (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N)
-    if HAS_PAIRS:  # sync-free grid: slots past the enabled count are fully disabled groups, no keys
-        hi = tl.where(slot < tl.load(NEnabled), hi, lo)
+    if FLAGGED:  # sync-free grid: a fully disabled group's programs get no keys
+        hi = tl.where(tl.load(KvDisabled + kv_pair) == 0, hi, lo)
     mid_lo = lo
     if WINDOW:
         # Only the block holding the window's first key N - window straddles its edge: masked.
@@ -247,7 +247,7 @@ def decode_forward(
     key_start = first_valid_keys(key_padding_mask)
     dummy = out
     pairs_arg = plist.pairs if plist.pairs is not None else dummy
-    n_enabled_arg = plist.n_enabled if plist.n_enabled is not None else dummy
+    disabled_arg = plist.disabled if plist.disabled is not None else dummy
     q2, o2 = q[:, :, 0], out[:, :, 0]  # [B, Hq, D] views
 
     def launch(cfg: TileConfig) -> None:
@@ -268,14 +268,14 @@ def decode_forward(
         with device_guard(q):
             _decode_partial_kernel[(splits, n_kv)](
                 q2, k, v, key_padding_mask if key_padding_mask is not None else dummy,
-                key_start if key_start is not None else dummy, pairs_arg, n_enabled_arg,
+                key_start if key_start is not None else dummy, pairs_arg, disabled_arg,
                 part_m, part_idx, part_l, part_acc,
                 *q2.stride(), *k.stride(), *v.stride(),
                 Hkv, group, N, key_lo, keys_per_split, splits, float(sm_scale), window or 0,
                 float(softcap or 1.0),
                 HEAD_DIM=D, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd,
                 HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
-                WINDOW=window is not None, SOFTCAP=softcap is not None,
+                FLAGGED=plist.disabled is not None, WINDOW=window is not None, SOFTCAP=softcap is not None,
                 DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
             _decode_merge_kernel[(n_kv, group)](

@@ -45,12 +45,13 @@ The epilogue then writes NaN to the whole row, argmax -1 and lse NaN. -inf logit
 In argmax tiles NaN logits are first turned into +inf (same poisoning, and a max-with-index over NaN
 has no defined answer).
 
-Head skipping. The grid's second axis indexes an int32 list of (batch, head) pairs built from
-``skip_heads`` with ``program_id(1)``; work is proportional to the enabled heads. Default ("exact")
-grid: the list holds only the enabled pairs (its length, read on the host, sizes the grid) and the
-disabled heads' outputs are written with torch (0 / -1 / +inf). Sync-free grid
-(RETMASK_TRITON_SYNC_FREE=1): one program per pair, enabled pairs first; a program past the enabled
-count runs empty key loops, so its epilogue writes the disabled head's 0 / -1 / +inf, with no host sync.
+Head skipping. Default ("exact") grid: the second axis indexes an int32 list of the enabled (batch,
+head) pairs built from ``skip_heads`` with ``program_id(1)`` (its length, read on the host, sizes the
+grid), so work is proportional to the enabled heads, and the disabled heads' outputs are written with
+torch (0 / -1 / +inf). Sync-free grid (while a CUDA graph is captured, or RETMASK_TRITON_SYNC_FREE=1):
+one program per pair in natural order, each reading its pair's flag in ``skip_heads``; a disabled pair's
+program runs empty key loops, so its epilogue writes 0 / -1 / +inf, with no host sync and no extra
+kernel.
 
 Argmax rows. Only the last T rows need an argmax. One launch covers every tile; a runtime branch sends
 the tiles that hold none of them through key loops compiled without the argmax bookkeeping, so teacher
@@ -226,14 +227,14 @@ def _add_sink(acc, l_i, m_i, sink2):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Argmax, PadMask, KeyStart, Pairs, NEnabled, Sinks,
+    Q, K, V, Out, Lse, Argmax, PadMask, KeyStart, Pairs, Disabled, Sinks,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     H_Q, GROUP, M, N, sm_scale, argmax_first_row, argmax_rows, last_m_block, window, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, FLAGGED: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -286,10 +287,10 @@ def _fwd_kernel(
         lo = tl.maximum(lo, (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N)
         inside = tl.maximum(first_pos + BLOCK_M - window, 0)
         mid_lo = tl.maximum(lo, tl.cdiv(inside, BLOCK_N) * BLOCK_N)
-    if HAS_PAIRS:
-        # Sync-free grids also hold programs for disabled pairs (ids past the enabled count): empty key
-        # loops, so the epilogue writes exactly a disabled head's outputs (0, argmax -1, lse +inf).
-        enabled = tl.program_id(1) < tl.load(NEnabled)
+    if FLAGGED:
+        # Sync-free grids also hold programs for disabled pairs: empty key loops, so the epilogue writes
+        # exactly a disabled head's outputs (0, argmax -1, lse +inf).
+        enabled = tl.load(Disabled + pair32) == 0
         hi = tl.where(enabled, hi, 0)
         full_hi = tl.where(enabled, full_hi, 0)
     if TRACK_ARGMAX and start_m * BLOCK_M + BLOCK_M > argmax_first_row:  # the tile holds argmax rows
@@ -377,14 +378,14 @@ def attention_forward(
                 key_padding_mask if key_padding_mask is not None else dummy,
                 key_start if key_start is not None else dummy,
                 plist.pairs if plist.pairs is not None else dummy,
-                plist.n_enabled if plist.n_enabled is not None else dummy,
+                plist.disabled if plist.disabled is not None else dummy,
                 sinks if sinks is not None else dummy,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Hq // Hkv, M, N, float(sm_scale), M - argmax_rows, argmax_rows, n_blocks - 1,
                 window or 0, float(softcap or 1.0),
                 HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(D),
                 CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
-                TRACK_ARGMAX=argmax is not None, WRITE_LSE=return_lse, WINDOW=window is not None,
+                FLAGGED=plist.disabled is not None, TRACK_ARGMAX=argmax is not None, WRITE_LSE=return_lse, WINDOW=window is not None,
                 SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip

@@ -275,13 +275,13 @@ def test_active_pairs(monkeypatch):
     skip = torch.tensor([[True, False, False], [False, True, True]])
     exact = active_pairs(skip, 2, 3)
     assert exact.grid == 3 and exact.host_fill and exact.pairs.dtype == torch.int32
-    assert exact.pairs.tolist() == [1, 2, 3] and exact.n_enabled.tolist() == [3]
+    assert exact.pairs.tolist() == [1, 2, 3] and exact.disabled is None
     monkeypatch.setenv(SYNC_FREE_ENV, "1")
-    free = active_pairs(skip, 2, 3)  # enabled pairs first, then the disabled ones, each in order
-    assert free.grid == 6 and not free.host_fill and free.pairs.tolist() == [1, 2, 3, 0, 4, 5]
-    assert free.n_enabled.tolist() == [3]
+    free = active_pairs(skip, 2, 3)  # every pair in natural order; the kernels read the flags themselves
+    assert free.grid == 6 and not free.host_fill and free.pairs is None
+    assert free.disabled.tolist() == [True, False, False, False, True, True]
     none = active_pairs(None, 2, 3)
-    assert none.pairs is None and none.grid == 6 and not none.host_fill
+    assert none.pairs is None and none.disabled is None and none.grid == 6 and not none.host_fill
 
 
 def test_grid_mode_is_sync_free_while_a_cuda_graph_is_captured(monkeypatch):
