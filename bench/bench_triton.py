@@ -65,15 +65,17 @@ def _eager_fits(hq: int, m: int, n: int) -> bool:
     return 3 * hq * m * n * 4 < 0.8 * free  # logits, probabilities, a temporary
 
 
-def _sync_free(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run with RETMASK_TRITON_SYNC_FREE=1 (one program per (batch, head) pair, no host sync)."""
+def sync_free_grid(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run in the sync-free grid mode (one program per (batch, head) pair, no host sync), the mode
+    a CUDA-graph capture uses."""
+    from retmask.kernels.triton_common import SYNC_FREE_ENV
 
     def run():
-        os.environ["RETMASK_TRITON_SYNC_FREE"] = "1"
+        os.environ[SYNC_FREE_ENV] = "1"
         try:
             return fn()
         finally:
-            del os.environ["RETMASK_TRITON_SYNC_FREE"]
+            del os.environ[SYNC_FREE_ENV]
 
     return run
 
@@ -129,7 +131,7 @@ def _cases(attention, phase, hq, hkv, d, n, dtype, argmax_rows, skip_half):
         ),
         "triton+argmax(all)": lambda: attention(q, k, v, backend="triton", return_argmax=True),
         "triton, half heads skipped": skipped,
-        "triton, half heads skipped, sync-free grid": _sync_free(skipped),
+        "triton, half heads skipped, sync-free grid": sync_free_grid(skipped),
         "sdpa": lambda: _sdpa(q, k, v),
     }
     if _eager_fits(hq, m, n):

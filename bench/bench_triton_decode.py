@@ -31,7 +31,7 @@ import torch
 from retmask.commands.argtypes import positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_triton import DTYPES, MODELS, _sync_free, add_shape_args  # noqa: E402
+from bench_triton import DTYPES, MODELS, add_shape_args, sync_free_grid  # noqa: E402
 from common import gpu_slug, markdown_table, median, plot_lines, save_figure, write_page  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -56,7 +56,7 @@ def _cases(
         "triton": lambda: attention(q, k, v, backend="triton"),
         "triton+argmax": lambda: attention(q, k, v, backend="triton", return_argmax=True),
         "triton, half heads skipped": lambda: attention(q, k, v, backend="triton", skip_heads=skip),
-        "triton, half heads skipped, sync-free grid": _sync_free(
+        "triton, half heads skipped, sync-free grid": sync_free_grid(
             lambda: attention(q, k, v, backend="triton", skip_heads=skip)
         ),
         "triton launcher only (+argmax)": lambda: decode_forward(

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from retmask.commands.argtypes import positive_int  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_triton import sync_free_grid  # noqa: E402
 from common import (  # noqa: E402
     cpu_kind,
     cpu_label,
@@ -57,20 +58,6 @@ def _stub_launches() -> None:
             setattr(mod, name, _NoLaunch())
 
 
-def _sync_free(fn):
-    """``fn`` run in the sync-free grid mode (what a CUDA-graph capture uses)."""
-    from retmask.kernels.triton_common import SYNC_FREE_ENV
-
-    def run():
-        os.environ[SYNC_FREE_ENV] = "1"
-        try:
-            return fn()
-        finally:
-            del os.environ[SYNC_FREE_ENV]
-
-    return run
-
-
 def _per_call_us(fn, calls: int) -> float:
     """Microseconds per call: the median over 5 rounds of ``calls`` calls, after one untimed round."""
     rounds = time_calls(lambda: [fn() for _ in range(calls)], repeats=5, warmup=1)
@@ -96,7 +83,7 @@ def main() -> int:
         "decode": lambda: attention(q1, k, v, backend="triton"),
         "decode + argmax": lambda: attention(q1, k, v, backend="triton", return_argmax=True),
         "decode, half the heads skipped": lambda: attention(q1, k, v, backend="triton", skip_heads=skip),
-        "decode, half the heads skipped, sync-free grid": _sync_free(
+        "decode, half the heads skipped, sync-free grid": sync_free_grid(
             lambda: attention(q1, k, v, backend="triton", skip_heads=skip)
         ),
         "prefill (256 rows)": lambda: attention(qp, k, v, backend="triton"),
