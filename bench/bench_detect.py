@@ -33,7 +33,8 @@ import retmask  # noqa: E402
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: E402
 from retmask.detect.answers import earlier_answers, prefix_order  # noqa: E402
 from retmask.detect.run import RECALL_THRESHOLD, environment  # noqa: E402
-from retmask.detect.scores import head_scores, mean_matrix, ranking  # noqa: E402
+from retmask.detect.scores import head_scores, mean_matrix  # noqa: E402
+from retmask.heads.compare import compare_scores, score_table  # noqa: E402
 from retmask.hf.linears import torch_linears  # noqa: E402
 from retmask.kernels import cpu_autotune, linear_cpu  # noqa: E402
 from retmask.niah import (  # noqa: E402
@@ -241,15 +242,11 @@ def main() -> None:
     fast_total, ref_total = totals["fast"], totals["reference"]
     nohist_total = totals.get("no-hist")
 
-    from scipy.stats import spearmanr
-
     ref_mean, ref_n = scores_of(ref_res, tests, shape)
     fast_mean, fast_n = scores_of(fast_res, tests, shape)
-    rho = float(spearmanr(ref_mean.ravel(), fast_mean.ravel()).statistic)
-    top_ref, top_fast = ranking(ref_mean)[:10], ranking(fast_mean)[:10]
-    overlap = len(set(top_ref) & set(top_fast))
-    set_ref = {tuple(x) for x in np.argwhere(ref_mean >= 0.1).tolist()}
-    set_fast = {tuple(x) for x in np.argwhere(fast_mean >= 0.1).tolist()}
+    heads = compare_scores(score_table(ref_mean), score_table(fast_mean), labels=("reference", "fast"))
+    rho, overlap = heads.spearman, heads.top_overlap
+    set_ref, set_fast = set(heads.tau_base), set(heads.tau_other)
     same_tokens = sum(ref_res[t.index]["tokens"] == fast_res[t.index]["tokens"] for t in tests)
     same_copies = sum(np.array_equal(ref_res[t.index]["copies"], fast_res[t.index]["copies"]) for t in tests)
     nohist_line = ""

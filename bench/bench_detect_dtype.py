@@ -32,7 +32,8 @@ from common import cpu_kind, cpu_label, machine_description, markdown_table  # n
 
 from retmask.detect import DetectConfig, run_detect  # noqa: E402
 from retmask.detect.run import DetectResult, progress_path, record_path  # noqa: E402
-from retmask.detect.scores import ranking  # noqa: E402
+from retmask.heads import mean_scores as heads_mean_scores  # noqa: E402
+from retmask.heads.compare import compare_scores  # noqa: E402
 from retmask.kernels import linear_cpu  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -44,41 +45,30 @@ def mean_scores(scores: dict[str, list[float]]) -> dict[str, float]:
 
 
 def compare(runs: dict[str, object], base: str, other: str) -> dict:
-    """Per-test and per-head agreement of two ``DetectResult``s of the same grid."""
-    from scipy.stats import spearmanr
-
+    """Per-test and per-head agreement of two ``DetectResult``s of the same grid (the per-head part is
+    ``retmask compare``'s)."""
     a, b = runs[base], runs[other]
     common = sorted(set(a.results) & set(b.results))
     same_answer = [i for i in common if a.results[i]["tokens"] == b.results[i]["tokens"]]
     same_copies = [i for i in same_answer if a.results[i]["copies"] == b.results[i]["copies"]]
     same_counted = sum(a.results[i]["counted"] == b.results[i]["counted"] for i in common)
-    ma, mb = mean_scores(a.scores), mean_scores(b.scores)
-    heads = sorted(ma)
-    va, vb = np.array([ma[h] for h in heads]), np.array([mb[h] for h in heads])
-    set_a = {h for h in heads if ma[h] >= TAU}
-    set_b = {h for h in heads if mb[h] >= TAU}
-    shape = max(int(h.split("-")[0]) for h in heads) + 1, max(int(h.split("-")[1]) for h in heads) + 1
-
-    def top10(m):
-        matrix = np.zeros(shape)
-        for h, v in m.items():
-            ly, hd = map(int, h.split("-"))
-            matrix[ly, hd] = v
-        return {f"{ly}-{hd}" for ly, hd in ranking(matrix)[:10]}
-
+    heads = compare_scores(
+        heads_mean_scores(a.scores, source=base), heads_mean_scores(b.scores, source=other),
+        labels=(base, other), tau=TAU, top_k=10,
+    ).to_json()  # fmt: skip
     return {
         "tests": len(common),
         "identical_answers": len(same_answer),
         "identical_copies_where_answers_agree": f"{len(same_copies)}/{len(same_answer)}",
         "same_counted_decision": same_counted,
         "counted": {base: sum(a.results[i]["counted"] for i in common), other: sum(b.results[i]["counted"] for i in common)},
-        "spearman_over_heads": float(spearmanr(va, vb).statistic),
-        "max_abs_score_difference": float(np.abs(va - vb).max()),
-        "tau_sets": {base: sorted(set_a), other: sorted(set_b)},
-        "tau_sets_equal": set_a == set_b,
-        "tau_jaccard": len(set_a & set_b) / max(len(set_a | set_b), 1),
-        "top10_overlap": len(top10(ma) & top10(mb)),
-        "scores": {base: ma, other: mb},
+        "spearman_over_heads": heads["spearman"],
+        "max_abs_score_difference": heads["max_abs_difference"],
+        "tau_sets": {base: heads["tau_sets"]["base"], other: heads["tau_sets"]["other"]},
+        "tau_sets_equal": heads["tau_sets_equal"],
+        "tau_jaccard": heads["tau_jaccard"],
+        "top10_overlap": heads["top_k_overlap"],
+        "scores": {base: mean_scores(a.scores), other: mean_scores(b.scores)},
     }  # fmt: skip
 
 
