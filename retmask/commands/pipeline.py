@@ -73,6 +73,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-length", type=positive_int, default=d.max_length)
     g.add_argument("--beta", type=positive_float, default=d.beta)
     g.add_argument(
+        "--train-seed",
+        type=nonneg_int,
+        default=d.train_seed,
+        help="seed of DPO's data order and initialisation",
+    )
+    g.add_argument(
         "--telemetry-every", type=nonneg_int, default=d.telemetry_every, help="0 = no retrieval telemetry"
     )
     g = p.add_argument_group("eval")
@@ -110,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         instructions=args.instructions, num_instructions=args.num_instructions, temperature=args.temperature,
         gen_max_new_tokens=args.gen_max_new_tokens, gen_batch_size=args.gen_batch_size, gen_seed=args.gen_seed,
         lr=args.lr, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
-        grad_accum=args.grad_accum, max_length=args.max_length, beta=args.beta, telemetry_every=args.telemetry_every,
+        grad_accum=args.grad_accum, max_length=args.max_length, beta=args.beta, train_seed=args.train_seed,
+        telemetry_every=args.telemetry_every,
         eval_min_len=args.eval_min_len, eval_max_len=args.eval_max_len, eval_lengths=args.eval_lengths,
         eval_depths=args.eval_depths, eval_needles=args.eval_needles, eval_cache=args.eval_cache,
         eval_tasks=list(args.eval_tasks),

@@ -212,23 +212,21 @@ def format_comparison(cmp: ScoreComparison) -> str:
     def corr(x: float) -> str:
         return "undefined (one side is constant)" if math.isnan(x) else f"{x:.4f}"
 
-    lines = [
-        f"{cmp.other} against {cmp.base} ({cmp.grid[0]} layers x {cmp.grid[1]} heads)",
-        f"  Spearman over heads    {corr(cmp.spearman)}",
-        f"  Pearson over heads     {corr(cmp.pearson)}",
-        f"  |score difference|     max {cmp.max_abs_difference:.4f}, mean {cmp.mean_abs_difference:.4f}",
-        f"  heads >= {cmp.tau:g}           {len(cmp.tau_base)} vs {len(cmp.tau_other)}: {len(cmp.tau_shared)} "
-        f"shared, Jaccard {cmp.jaccard:.2f}",
-        f"    only in {cmp.base}: {heads(cmp.only_base)}",
-        f"    only in {cmp.other}: {heads(cmp.only_other)}",
-        f"  top-{cmp.top_k} overlap         {cmp.top_overlap}/{cmp.top_k}",
-    ]
-    if cmp.largest_changes:
-        lines.append("  largest changes        " + ", ".join(
-            f"{head_key(*h)} {a:.3f} -> {b:.3f}" for h, a, b in cmp.largest_changes
-        ))  # fmt: skip
-    else:
-        lines.append("  largest changes        none: every head scores the same")
+    rows = [
+        ("Spearman over heads", corr(cmp.spearman)),
+        ("Pearson over heads", corr(cmp.pearson)),
+        ("|score difference|", f"max {cmp.max_abs_difference:.4f}, mean {cmp.mean_abs_difference:.4f}"),
+        (f"heads >= {cmp.tau:g}", f"{len(cmp.tau_base)} vs {len(cmp.tau_other)}: {len(cmp.tau_shared)} shared, "
+                                  f"Jaccard {cmp.jaccard:.2f}"),
+        (f"  only in {cmp.base}", heads(cmp.only_base)),
+        (f"  only in {cmp.other}", heads(cmp.only_other)),
+        (f"top-{cmp.top_k} overlap", f"{cmp.top_overlap}/{cmp.top_k}"),
+        ("largest changes", ", ".join(f"{head_key(*h)} {a:.3f} -> {b:.3f}" for h, a, b in cmp.largest_changes)
+                            or "none: every head scores the same"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in rows) + 2
+    lines = [f"{cmp.other} against {cmp.base} ({cmp.grid[0]} layers x {cmp.grid[1]} heads)"]
+    lines += [f"  {name.ljust(width)}{value}" for name, value in rows]
     filled = [
         f"{n} heads absent from {label}"
         for n, label in zip(cmp.heads_filled, (cmp.base, cmp.other), strict=True)

@@ -108,7 +108,7 @@ def test_scores_reuse_baseline_and_cli(tiny_dir, tmp_path, capsys):
     )
     run_dir = tmp_path / "run"
     argv = ["pipeline", "--model", str(tiny_dir), "--run-dir", str(run_dir), "--scores", str(scores),
-            "--baseline", "non-retrieval", "--stop-after", "mask", "--no-progress"]  # fmt: skip
+            "--baseline", "non-retrieval", "--stop-after", "mask", "--no-progress", "--train-seed", "3"]  # fmt: skip
     assert cli(argv) == 0
     heads = json.loads((run_dir / "mask" / "heads.json").read_text())
     assert heads["baseline"] == "non-retrieval" and heads["num_heads"] == 1 and heads["heads"] != [[1, 2]]
@@ -116,6 +116,7 @@ def test_scores_reuse_baseline_and_cli(tiny_dir, tmp_path, capsys):
     assert (run_dir / "detect" / "scores.json").read_text() == scores.read_text()
     state = json.loads((run_dir / "pipeline.json").read_text())
     assert state["stages"]["detect"]["source"] == str(scores) and "generate" not in state["stages"]
+    assert state["config"]["train_seed"] == 3 and state["config"]["gen_seed"] == 0
     # a threshold nobody reaches: a clear error
     argv = ["pipeline", "--model", str(tiny_dir), "--run-dir", str(tmp_path / "r2"), "--scores", str(scores),
             "--threshold", "0.9", "--stop-after", "mask", "--no-progress"]  # fmt: skip
