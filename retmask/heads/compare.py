@@ -218,8 +218,6 @@ def format_comparison(cmp: ScoreComparison) -> str:
         ("|score difference|", f"max {cmp.max_abs_difference:.4f}, mean {cmp.mean_abs_difference:.4f}"),
         (f"heads >= {cmp.tau:g}", f"{len(cmp.tau_base)} vs {len(cmp.tau_other)}: {len(cmp.tau_shared)} shared, "
                                   f"Jaccard {cmp.jaccard:.2f}"),
-        (f"  only in {cmp.base}", heads(cmp.only_base)),
-        (f"  only in {cmp.other}", heads(cmp.only_other)),
         (f"top-{cmp.top_k} overlap", f"{cmp.top_overlap}/{cmp.top_k}"),
         ("largest changes", ", ".join(f"{head_key(*h)} {a:.3f} -> {b:.3f}" for h, a, b in cmp.largest_changes)
                             or "none: every head scores the same"),
@@ -227,6 +225,9 @@ def format_comparison(cmp: ScoreComparison) -> str:
     width = max(len(name) for name, _ in rows) + 2
     lines = [f"{cmp.other} against {cmp.base} ({cmp.grid[0]} layers x {cmp.grid[1]} heads)"]
     lines += [f"  {name.ljust(width)}{value}" for name, value in rows]
+    at = 4  # the one-sided heads go under the τ row (labels may be long paths: no column for them)
+    lines[at + 1 : at + 1] = [f"    only in {cmp.base}: {heads(cmp.only_base)}",
+                              f"    only in {cmp.other}: {heads(cmp.only_other)}"]  # fmt: skip
     filled = [
         f"{n} heads absent from {label}"
         for n, label in zip(cmp.heads_filled, (cmp.base, cmp.other), strict=True)

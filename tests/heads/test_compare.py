@@ -75,7 +75,7 @@ def test_compare_scores_sets_top_k_and_changes():
         "difference": pytest.approx(0.25),
     }
     text = " ".join(format_comparison(cmp).split())
-    assert "only in fp32 2-3" in text and "only in bf16 2-0" in text and "top-3 overlap 2/3" in text
+    assert "only in fp32: 2-3" in text and "only in bf16: 2-0" in text and "top-3 overlap 2/3" in text
     assert "largest changes 2-0 0.050 -> 0.300, 1-2 0.500 -> 0.450" in text
 
 
