@@ -250,6 +250,34 @@ def write_page(stem: Path, lines: Sequence[str], payload: dict[str, Any]) -> Non
     print(f"-> {stem}.md")
 
 
+def page_tail(stem: Path, machine: dict[str, str]) -> list[str]:
+    """The end of a result page: its plot (``stem``.png), the machine, and the hand-written findings of
+    ``stem``.notes.md when that file exists."""
+    lines = [
+        "",
+        f"![plot]({stem.with_suffix('.png').name})",
+        "",
+        f"Machine: {', '.join(f'{k} {v}' for k, v in machine.items())}.",
+    ]
+    notes = stem.with_name(stem.name + ".notes.md")
+    return lines + (["", notes.read_text(encoding="utf-8").strip()] if notes.is_file() else [])
+
+
+def paired_stats(differences: Sequence[float]) -> dict[str, Any]:
+    """Per-seed paired differences (A - B): the list, mean, sample std (NaN for one seed), and on how many
+    seeds A is ahead / behind."""
+    import statistics
+
+    diffs = list(differences)
+    return {
+        "per_seed": diffs,
+        "mean": statistics.fmean(diffs),
+        "std": statistics.stdev(diffs) if len(diffs) > 1 else float("nan"),
+        "ahead": sum(d > 0 for d in diffs),
+        "behind": sum(d < 0 for d in diffs),
+    }
+
+
 def run_step(cmd: list[str], done: Path | None, log: list[dict]) -> None:
     """Run one step of a multi-command benchmark unless ``done`` exists (None: always; the command resumes
     itself); record the command line and its wall time in ``log``. A failing command stops the benchmark."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_label, machine_description, markdown_table  # noqa: E402
+from common import cpu_label, machine_description, markdown_table, page_tail, paired_stats, write_page  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -83,14 +82,10 @@ def main() -> None:
         first = None if seed == seeds[0] else args.work / f"s{seeds[0]}"
         summaries[seed] = run_seed(args.work / f"s{seed}", seed, first)
     by_seed = {s: {run: measures(summaries[s], run) for run in ("base", "sft", "mudaf")} for s in seeds}
-    paired = {}
-    for key, _ in MEASURES:
-        diffs = [by_seed[s]["mudaf"][key] - by_seed[s]["sft"][key] for s in seeds]
-        paired[key] = {
-            "per_seed": diffs, "mean": statistics.fmean(diffs),
-            "std": statistics.stdev(diffs) if len(diffs) > 1 else float("nan"),
-            "mudaf_ahead": sum(d > 0 for d in diffs), "mudaf_behind": sum(d < 0 for d in diffs),
-        }  # fmt: skip
+    paired = {
+        key: paired_stats([by_seed[s]["mudaf"][key] - by_seed[s]["sft"][key] for s in seeds])
+        for key, _ in MEASURES
+    }
     machine = machine_description()
     rows = [
         [str(s), ", ".join(summaries[s]["heads"])]
@@ -100,7 +95,7 @@ def main() -> None:
     ]  # fmt: skip
     cmp_rows = [
         [what, ", ".join(f"{x:+.3f}" for x in paired[k]["per_seed"]), f"{paired[k]['mean']:+.3f} ± {paired[k]['std']:.3f}",
-         f"{paired[k]['mudaf_ahead']} ahead, {paired[k]['mudaf_behind']} behind"]
+         f"{paired[k]['ahead']} ahead, {paired[k]['behind']} behind"]
         for k, what in MEASURES
     ]  # fmt: skip
     s0 = summaries[seeds[0]]
@@ -121,21 +116,11 @@ def main() -> None:
         markdown_table(
             ["seed", "sampled heads"] + [w for _, w in MEASURES] + ["train s (SFT / MuDAF)"], rows
         ),
-        "",
-        "![seeds](" + args.out.with_suffix(".png").name + ")",
-        "",
-        f"Machine: {', '.join(f'{k} {v}' for k, v in machine.items())}.",
+        *page_tail(args.out, machine),
     ]
-    notes = args.out.with_name(args.out.name + ".notes.md")
-    if notes.is_file():
-        md += ["", notes.read_text().strip()]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"seeds": seeds, "by_seed": by_seed, "paired_mudaf_minus_sft": paired, "machine": machine,
-         "heads": {s: summaries[s]["heads"] for s in seeds}}, indent=1))  # fmt: skip
+    write_page(args.out, md, {"seeds": seeds, "by_seed": by_seed, "paired_mudaf_minus_sft": paired,
+                              "machine": machine, "heads": {s: summaries[s]["heads"] for s in seeds}})  # fmt: skip
     plot(by_seed, seeds, args.out.with_suffix(".png"))
-    print("\n".join(md))
 
 
 def plot(by_seed: dict, seeds: list[int], path: Path) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_label, machine_description, markdown_table  # noqa: E402
+from common import cpu_label, machine_description, markdown_table, page_tail, paired_stats, write_page  # noqa: E402
 
 from retmask.heads import load_scores  # noqa: E402
 from retmask.heads.keys import RETRIEVAL_TAU  # noqa: E402
@@ -90,15 +89,8 @@ def read_run(path: Path, retrieval: list[tuple[int, int]]) -> dict:
 
 
 def paired(runs: dict, seeds: list[int], base: str, other: str, key: str) -> dict:
-    """Per-seed ``runs[base, s][key] - runs[other, s][key]``, their mean, std and sign count."""
-    diffs = [runs[base, s][key] - runs[other, s][key] for s in seeds]
-    return {
-        "per_seed": diffs,
-        "mean": statistics.fmean(diffs),
-        "std": statistics.stdev(diffs) if len(diffs) > 1 else float("nan"),
-        "ahead": sum(d > 0 for d in diffs),
-        "behind": sum(d < 0 for d in diffs),
-    }
+    """Per-seed ``runs[base, s][key] - runs[other, s][key]`` and their statistics (``common.paired_stats``)."""
+    return paired_stats([runs[base, s][key] - runs[other, s][key] for s in seeds])
 
 
 def sign_test(runs: dict, seeds: list[int], base: str, other: str) -> dict:
@@ -233,25 +225,16 @@ def main() -> None:
             ],
             rows,
         ),  # fmt: skip
-        "",
-        "![seeds](" + args.out.with_suffix(".png").name + ")",
-        "",
-        f"Machine: {', '.join(f'{k} {v}' for k, v in machine.items())}.",
+        *page_tail(args.out, machine),
     ]
-    notes = args.out.with_name(args.out.name + ".notes.md")
-    if notes.is_file():
-        md += ["", notes.read_text().strip()]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
     summary = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "seeds": seeds, "baselines": baselines, "retrieval_heads": [f"{ly}-{h}" for ly, h in retrieval],
         "runs": {f"{b}-s{s}": r for (b, s), r in runs.items()}, "comparisons": comparisons, "sign_tests": tests,
         "wall_seconds_this_invocation": {f"{b}-s{s}": w for (b, s), w in wall.items()}, "machine": machine,
     }  # fmt: skip
-    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    write_page(args.out, md, summary)
     plot(runs, seeds, baselines, args.out.with_suffix(".png"))
-    print("\n".join(md))
 
 
 if __name__ == "__main__":
