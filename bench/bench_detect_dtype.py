@@ -28,7 +28,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,16 +35,12 @@ from common import cpu_kind, cpu_label, machine_description, markdown_table  # n
 
 from retmask.detect import DetectConfig, run_detect  # noqa: E402
 from retmask.detect.run import DetectResult, progress_path, record_path  # noqa: E402
-from retmask.heads import mean_scores as heads_mean_scores  # noqa: E402
+from retmask.heads import head_key, mean_scores  # noqa: E402
 from retmask.heads.compare import compare_scores  # noqa: E402
 from retmask.kernels import cpu_autotune, linear_cpu  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TAU = 0.1
-
-
-def mean_scores(scores: dict[str, list[float]]) -> dict[str, float]:
-    return {head: float(np.mean(v)) if v else 0.0 for head, v in scores.items()}
 
 
 def compare(runs: dict[str, object], base: str, other: str) -> dict:
@@ -56,10 +51,8 @@ def compare(runs: dict[str, object], base: str, other: str) -> dict:
     same_answer = [i for i in common if a.results[i]["tokens"] == b.results[i]["tokens"]]
     same_copies = [i for i in same_answer if a.results[i]["copies"] == b.results[i]["copies"]]
     same_counted = sum(a.results[i]["counted"] == b.results[i]["counted"] for i in common)
-    heads = compare_scores(
-        heads_mean_scores(a.scores, source=base), heads_mean_scores(b.scores, source=other),
-        labels=(base, other), tau=TAU, top_k=10,
-    ).to_json()  # fmt: skip
+    ma, mb = mean_scores(a.scores, source=base), mean_scores(b.scores, source=other)
+    heads = compare_scores(ma, mb, labels=(base, other), tau=TAU, top_k=10).to_json()
     return {
         "tests": len(common),
         "identical_answers": len(same_answer),
@@ -72,7 +65,7 @@ def compare(runs: dict[str, object], base: str, other: str) -> dict:
         "tau_sets_equal": heads["tau_sets_equal"],
         "tau_jaccard": heads["tau_jaccard"],
         "top10_overlap": heads["top_k_overlap"],
-        "scores": {base: mean_scores(a.scores), other: mean_scores(b.scores)},
+        "scores": {base: {head_key(*h): v for h, v in ma.items()}, other: {head_key(*h): v for h, v in mb.items()}},
     }  # fmt: skip
 
 

@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_label, machine_description, markdown_table, page_tail, paired_stats, write_page  # noqa: E402
 
+from retmask.evaluate.shift import split_means  # noqa: E402
 from retmask.heads import load_scores  # noqa: E402
 from retmask.heads.keys import RETRIEVAL_TAU  # noqa: E402
 
@@ -61,16 +62,9 @@ def read_run(path: Path, retrieval: list[tuple[int, int]]) -> dict:
     data = json.loads((path / "eval" / "eval.json").read_text())
     original, trained = data["models"][0], data["models"][-1]
     state = json.loads((path / "pipeline.json").read_text())
-    shape = np.asarray(original["scores"]["mean"]).shape
-    is_retrieval = np.zeros(shape, dtype=bool)
-    for layer, head in retrieval:
-        is_retrieval[layer, head] = True
-
-    def head_means(model: dict) -> tuple[float, float]:
-        mean = np.asarray(model["scores"]["mean"])
-        return float(mean[is_retrieval].mean()), float(mean[~is_retrieval].mean())
-
-    (ret0, oth0), (ret1, oth1) = head_means(original), head_means(trained)
+    (ret0, oth0), (ret1, oth1) = (
+        split_means(np.asarray(m["scores"]["mean"]), retrieval) for m in (original, trained)
+    )
     train_record = json.loads((path / "train" / "model" / "retmask_train.json").read_text())
     return {
         "niah_original": original["tasks"]["niah"],

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from retmask.heads.keys import RETRIEVAL_TAU, Head, SelectionError, head_key
-from retmask.heads.selection import ranked
+from retmask.heads.selection import complete_scores, ranked
 
 
 def average_ranks(values: np.ndarray) -> np.ndarray:
@@ -159,12 +159,10 @@ def compare_scores(
             f"{grid_other[0]} x {grid_other[1]}: these are scores of different models, and retrieval scores "
             "compare head by head only within one model; compare files of the same model"
         )
-    n_layers, n_heads = grid_base
-    heads = [(ly, h) for ly in range(n_layers) for h in range(n_heads)]
-    a = np.array([float(base.get(h, 0.0)) for h in heads])
-    b = np.array([float(other.get(h, 0.0)) for h in heads])
-    full_a = {h: float(x) for h, x in zip(heads, a, strict=True)}
-    full_b = {h: float(x) for h, x in zip(heads, b, strict=True)}
+    full_a, full_b = complete_scores(base, grid_base), complete_scores(other, grid_base)  # absent heads: 0
+    heads = list(full_a)  # layer-major
+    a = np.array([full_a[h] for h in heads])
+    b = np.array([full_b[h] for h in heads])
     difference = np.abs(b - a)
     # Largest changes first; equal changes by (layer, head) so the list never depends on float noise order.
     moved = sorted(range(len(heads)), key=lambda i: (-difference[i], heads[i]))[:changes]
