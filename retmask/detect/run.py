@@ -6,7 +6,7 @@ import hashlib
 import itertools
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from retmask.detect.answers import HistoryFn, answer_tests, earlier_answers, prefix_order
 from retmask.detect.core import FastDetector
+from retmask.detect.prefill_chunk import resolve_prefill_chunk
 from retmask.detect.scores import StabilityTracker, format_summary, head_scores, mean_matrix, summarize
 from retmask.detect.shard import dist_context, gather_results, shard
 from retmask.detect.stopping import stop_token_ids
@@ -64,7 +65,9 @@ class DetectConfig:
     num_lengths: int | None = None
     num_depths: int | None = None
     max_new_tokens: int = 50
-    chunk: int = 256  # prefill chunk = granularity of KV-prefix reuse
+    # prefill chunk = granularity of KV-prefix reuse; None: the device's default (256 on a CPU, 4096 on a
+    # GPU), resolved when the model is loaded, so the run record and the resume check hold the number
+    chunk: int | None = None
     prefill_impl: str = "retmask"  # attention for the prefill (no argmax needed there): "retmask" or "sdpa"
     # Drafts may reuse the model's earlier answers to the same needle (speed only: answers stay greedy).
     # Processes then shard whole needles, so every test sees the same earlier answers in any launch.
@@ -469,6 +472,7 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
         )
     check_context_limit(model, lengths, cfg.max_new_tokens)
     shape = model_shape(model)
+    cfg = replace(cfg, chunk=resolve_prefill_chunk(cfg.chunk, model.device))
 
     rank, world = dist_context()
     if world > 1 and cfg.until_stable:

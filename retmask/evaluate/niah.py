@@ -186,7 +186,7 @@ def evaluate_niah(
     max_new_tokens: int = 50,
     progress: bool = True,
     desc: str = "niah",
-    chunk: int = 256,
+    chunk: int | None = None,
     prompt_style: str = "auto",
 ) -> NiahResult:
     """Run the NIAH grid on ``model`` (retmask attention) with ``heads`` masked throughout.
@@ -196,7 +196,8 @@ def evaluate_niah(
         needles: None (the shipped set), a JSONL path, or a list of :class:`retmask.niah.Needle`.
         haystack_text: None = the default prose haystack.
         heads: None, a list of (layer, head) or a bool [L, Hq] tensor (True = masked).
-        chunk: prefill chunk = granularity of KV-prefix reuse (does not change the answers).
+        chunk: prefill chunk = granularity of KV-prefix reuse (does not change the answers); None: the
+            device's default (256 tokens on a CPU, 4096 on a GPU).
         prompt_style: "auto" | "base" | "chat" (``retmask.niah.resolve_prompt_style``; the resolved one is
             in ``meta["prompt_style"]``).
 

@@ -207,6 +207,7 @@ def test_span_rule_tolerant_runs_tests_the_reference_skips(tmp_path, monkeypatch
         run_detect(DetectConfig(**kw, span_rule="tolerant"), out, **quiet)
     record = json.loads(out.with_name("s.run.json").read_text())
     assert record["config"]["span_rule"] == "tolerant" and record["skipped"] == []
+    assert record["config"]["chunk"] == 256  # DetectConfig's None resolved to the CPU's default and recorded
     assert [t["answer_form"] for t in record["tests"]] == ["mid-sentence", "mid-sentence"]
     assert all(t["answer_tokens"] == 3 for t in record["tests"])
     paths = record["cpu_attention_paths"]
