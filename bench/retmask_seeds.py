@@ -16,6 +16,8 @@ Writes bench/results/retmask_seeds_smollm2.{md,json,png}.
 
     flock /tmp/retmask-heavy.lock python bench/retmask_seeds.py                  # 3 seeds x RetMask / Random-Mask
     python bench/retmask_seeds.py --seeds 0 --baselines retmask --runs /tmp/rs    # one run, quick look
+    flock /tmp/retmask-heavy.lock python bench/retmask_seeds.py --seeds 0,1,2,3,4 \
+        --baselines retmask,random,non-retrieval,sft,win-lose   # the page's study, all the paper's baselines
 """
 
 from __future__ import annotations
@@ -38,14 +40,22 @@ from retmask.heads import load_scores  # noqa: E402
 from retmask.heads.keys import RETRIEVAL_TAU  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LABELS = {"retmask": "RetMask", "random": "Random-Mask", "non-retrieval": "Non-Retrieval-Mask"}
+LABELS = {
+    "retmask": "RetMask",
+    "random": "Random-Mask",
+    "non-retrieval": "Non-Retrieval-Mask",
+    "sft": "SFT on chosen",
+    "win-lose": "Win-Lose-Pair",
+}
 
 
 def pipeline_argv(args: argparse.Namespace, baseline: str, seed: int) -> list[str]:
-    """The ``retmask pipeline`` command of one (baseline, seed) run."""
+    """The ``retmask pipeline`` command of one (baseline, seed) run. "sft" is the paper's SFT baseline: the
+    RetMask run's pairs (same seeds), trained on the chosen responses only."""
+    variant = ["--baseline", "retmask", "--sft"] if baseline == "sft" else ["--baseline", baseline]
     return [
         sys.executable, "-m", "retmask", "pipeline", "--run-dir", str(run_dir(args, baseline, seed)),
-        "--baseline", baseline, "--scores", str(args.scores), "--dtype", args.dtype, "--lr", str(args.lr),
+        *variant, "--scores", str(args.scores), "--dtype", args.dtype, "--lr", str(args.lr),
         "--num-instructions", str(args.num_instructions), "--gen-seed", str(seed), "--mask-seed", str(seed),
         "--train-seed", str(seed), "--telemetry-every", "0", "--eval-tasks", "niah",
         "--eval-lengths", str(args.eval_lengths), "--eval-depths", str(args.eval_depths),
@@ -163,7 +173,7 @@ def main() -> None:
     machine = machine_description()
     first = runs[baselines[0], seeds[0]]
     rows = [
-        [LABELS[b], str(s), str(runs[b, s]["masked_heads"]), f"{runs[b, s]['niah']:.3f}",
+        [LABELS[b], str(s), "-" if b == "sft" else str(runs[b, s]["masked_heads"]), f"{runs[b, s]['niah']:.3f}",
          f"{runs[b, s]['niah_change']:+.3f}", f"{runs[b, s]['retrieval_heads_change']:+.4f}",
          f"{runs[b, s]['other_heads_change']:+.4f}", str(runs[b, s]["counted"]),
          f"{runs[b, s]['stage_seconds'].get('generate') or 0:.0f} / {runs[b, s]['stage_seconds'].get('train') or 0:.0f}"
@@ -187,7 +197,11 @@ def main() -> None:
         "",
         f"Each run: `retmask pipeline` with `--dtype {args.dtype}` (bf16 autocast where the CPU has native "
         f"bf16), lr {args.lr:g} (the paper's is 5e-7: see `retmask_smollm2.md`, where 5e-7 changed no answer at "
-        f"this scale), {args.num_instructions} instructions, DPO 2 epochs at global batch 8, telemetry off; "
+        f"this scale), {args.num_instructions} instructions, DPO 2 epochs at global batch 8 (SFT on chosen: the "
+        "RetMask run's pairs of the same seed, the chosen responses only, same optimiser settings; Win-Lose-Pair: "
+        "two samples of the unmasked model per instruction, the one with the higher ROUGE-L F1 against the "
+        "instruction's reference answer chosen, ties dropped, instructions drawn from those with a reference; "
+        "the paper's judge is Gemma-3-27B-IT), telemetry off; "
         f"detection reused from `{args.scores.name}` ({len(retrieval)} retrieval heads at τ = {RETRIEVAL_TAU}); "
         f"evaluation: NIAH only, {first['niah_tests']} tests ({args.eval_lengths} lengths in 1000-4000 tokens x "
         f"{args.eval_depths} depths x {args.eval_needles} needles), greedy. Original model NIAH: "

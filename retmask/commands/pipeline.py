@@ -39,7 +39,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     ))  # fmt: skip
     p.add_argument("--run-dir", type=Path, default=Path("runs/pipeline"), help="default runs/pipeline")
     p.add_argument("--baseline", choices=VARIANTS, default=d.baseline,
-                   help="heads masked for the rejected responses: retrieval heads (retmask, default) or a baseline")  # fmt: skip
+                   help="what makes the rejected responses: the retrieval heads masked (retmask, default), as many "
+                        "random or non-retrieval heads masked, or win-lose (the paper's Win-Lose-Pair: the worse "
+                        "of two samples of the unmasked model, judged by ROUGE-L F1 against the instructions' "
+                        "reference answers)")  # fmt: skip
     p.add_argument("--scores", help="reuse this retrieval-scores JSON (skips the detection)")
     p.add_argument("--stop-after", choices=STAGES, help="stop after this stage (run again to continue)")
     g = p.add_argument_group("detect")
@@ -77,6 +80,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=nonneg_int,
         default=d.train_seed,
         help="seed of DPO's data order and initialisation",
+    )
+    g.add_argument(
+        "--sft",
+        action="store_true",
+        help="train on the pairs' chosen responses only, without the contrast (the paper's SFT baseline; the "
+        "rejected responses are still generated, so a run with the same seeds trains on RetMask's chosen)",
     )
     g.add_argument(
         "--telemetry-every", type=nonneg_int, default=d.telemetry_every, help="0 = no retrieval telemetry"
@@ -117,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         gen_max_new_tokens=args.gen_max_new_tokens, gen_batch_size=args.gen_batch_size, gen_seed=args.gen_seed,
         lr=args.lr, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
         grad_accum=args.grad_accum, max_length=args.max_length, beta=args.beta, train_seed=args.train_seed,
-        telemetry_every=args.telemetry_every,
+        objective="sft" if args.sft else "dpo", telemetry_every=args.telemetry_every,
         eval_min_len=args.eval_min_len, eval_max_len=args.eval_max_len, eval_lengths=args.eval_lengths,
         eval_depths=args.eval_depths, eval_needles=args.eval_needles, eval_cache=args.eval_cache,
         eval_tasks=list(args.eval_tasks),

@@ -36,6 +36,7 @@ from retmask.methods.retmask.sampling import (
     generate_rows,
     row_seed,
 )
+from retmask.methods.retmask.win_lose import JUDGE, judge_pair
 from retmask.runfiles import atomic_write_json
 
 __all__ = [
@@ -93,31 +94,48 @@ def generate_pairs(
     fingerprint: dict[str, Any] | None = None,
     progress_bar: bool = True,
     on_batch: Callable[[int], None] | None = None,
+    win_lose: bool = False,
 ) -> PairStats:
     """Write preference pairs for ``instructions`` to ``out`` (JSONL) and stats next to it; return the stats.
 
     ``fingerprint``: the settings a resumed run must match (the command passes models, heads, sampling).
     ``on_batch(i)`` is called after batch i is committed (tests use it to interrupt a run).
+    ``win_lose``: the Win-Lose-Pair baseline: no head masked, two samples of the model per instruction,
+    the better one against the instruction's reference chosen (``win_lose.judge_pair``); ties dropped.
     """
     from tqdm.auto import tqdm
 
     if batch_size <= 0:
         raise GenerateError(f"batch size must be positive, got {batch_size}")
     check_unique_ids(instructions)
+    if win_lose:
+        unjudged = [inst.id for inst in instructions if not inst.reference]
+        if unjudged:
+            raise GenerateError(
+                f"the Win-Lose-Pair judge needs a reference answer per instruction; {len(unjudged)} have none "
+                f"(first: {unjudged[0]!r}): keep only instructions with a 'reference' field"
+            )
+        if heads:
+            raise GenerateError("the Win-Lose-Pair baseline masks no head; drop the heads")
     fp = {**(fingerprint or {}), **asdict(sampling), "heads": [list(h) for h in heads or []]}
+    if win_lose:
+        fp["judge"] = JUDGE  # only then, so the fingerprints of earlier runs still resume
     writer = PairWriter(Path(out), fp, resume)
     todo = [inst for inst in instructions if not writer.is_done(inst.id)]
-    meta_common = {"rejected_by": "smaller-model" if rejected_model is not None else "head-mask"}
+    if win_lose:
+        meta_common = {"rejected_by": "win-lose", "judge": JUDGE}
+    else:
+        meta_common = {"rejected_by": "smaller-model" if rejected_model is not None else "head-mask"}
     bar = tqdm(total=len(instructions), initial=len(instructions) - len(todo), desc="pairs", unit="instr",
                disable=not progress_bar)  # fmt: skip
     for i, batch in enumerate(batches(todo, batch_size)):
         start = time.perf_counter()
         results = contrast_batch(
             batch, model, tokenizer, sampling, heads=heads, rejected_model=rejected_model,
-            rejected_tokenizer=rejected_tokenizer,
+            rejected_tokenizer=rejected_tokenizer, same_model=win_lose,
         )  # fmt: skip
         seconds = time.perf_counter() - start
-        records, dropped = [], {"empty": 0, "identical": 0}
+        records, dropped = [], {"empty": 0, "identical": 0, **({"tied": 0} if win_lose else {})}
         texts = [x.prompt for x in batch]
         # input tokens as the model sees them (chat template, incl. any default system prompt) and bare
         prompt_lens = [
@@ -135,6 +153,13 @@ def generate_pairs(
                 dropped[reason] += 1
                 continue
             meta = {**meta_common, "seed": sampling.seed, "instruction_tokens": n_bare}
+            if win_lose:
+                judged = judge_pair(inst.reference, chosen, rejected)
+                if judged is None:
+                    dropped["tied"] += 1
+                    continue
+                chosen, rejected = judged.chosen, judged.rejected
+                meta["quality"] = {"chosen": judged.chosen_quality, "rejected": judged.rejected_quality}
             records.append(pair_record(inst, chosen, rejected, n_prompt, meta))
         writer.commit(records, [x.id for x in batch], dropped, seconds, tokens)
         bar.update(len(batch))

@@ -73,6 +73,11 @@ class PairStats:
             ("pairs", f"{self.pairs}"),
             ("dropped (empty)", f"{self.dropped.get('empty', 0)}"),
             ("dropped (identical)", f"{self.dropped.get('identical', 0)}"),
+            *(
+                [("dropped (tied: the judge could not order them)", f"{self.dropped['tied']}")]
+                if "tied" in self.dropped
+                else []
+            ),
             ("mean input tokens (chat template)", f"{self.mean_prompt_tokens:.1f}"),
             ("mean instruction tokens", f"{self.mean_instruction_tokens:.1f}"),
             ("mean output tokens (chosen)", f"{self.mean_chosen_tokens:.1f}"),

@@ -4,10 +4,12 @@ Layout of ``run_dir``::
 
     pipeline.json            config, and per stage: status, fingerprint, its config, outputs, seconds
     detect/scores.json       retrieval scores (+ scores.run.json, scores.png); a copy of --scores if given
-    mask/heads.json          the masked heads (RetMask: the retrieval heads; baselines: as many other heads)
+    mask/heads.json          the masked heads (RetMask: the retrieval heads; baselines: as many other heads;
+                             win-lose: none)
     mask/retrieval_heads.json  the retrieval heads themselves (what a baseline was matched against)
     generate/pairs.jsonl     chosen / rejected pairs (+ .stats.json, .progress.json)
-    train/model/             the DPO-trained model, retmask_train.json, telemetry.json / .png
+    train/model/             the DPO-trained model (``--sft``: SFT on the chosen responses), retmask_train.json,
+                             telemetry.json / .png
     eval/                    report.md, eval.json, niah.png, tasks.png, shift.png (+ models/ cache)
 
 Resumption. A stage's fingerprint is the hash of its own settings and its inputs' fingerprints. A stage
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from retmask.evaluate.suite import EvalConfig, run_suite
 from retmask.heads import model_shape
 from retmask.heads.selection import load_scores, read_heads, select_heads, write_heads
 from retmask.hf.loading import DTYPES, default_model_path, load_model
-from retmask.methods.retmask.dpo import train_dpo
+from retmask.methods.retmask.dpo import train_dpo, train_sft
 from retmask.methods.retmask.generate import SamplingConfig, generate_pairs
 from retmask.methods.retmask.instructions import load_instructions
 from retmask.methods.retmask.pipeline_config import STAGES, PipelineConfig, PipelineError
@@ -120,7 +122,9 @@ class Pipeline:
         if name == "train":
             return {"model": model, "lr": c.lr, "epochs": c.epochs, "max_steps": c.max_steps, "batch_size": c.batch_size,
                     "grad_accum": c.grad_accum, "max_length": c.max_length, "beta": c.beta, "seed": c.train_seed,
-                    "telemetry_every": c.telemetry_every, "dtype": c.dtype}  # fmt: skip
+                    "telemetry_every": c.telemetry_every, "dtype": c.dtype,
+                    # only when not the default, so runs started before the option still resume
+                    **({"objective": c.objective} if c.objective != "dpo" else {})}  # fmt: skip
         return {"model": model, **self.eval_config_dict()}
 
     def eval_config_dict(self) -> dict:
@@ -218,8 +222,14 @@ class Pipeline:
                 f"no head scores >= {c.threshold} in {scores_path}: nothing to mask; use a lower --threshold or --top-k K"
             )
         baseline = None if c.baseline == "retmask" else c.baseline
-        sel = select_heads(scores, threshold=c.threshold, top_k=c.top_k, baseline=baseline, seed=c.mask_seed,
-                           model_shape=shape, source=str(scores_path)) if baseline else retrieval  # fmt: skip
+        if baseline == "win-lose":  # no head is masked; the file says so and keeps what it is compared with
+            sel = replace(retrieval, heads=[], scores=[], method="none", baseline=baseline,
+                          retrieval_heads=list(retrieval.heads))  # fmt: skip
+        elif baseline:
+            sel = select_heads(scores, threshold=c.threshold, top_k=c.top_k, baseline=baseline, seed=c.mask_seed,
+                               model_shape=shape, source=str(scores_path))  # fmt: skip
+        else:
+            sel = retrieval
         write_heads(retrieval, self.dir / "mask" / "retrieval_heads.json")
         write_heads(sel, self.dir / "mask" / "heads.json")
         self.log(
@@ -231,17 +241,27 @@ class Pipeline:
 
         c = self.cfg
         model, tok = load_model(c.model, dtype=DTYPES[c.dtype])
-        heads = read_heads(self.dir / "mask" / "heads.json", model_shape=model_shape(model)).heads
-        insts = stratified(
-            load_instructions(c.instructions, tokenizer=tok, max_tokens=512), c.num_instructions
+        win_lose = c.baseline == "win-lose"
+        heads = (
+            []
+            if win_lose
+            else read_heads(self.dir / "mask" / "heads.json", model_shape=model_shape(model)).heads
         )
+        pool = load_instructions(c.instructions, tokenizer=tok, max_tokens=512)
+        if win_lose:  # its judge ranks the two samples against the instruction's reference answer
+            pool = [inst for inst in pool if inst.reference]
+            if not pool:
+                raise PipelineError(
+                    f"--baseline win-lose needs instructions with a 'reference' answer; {c.instructions} has none"
+                )
+        insts = stratified(pool, c.num_instructions)
         out = self.dir / "generate" / "pairs.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         sampling = SamplingConfig(c.temperature, c.top_p, c.gen_max_new_tokens, c.gen_seed)
         fp = {"model": c.model or "embedded", "rejected_model": None, "instructions": f"{c.instructions}[:{c.num_instructions}]",
               "column": None, "dtype": c.dtype}  # fmt: skip
         stats = generate_pairs(insts, model, tok, out, sampling, heads=heads, batch_size=c.gen_batch_size,
-                               resume=resume, fingerprint=fp, progress_bar=self.progress)  # fmt: skip
+                               resume=resume, fingerprint=fp, progress_bar=self.progress, win_lose=win_lose)  # fmt: skip
         self.log(stats.table())
         return {"pairs": stats.pairs, "instructions": len(insts)}
 
@@ -257,7 +277,8 @@ class Pipeline:
         if c.telemetry_every:
             heads = read_heads(self.dir / "mask" / "heads.json").heads
             callbacks = [RetrievalTelemetry(heads, c.telemetry_every)]
-        res = train_dpo(self.dir / "generate" / "pairs.jsonl", out, c.model, cfg, callbacks=callbacks)
+        train = train_sft if c.objective == "sft" else train_dpo
+        res = train(self.dir / "generate" / "pairs.jsonl", out, c.model, cfg, callbacks=callbacks)
         return {"steps": res.steps, "seconds_per_step": round(res.seconds_per_step, 2)}
 
     def _eval(self, resume: bool) -> dict:
@@ -265,10 +286,15 @@ class Pipeline:
         c = self.cfg
         ecfg = EvalConfig(**self.eval_config_dict())
         d = self.dir / "eval"
-        heads = [self.dir / "mask" / "heads.json"]
+        heads = [] if c.baseline == "win-lose" else [self.dir / "mask" / "heads.json"]  # win-lose masks none
         if c.baseline != "retmask":
             heads.append(self.dir / "mask" / "retrieval_heads.json")
-        label = "retmask-dpo" if c.baseline == "retmask" else f"{c.baseline}-mask-dpo"
+        if c.objective == "sft":
+            label = "sft-chosen"  # the rejected responses (and so the baseline) play no part
+        else:
+            label = {"retmask": "retmask-dpo", "win-lose": "win-lose-dpo"}.get(
+                c.baseline, f"{c.baseline}-mask-dpo"
+            )
         data = run_suite([c.model, str(self.dir / "train" / "model")], d, ecfg, labels=["original", label],
                          heads_files=heads, cache_dir=c.eval_cache or d / "models", progress=self.progress,
                          log=self.log)  # fmt: skip

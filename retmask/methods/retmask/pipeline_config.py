@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 STAGES = ("detect", "mask", "generate", "train", "eval")
-VARIANTS = ("retmask", "random", "non-retrieval")
+# which responses are rejected: the masked model's (retmask: retrieval heads; random / non-retrieval: as many
+# other heads), or the worse of two samples of the unmasked model (win-lose: Win-Lose-Pair, no head masked)
+VARIANTS = ("retmask", "random", "non-retrieval", "win-lose")
+OBJECTIVES = ("dpo", "sft")
 
 
 class PipelineError(ValueError):
@@ -16,7 +19,9 @@ class PipelineError(ValueError):
 @dataclass
 class PipelineConfig:
     model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
-    baseline: str = "retmask"  # which heads make the rejected responses: retmask | random | non-retrieval
+    baseline: str = (
+        "retmask"  # what makes the rejected responses: retmask | random | non-retrieval | win-lose
+    )
     scores: str | None = None  # reuse this scores JSON instead of running detect
     # float32 | bfloat16 (resolved, never "auto"): weights of detect / generate / eval, bf16 autocast in train
     dtype: str = "float32"
@@ -47,6 +52,8 @@ class PipelineConfig:
     max_length: int = 512
     beta: float = 0.1
     train_seed: int = 0
+    # "dpo" (RetMask) or "sft": the paper's SFT baseline, trained on the pairs' chosen responses only
+    objective: str = "dpo"
     telemetry_every: int = 2
     # eval
     eval_min_len: int = 1000
@@ -66,5 +73,7 @@ class PipelineConfig:
             raise PipelineError("give exactly one of --threshold or --top-k")
         if self.num_instructions <= 0:
             raise PipelineError(f"--num-instructions must be positive, got {self.num_instructions}")
+        if self.objective not in OBJECTIVES:
+            raise PipelineError(f"the training objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.telemetry_every < 0:
             raise PipelineError("--telemetry-every must be >= 0 (0 = off)")

@@ -226,11 +226,19 @@ def contrast_batch(
     heads: Sequence[tuple[int, int]] | None = None,
     rejected_model: Any = None,
     rejected_tokenizer: Any = None,
+    same_model: bool = False,
 ) -> list[tuple[Completion, Completion]]:
-    """(chosen, rejected) for each instruction: one 2b-row batch with per-row masks, or two models."""
+    """(chosen, rejected) for each instruction: one 2b-row batch with per-row masks, or two models.
+    ``same_model``: two samples of the unmasked model per instruction (the Win-Lose-Pair baseline, whose
+    judge orders them afterwards), with the chosen and rejected sides' seeds."""
     prompts = [inst.prompt for inst in instructions]
     seeds = {s: [row_seed(sampling.seed, inst.id, s) for inst in instructions] for s in SIDES}
-    if rejected_model is None:
+    if same_model:
+        rows = generate_rows(
+            model, tokenizer, prompts + prompts, seeds["chosen"] + seeds["rejected"], sampling
+        )
+        chosen, rejected = rows[: len(prompts)], rows[len(prompts) :]
+    elif rejected_model is None:
         if not heads:
             raise GenerateError("give the heads to mask, or a rejected model (the Smaller-Model baseline)")
         shape = model_shape(model)

@@ -124,6 +124,39 @@ def test_scores_reuse_baseline_and_cli(tiny_dir, tmp_path, capsys):
     assert "no head has a retrieval score >= 0.9" in capsys.readouterr().err
 
 
+def test_sft_objective_reuses_the_pairs_and_trains_on_chosen(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--sft changes the train stage only: detect, mask and the pairs of a DPO run with the same seeds are
+    reused, the model is trained by SFT on the chosen responses, and the eval labels it so."""
+    monkeypatch.setattr("retmask.detect.run.RECALL_THRESHOLD", -1.0)
+    run_dir = tmp_path / "run"
+    dpo = PipelineConfig(model=str(tiny_dir), **TINY)
+    assert "objective" not in Pipeline(dpo, run_dir).stage_config("train")  # earlier runs' fingerprints hold
+    run_pipeline(dpo, run_dir, progress=False, log=lambda *a: None, stop_after="generate")
+    before = json.loads((run_dir / "pipeline.json").read_text())["stages"]
+
+    logs: list[str] = []
+    sft = PipelineConfig(model=str(tiny_dir), **TINY, objective="sft")
+    state = run_pipeline(sft, run_dir, progress=False, log=logs.append)
+    assert stages_run(logs) == ["train", "eval"]
+    for stage in ("detect", "mask", "generate"):
+        assert state["stages"][stage]["fingerprint"] == before[stage]["fingerprint"]
+    assert state["stages"]["train"]["config"]["objective"] == "sft"
+    record = json.loads((run_dir / "train" / "model" / "retmask_train.json").read_text())
+    assert record["mode"] == "sft" and record["steps"] == 2
+    ev = json.loads((run_dir / "eval" / "eval.json").read_text())
+    assert [m["label"] for m in ev["models"]] == ["original", "sft-chosen"]
+
+    with pytest.raises(ValueError, match=r"objective must be one of \('dpo', 'sft'\), got 'ppo'"):
+        run_pipeline(
+            PipelineConfig(model=str(tiny_dir), **TINY, objective="ppo"), tmp_path / "r3", progress=False
+        )
+    # the command line's --sft
+    argv = ["pipeline", "--model", str(tiny_dir), "--run-dir", str(tmp_path / "r2"), "--scores",
+            str(run_dir / "detect" / "scores.json"), "--top-k", "2", "--sft", "--stop-after", "mask", "--no-progress"]  # fmt: skip
+    assert cli(argv) == 0
+    assert json.loads((tmp_path / "r2" / "pipeline.json").read_text())["config"]["objective"] == "sft"
+
+
 def test_stratified_subset_covers_categories():
     class I:  # noqa: E742
         def __init__(self, i, c):

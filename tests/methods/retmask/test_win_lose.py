@@ -1,0 +1,129 @@
+"""The Win-Lose-Pair baseline: the judge, two unmasked samples per instruction, ordering, ties, errors,
+and the pipeline's `--baseline win-lose`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from retmask.methods.retmask import generate as C
+from retmask.methods.retmask.instructions import Instruction
+from retmask.methods.retmask.pipeline import PipelineConfig, run_pipeline
+from retmask.methods.retmask.win_lose import JUDGE, judge_pair, quality
+from tests.methods.retmask.test_pipeline import TINY
+
+
+def done(text: str) -> C.Completion:
+    return C.Completion(text, len(text.split()), True)
+
+
+def test_quality_rewards_the_answer_and_little_else():
+    ref = "Brahild Novwick"
+    exact, verbose, wrong = (
+        "Brahild Novwick",
+        "The head archivist is Brahild Novwick, I believe.",
+        "Valrick Yarridge",
+    )
+    assert quality(ref, exact) == 1.0
+    assert 0.0 < quality(ref, verbose) < 1.0
+    assert quality(ref, wrong) == 0.0
+    assert quality("two sunny mornings", "Two sunny morning.") == 1.0  # stemmed, case and punctuation ignored
+
+
+def test_judge_orders_either_way_and_drops_ties():
+    good, bad = done("Brahild Novwick."), done("It is Valrick.")
+    for first, second in ((good, bad), (bad, good)):
+        judged = judge_pair("Brahild Novwick", first, second)
+        assert judged.chosen is good and judged.rejected is bad
+        assert judged.chosen_quality == 1.0 and judged.rejected_quality == 0.0
+    assert judge_pair("Brahild Novwick", done("No idea."), done("Not sure at all.")) is None
+
+
+def test_same_model_samples_are_the_unmasked_rows_with_each_sides_seed(tiny):
+    model, tok = tiny
+    insts = [Instruction(id=f"w{k}", prompt=f"Say a word (#{k}).", reference="word") for k in range(3)]
+    sampling = C.SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5)
+    pairs = C.contrast_batch(insts, model, tok, sampling, same_model=True)
+    for inst, (first, second) in zip(insts, pairs, strict=True):
+        for side, got in (("chosen", first), ("rejected", second)):
+            alone = C.generate_rows(model, tok, [inst.prompt], [C.row_seed(5, inst.id, side)], sampling)[0]
+            assert (got.text, got.num_tokens, got.finished) == (alone.text, alone.num_tokens, alone.finished)
+    assert any(a.text != b.text for a, b in pairs)  # two different samples, not one twice
+
+
+def test_generate_pairs_puts_the_better_sample_first(tmp_path, monkeypatch, tokenizer):
+    ref = "the blue gate"
+    texts = {
+        "a": ("A red door.", "The blue gate."),  # second is better: swapped
+        "b": ("The blue gate.", "A gate."),  # first is better: kept
+        "c": ("Nothing here.", "Nor here."),  # both 0: tied, dropped
+        "d": ("Same.", "Same."),  # identical, dropped before judging
+    }
+
+    def contrast(batch, *args, same_model=False, **kwargs):
+        assert same_model and not kwargs.get("heads")
+        return [(done(texts[i.id][0]), done(texts[i.id][1])) for i in batch]
+
+    monkeypatch.setattr(C, "contrast_batch", contrast)
+    insts = [Instruction(id=k, prompt=f"Where do we meet? ({k})", reference=ref) for k in texts]
+    out = tmp_path / "pairs.jsonl"
+    stats = C.generate_pairs(insts, None, tokenizer, out, C.SamplingConfig(), batch_size=3, progress_bar=False,
+                             win_lose=True)  # fmt: skip
+    rows = C.read_pairs(out)
+    assert [r["id"] for r in rows] == ["a", "b"]
+    assert [r["chosen"][0]["content"] for r in rows] == ["The blue gate.", "The blue gate."]
+    assert [r["rejected"][0]["content"] for r in rows] == ["A red door.", "A gate."]
+    for r in rows:
+        meta = r["metadata"]
+        assert meta["rejected_by"] == "win-lose" and meta["judge"] == JUDGE
+        assert meta["quality"]["chosen"] > meta["quality"]["rejected"]
+    assert stats.dropped == {"empty": 0, "identical": 1, "tied": 1} and stats.instructions == 4
+    assert "dropped (tied" in stats.table()
+    settings = json.loads(C.stats_path(out).read_text())["settings"]
+    assert settings["judge"] == JUDGE and settings["heads"] == []
+
+
+def test_generate_pairs_refuses_what_the_judge_cannot_do(tmp_path, tokenizer):
+    with_ref = Instruction(id="x", prompt="Name it.", reference="it")
+    no_ref = Instruction(id="y", prompt="Write a poem.")
+    with pytest.raises(
+        C.GenerateError, match=r"needs a reference answer per instruction; 1 have none \(first: 'y'\)"
+    ):
+        C.generate_pairs([with_ref, no_ref], None, tokenizer, tmp_path / "p.jsonl", C.SamplingConfig(),
+                         progress_bar=False, win_lose=True)  # fmt: skip
+    with pytest.raises(C.GenerateError, match="masks no head"):
+        C.generate_pairs([with_ref], None, tokenizer, tmp_path / "p.jsonl", C.SamplingConfig(), heads=[(0, 1)],
+                         progress_bar=False, win_lose=True)  # fmt: skip
+
+
+def test_pipeline_win_lose_masks_nothing_and_uses_referenced_instructions(tiny_dir, tmp_path, monkeypatch):
+    import retmask.methods.retmask.pipeline as P
+    from retmask.methods.retmask.instructions import load_instructions
+
+    monkeypatch.setattr("retmask.detect.run.RECALL_THRESHOLD", -1.0)
+    used = []
+
+    def recording(insts, *args, **kwargs):
+        used.extend(insts)
+        assert kwargs["win_lose"] and kwargs["heads"] == []
+        return C.generate_pairs(insts, *args, **kwargs)
+
+    monkeypatch.setattr(P, "generate_pairs", recording)
+    run_dir = tmp_path / "run"
+    cfg = PipelineConfig(model=str(tiny_dir), **{**TINY, "baseline": "win-lose", "temperature": 1.0})
+    run_pipeline(cfg, run_dir, progress=False, log=lambda *a: None, stop_after="generate")
+    heads = json.loads((run_dir / "mask" / "heads.json").read_text())
+    retrieval = json.loads((run_dir / "mask" / "retrieval_heads.json").read_text())
+    assert heads["heads"] == [] and heads["baseline"] == "win-lose" and heads["method"] == "none"
+    assert heads["retrieval_heads"] == retrieval["heads"] and len(retrieval["heads"]) == 2
+    # four instructions, all with a reference answer, still one per category first
+    referenced = {i.id: i for i in load_instructions("builtin") if i.reference}
+    assert len(used) == TINY["num_instructions"] and all(i.id in referenced for i in used)
+    assert len({i.id.split("-")[0] for i in used}) == len(used)
+    stats = json.loads((run_dir / "generate" / "pairs.stats.json").read_text())
+    assert (
+        stats["instructions"] == len(used)
+        and "tied" in stats["dropped"]
+        and stats["settings"]["judge"] == JUDGE
+    )
