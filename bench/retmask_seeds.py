@@ -129,8 +129,10 @@ def plot(runs: dict, seeds: list[int], baselines: list[str], path: Path) -> None
         ax.set_xticks(x, [f"seed {s}" for s in seeds])
         ax.axhline(0, color="grey", lw=0.7)
         ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    # one legend under both panels: inside a panel it hides the bars of the last seeds
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncols=len(baselines), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -207,7 +209,8 @@ def main() -> None:
         f"{args.eval_depths} depths x {args.eval_needles} needles), greedy. Original model NIAH: "
         f"{first['niah_original']:.3f}.",
         "",
-        "## Paired by seed (same instructions and generation seed)",
+        "## Paired by seed (same generation seed; same instructions except Win-Lose-Pair's, drawn from those "
+        "with a reference answer)",
         "",
         markdown_table(["difference", "measure", "per seed", "mean ± std", "RetMask"], cmp_rows),
         "",
