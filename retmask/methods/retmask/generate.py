@@ -115,8 +115,11 @@ def generate_pairs(
                 f"the Win-Lose-Pair judge needs a reference answer per instruction; {len(unjudged)} have none "
                 f"(first: {unjudged[0]!r}): keep only instructions with a 'reference' field"
             )
-        if heads:
-            raise GenerateError("the Win-Lose-Pair baseline masks no head; drop the heads")
+        if heads or rejected_model is not None:
+            raise GenerateError(
+                "the Win-Lose-Pair baseline samples the one model twice and masks no head; drop the heads and "
+                "the rejected model"
+            )
     fp = {**(fingerprint or {}), **asdict(sampling), "heads": [list(h) for h in heads or []]}
     if win_lose:
         fp["judge"] = JUDGE  # only then, so the fingerprints of earlier runs still resume

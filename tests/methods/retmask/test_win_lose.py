@@ -92,9 +92,10 @@ def test_generate_pairs_refuses_what_the_judge_cannot_do(tmp_path, tokenizer):
     ):
         C.generate_pairs([with_ref, no_ref], None, tokenizer, tmp_path / "p.jsonl", C.SamplingConfig(),
                          progress_bar=False, win_lose=True)  # fmt: skip
-    with pytest.raises(C.GenerateError, match="masks no head"):
-        C.generate_pairs([with_ref], None, tokenizer, tmp_path / "p.jsonl", C.SamplingConfig(), heads=[(0, 1)],
-                         progress_bar=False, win_lose=True)  # fmt: skip
+    for extra in (dict(heads=[(0, 1)]), dict(rejected_model=object())):
+        with pytest.raises(C.GenerateError, match="samples the one model twice and masks no head"):
+            C.generate_pairs([with_ref], None, tokenizer, tmp_path / "p.jsonl", C.SamplingConfig(),
+                             progress_bar=False, win_lose=True, **extra)  # fmt: skip
 
 
 def test_pipeline_win_lose_masks_nothing_and_uses_referenced_instructions(tiny_dir, tmp_path, monkeypatch):
