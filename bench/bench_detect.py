@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_kind, cpu_label, dtype_suffix, gpu_slug, machine_description, markdown_table  # noqa: E402
 
 import retmask  # noqa: E402
+from retmask.commands.argtypes import positive_int  # noqa: E402
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: E402
 from retmask.detect.answers import earlier_answers, prefix_order  # noqa: E402
 from retmask.detect.prefill_chunk import resolve_prefill_chunk  # noqa: E402
@@ -140,7 +141,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--chunk",
-        type=int,
+        type=positive_int,
         default=None,
         help="prefill chunk (default: the device's, 256 on a CPU, 4096 on a GPU)",
     )

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, save_figure, write_page  # noqa: E402
+from common import markdown_table, page_tail, save_figure, write_page  # noqa: E402
 
 SAME_RUN_KEYS = ("device", "model", "dtype", "grid", "haystack_sha256")
 
@@ -98,10 +98,7 @@ def main() -> int:
                 for r in rows
             ],
         ),  # fmt: skip
-        "",
-        f"![plot]({args.out.with_suffix('.png').name})",
-        "",
-        f"Machine: {', '.join(f'{k} {v}' for k, v in first['machine'].items())}.",
+        *page_tail(args.out, first["machine"]),
         "",
     ]
     write_page(

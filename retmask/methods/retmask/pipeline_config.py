@@ -19,9 +19,8 @@ class PipelineError(ValueError):
 @dataclass
 class PipelineConfig:
     model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
-    baseline: str = (
-        "retmask"  # what makes the rejected responses: retmask | random | non-retrieval | win-lose
-    )
+    # what makes the rejected responses: retmask | random | non-retrieval | win-lose (see VARIANTS)
+    baseline: str = "retmask"
     scores: str | None = None  # reuse this scores JSON instead of running detect
     # float32 | bfloat16 (resolved, never "auto"): weights of detect / generate / eval, bf16 autocast in train
     dtype: str = "float32"

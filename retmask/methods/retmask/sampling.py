@@ -234,8 +234,9 @@ def contrast_batch(
     prompts = [inst.prompt for inst in instructions]
     seeds = {s: [row_seed(sampling.seed, inst.id, s) for inst in instructions] for s in SIDES}
     if same_model:
+        # two stacked copies of the prompts: their prefill is shared (``retmask.hf.shared_prefill``)
         rows = generate_rows(
-            model, tokenizer, prompts + prompts, seeds["chosen"] + seeds["rejected"], sampling
+            model, tokenizer, prompts + prompts, seeds["chosen"] + seeds["rejected"], sampling, copies=2
         )
         chosen, rejected = rows[: len(prompts)], rows[len(prompts) :]
     elif rejected_model is None:
