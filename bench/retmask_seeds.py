@@ -88,6 +88,8 @@ def read_run(path: Path, retrieval: list[tuple[int, int]]) -> dict:
         "counted": trained["scores"]["counted"],
         "stage_seconds": {k: v.get("seconds") for k, v in state["stages"].items()},
         "masked_heads": len(json.loads((path / "mask" / "heads.json").read_text())["heads"]),
+        "pairs": json.loads((path / "generate" / "pairs.stats.json").read_text())["pairs"],
+        "instructions_used": json.loads((path / "generate" / "pairs.stats.json").read_text())["instructions"],
         "train_record": train_record,
     }
 
@@ -176,6 +178,7 @@ def main() -> None:
     first = runs[baselines[0], seeds[0]]
     rows = [
         [LABELS[b], str(s), "-" if b == "sft" else str(runs[b, s]["masked_heads"]), f"{runs[b, s]['niah']:.3f}",
+         f"{runs[b, s]['pairs']} / {runs[b, s]['instructions_used']}",
          f"{runs[b, s]['niah_change']:+.3f}", f"{runs[b, s]['retrieval_heads_change']:+.4f}",
          f"{runs[b, s]['other_heads_change']:+.4f}", str(runs[b, s]["counted"]),
          f"{runs[b, s]['stage_seconds'].get('generate') or 0:.0f} / {runs[b, s]['stage_seconds'].get('train') or 0:.0f}"
@@ -202,8 +205,9 @@ def main() -> None:
         f"this scale), {args.num_instructions} instructions, DPO 2 epochs at global batch 8 (SFT on chosen: the "
         "RetMask run's pairs of the same seed, the chosen responses only, same optimiser settings; Win-Lose-Pair: "
         "two samples of the unmasked model per instruction, the one with the higher ROUGE-L F1 against the "
-        "instruction's reference answer chosen, ties dropped, instructions drawn from those with a reference; "
-        "the paper's judge is Gemma-3-27B-IT), telemetry off; "
+        "instruction's reference answer chosen, instructions drawn from those with a reference; its judge ties "
+        "often, and tied pairs are dropped and made up by further instructions, so it trains on as many pairs "
+        "as the others; the paper's judge is Gemma-3-27B-IT), telemetry off; "
         f"detection reused from `{args.scores.name}` ({len(retrieval)} retrieval heads at τ = {RETRIEVAL_TAU}); "
         f"evaluation: NIAH only, {first['niah_tests']} tests ({args.eval_lengths} lengths in 1000-4000 tokens x "
         f"{args.eval_depths} depths x {args.eval_needles} needles), greedy. Original model NIAH: "
@@ -228,6 +232,7 @@ def main() -> None:
                 "seed",
                 "masked heads",
                 "NIAH",
+                "pairs / instructions",
                 "NIAH change",
                 "retrieval heads' score change",
                 "other heads' change",

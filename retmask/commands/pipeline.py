@@ -42,7 +42,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="what makes the rejected responses: the retrieval heads masked (retmask, default), as many "
                         "random or non-retrieval heads masked, or win-lose (the paper's Win-Lose-Pair: the worse "
                         "of two samples of the unmasked model, judged by ROUGE-L F1 against the instructions' "
-                        "reference answers)")  # fmt: skip
+                        "reference answers; it draws further instructions until it has --num-instructions pairs, "
+                        "since that judge ties often)")  # fmt: skip
     p.add_argument("--scores", help="reuse this retrieval-scores JSON (skips the detection)")
     p.add_argument("--stop-after", choices=STAGES, help="stop after this stage (run again to continue)")
     g = p.add_argument_group("detect")
@@ -61,7 +62,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("generate")
     g.add_argument("--instructions", default=d.instructions, help="'builtin' or a file / datasets name")
     g.add_argument("--num-instructions", type=positive_int, default=d.num_instructions,
-                   help=f"stratified subset size (default {d.num_instructions})")  # fmt: skip
+                   help=f"stratified subset size (default {d.num_instructions}); win-lose: the number of pairs "
+                        "to make")  # fmt: skip
     g.add_argument("--temperature", type=nonneg_float, default=d.temperature)
     g.add_argument("--gen-max-new-tokens", type=positive_int, default=d.gen_max_new_tokens)
     g.add_argument("--gen-batch-size", type=positive_int, default=d.gen_batch_size)

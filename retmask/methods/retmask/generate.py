@@ -95,6 +95,7 @@ def generate_pairs(
     progress_bar: bool = True,
     on_batch: Callable[[int], None] | None = None,
     win_lose: bool = False,
+    target_pairs: int | None = None,
 ) -> PairStats:
     """Write preference pairs for ``instructions`` to ``out`` (JSONL) and stats next to it; return the stats.
 
@@ -102,11 +103,17 @@ def generate_pairs(
     ``on_batch(i)`` is called after batch i is committed (tests use it to interrupt a run).
     ``win_lose``: the Win-Lose-Pair baseline: no head masked, two samples of the model per instruction,
     the better one against the instruction's reference chosen (``win_lose.judge_pair``); ties dropped.
+    ``target_pairs``: stop once this many pairs are written, taking ``instructions`` in order only as far
+    as needed (the instructions after the one that completes the target are not handled, so a resumed run
+    stops at the same place). Without it every instruction is handled. Fewer pairs than the target when
+    the instructions run out.
     """
     from tqdm.auto import tqdm
 
     if batch_size <= 0:
         raise GenerateError(f"batch size must be positive, got {batch_size}")
+    if target_pairs is not None and target_pairs <= 0:
+        raise GenerateError(f"the target number of pairs must be positive, got {target_pairs}")
     check_unique_ids(instructions)
     if win_lose:
         unjudged = [inst.id for inst in instructions if not inst.reference]
@@ -123,15 +130,24 @@ def generate_pairs(
     fp = {**(fingerprint or {}), **asdict(sampling), "heads": [list(h) for h in heads or []]}
     if win_lose:
         fp["judge"] = JUDGE  # only then, so the fingerprints of earlier runs still resume
+    if target_pairs is not None:
+        fp["target_pairs"] = target_pairs  # likewise
     writer = PairWriter(Path(out), fp, resume)
     todo = [inst for inst in instructions if not writer.is_done(inst.id)]
+    written = len(read_pairs(writer.out))  # pairs already on disk (a resumed run)
     if win_lose:
         meta_common = {"rejected_by": "win-lose", "judge": JUDGE}
     else:
         meta_common = {"rejected_by": "smaller-model" if rejected_model is not None else "head-mask"}
-    bar = tqdm(total=len(instructions), initial=len(instructions) - len(todo), desc="pairs", unit="instr",
-               disable=not progress_bar)  # fmt: skip
+    if target_pairs is None:
+        bar = tqdm(total=len(instructions), initial=len(instructions) - len(todo), desc="pairs", unit="instr",
+                   disable=not progress_bar)  # fmt: skip
+    else:  # the work is counted in pairs: how many instructions it takes depends on the drops
+        bar = tqdm(total=target_pairs, initial=min(written, target_pairs), desc="pairs", unit="pair",
+                   disable=not progress_bar)  # fmt: skip
     for i, batch in enumerate(batches(todo, batch_size)):
+        if target_pairs is not None and written >= target_pairs:
+            break
         start = time.perf_counter()
         results = contrast_batch(
             batch, model, tokenizer, sampling, heads=heads, rejected_model=rejected_model,
@@ -146,11 +162,14 @@ def generate_pairs(
             for ids in tokenizer(chat_prompts(tokenizer, texts), add_special_tokens=False)["input_ids"]
         ]
         bare_lens = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        tokens = 0
+        tokens, handled = 0, []
         for inst, (chosen, rejected), n_prompt, n_bare in zip(
             batch, results, prompt_lens, bare_lens, strict=True
         ):
-            tokens += chosen.num_tokens + rejected.num_tokens
+            tokens += chosen.num_tokens + rejected.num_tokens  # generated, whether used or not
+            if target_pairs is not None and written + len(records) >= target_pairs:
+                continue  # the target is met: the rest of the batch stays unhandled
+            handled.append(inst.id)
             reason = drop_reason(chosen, rejected)
             if reason is not None:
                 dropped[reason] += 1
@@ -164,8 +183,9 @@ def generate_pairs(
                 chosen, rejected = judged.chosen, judged.rejected
                 meta["quality"] = {"chosen": judged.chosen_quality, "rejected": judged.rejected_quality}
             records.append(pair_record(inst, chosen, rejected, n_prompt, meta))
-        writer.commit(records, [x.id for x in batch], dropped, seconds, tokens)
-        bar.update(len(batch))
+        writer.commit(records, handled, dropped, seconds, tokens)
+        written += len(records)
+        bar.update(len(batch) if target_pairs is None else len(records))
         bar.set_postfix(tok_s=f"{writer.progress.generated_tokens / max(writer.progress.seconds, 1e-9):.0f}")
         if on_batch is not None:
             on_batch(i)

@@ -254,16 +254,23 @@ class Pipeline:
                 raise PipelineError(
                     f"--baseline win-lose needs instructions with a 'reference' answer; {c.instructions} has none"
                 )
-        insts = stratified(pool, c.num_instructions)
+        # Win-Lose-Pair draws further instructions (same stratified order) until it has as many pairs as the
+        # other variants get from --num-instructions: its ROUGE judge ties often, the paper's LLM judge picks one
+        insts = stratified(pool, len(pool) if win_lose else c.num_instructions)
+        target = c.num_instructions if win_lose else None
         out = self.dir / "generate" / "pairs.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         sampling = SamplingConfig(c.temperature, c.top_p, c.gen_max_new_tokens, c.gen_seed)
         fp = {"model": c.model or "embedded", "rejected_model": None, "instructions": f"{c.instructions}[:{c.num_instructions}]",
               "column": None, "dtype": c.dtype}  # fmt: skip
         stats = generate_pairs(insts, model, tok, out, sampling, heads=heads, batch_size=c.gen_batch_size,
-                               resume=resume, fingerprint=fp, progress_bar=self.progress, win_lose=win_lose)  # fmt: skip
+                               resume=resume, fingerprint=fp, progress_bar=self.progress, win_lose=win_lose,
+                               target_pairs=target)  # fmt: skip
         self.log(stats.table())
-        return {"pairs": stats.pairs, "instructions": len(insts)}
+        if target is not None and stats.pairs < target:
+            self.log(f"[pipeline] warning: {stats.pairs} pairs, fewer than {target}: every instruction with a "
+                     "reference answer was used")  # fmt: skip
+        return {"pairs": stats.pairs, "instructions": stats.instructions}
 
     def _train(self, resume: bool) -> dict:
 

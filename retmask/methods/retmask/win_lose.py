@@ -5,8 +5,9 @@ In the RetMask paper this baseline samples two responses from the same model, an
 quality, without any head masked. No such judge runs here; the responses are ranked against the
 instruction's known answer (``Instruction.reference``) by ROUGE-L F1 with stemming, which rewards a
 response that contains the answer and little else. Pairs whose two responses score the same are dropped
-("tied"), and instructions without a reference cannot be judged (the pipeline draws this baseline's
-instructions from those that have one).
+("tied"; the pipeline makes up for them with further instructions, so this baseline trains on as many
+pairs as the masked variants), and instructions without a reference cannot be judged (the pipeline draws
+this baseline's instructions from those that have one).
 """
 
 from __future__ import annotations

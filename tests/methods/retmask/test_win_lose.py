@@ -10,7 +10,7 @@ import pytest
 from retmask.methods.retmask import generate as C
 from retmask.methods.retmask.instructions import Instruction
 from retmask.methods.retmask.pipeline import PipelineConfig, run_pipeline
-from retmask.methods.retmask.win_lose import JUDGE, judge_pair, quality
+from retmask.methods.retmask.win_lose import JUDGE, JudgedPair, judge_pair, quality
 from tests.methods.retmask.test_pipeline import TINY
 
 
@@ -111,6 +111,15 @@ def test_pipeline_win_lose_masks_nothing_and_uses_referenced_instructions(tiny_d
         return C.generate_pairs(insts, *args, **kwargs)
 
     monkeypatch.setattr(P, "generate_pairs", recording)
+    # the tiny random model's samples all score 0 against any reference; a judge that ties every third
+    # pair still shows the top-up
+    calls = []
+
+    def every_third_tied(reference, first, second):
+        calls.append(1)
+        return None if len(calls) % 3 == 0 else JudgedPair(first, second, 1.0, 0.0)
+
+    monkeypatch.setattr(C, "judge_pair", every_third_tied)
     run_dir = tmp_path / "run"
     cfg = PipelineConfig(model=str(tiny_dir), **{**TINY, "baseline": "win-lose", "temperature": 1.0})
     run_pipeline(cfg, run_dir, progress=False, log=lambda *a: None, stop_after="generate")
@@ -118,13 +127,83 @@ def test_pipeline_win_lose_masks_nothing_and_uses_referenced_instructions(tiny_d
     retrieval = json.loads((run_dir / "mask" / "retrieval_heads.json").read_text())
     assert heads["heads"] == [] and heads["baseline"] == "win-lose" and heads["method"] == "none"
     assert heads["retrieval_heads"] == retrieval["heads"] and len(retrieval["heads"]) == 2
-    # four instructions, all with a reference answer, still one per category first
-    referenced = {i.id: i for i in load_instructions("builtin") if i.reference}
-    assert len(used) == TINY["num_instructions"] and all(i.id in referenced for i in used)
-    assert len({i.id.split("-")[0] for i in used}) == len(used)
+    # every instruction with a reference answer is offered, one per category first; the first
+    # num_instructions of that order are the stratified draw the other variants would make of the same pool
+    referenced = [i for i in load_instructions("builtin") if i.reference]
+    n = TINY["num_instructions"]
+    assert sorted(i.id for i in used) == sorted(i.id for i in referenced)
+    assert [i.id for i in used[:n]] == [i.id for i in P.stratified(referenced, n)]
+    assert len({i.id.split("-")[0] for i in used[:n]}) == n
     stats = json.loads((run_dir / "generate" / "pairs.stats.json").read_text())
-    assert (
-        stats["instructions"] == len(used)
-        and "tied" in stats["dropped"]
-        and stats["settings"]["judge"] == JUDGE
-    )
+    assert stats["pairs"] == n  # ties and drops are made up by further instructions
+    assert stats["instructions"] == n + sum(stats["dropped"].values())
+    assert stats["dropped"]["tied"] >= 1 and stats["settings"]["judge"] == JUDGE
+    assert stats["settings"]["target_pairs"] == n
+
+
+def scripted_contrast(texts: dict[str, tuple[str, str]]):
+    def contrast(batch, *args, **kwargs):
+        return [(done(texts[i.id][0]), done(texts[i.id][1])) for i in batch]
+
+    return contrast
+
+
+# t: tied, w: a pair; pairs come from instructions 0, 2, 3, 5, 6
+PATTERN = "wtwwtwwww"
+
+
+def patterned(ref: str = "the blue gate") -> tuple[list[Instruction], dict[str, tuple[str, str]]]:
+    texts = {
+        f"i{k}": ("The blue gate.", "A red door.") if c == "w" else ("Nothing.", "Nor this.")
+        for k, c in enumerate(PATTERN)
+    }
+    return [Instruction(id=k, prompt=f"Where? ({k})", reference=ref) for k in texts], texts
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 4, 16])
+def test_target_pairs_takes_instructions_only_as_far_as_needed(tmp_path, monkeypatch, tokenizer, batch_size):
+    insts, texts = patterned()
+    monkeypatch.setattr(C, "contrast_batch", scripted_contrast(texts))
+    out = tmp_path / "pairs.jsonl"
+    stats = C.generate_pairs(insts, None, tokenizer, out, C.SamplingConfig(), batch_size=batch_size,
+                             progress_bar=False, win_lose=True, target_pairs=5)  # fmt: skip
+    assert [r["id"] for r in C.read_pairs(out)] == ["i0", "i2", "i3", "i5", "i6"]
+    # handled: up to the instruction that completed the target, whatever the batch size
+    progress = json.loads(C.progress_path(out).read_text())
+    assert progress["done"] == [f"i{k}" for k in range(7)] and progress["complete"]
+    assert stats.pairs == 5 and stats.dropped["tied"] == 2 and stats.instructions == 7
+    assert json.loads(C.stats_path(out).read_text())["settings"]["target_pairs"] == 5
+
+
+def test_target_pairs_resumes_to_the_same_file_and_runs_short_when_instructions_run_out(
+    tmp_path, monkeypatch, tokenizer
+):
+    insts, texts = patterned()
+    monkeypatch.setattr(C, "contrast_batch", scripted_contrast(texts))
+    whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
+    kw = dict(progress_bar=False, win_lose=True, target_pairs=5, batch_size=2)
+    C.generate_pairs(insts, None, tokenizer, whole, C.SamplingConfig(), **kw)
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_after_second(i):
+        if i == 1:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        C.generate_pairs(insts, None, tokenizer, cut, C.SamplingConfig(), on_batch=stop_after_second, **kw)
+    assert [r["id"] for r in C.read_pairs(cut)] == ["i0", "i2", "i3"]  # of the first four instructions
+    with pytest.raises(C.GenerateError, match="different settings"):  # the target is part of the settings
+        C.generate_pairs(insts, None, tokenizer, cut, C.SamplingConfig(), resume=True,
+                         **{**kw, "target_pairs": 6})  # fmt: skip
+    C.generate_pairs(insts, None, tokenizer, cut, C.SamplingConfig(), resume=True, **kw)
+    assert cut.read_bytes() == whole.read_bytes()
+
+    short = tmp_path / "short.jsonl"
+    stats = C.generate_pairs(insts, None, tokenizer, short, C.SamplingConfig(),
+                             **{**kw, "target_pairs": 50})  # fmt: skip
+    assert stats.pairs == PATTERN.count("w") and stats.instructions == len(PATTERN)
+    with pytest.raises(C.GenerateError, match="target number of pairs must be positive, got 0"):
+        C.generate_pairs(insts, None, tokenizer, tmp_path / "z.jsonl", C.SamplingConfig(),
+                         **{**kw, "target_pairs": 0})  # fmt: skip
