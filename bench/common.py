@@ -263,18 +263,36 @@ def page_tail(stem: Path, machine: dict[str, str]) -> list[str]:
     return lines + (["", notes.read_text(encoding="utf-8").strip()] if notes.is_file() else [])
 
 
+def sign_test_p(won: int, lost: int) -> float:
+    """Exact two-sided sign-test p-value of ``won`` against ``lost`` (ties already dropped); 1.0 if both 0."""
+    import math
+
+    n, k = won + lost, min(won, lost)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+
+
 def paired_stats(differences: Sequence[float]) -> dict[str, Any]:
-    """Per-seed paired differences (A - B): the list, mean, sample std (NaN for one seed), and on how many
-    seeds A is ahead / behind."""
+    """Per-seed paired differences (A - B): the list, mean, sample std (NaN for one seed), the 95%
+    t-interval of the mean (NaN for one seed; it assumes the per-seed differences are roughly normal), on
+    how many seeds A is ahead / behind, and the exact sign-test p-value of ahead against behind."""
+    import math
     import statistics
 
+    from scipy.stats import t
+
     diffs = list(differences)
+    mean = statistics.fmean(diffs)
+    std = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
+    half = t.ppf(0.975, len(diffs) - 1) * std / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    ahead, behind = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
     return {
         "per_seed": diffs,
-        "mean": statistics.fmean(diffs),
-        "std": statistics.stdev(diffs) if len(diffs) > 1 else float("nan"),
-        "ahead": sum(d > 0 for d in diffs),
-        "behind": sum(d < 0 for d in diffs),
+        "mean": mean,
+        "std": std,
+        "ci95": [mean - half, mean + half],
+        "ahead": ahead,
+        "behind": behind,
+        "p_sign_seeds": sign_test_p(ahead, behind),
     }
 
 

@@ -95,7 +95,8 @@ def main() -> None:
     ]  # fmt: skip
     cmp_rows = [
         [what, ", ".join(f"{x:+.3f}" for x in paired[k]["per_seed"]), f"{paired[k]['mean']:+.3f} ± {paired[k]['std']:.3f}",
-         f"{paired[k]['ahead']} ahead, {paired[k]['behind']} behind"]
+         f"{paired[k]['ci95'][0]:+.3f} to {paired[k]['ci95'][1]:+.3f}",
+         f"{paired[k]['ahead']} ahead, {paired[k]['behind']} behind", f"{paired[k]['p_sign_seeds']:.3g}"]
         for k, what in MEASURES
     ]  # fmt: skip
     s0 = summaries[seeds[0]]
@@ -109,7 +110,10 @@ def main() -> None:
         "",
         "## MuDAF - SFT, paired by seed (same heads, same data order and steps)",
         "",
-        markdown_table(["measure", "per seed", "mean ± std", "MuDAF"], cmp_rows),
+        "Mean ± sample std of the per-seed differences; 95% CI: t-interval of that mean; p: exact two-sided sign "
+        "test of the seeds ahead against those behind.",
+        "",
+        markdown_table(["measure", "per seed", "mean ± std", "95% CI", "MuDAF", "p (seeds)"], cmp_rows),
         "",
         "## Per seed (original → vanilla SFT / MuDAF)",
         "",

@@ -18,13 +18,15 @@ Writes bench/results/retmask_seeds_smollm2.{md,json,png}.
     python bench/retmask_seeds.py --seeds 0 --baselines retmask --runs /tmp/rs    # one run, quick look
     flock /tmp/retmask-heavy.lock python bench/retmask_seeds.py --seeds 0,1,2,3,4 \
         --baselines retmask,random,non-retrieval,sft,win-lose   # the page's study, all the paper's baselines
+    python bench/retmask_seeds.py --no-launch --seeds 0,1,2,3,4,5,6,7,8,9 \
+        --baselines retmask,random,non-retrieval,sft,win-lose   # render the finished runs only: each
+                                                                # comparison over the seeds both sides have
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import time
@@ -33,7 +35,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_label, machine_description, markdown_table, page_tail, paired_stats, write_page  # noqa: E402
+from common import (  # noqa: E402
+    cpu_label,
+    machine_description,
+    markdown_table,
+    page_tail,
+    paired_stats,
+    sign_test_p,
+    write_page,
+)
 
 from retmask.evaluate.shift import split_means  # noqa: E402
 from retmask.heads import load_scores  # noqa: E402
@@ -65,6 +75,16 @@ def pipeline_argv(args: argparse.Namespace, baseline: str, seed: int) -> list[st
 
 def run_dir(args: argparse.Namespace, baseline: str, seed: int) -> Path:
     return args.runs / f"{baseline}-s{seed}"
+
+
+def finished(args: argparse.Namespace, baseline: str, seed: int) -> bool:
+    return (run_dir(args, baseline, seed) / "eval" / "eval.json").is_file()
+
+
+def seeds_label(shared: dict[str, list[int]]) -> str:
+    """How many seeds the comparisons use: "5", or "5-10" when they differ."""
+    counts = sorted({len(v) for v in shared.values()})
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
 
 
 def read_run(path: Path, retrieval: list[tuple[int, int]]) -> dict:
@@ -107,9 +127,7 @@ def sign_test(runs: dict, seeds: list[int], base: str, other: str) -> dict:
     for s in seeds:
         for a, b in zip(runs[base, s]["per_test_recall"], runs[other, s]["per_test_recall"], strict=True):
             wins, losses, ties = wins + (a > b), losses + (a < b), ties + (a == b)
-    n, k = wins + losses, min(wins, losses)
-    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
-    return {"won": wins, "lost": losses, "tied": ties, "p_two_sided": p}
+    return {"won": wins, "lost": losses, "tied": ties, "p_two_sided": sign_test_p(wins, losses)}
 
 
 def plot(runs: dict, seeds: list[int], baselines: list[str], path: Path) -> None:
@@ -118,12 +136,13 @@ def plot(runs: dict, seeds: list[int], baselines: list[str], path: Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 1.6 * len(seeds) + 2), 4))  # room for 5 bars a seed
     width = 0.8 / len(baselines)
     x = np.arange(len(seeds))
     for i, b in enumerate(baselines):
         for ax, key in zip(axes, ("niah_change", "retrieval_heads_change"), strict=True):
-            ax.bar(x + (i - (len(baselines) - 1) / 2) * width, [runs[b, s][key] for s in seeds], width,
+            ax.bar(x + (i - (len(baselines) - 1) / 2) * width,
+                   [runs[b, s][key] if (b, s) in runs else np.nan for s in seeds], width,
                    label=LABELS[b])  # fmt: skip
     for ax, title in zip(
         axes, ("NIAH change (trained - original)", "retrieval heads' score change"), strict=True
@@ -152,6 +171,9 @@ def main() -> None:
     ap.add_argument("--eval-depths", type=int, default=5)
     ap.add_argument("--eval-needles", type=int, default=6)
     ap.add_argument("--out", type=Path, default=RESULTS / "retmask_seeds_smollm2")
+    ap.add_argument("--no-launch", action="store_true",
+                    help="start no pipeline: render the finished runs among --seeds x --baselines, each comparison "
+                         "over the seeds where both of its runs are finished")  # fmt: skip
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     baselines = args.baselines.split(",")
@@ -161,19 +183,32 @@ def main() -> None:
     wall = {}
     for seed in seeds:  # seed-major: an interrupted study still has complete pairs
         for baseline in baselines:
-            if (run_dir(args, baseline, seed) / "eval" / "eval.json").is_file():
+            if args.no_launch or finished(args, baseline, seed):
                 continue
             print(f"== {LABELS[baseline]}, seed {seed}", flush=True)
             start = time.perf_counter()
             subprocess.run(pipeline_argv(args, baseline, seed), check=True)
             wall[baseline, seed] = time.perf_counter() - start
     retrieval = sorted(h for h, s in load_scores(args.scores).items() if s >= RETRIEVAL_TAU)
-    runs = {(b, s): read_run(run_dir(args, b, s), retrieval) for b in baselines for s in seeds}
+    runs = {
+        (b, s): read_run(run_dir(args, b, s), retrieval)
+        for b in baselines
+        for s in seeds
+        if finished(args, b, s)
+    }
+    shared = {
+        other: [s for s in seeds if ("retmask", s) in runs and (other, s) in runs] for other in baselines[1:]
+    }
+    if not all(shared.values()) or ("retmask", seeds[0]) not in runs:
+        raise SystemExit(f"no seed with finished runs of RetMask and each baseline: {shared}")
     comparisons = {
-        other: {key: paired(runs, seeds, "retmask", other, key) for key in ("niah", "retrieval_heads_change")}
+        other: {
+            key: paired(runs, shared[other], "retmask", other, key)
+            for key in ("niah", "retrieval_heads_change")
+        }
         for other in baselines[1:]
     }
-    tests = {other: sign_test(runs, seeds, "retmask", other) for other in baselines[1:]}
+    tests = {other: sign_test(runs, shared[other], "retmask", other) for other in baselines[1:]}
     machine = machine_description()
     first = runs[baselines[0], seeds[0]]
     rows = [
@@ -183,22 +218,31 @@ def main() -> None:
          f"{runs[b, s]['other_heads_change']:+.4f}", str(runs[b, s]["counted"]),
          f"{runs[b, s]['stage_seconds'].get('generate') or 0:.0f} / {runs[b, s]['stage_seconds'].get('train') or 0:.0f}"
          f" / {runs[b, s]['stage_seconds'].get('eval') or 0:.0f}"]
-        for s in seeds for b in baselines
+        for s in seeds for b in baselines if (b, s) in runs
     ]  # fmt: skip
     cmp_rows = []
     for other, c in comparisons.items():
         for key, what in (("niah", "NIAH"), ("retrieval_heads_change", "retrieval heads' score change")):
             d = c[key]
             cmp_rows.append([
-                f"RetMask - {LABELS[other]}", what, ", ".join(f"{x:+.4f}" for x in d["per_seed"]),
-                f"{d['mean']:+.4f} ± {d['std']:.4f}", f"{d['ahead']} ahead, {d['behind']} behind",
+                f"RetMask - {LABELS[other]}", what, str(len(shared[other])), ", ".join(f"{x:+.4f}" for x in d["per_seed"]),
+                f"{d['mean']:+.4f} ± {d['std']:.4f}", f"{d['ci95'][0]:+.4f} to {d['ci95'][1]:+.4f}",
+                f"{d['ahead']} ahead, {d['behind']} behind", f"{d['p_sign_seeds']:.3g}",
             ])  # fmt: skip
     test_rows = [
-        [f"RetMask vs {LABELS[o]}", str(t["won"]), str(t["lost"]), str(t["tied"]), f"{t['p_two_sided']:.3g}"]
+        [
+            f"RetMask vs {LABELS[o]}",
+            str(len(shared[o])),
+            str(t["won"]),
+            str(t["lost"]),
+            str(t["tied"]),
+            f"{t['p_two_sided']:.3g}",
+        ]
         for o, t in tests.items()
     ]
     md = [
-        f"# RetMask vs baselines over {len(seeds)} seeds (embedded SmolLM2-135M-Instruct, {cpu_label(machine)})",
+        f"# RetMask vs baselines over {seeds_label(shared)} seeds (embedded SmolLM2-135M-Instruct, "
+        f"{cpu_label(machine)})",
         "",
         f"Each run: `retmask pipeline` with `--dtype {args.dtype}` (bf16 autocast where the CPU has native "
         f"bf16), lr {args.lr:g} (the paper's is 5e-7: see `retmask_smollm2.md`, where 5e-7 changed no answer at "
@@ -216,13 +260,19 @@ def main() -> None:
         "## Paired by seed (same generation seed; same instructions except Win-Lose-Pair's, drawn from those "
         "with a reference answer)",
         "",
-        markdown_table(["difference", "measure", "per seed", "mean ± std", "RetMask"], cmp_rows),
+        "Mean ± sample std of the per-seed differences; 95% CI: t-interval of that mean (the seeds are the "
+        "independent units); p: exact two-sided sign test of the seeds ahead against those behind.",
+        "",
+        markdown_table(
+            ["difference", "measure", "seeds", "per seed", "mean ± std", "95% CI", "RetMask", "p (seeds)"],
+            cmp_rows,
+        ),  # fmt: skip
         "",
         f"Per NIAH test, pooled over the seeds (the same {first['niah_tests']} prompts in every run; a test is won "
         "when its ROUGE-1 recall is higher; p: exact two-sided sign test of won against lost, ties dropped; "
         "tests of one seed share the trained model, so they are not independent and p is optimistic):",
         "",
-        markdown_table(["comparison", "tests won", "lost", "tied", "p"], test_rows),
+        markdown_table(["comparison", "seeds", "tests won", "lost", "tied", "p"], test_rows),
         "",
         "## Runs",
         "",
@@ -245,7 +295,7 @@ def main() -> None:
     ]
     summary = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "seeds": seeds, "baselines": baselines, "retrieval_heads": [f"{ly}-{h}" for ly, h in retrieval],
+        "seeds": seeds, "seeds_per_comparison": shared, "baselines": baselines, "retrieval_heads": [f"{ly}-{h}" for ly, h in retrieval],
         "runs": {f"{b}-s{s}": r for (b, s), r in runs.items()}, "comparisons": comparisons, "sign_tests": tests,
         "wall_seconds_this_invocation": {f"{b}-s{s}": w for (b, s), w in wall.items()}, "machine": machine,
     }  # fmt: skip

@@ -43,7 +43,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "random or non-retrieval heads masked, or win-lose (the paper's Win-Lose-Pair: the worse "
                         "of two samples of the unmasked model, judged by ROUGE-L F1 against the instructions' "
                         "reference answers; it draws further instructions until it has --num-instructions pairs, "
-                        "since that judge ties often)")  # fmt: skip
+                        "since that judge ties often), or smaller-model (the paper's Smaller-Model: the rejected "
+                        "responses from --rejected-model, nothing masked)")  # fmt: skip
+    p.add_argument("--rejected-model", help="with --baseline smaller-model: the smaller model whose responses are "
+                   "rejected (hub id, local folder or GGUF; its own tokenizer and chat template)")  # fmt: skip
     p.add_argument("--scores", help="reuse this retrieval-scores JSON (skips the detection)")
     p.add_argument("--stop-after", choices=STAGES, help="stop after this stage (run again to continue)")
     g = p.add_argument_group("detect")
@@ -121,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
 
     threshold = args.threshold if args.threshold is not None else (None if args.top_k is not None else 0.1)
     cfg = PipelineConfig(
-        model=args.model, dtype=resolve_training_dtype(args.dtype), baseline=args.baseline, scores=args.scores, protocol=args.protocol,
+        model=args.model, dtype=resolve_training_dtype(args.dtype), baseline=args.baseline, rejected_model=args.rejected_model,
+        scores=args.scores, protocol=args.protocol,
         detect_min_len=args.detect_min_len, detect_max_len=args.detect_max_len, detect_lengths=args.detect_lengths,
         detect_depths=args.detect_depths, threshold=threshold, top_k=args.top_k, mask_seed=args.mask_seed,
         instructions=args.instructions, num_instructions=args.num_instructions, temperature=args.temperature,

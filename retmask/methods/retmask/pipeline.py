@@ -5,7 +5,7 @@ Layout of ``run_dir``::
     pipeline.json            config, and per stage: status, fingerprint, its config, outputs, seconds
     detect/scores.json       retrieval scores (+ scores.run.json, scores.png); a copy of --scores if given
     mask/heads.json          the masked heads (RetMask: the retrieval heads; baselines: as many other heads;
-                             win-lose: none)
+                             win-lose and smaller-model: none)
     mask/retrieval_heads.json  the retrieval heads themselves (what a baseline was matched against)
     generate/pairs.jsonl     chosen / rejected pairs (+ .stats.json, .progress.json)
     train/model/             the DPO-trained model (``--sft``: SFT on the chosen responses), retmask_train.json,
@@ -41,7 +41,7 @@ from retmask.hf.loading import DTYPES, default_model_path, load_model
 from retmask.methods.retmask.dpo import train_dpo, train_sft
 from retmask.methods.retmask.generate import SamplingConfig, generate_pairs
 from retmask.methods.retmask.instructions import load_instructions
-from retmask.methods.retmask.pipeline_config import STAGES, PipelineConfig, PipelineError
+from retmask.methods.retmask.pipeline_config import STAGES, UNMASKED_VARIANTS, PipelineConfig, PipelineError
 from retmask.methods.retmask.telemetry import RetrievalTelemetry
 from retmask.methods.retmask.train_config import TrainConfig
 from retmask.runfiles import (
@@ -118,7 +118,10 @@ class Pipeline:
         if name == "generate":
             return {"model": model, "instructions": c.instructions, "n": c.num_instructions, "temperature": c.temperature,
                     "top_p": c.top_p, "max_new_tokens": c.gen_max_new_tokens, "batch_size": c.gen_batch_size,
-                    "seed": c.gen_seed, "dtype": c.dtype}  # fmt: skip
+                    "seed": c.gen_seed, "dtype": c.dtype,
+                    # only where they apply, so the runs of the other variants still resume
+                    **({"rejected_model": c.rejected_model} if c.rejected_model else {}),
+                    **({"target_pairs": c.num_instructions} if c.baseline == "win-lose" else {})}  # fmt: skip
         if name == "train":
             return {"model": model, "lr": c.lr, "epochs": c.epochs, "max_steps": c.max_steps, "batch_size": c.batch_size,
                     "grad_accum": c.grad_accum, "max_length": c.max_length, "beta": c.beta, "seed": c.train_seed,
@@ -222,7 +225,9 @@ class Pipeline:
                 f"no head scores >= {c.threshold} in {scores_path}: nothing to mask; use a lower --threshold or --top-k K"
             )
         baseline = None if c.baseline == "retmask" else c.baseline
-        if baseline == "win-lose":  # no head is masked; the file says so and keeps what it is compared with
+        if (
+            baseline in UNMASKED_VARIANTS
+        ):  # no head is masked; the file says so and keeps what it is compared with
             sel = replace(retrieval, heads=[], scores=[], method="none", baseline=baseline,
                           retrieval_heads=list(retrieval.heads))  # fmt: skip
         elif baseline:
@@ -244,9 +249,12 @@ class Pipeline:
         win_lose = c.baseline == "win-lose"
         heads = (
             []
-            if win_lose
+            if c.baseline in UNMASKED_VARIANTS
             else read_heads(self.dir / "mask" / "heads.json", model_shape=model_shape(model)).heads
         )
+        rejected_model = rejected_tok = None
+        if c.rejected_model:  # smaller-model: its own tokenizer and chat template, in the same dtype
+            rejected_model, rejected_tok = load_model(c.rejected_model, dtype=DTYPES[c.dtype])
         pool = load_instructions(c.instructions, tokenizer=tok, max_tokens=512)
         if win_lose:  # its judge ranks the two samples against the instruction's reference answer
             pool = [inst for inst in pool if inst.reference]
@@ -261,10 +269,11 @@ class Pipeline:
         out = self.dir / "generate" / "pairs.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         sampling = SamplingConfig(c.temperature, c.top_p, c.gen_max_new_tokens, c.gen_seed)
-        fp = {"model": c.model or "embedded", "rejected_model": None, "instructions": f"{c.instructions}[:{c.num_instructions}]",
-              "column": None, "dtype": c.dtype}  # fmt: skip
-        stats = generate_pairs(insts, model, tok, out, sampling, heads=heads, batch_size=c.gen_batch_size,
-                               resume=resume, fingerprint=fp, progress_bar=self.progress, win_lose=win_lose,
+        fp = {"model": c.model or "embedded", "rejected_model": c.rejected_model,
+              "instructions": f"{c.instructions}[:{c.num_instructions}]", "column": None, "dtype": c.dtype}  # fmt: skip
+        stats = generate_pairs(insts, model, tok, out, sampling, heads=heads, rejected_model=rejected_model,
+                               rejected_tokenizer=rejected_tok, batch_size=c.gen_batch_size, resume=resume,
+                               fingerprint=fp, progress_bar=self.progress, win_lose=win_lose,
                                target_pairs=target)  # fmt: skip
         self.log(stats.table())
         if target is not None and stats.pairs < target:
@@ -282,8 +291,14 @@ class Pipeline:
                           dtype=c.dtype)  # fmt: skip
         callbacks = None
         if c.telemetry_every:
-            heads = read_heads(self.dir / "mask" / "heads.json").heads
-            callbacks = [RetrievalTelemetry(heads, c.telemetry_every)]
+            if c.baseline in UNMASKED_VARIANTS:  # nothing masked: follow the retrieval heads themselves
+                heads = read_heads(self.dir / "mask" / "retrieval_heads.json").heads
+                callbacks = [
+                    RetrievalTelemetry(heads, c.telemetry_every, heads_label="retrieval heads, none masked")
+                ]
+            else:
+                heads = read_heads(self.dir / "mask" / "heads.json").heads
+                callbacks = [RetrievalTelemetry(heads, c.telemetry_every)]
         train = train_sft if c.objective == "sft" else train_dpo
         res = train(self.dir / "generate" / "pairs.jsonl", out, c.model, cfg, callbacks=callbacks)
         return {"steps": res.steps, "seconds_per_step": round(res.seconds_per_step, 2)}
@@ -293,15 +308,19 @@ class Pipeline:
         c = self.cfg
         ecfg = EvalConfig(**self.eval_config_dict())
         d = self.dir / "eval"
-        heads = [] if c.baseline == "win-lose" else [self.dir / "mask" / "heads.json"]  # win-lose masks none
+        heads = (
+            [] if c.baseline in UNMASKED_VARIANTS else [self.dir / "mask" / "heads.json"]
+        )  # they mask none
         if c.baseline != "retmask":
             heads.append(self.dir / "mask" / "retrieval_heads.json")
         if c.objective == "sft":
             label = "sft-chosen"  # the rejected responses (and so the baseline) play no part
         else:
-            label = {"retmask": "retmask-dpo", "win-lose": "win-lose-dpo"}.get(
-                c.baseline, f"{c.baseline}-mask-dpo"
-            )
+            label = {
+                "retmask": "retmask-dpo",
+                "win-lose": "win-lose-dpo",
+                "smaller-model": "smaller-model-dpo",
+            }.get(c.baseline, f"{c.baseline}-mask-dpo")
         data = run_suite([c.model, str(self.dir / "train" / "model")], d, ecfg, labels=["original", label],
                          heads_files=heads, cache_dir=c.eval_cache or d / "models", progress=self.progress,
                          log=self.log)  # fmt: skip

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 STAGES = ("detect", "mask", "generate", "train", "eval")
 # which responses are rejected: the masked model's (retmask: retrieval heads; random / non-retrieval: as many
-# other heads), or the worse of two samples of the unmasked model (win-lose: Win-Lose-Pair, no head masked)
-VARIANTS = ("retmask", "random", "non-retrieval", "win-lose")
+# other heads), the worse of two samples of the unmasked model (win-lose: Win-Lose-Pair, no head masked), or
+# a second, weaker model's (smaller-model: Smaller-Model, --rejected-model, no head masked)
+VARIANTS = ("retmask", "random", "non-retrieval", "win-lose", "smaller-model")
+UNMASKED_VARIANTS = ("win-lose", "smaller-model")  # their rejected responses come from an unmasked model
 OBJECTIVES = ("dpo", "sft")
 
 
@@ -19,8 +21,9 @@ class PipelineError(ValueError):
 @dataclass
 class PipelineConfig:
     model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
-    # what makes the rejected responses: retmask | random | non-retrieval | win-lose (see VARIANTS)
+    # what makes the rejected responses: retmask | random | non-retrieval | win-lose | smaller-model (VARIANTS)
     baseline: str = "retmask"
+    rejected_model: str | None = None  # smaller-model: the model of the rejected responses (id, folder, GGUF)
     scores: str | None = None  # reuse this scores JSON instead of running detect
     # float32 | bfloat16 (resolved, never "auto"): weights of detect / generate / eval, bf16 autocast in train
     dtype: str = "float32"
@@ -68,6 +71,16 @@ class PipelineConfig:
             raise PipelineError(f"--dtype must resolve to float32 or bfloat16, got {self.dtype!r}")
         if self.baseline not in VARIANTS:
             raise PipelineError(f"--baseline must be one of {VARIANTS}, got {self.baseline!r}")
+        if self.baseline == "smaller-model" and not self.rejected_model:
+            raise PipelineError(
+                "--baseline smaller-model needs --rejected-model: the smaller model whose responses are rejected "
+                "(a hub id, a local folder or a GGUF file; it may use another tokenizer)"
+            )
+        if self.rejected_model and self.baseline != "smaller-model":
+            raise PipelineError(
+                f"--rejected-model is the Smaller-Model baseline's; add --baseline smaller-model (got --baseline "
+                f"{self.baseline}), or drop --rejected-model"
+            )
         if (self.threshold is None) == (self.top_k is None):
             raise PipelineError("give exactly one of --threshold or --top-k")
         if self.num_instructions <= 0:

@@ -6,7 +6,9 @@ the end it runs a small fixed NIAH probe (``retmask.evaluate.shift``: a few dete
 the detection fast path with argmax capture, the Wu et al. score per head) on the model being trained and
 logs
 
-* ``retrieval/masked_mean``: mean retrieval score of the masked heads (the heads file used for the pairs),
+* ``retrieval/masked_mean``: mean retrieval score of the masked heads (the heads file used for the pairs;
+  a baseline that masks no head tracks the retrieval heads instead, under the same key, ``heads_label``
+  saying which),
 * ``retrieval/other_mean``: mean retrieval score of every other head,
 * ``retrieval/probe_recall`` (mean ROUGE-1 recall of the probe answers) and ``retrieval/probe_counted``
   (tests passing the ROUGE-1 > 0.5 filter, the only ones that score),
@@ -68,6 +70,8 @@ class RetrievalTelemetry(TrainerCallback):
         lengths, depths, num_needles: the probe grid (shipped needles and haystack).
         max_new_tokens: answer budget per test (the probe's needles need ~20 tokens).
         out_dir: where ``telemetry.json`` / ``.png`` go (default: the trainer's ``output_dir``).
+        heads_label: what ``heads`` are, for the plot's legend and ``telemetry.json`` (default "masked heads";
+            a baseline that masks none tracks e.g. "retrieval heads, none masked").
 
     Call :meth:`bind` with the trainer (``retmask train`` does) so entries go through ``Trainer.log``;
     unbound, entries are appended to ``state.log_history`` and printed.
@@ -84,12 +88,14 @@ class RetrievalTelemetry(TrainerCallback):
         num_needles: int = PROBE_NEEDLES,
         max_new_tokens: int = 32,
         out_dir: str | Path | None = None,
+        heads_label: str = "masked heads",
     ):
         if every <= 0:
             raise ValueError(f"telemetry interval must be a positive number of steps, got {every}")
         if not heads:
             raise ValueError("telemetry needs the masked heads (the heads file used to make the pairs)")
         self.heads = [(int(a), int(b)) for a, b in heads]
+        self.heads_label = heads_label
         self.every = int(every)
         self.tokenizer = tokenizer
         self.grid = (tuple(lengths), tuple(depths), int(num_needles))
@@ -191,6 +197,7 @@ class RetrievalTelemetry(TrainerCallback):
         return {
             "every": self.every,
             "heads": [list(h) for h in self.heads],
+            "heads_label": self.heads_label,
             "probe": {
                 "lengths": list(lengths), "depths": list(depths), "needles": num_needles,
                 "tests": probe.keys if probe else [], "skipped": probe.skipped if probe else [],
@@ -210,7 +217,10 @@ class RetrievalTelemetry(TrainerCallback):
         steps = [h["step"] for h in self.history]
         fig, ax = plt.subplots(figsize=(6, 3.6))
         ax.plot(
-            steps, [h["masked_mean"] for h in self.history], "o-", label=f"masked heads ({len(self.heads)})"
+            steps,
+            [h["masked_mean"] for h in self.history],
+            "o-",
+            label=f"{self.heads_label} ({len(self.heads)})",
         )
         ax.plot(steps, [h["other_mean"] for h in self.history], "s-", label="other heads")
         ax.set_xlabel("optimizer step")
