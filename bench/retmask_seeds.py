@@ -136,7 +136,10 @@ def plot(runs: dict, seeds: list[int], baselines: list[str], path: Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 1.6 * len(seeds) + 2), 4))  # room for 5 bars a seed
+    # side by side for a few seeds; one above the other for many, so each panel keeps room for 5 bars a seed
+    stacked = len(seeds) > 6
+    fig, axes = plt.subplots(2 if stacked else 1, 1 if stacked else 2,
+                             figsize=(max(10.0, 1.1 * len(seeds) + 1), 7 if stacked else 4))  # fmt: skip
     width = 0.8 / len(baselines)
     x = np.arange(len(seeds))
     for i, b in enumerate(baselines):
@@ -153,7 +156,7 @@ def plot(runs: dict, seeds: list[int], baselines: list[str], path: Path) -> None
     # one legend under both panels: inside a panel it hides the bars of the last seeds
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncols=len(baselines), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.04 if stacked else 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
