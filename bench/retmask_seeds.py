@@ -96,6 +96,7 @@ def read_run(path: Path, retrieval: list[tuple[int, int]]) -> dict:
         split_means(np.asarray(m["scores"]["mean"]), retrieval) for m in (original, trained)
     )
     train_record = json.loads((path / "train" / "model" / "retmask_train.json").read_text())
+    pair_stats = json.loads((path / "generate" / "pairs.stats.json").read_text())
     return {
         "niah_original": original["tasks"]["niah"],
         "niah": trained["tasks"]["niah"],
@@ -108,8 +109,8 @@ def read_run(path: Path, retrieval: list[tuple[int, int]]) -> dict:
         "counted": trained["scores"]["counted"],
         "stage_seconds": {k: v.get("seconds") for k, v in state["stages"].items()},
         "masked_heads": len(json.loads((path / "mask" / "heads.json").read_text())["heads"]),
-        "pairs": json.loads((path / "generate" / "pairs.stats.json").read_text())["pairs"],
-        "instructions_used": json.loads((path / "generate" / "pairs.stats.json").read_text())["instructions"],
+        "pairs": pair_stats["pairs"],
+        "instructions_used": pair_stats["instructions"],
         "train_record": train_record,
     }
 

@@ -134,7 +134,8 @@ def generate_pairs(
         fp["target_pairs"] = target_pairs  # likewise
     writer = PairWriter(Path(out), fp, resume)
     todo = [inst for inst in instructions if not writer.is_done(inst.id)]
-    written = len(read_pairs(writer.out))  # pairs already on disk (a resumed run)
+    # pairs already on disk (a resumed run); only a target needs the count
+    written = len(read_pairs(writer.out)) if target_pairs is not None else 0
     if win_lose:
         meta_common = {"rejected_by": "win-lose", "judge": JUDGE}
     else:

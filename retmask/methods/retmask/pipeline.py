@@ -225,9 +225,8 @@ class Pipeline:
                 f"no head scores >= {c.threshold} in {scores_path}: nothing to mask; use a lower --threshold or --top-k K"
             )
         baseline = None if c.baseline == "retmask" else c.baseline
-        if (
-            baseline in UNMASKED_VARIANTS
-        ):  # no head is masked; the file says so and keeps what it is compared with
+        # no head is masked; the file says so and keeps what it is compared with
+        if baseline in UNMASKED_VARIANTS:
             sel = replace(retrieval, heads=[], scores=[], method="none", baseline=baseline,
                           retrieval_heads=list(retrieval.heads))  # fmt: skip
         elif baseline:
@@ -291,14 +290,12 @@ class Pipeline:
                           dtype=c.dtype)  # fmt: skip
         callbacks = None
         if c.telemetry_every:
-            if c.baseline in UNMASKED_VARIANTS:  # nothing masked: follow the retrieval heads themselves
-                heads = read_heads(self.dir / "mask" / "retrieval_heads.json").heads
-                callbacks = [
-                    RetrievalTelemetry(heads, c.telemetry_every, heads_label="retrieval heads, none masked")
-                ]
-            else:
-                heads = read_heads(self.dir / "mask" / "heads.json").heads
-                callbacks = [RetrievalTelemetry(heads, c.telemetry_every)]
+            # a baseline that masks nothing follows the retrieval heads themselves
+            unmasked = c.baseline in UNMASKED_VARIANTS
+            heads_file = self.dir / "mask" / ("retrieval_heads.json" if unmasked else "heads.json")
+            heads = read_heads(heads_file).heads
+            label = "retrieval heads, none masked" if unmasked else "masked heads"
+            callbacks = [RetrievalTelemetry(heads, c.telemetry_every, heads_label=label)]
         train = train_sft if c.objective == "sft" else train_dpo
         res = train(self.dir / "generate" / "pairs.jsonl", out, c.model, cfg, callbacks=callbacks)
         return {"steps": res.steps, "seconds_per_step": round(res.seconds_per_step, 2)}
@@ -308,9 +305,8 @@ class Pipeline:
         c = self.cfg
         ecfg = EvalConfig(**self.eval_config_dict())
         d = self.dir / "eval"
-        heads = (
-            [] if c.baseline in UNMASKED_VARIANTS else [self.dir / "mask" / "heads.json"]
-        )  # they mask none
+        # the masked heads (none for the unmasked baselines), then what a baseline is compared against
+        heads = [] if c.baseline in UNMASKED_VARIANTS else [self.dir / "mask" / "heads.json"]
         if c.baseline != "retmask":
             heads.append(self.dir / "mask" / "retrieval_heads.json")
         if c.objective == "sft":
