@@ -73,6 +73,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "that split a sentence's first word differently, e.g. Gemma (scores are identical on every test "
         "the reference rule locates)",
     )
+    p.add_argument(
+        "--span-miss",
+        default="zeros",
+        choices=["zeros", "skip"],
+        help="a test whose needle answer the span rule does not find in the prompt: zeros (default, as the "
+        "published script) = it runs and, when its answer passes the ROUGE-1 filter, scores 0 for every head; "
+        "skip = it is left out of the means (listed in the run record either way)",
+    )
     p.add_argument("--seed", type=nonneg_int, default=0, help="torch seed (answers are greedy; default 0)")
     p.add_argument(
         "--no-progress",
@@ -113,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         prompt_style=args.prompt_style,
         span_rule=args.span_rule,
+        span_miss=args.span_miss,
     )
     try:
         run_detect(

@@ -30,6 +30,7 @@ from retmask.niah import (
     load_needles,
     resolve_grid,
     resolve_prompt_style,
+    split_runnable,
 )
 from retmask.plotting import head_heatmap
 from retmask.runfiles import (
@@ -79,6 +80,9 @@ class DetectConfig:
     # "reference" (the published rule) or "tolerant" (also the answer tokenised mid-sentence when the
     # reference misses; same span and scores wherever the reference finds one)
     span_rule: str = "reference"
+    # a test whose needle span is not found: "zeros" (runs; every head scores 0 on it when its answer
+    # passes the filter, as in the published script) or "skip" (left out of the means)
+    span_miss: str = "zeros"
 
     def grid(self) -> tuple[list[int], list[int]]:
         return resolve_grid(
@@ -124,6 +128,7 @@ def _fingerprint(
         "prompt_style": prompt_style,  # resolved: "base" or "chat"
         # only when not the default, so progress files of runs started before the option still resume
         **({"span_rule": cfg.span_rule} if cfg.span_rule != "reference" else {}),
+        **({"span_miss": cfg.span_miss} if cfg.span_miss != "zeros" else {}),
     }
 
 
@@ -319,9 +324,10 @@ def _run_record(
                 "needle_index": t.needle_index,
                 "reason": t.skip_reason,
             }
-            for t in tests
-            if t.skip_reason
+            for t in split_runnable(tests, cfg.span_miss)[1]
         ],  # fmt: skip
+        # tests that ran although their needle span was not found (--span-miss zeros): 0 for every head
+        "span_missed": [t.key for t in split_runnable(tests, cfg.span_miss)[0] if t.span_missed],
         "tests_run": len(done),
         "tests_counted": sum(bool(e["counted"]) for e in done.values()),
         "until_stable": None
@@ -382,6 +388,7 @@ def _nothing_counted(
     done: dict[int, dict],
     record: str,
     span_rule: str = "reference",
+    span_miss: str = "zeros",
 ) -> str:
     """Why a detection has no counted test, with the counts and what to change."""
     if not runnable:
@@ -394,7 +401,8 @@ def _nothing_counted(
         if len(short) < len(tests):
             parts.append(
                 f"{len(tests) - len(short)} whose needle answer is not found in the prompt (span rule"
-                + ("; try --span-rule tolerant)" if span_rule == "reference" else ")")
+                + ("; try --span-rule tolerant" if span_rule == "reference" else "")
+                + ("; --span-miss zeros runs them)" if span_miss == "skip" else ")")
             )
         return (
             f"no test could run: all {len(tests)} tests were skipped: {'; '.join(parts)}; raise "
@@ -488,13 +496,25 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
         tokenizer, needles, haystack_text, lengths, depths, chat=style == "chat", span_rule=cfg.span_rule
     )
     build_s = time.perf_counter() - t0
-    skipped = [t for t in tests if t.skip_reason]
+    runnable, skipped = split_runnable(tests, cfg.span_miss)
     for t in skipped:
         log(
             f"skipped test {t.key} (needle {t.needle_index}, length {t.length}, depth {t.depth}): {t.skip_reason}",
             file=sys.stderr,
         )
-    runnable = [t for t in tests if not t.skip_reason]
+    missed = [t for t in runnable if t.span_missed]
+    if missed:
+        log(
+            f"{len(missed)} test(s) whose needle answer is not found in the prompt (e.g. {missed[0].key}) run and "
+            "score 0 for every head when their answer passes the filter, as in the published script; "
+            "--span-miss skip leaves them out"
+            + (
+                ", --span-rule tolerant also tries the answer tokenised mid-sentence"
+                if cfg.span_rule == "reference"
+                else ""
+            ),
+            file=sys.stderr,
+        )
 
     done = _resumed_results(out, fingerprint) if (resume and out is not None) else {}
     if done:
@@ -541,7 +561,12 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
             atomic_write_json(record_path(out), record)  # the answers show why nothing counted
         raise DetectError(
             _nothing_counted(
-                tests, runnable, done, str(record_path(out)) if out else "the run record", cfg.span_rule
+                tests,
+                runnable,
+                done,
+                str(record_path(out)) if out else "the run record",
+                cfg.span_rule,
+                cfg.span_miss,
             )
         )
     if rank != 0:  # rank 0 writes the outputs

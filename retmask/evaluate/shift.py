@@ -22,7 +22,7 @@ from retmask.detect.run import run_tests
 from retmask.detect.scores import head_scores, mean_matrix
 from retmask.detect.stopping import stop_token_ids
 from retmask.heads import Head, heads_to_mask, model_shape
-from retmask.niah import Needle, NiahTest, build_tests, load_haystack, load_needles
+from retmask.niah import Needle, NiahTest, build_tests, load_haystack, load_needles, split_runnable
 
 
 @dataclass
@@ -59,11 +59,12 @@ def build_probe(
             raise ValueError(f"num_needles must be >= 1, got {num_needles}")
         needles = needles[:num_needles]
     tests = build_tests(tokenizer, needles, load_haystack(haystack), list(lengths), list(depths))
-    runnable = [t for t in tests if not t.skip_reason]
+    # as detection does by default: a test whose needle span is not found runs and scores 0 for every head
+    runnable, not_run = split_runnable(tests, "zeros")
     if not runnable:
         reasons = sorted({t.skip_reason or "" for t in tests})
         raise ValueError(f"no runnable probe test for lengths {list(lengths)}: {reasons}; use longer lengths")
-    skipped = [f"{t.key}: {t.skip_reason}" for t in tests if t.skip_reason]
+    skipped = [f"{t.key}: {t.skip_reason}" for t in not_run]
     return Probe(prefix_order(runnable), needles, list(lengths), list(depths), skipped)
 
 

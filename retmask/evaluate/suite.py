@@ -6,8 +6,8 @@ Per model (each loaded with ``retmask.load_model``, retmask attention, no head m
   **retrieval scores** of every head (Wu et al.) come from one pass of the detection fast path over the
   NIAH tests (``retmask.evaluate.shift.probe_scores``): the greedy answers are those of
   ``evaluate_niah`` (same tests, same decoder; tested), and the argmax capture of that pass scores the
-  heads, so the grid and the scores cost one run, not two. (Tests whose needle span the span rule cannot
-  locate cannot be scored; if there are any, the NIAH grid is run separately with ``evaluate_niah``.)
+  heads, so the grid and the scores cost one run, not two. (A test whose needle span the span rule cannot
+  locate runs too: its answer is in the grid and it scores 0 for every head, as in detection.)
 * **multi-needle recall** and **key–value retrieval** (``retmask.evaluate.synthetic``).
 
 Across models: the **retrieval-score shift** — mean score of the masked heads (``--heads``) and of the
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from retmask.evaluate.config import EvalConfig
-from retmask.evaluate.niah import NiahResult, evaluate_niah
+from retmask.evaluate.niah import NiahResult
 from retmask.evaluate.report import plot_niah_side_by_side, plot_shift, plot_tasks, render_report
 from retmask.evaluate.shift import build_probe, probe_scores, split_means
 from retmask.evaluate.synthetic import run_task
@@ -103,9 +103,6 @@ def evaluate_model(model: Any, tokenizer: Any, cfg: EvalConfig, *, progress: boo
         meta = {"grid": {"lengths": lengths, "depths": depths, "needles": cfg.niah_needles}, "heads": [],
                 "max_new_tokens": cfg.max_new_tokens, "source": "detection fast path (shared with the scores)"}  # fmt: skip
         niah = NiahResult(entries, lengths, depths, meta)
-        if any("span" in s for s in probe.skipped):  # not scorable -> run the grid for the NIAH answers alone
-            niah = evaluate_niah(model, tokenizer, lengths=lengths, depths=depths,
-                                 needles=probe.needles, max_new_tokens=cfg.max_new_tokens, progress=progress)  # fmt: skip
         out["niah"] = niah.to_json()
         out["tasks"]["niah"] = niah.mean
         out["scores"] = {"mean": ps.mean.round(6).tolist(), "counted": ps.counted, "tests": len(ps.entries)}
@@ -202,11 +199,12 @@ def run_suite(
 def _heads_name(sel: Any, path: str | Path) -> str:
     if sel.baseline:
         return f"{sel.baseline} mask ({len(sel.heads)} heads)"
-    rule = (
-        f"score >= {sel.threshold:g}"
-        if sel.threshold is not None
-        else (f"top {sel.top_k}" if sel.top_k else "explicit")
-    )
+    if sel.method == "mudaf-sample":
+        rule = f"sampled, temperature {sel.temperature:g}"
+    elif sel.threshold is not None:
+        rule = f"score >= {sel.threshold:g}"
+    else:
+        rule = f"top {sel.top_k}" if sel.top_k else "explicit"
     return f"{Path(path).stem}: {rule} ({len(sel.heads)} heads)"
 
 

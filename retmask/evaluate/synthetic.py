@@ -41,6 +41,7 @@ from retmask.niah import (
     load_haystack,
     period_token_ids,
 )
+from retmask.niah.prompt import chat_prompt_text
 
 ONSETS = (
     "b",
@@ -222,9 +223,8 @@ def kv_items(
         for d in depths:
             i = min(len(keys) - 1, int(round(d / 100 * (len(keys) - 1))))
             question = KV_QUESTION.format(key=keys[i])
-            messages = [{"role": "user", "content": body + "\n" + question}]
             if getattr(tokenizer, "chat_template", None):
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = chat_prompt_text(tokenizer, body + "\n" + question)
                 prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
             else:
                 prompt = tokenizer(body + "\n" + question + "\nAnswer:")["input_ids"]

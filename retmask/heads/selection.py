@@ -301,7 +301,8 @@ def mudaf_selection(
     model_shape: Sequence[int] | None = None,
     source: str | None = None,
 ) -> HeadSelection:
-    """MuDAF's sampled selection as a :class:`HeadSelection` (heads in draw order)."""
+    """MuDAF's sampled selection as a :class:`HeadSelection` (heads in draw order; ``top_k`` stays None:
+    the heads are drawn with ``P(h) ∝ exp(R_h / temperature)``, not the ``n`` highest scores)."""
     full = complete_scores(scores, model_shape)
     heads = sample_softmax_heads(full, n=n, temperature=temperature, seed=seed)
     return HeadSelection(
@@ -310,7 +311,6 @@ def mudaf_selection(
         method="mudaf-sample",
         seed=seed,
         temperature=temperature,
-        top_k=n,
         source=source,
         model_shape=list(check_shape(model_shape)) if model_shape is not None else None,
     )

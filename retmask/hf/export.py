@@ -127,7 +127,12 @@ def masking_record(model: torch.nn.Module, masked: list[list[int]], provenance: 
 
 def _rule(selection: dict) -> str:
     """How the heads were chosen, in words, from a heads-JSON dict (``HeadSelection.to_json()``)."""
-    if selection.get("top_k") is not None:
+    if selection.get("method") == "mudaf-sample":
+        rule = (
+            f"{len(selection.get('heads') or [])} heads sampled with P(h) ~ exp(score / "
+            f"{selection.get('temperature')}) (seed {selection.get('seed')})"
+        )
+    elif selection.get("top_k") is not None:
         rule = f"the {selection['top_k']} heads with the highest mean retrieval score"
     elif selection.get("threshold") is not None:
         rule = f"heads with mean retrieval score >= {selection['threshold']:g}"

@@ -8,6 +8,11 @@ tokens as they are (up to GEMM rounding of other row counts):
   appends its keys in place instead of copying the whole cache with ``torch.cat``;
 * where the copies of a prompt agree on the layers below the first one they mask differently, those
   layers run once per prompt in generate's prefill call (``retmask.hf.shared_prefill``).
+
+Only ``config`` (and ``logits_processor``) shape the logits: the model's own generation defaults (a
+``generation_config.json`` may set a repetition penalty, suppressed tokens, a minimum length, ...), which
+``generate`` would otherwise merge into every field ``config`` leaves unset, are set aside for the call,
+so a sample is drawn from the model's distribution and a greedy answer is its argmax.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def generate_copies(
     if share_prefill and copies > 1 and one_prefill_call:
         split = shared_layers(input_ids, head_mask, copies, _stacked_layers(model))
     with contextlib.ExitStack() as scope:
+        scope.enter_context(_only_config(model))
         if head_mask is not None:
             scope.enter_context(masked_heads(model, head_mask))
         if split:
@@ -66,6 +72,19 @@ def generate_copies(
                 share_next_prefill(model, input_ids.shape[0], copies, split, head_mask, cache)
             )
         return model.generate(**kwargs, **cache_kwargs(model, cache))
+
+
+@contextlib.contextmanager
+def _only_config(model: Any):
+    """Within: ``model.generation_config`` holds the model's special-token ids only (generate fills the
+    caller's unset fields from it)."""
+    saved = model.generation_config
+    tokens = {k: getattr(saved, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    model.generation_config = GenerationConfig(**tokens)
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 def _stacked_layers(model: Any) -> int:

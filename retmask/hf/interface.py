@@ -165,7 +165,7 @@ def retmask_attention(
     if (
         tap is not None
     ):  # the exact kernel inputs, not detached (MuDAF's contrastive loss trains through them)
-        tap.record(module.layer_idx, query, key, scaling)
+        tap.record(module.layer_idx, query, key, scaling, **features)
     recorder = getattr(module, "_retmask_capture", None)
     if recorder is not None and recorder.active:
         rows, select = recorder.rows_for_call(S, query.device)

@@ -6,6 +6,10 @@ layer, the tensors handed to the retmask kernel by transformers' attention funct
   ``tap.q[l]``: query states [B, Hq, M', D] (RoPE applied; M' = the selected rows, below)
   ``tap.k[l]``: key states   [B, Hkv, N, D] (RoPE applied, KV cache included, not repeated for GQA)
   ``tap.scaling[l]``: the softmax scale the layer passed (1/sqrt(D) for Llama-like models)
+  ``tap.features[l]``: the layer's attention features, ``{"window", "softcap", "sinks"}`` (each None on
+  layers without it): a sliding window of ``window`` keys, logits capped as ``softcap * tanh(s / softcap)``,
+  per-head sink logits [Hq] that join the softmax denominator. Whoever rebuilds attention weights from
+  ``q`` / ``k`` must apply them (a local layer of Gemma 3 sees only the last ``window`` keys).
 
 Nothing is detached: a loss computed from ``tap.q`` / ``tap.k`` back-propagates into q_proj / k_proj (and
 everything below them), which is what MuDAF's contrastive loss needs. With ``query_rows`` the query is
@@ -19,6 +23,7 @@ Each forward call overwrites the previous call's tensors; only the newest call i
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -34,6 +39,7 @@ class QKTap:
         q: layer -> query [B, Hq, M', D] of the newest forward call.
         k: layer -> key [B, Hkv, N, D] of the newest forward call.
         scaling: layer -> softmax scale (float) used by that layer.
+        features: layer -> {"window": int | None, "softcap": float | None, "sinks": [Hq] tensor | None}.
         num_kv_groups: Hq // Hkv (query head h reads KV head h // num_kv_groups).
     """
 
@@ -59,11 +65,22 @@ class QKTap:
         self.q: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
         self.scaling: dict[int, float] = {}
+        self.features: dict[int, dict[str, Any]] = {}
         self.num_kv_groups = 1
 
     # -- called from retmask_attention -------------------------------------------------------------
-    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
-        """query: [B, Hq, S, D] (a view); key: [B, Hkv, N, D]; kept with their autograd graph."""
+    def record(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: float | None,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        """query: [B, Hq, S, D] (a view); key: [B, Hkv, N, D]; kept with their autograd graph.
+        window / softcap / sinks ([Hq]): the layer's attention features as passed to the kernel, or None."""
         rows = self.query_rows
         if rows is not None:
             if isinstance(rows, int):
@@ -73,12 +90,14 @@ class QKTap:
         self.q[layer_idx] = query
         self.k[layer_idx] = key
         self.scaling[layer_idx] = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
+        self.features[layer_idx] = {"window": window, "softcap": softcap, "sinks": sinks}
         self.num_kv_groups = query.shape[1] // key.shape[1]
 
     def clear(self) -> None:
         """Drop the recorded tensors (and the graphs they hold)."""
         self.q.clear()
         self.k.clear()
+        self.features.clear()
 
     def __enter__(self) -> QKTap:
         mods = [self.layout.layers[i] for i in self.layers]

@@ -9,12 +9,14 @@ grid.py      protocols (lengths × depths × needles) and the list of tests
 from retmask.niah.context import build_context_ids, period_token_ids
 from retmask.niah.grid import (
     PROTOCOLS,
+    SPAN_MISS,
     NiahTest,
     Protocol,
     build_tests,
     depth_grid,
     length_grid,
     resolve_grid,
+    split_runnable,
 )
 from retmask.niah.haystack import default_haystack_text, haystack_token_ids, load_haystack
 from retmask.niah.needles import DEFAULT_NEEDLES_PATH, Needle, NeedleFileError, load_needles
@@ -25,6 +27,7 @@ from retmask.niah.span import find_needle_span
 __all__ = [
     "DEFAULT_NEEDLES_PATH",
     "PROTOCOLS",
+    "SPAN_MISS",
     "Needle",
     "NeedleFileError",
     "NiahTest",
@@ -43,6 +46,7 @@ __all__ = [
     "load_haystack",
     "load_needles",
     "period_token_ids",
+    "split_runnable",
     "resolve_grid",
     "rouge1_recall",
 ]

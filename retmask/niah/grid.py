@@ -77,7 +77,8 @@ def depth_grid(num: int) -> list[int]:
 @dataclass
 class NiahTest:
     """One test. ``prompt_ids``: int64 [n]; ``span``: needle span ``[s, e)`` in the prompt or ``None`` when
-    the answer is not found (such a test is reported and skipped); ``answer_ids``: ids of ``real_needle``."""
+    the answer is not found (see :func:`split_runnable`); ``answer_ids``: ids of ``real_needle``.
+    ``insertion`` is -1 when the context is too short for the needle and its buffer (never runs)."""
 
     index: int  # position in the canonical grid order (needle, length, depth): the order of the scores
     needle_index: int
@@ -93,6 +94,35 @@ class NiahTest:
     @property
     def key(self) -> str:
         return f"n{self.needle_index}-L{self.length}-d{self.depth}"
+
+    @property
+    def span_missed(self) -> bool:
+        """The prompt was built but the span rule did not locate the answer in it."""
+        return self.insertion >= 0 and self.span is None
+
+
+# What a detection does with a test whose needle span is not found.
+SPAN_MISS = ("zeros", "skip")
+
+
+def split_runnable(
+    tests: Sequence[NiahTest], span_miss: str = "zeros"
+) -> tuple[list[NiahTest], list[NiahTest]]:
+    """(runnable, skipped) tests, each in the input order.
+
+    A test whose context is too short for the needle and its buffer never runs. A test whose needle span
+    is not found runs under ``span_miss="zeros"``: no head can copy from an empty span, so every head
+    scores 0 on it, and it is counted when its answer passes the ROUGE-1 filter. That is what the
+    published detection script does (its span search returns (-1, -1) and its copy check then never
+    fires), so scores stay comparable with published ones. ``"skip"`` leaves such tests out of the means.
+    """
+    if span_miss not in SPAN_MISS:
+        raise ValueError(f"span_miss must be one of {SPAN_MISS}, got {span_miss!r}")
+    runnable, skipped = [], []
+    for t in tests:
+        runs = t.insertion >= 0 and (t.span is not None or span_miss == "zeros")
+        (runnable if runs else skipped).append(t)
+    return runnable, skipped
 
 
 def build_tests(

@@ -16,6 +16,7 @@ import torch
 
 from retmask.cli import main
 from retmask.detect import DetectConfig, run_detect
+from retmask.detect.run import DetectError
 
 GRID = ["--min-len", "350", "--max-len", "600", "--num-lengths", "2", "--num-depths", "2"]
 
@@ -170,7 +171,8 @@ def test_cli_lists_detect():
 
 def test_span_rule_tolerant_runs_tests_the_reference_skips(tmp_path, monkeypatch):
     """A short answer whose first word SmolLM2 splits differently alone ("ze" "bra") than mid-sentence
-    (" zebra"): the reference rule skips every test and says to try --span-rule tolerant; the tolerant rule
+    (" zebra"): with --span-miss skip the reference rule skips every test and says to try --span-rule
+    tolerant (or --span-miss zeros, the default, below); the tolerant rule
     runs them, records the answer form per test and the rule in the config. Run with the CPU path chosen
     by measurement (the suite's default pins it): the record lists the choice per kind of call."""
     from retmask.kernels import cpu_autotune
@@ -199,8 +201,10 @@ def test_span_rule_tolerant_runs_tests_the_reference_skips(tmp_path, monkeypatch
     )
     kw = dict(needles=str(needles), min_len=400, max_len=400, num_lengths=1, num_depths=2, max_new_tokens=4)
     quiet = dict(model=model, tokenizer=tok, progress_bar=False, log=lambda *a, **k: None)
-    with pytest.raises(DetectError, match="no test could run.*span rule; try --span-rule tolerant"):
-        run_detect(DetectConfig(**kw), tmp_path / "ref" / "s.json", **quiet)
+    with pytest.raises(
+        DetectError, match="no test could run.*span rule; try --span-rule tolerant; --span-miss"
+    ):
+        run_detect(DetectConfig(**kw, span_miss="skip"), tmp_path / "ref" / "s.json", **quiet)
     # a random tiny model answers nothing useful, so no test counts; the record still shows what ran
     out = tmp_path / "tol" / "s.json"
     with pytest.raises(DetectError, match="no test counted"):
@@ -218,3 +222,40 @@ def test_span_rule_tolerant_runs_tests_the_reference_skips(tmp_path, monkeypatch
         assert d["path"] in ("cpp", "gemm", "gemm_fp32", "blocked") and d["rejected"] == {}
         assert d["time_over_cpp"] and all(r > 0 for r in d["time_over_cpp"].values())
     cpu_autotune.clear_memory()
+
+
+ZEBRA = {
+    "needle": "The birds in the old barn are zebra finches.",
+    "question": "What birds live in the old barn?",
+    "real_needle": "zebra finches",
+}
+
+
+@pytest.mark.embedded
+def test_span_missed_tests_count_as_zeros_like_the_published_script(tmp_path, embedded):
+    """The published script scores a test whose span search fails (it returns (-1, -1)) with 0 for every
+    head, counted when the answer passes the filter. SmolLM2 answers "zebra finches" but the reference rule
+    cannot locate it (the first word splits differently alone): by default these tests run and count with
+    zeros; the tolerant rule locates the span and the same answers then score heads; --span-miss skip
+    leaves them out."""
+    model, tok = embedded
+    needles = tmp_path / "needles.jsonl"
+    needles.write_text(json.dumps(ZEBRA) + "\n")
+    kw = dict(needles=str(needles), min_len=400, max_len=400, num_lengths=1, num_depths=2, max_new_tokens=16)
+    quiet = dict(model=model, tokenizer=tok, progress_bar=False, log=lambda *a, **k: None)
+    zeros = run_detect(DetectConfig(**kw), tmp_path / "zeros" / "s.json", **quiet)
+    assert zeros.record["skipped"] == [] and zeros.record["span_missed"] == ["n0-L400-d0", "n0-L400-d100"]
+    counted = [e for e in zeros.results.values() if e["counted"]]
+    assert counted, "SmolLM2 should answer this needle at 400 tokens"
+    assert all(e["span"] is None and not any(map(any, e["copies"])) for e in zeros.results.values())
+    assert all(len(v) == len(counted) and not any(v) for v in zeros.scores.values())
+
+    tolerant = run_detect(DetectConfig(**kw, span_rule="tolerant"), tmp_path / "tol" / "s.json", **quiet)
+    assert tolerant.record["span_missed"] == []
+    by_key = {e["key"]: e for e in tolerant.results.values()}
+    for e in zeros.results.values():  # the span never changes an answer
+        assert by_key[e["key"]]["response"] == e["response"]
+    assert max(max(v) for v in tolerant.scores.values()) > 0  # located, the same answers score heads
+
+    with pytest.raises(DetectError, match="no test could run.*--span-miss zeros runs them"):
+        run_detect(DetectConfig(**kw, span_miss="skip"), tmp_path / "skip" / "s.json", **quiet)

@@ -256,6 +256,14 @@ def test_mudaf_selection_record_and_explicit_heads(tmp_path, scores_file):
     sel = mudaf_selection(s, seed=4, model_shape=[L, H], source="x.json")
     assert sel.method == "mudaf-sample" and sel.temperature == 0.05 and len(sel.heads) == 8
     assert sel.heads == sample_softmax_heads(s, n=8, temperature=0.05, seed=4)
+    # described as sampled, never as "the 8 highest" (the checkpoint's provenance, the eval's head-set name)
+    from retmask.evaluate.suite import _heads_name
+    from retmask.hf.export import _rule
+
+    assert sel.top_k is None and _rule(sel.to_json()).startswith(
+        "8 heads sampled with P(h) ~ exp(score / 0.05)"
+    )
+    assert "sampled, temperature 0.05" in _heads_name(sel, "m.json")
     assert read_heads(write_heads(sel, tmp_path / "m.json")).heads == sel.heads  # draw order kept
     assert parse_heads_arg("15-30, 16-1") == [(15, 30), (16, 1)]
     assert parse_heads_arg("[[15, 30], [16, 1]]") == [(15, 30), (16, 1)]

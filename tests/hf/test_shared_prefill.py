@@ -170,3 +170,29 @@ def test_a_model_without_a_plain_layer_stack_generates_without_sharing(monkeypat
     got = generate_copies(model, ids, attn, _config(), copies=2, head_mask=mask)
     assert torch.equal(got.sequences, want.sequences)
     assert bottom[0] == 2 * B  # the prefill ran on every row
+
+
+def test_the_models_generation_defaults_do_not_shape_the_logits():
+    """A model's generation_config may set a repetition penalty or ban repeated n-grams; generate would
+    merge them into every field our config leaves unset. generate_copies decodes with our config only:
+    its greedy tokens are the argmax of the model's logits, and the model's defaults are kept."""
+    model = tiny_model("llama")
+    model.generation_config.repetition_penalty = 50.0
+    model.generation_config.no_repeat_ngram_size = 1
+    ids, mask = random_batch(1, 9, [0], seed=4)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=2)
+    with torch.no_grad():
+        got = generate_copies(model, ids, mask, config)
+        want = ids
+        for _ in range(6):
+            step = model(input_ids=want).logits[:, -1].argmax(-1, keepdim=True)
+            want = torch.cat([want, step], dim=1)
+            if step.item() == 2:
+                break
+        with_defaults = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(got, want)
+    assert not torch.equal(with_defaults, want)  # the defaults would have changed the answer
+    assert (
+        model.generation_config.repetition_penalty == 50.0
+        and model.generation_config.no_repeat_ngram_size == 1
+    )

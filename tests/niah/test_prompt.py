@@ -16,7 +16,7 @@ class _Tok:
     def __call__(self, text, add_special_tokens=True):
         return {"input_ids": ([0] if add_special_tokens else []) + [ord(c) for c in text]}
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **template_kwargs):
         return "<user>" + messages[0]["content"] + "<assistant>"
 
 
@@ -36,3 +36,29 @@ def test_base_and_chat_prompts_differ_as_documented():
     chat = build_prompt_ids(tok, "CTX ", "Q?", chat=True)
     assert "".join(map(chr, base[1:])) == "CTX Based on the content of the book, Question: Q?\nAnswer:"
     assert "".join(map(chr, chat)).startswith("<user><book>CTX </book>")
+
+
+# A thinking model's template (Qwen3's switch): an empty think block when reasoning is off.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_prompts_switch_reasoning_off():
+    """A thinking model would open its answer with "<think>" and a newline, which ends a NIAH answer: the
+    NIAH and key-value prompts pass enable_thinking=False through the real template engine."""
+    from transformers import AutoTokenizer
+
+    import retmask
+    from retmask.evaluate.synthetic import kv_items
+
+    tok = AutoTokenizer.from_pretrained(str(retmask.default_model_path()))
+    tok.chat_template = THINKING_TEMPLATE
+    text = tok.decode(build_prompt_ids(tok, "CTX ", "Q?", chat=True))
+    assert (
+        text
+        == "<|user|><book>CTX </book>\nBased on the content of the book, Question: Q?\nAnswer:<|assistant|><think>\n\n</think>\n\n"
+    )
+    kv = kv_items(tok, [300], [50])
+    assert tok.decode(kv[0].prompt_ids).endswith("<|assistant|><think>\n\n</think>\n\n")

@@ -4,7 +4,8 @@ For each example (passages in prompt order, question last, the prompt ending wit
 head h, ``a_p`` = the attention mass from the last prompt token on the tokens of passage p. It is
 computed from that one query row only: the post-RoPE query of the last prompt token and the keys of all
 tokens are tapped from the attention call (``retmask.hf.taps``), one softmax over the keys of that row
-is taken, and the probabilities are segment-summed over the passages' token spans. No attention matrix
+is taken, as the layer computes it (a local layer's sliding window, logit soft-capping and attention
+sinks included), and the probabilities are segment-summed over the passages' token spans. No attention matrix
 is materialised: per layer the work is [B, Hq, N] logits. GQA: query head h uses KV head h // (Hq / Hkv).
 
 Per example and head:
@@ -106,23 +107,46 @@ def last_row_masses(
     key_valid: torch.Tensor,
     segment: torch.Tensor,
     num_passages: int,
+    *,
+    query_pos: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention mass of one query row per passage.
+    """Attention mass of one query row per passage, as the layer's attention computes it.
 
     q: [B, Hq, D] (the last prompt token's post-RoPE query); k: [B, Hkv, N, D] post-RoPE keys;
     key_valid: bool [B, N] (keys the row may attend: causal past and not padding);
     segment: int64 [B, N], the passage index of each key or -1 outside every passage.
-    Returns float32 [B, Hq, P]: softmax over the valid keys of ``scaling * q·k``, summed per passage.
+    The layer's features (``QKTap.features``), each None when the layer has none:
+    window: a sliding window, the row at position ``query_pos`` [B] (int64, required with a window) sees
+    only keys ``j > query_pos - window``; softcap: logits become ``softcap * tanh(s / softcap)``;
+    sinks: float [Hq], one logit per head that joins the softmax denominator and takes mass from every key.
+    Returns float32 [B, Hq, P]: softmax over the allowed keys of ``scaling * q·k``, summed per passage.
     """
     B, Hq, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, N = k.shape[1], k.shape[2]
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
     group = Hq // Hkv
     qf = q.float().view(B, Hkv, group, D)
     logits = torch.einsum("bkgd,bknd->bkgn", qf, k.float()).reshape(B, Hq, -1) * scaling  # [B, Hq, N]
-    logits = logits.masked_fill(~key_valid[:, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    allowed = key_valid
+    if window is not None:
+        if query_pos is None:
+            raise ValueError(
+                "last_row_masses: a sliding window needs query_pos, the query row's position [B]"
+            )
+        keys = torch.arange(N, device=k.device)
+        allowed = allowed & (keys[None, :] > query_pos[:, None] - window)
+    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+    if sinks is not None:
+        sink = sinks.detach().float()[None, :, None].expand(B, Hq, 1)
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :N]
+    else:
+        probs = torch.softmax(logits, dim=-1)
     # Keys outside every passage go to an extra bin P that is dropped: a plain scatter-add segment sum.
     bins = torch.where(segment < 0, num_passages, segment)[:, None, :].expand(B, Hq, -1)
     out = torch.zeros(B, Hq, num_passages + 1, dtype=probs.dtype, device=probs.device)
@@ -232,6 +256,8 @@ def score_mdqa(
                     key_valid.to(device),
                     segment.to(device),
                     P,
+                    query_pos=last.to(device),
+                    **tap.features[ly],
                 )
                 for ly in range(L)
             ],

@@ -13,8 +13,10 @@
   parameters instead of a loop over them: 7x faster per step on a 2-core CPU), constant learning rate after an optional linear
   warm-up; batches of right-padded examples, gradient accumulation, seeded shuffling per epoch.
 * Output: an HF checkpoint (``save_pretrained`` + tokenizer) and ``mudaf_train.json`` (settings, heads,
-  per-step losses, timings). ``save_every`` writes ``<out>/resume.pt`` (weights, optimiser, step, log,
-  RNG state) atomically; ``resume=True`` continues from it.
+  per-step losses, timings). ``save_every`` writes ``<out>/resume.pt`` (weights, optimiser, step, log)
+  atomically; ``resume=True`` continues from it. No RNG state is needed: the data order is rebuilt from
+  the seed and the step (retmask attention takes no dropout; a model with other dropout layers resumes
+  with fresh dropout draws).
 """
 
 from __future__ import annotations

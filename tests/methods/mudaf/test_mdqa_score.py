@@ -3,17 +3,22 @@ clear errors, and the `retmask mdqa-score` command end to end on a tiny model.""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
+import transformers
 
+import retmask
 from retmask.cli import main as cli_main
 from retmask.heads.selection import load_scores
 from retmask.methods.mudaf.mdqa import MDQAError, Passage, build_prompt, write_mdqa
 from retmask.methods.mudaf.score import MDQAScoreConfig, f1_em, score_mdqa
+from tests.hf.conftest import tiny_config
+from tests.hf.test_attention_features import FEATURE_ARCHS
 from tests.tiny import tiny_llama_for
 
 
@@ -48,6 +53,31 @@ def test_masses_equal_eager_attention(mdqa_examples, bpe_tokenizer, batch_size):
     ).all()
     # Real data spread: the masses are not degenerate (some head prefers some passage).
     assert scores.passage_mass.max() > 0.1
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "gpt_oss"])
+def test_masses_follow_sliding_window_softcap_and_sinks(mdqa_examples, bpe_tokenizer, arch):
+    """A local layer's last row sees only its window (5 keys here, far shorter than the prompts); Gemma 2
+    caps its logits; gpt-oss's sinks take mass from every key: the masses still equal eager attention's."""
+    torch.manual_seed(0)
+    config = tiny_config(
+        arch, **FEATURE_ARCHS[arch], vocab_size=len(bpe_tokenizer), max_position_embeddings=4096,
+        pad_token_id=bpe_tokenizer.pad_token_id, bos_token_id=bpe_tokenizer.eos_token_id,
+        eos_token_id=bpe_tokenizer.eos_token_id,
+    )  # fmt: skip
+    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    if arch == "gpt_oss":  # sinks start near zero; make them matter
+        with torch.no_grad():
+            for layer in retmask.hf.head_layout(eager).layers:
+                layer.sinks.normal_(0.0, 2.0)
+    model = retmask.patch(copy.deepcopy(eager))
+    examples = mdqa_examples[:3]
+    scores = score_mdqa(model, bpe_tokenizer, examples, MDQAScoreConfig(batch_size=3), progress=False)
+    for e, ex in enumerate(examples):
+        ref = eager_masses(eager, bpe_tokenizer, ex)
+        np.testing.assert_allclose(scores.masses[e], ref.numpy(), atol=2e-5)
+    # The window bites: the local layer 0 puts (almost) no mass on passages far from the question.
+    assert scores.passage_mass[:, 0].max() < scores.passage_mass[:, 1].max()
 
 
 def test_f1_em_definitions():
