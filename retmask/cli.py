@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="retmask",
         description="Find the retrieval heads of a language model, switch them off, and train with the contrast.",
     )
+    from importlib import metadata
+
+    try:
+        version = metadata.version("retmask")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        version = "unknown (not installed)"
+    parser.add_argument("--version", action="version", version=f"retmask {version}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
@@ -71,7 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # reported by the sub-command's parser (its usage line), with a hint where the flag is a known habit
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command_parser = commands.choices.get(args.command, parser)
+        hint = ""
+        if "--resume" in unknown:
+            hint = f"; retmask {args.command} resumes by itself: run the same command again"
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

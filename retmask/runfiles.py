@@ -238,6 +238,18 @@ def check_fresh_or_resume(
     return found
 
 
+def check_not_replacing(paths: Iterable[str | os.PathLike | None], *, overwrite: bool) -> None:
+    """Outputs of a command that cannot resume: existing files among ``paths`` (None entries ignored) are
+    refused unless ``overwrite`` (the command then replaces them when it writes)."""
+    found = [Path(p) for p in paths if p is not None and Path(p).exists()]
+    if found and not overwrite:
+        names = ", ".join(str(p) for p in found)
+        verb = "exists" if len(found) == 1 else "exist"
+        raise RunFileError(
+            f"{names} already {verb}; pass --overwrite to replace it, or choose another output"
+        )
+
+
 def lock_path(path: str | os.PathLike) -> Path:
     """``<path>.lock``: the lock file of the run writing ``path``."""
     path = Path(path)

@@ -50,14 +50,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="HEADS",
         help="instead of the K curve, mask each of these heads alone ('1-5,26-3') and compare with no mask",
     )
-    p.add_argument("--k", default="0,5,10,20,40", help="comma-separated numbers of heads to mask")
-    p.add_argument("--seeds", type=positive_int, default=3, help="random-head draws per K")
+    # None = not given: --each refuses the K curve's flags instead of ignoring them
+    p.add_argument(
+        "--k", default=None, help="comma-separated numbers of heads to mask (default 0,5,10,20,40)"
+    )
+    p.add_argument("--seeds", type=positive_int, default=None, help="random-head draws per K (default 3)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="first seed (draws use seed, seed+1, ...)")
     p.add_argument(
         "--random-from",
-        default="all",
+        default=None,
         choices=["all", "non-retrieval"],
-        help="draw random heads from all heads (Wu et al. Fig. 7) or only heads scoring < 0.1",
+        help="draw random heads from all heads (default; Wu et al. Fig. 7) or only heads scoring < 0.1",
     )
     add_model_args(p)
     add_grid_args(p, num_needles=DEFAULT_NEEDLES, grid=DEFAULT_GRID)
@@ -110,8 +113,20 @@ def _run(args: argparse.Namespace) -> int:
     from retmask.runfiles import check_fresh_or_resume
 
     t0 = time.perf_counter()
+    curve_flags = {"--k": args.k, "--seeds": args.seeds, "--random-from": args.random_from}
     if args.each is not None:
+        given = [flag for flag, value in curve_flags.items() if value is not None]
+        if given:
+            print(
+                f"retmask ablate: error: {', '.join(given)} set the K curve, which --each replaces (each head "
+                f"masked alone); drop {'it' if len(given) == 1 else 'them'} or drop --each",
+                file=sys.stderr,
+            )
+            return 2
         return _run_each(args, t0)
+    args.k = "0,5,10,20,40" if args.k is None else args.k
+    args.seeds = 3 if args.seeds is None else args.seeds
+    args.random_from = "all" if args.random_from is None else args.random_from
     configs = args.out_dir / f"{args.prefix}.configs"  # checked again (with the settings) by run_ablation
     earlier = [configs] if configs.is_dir() and any(configs.glob("*.json")) else []
     check_fresh_or_resume(earlier, resume=args.resume, overwrite=args.overwrite, remove=False,

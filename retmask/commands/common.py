@@ -21,7 +21,34 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (or a path)")
     add_dtype_arg(p)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    add_device_arg(p)
+
+
+def add_device_arg(
+    p: argparse.ArgumentParser | argparse._ActionsContainer, *, help: str | None = None
+) -> None:
+    """``--device``: where the model runs (default cpu; on a GPU the fused attention runs as Triton kernels)."""
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help=help
+        or "where the model runs: cpu (default), cuda, cuda:1, ... (on a GPU the attention runs as "
+        "Triton kernels)",
+    )
+
+
+def check_device_arg(device: str, command: str) -> None:
+    """A wrong or missing ``--device`` as a usage error naming it (before any loading); one line on stderr
+    when a command runs on the CPU although a CUDA GPU is visible (cpu is every command's default, so a
+    GPU is used only when asked for)."""
+    import torch
+
+    from retmask.hf.loading import check_device
+
+    check_device(device)
+    if torch.device(device).type == "cpu" and torch.cuda.is_available():
+        print(f"retmask {command}: running on the CPU; a CUDA GPU is available: pass --device cuda to use it",
+              file=sys.stderr)  # fmt: skip
 
 
 def add_dtype_arg(

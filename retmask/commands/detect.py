@@ -41,7 +41,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="stop once the τ=0.1 set and the top-10 ranking are unchanged for --patience consecutive counted tests",
     )
     p.add_argument(
-        "--patience", type=positive_int, default=20, help="consecutive counted tests for --until-stable"
+        "--patience",
+        type=positive_int,
+        default=None,
+        help="consecutive counted tests for --until-stable (default 20)",
     )
     p.add_argument(
         "--chunk",
@@ -100,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     from retmask.niah.haystack import HaystackError
     from retmask.niah.needles import NeedleFileError
 
+    if args.patience is not None and not args.until_stable:
+        print("retmask detect: error: --patience only applies with --until-stable; add --until-stable or drop "
+              "--patience", file=sys.stderr)  # fmt: skip
+        return 2
     cfg = DetectConfig(
         model=args.model,
         gguf_file=args.gguf_file,
@@ -117,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_impl=args.prefill_impl,
         draft_history=args.draft_history,
         until_stable=args.until_stable,
-        patience=args.patience,
+        patience=20 if args.patience is None else args.patience,
         seed=args.seed,
         prompt_style=args.prompt_style,
         span_rule=args.span_rule,

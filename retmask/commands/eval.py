@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import nonneg_int, percent_int, positive_int
-from retmask.commands.common import add_dtype_arg, reports_errors
+from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
 from retmask.evaluate.config import DEFAULT_MAX_LEN, TASK_LABELS, EvalConfig
 
 
@@ -28,12 +28,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", required=True,
                    help="hub id, folder or .gguf; 'embedded' = the embedded SmolLM2 (repeat for each model)")  # fmt: skip
     add_dtype_arg(p)
+    add_device_arg(p)
     p.add_argument("--label", action="append", help="display name per --model (default: folder name)")
     p.add_argument("--heads", action="append", type=Path, default=[],
                    help="heads JSON (retmask mask) for the score shift; repeatable")  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=Path("runs/eval"), help="default runs/eval")
     p.add_argument("--cache-dir", type=Path, help="per-model results cache (default OUT_DIR/models)")
-    p.add_argument("--min-len", type=positive_int, default=d.min_len, help=f"default {d.min_len}")
+    p.add_argument("--min-len", type=positive_int, default=d.min_len,
+                   help=f"shortest context, tokens (default {d.min_len})")  # fmt: skip
     p.add_argument("--max-len", type=positive_int,
                    help=f"longest context (default: min({DEFAULT_MAX_LEN}, the model's maximum))")  # fmt: skip
     p.add_argument("--num-lengths", type=positive_int, default=d.num_lengths, help=f"default {d.num_lengths}")
@@ -55,9 +57,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-new-tokens", type=positive_int, default=d.max_new_tokens, help=f"default {d.max_new_tokens}"
     )
-    p.add_argument("--tasks", nargs="+", choices=list(TASK_LABELS), default=d.tasks)
+    p.add_argument("--tasks", nargs="+", choices=list(TASK_LABELS), default=d.tasks,
+                   help="; ".join(f"{k}: {v}" for k, v in TASK_LABELS.items()))  # fmt: skip
     p.add_argument("--seed", type=nonneg_int, default=d.seed, help="seed of the generated tasks")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
     return p
 
@@ -65,11 +68,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
     from retmask.hf.loading import resolve_dtype_name
 
+    check_device_arg(args.device, "eval")
     return EvalConfig(
         min_len=args.min_len, max_len=args.max_len, num_lengths=args.num_lengths, num_depths=args.num_depths,
         niah_needles=args.niah_needles, mn_needles=args.mn_needles, kv_depths=list(args.kv_depths),
         max_new_tokens=args.max_new_tokens, seed=args.seed, tasks=list(args.tasks),
-        dtype=resolve_dtype_name(args.dtype),
+        dtype=resolve_dtype_name(args.dtype, args.device),
     )  # fmt: skip
 
 
@@ -91,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         data = run_suite(
             args.model, args.out_dir, config_from_args(args), labels=args.label, heads_files=args.heads,
-            cache_dir=args.cache_dir, progress=not args.no_progress,
+            cache_dir=args.cache_dir, progress=not args.no_progress, device=args.device,
             command="retmask " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None,
         )  # fmt: skip
     except (ValueError, SelectionError) as e:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import nonneg_float, nonneg_int, open_unit_float, positive_int
-from retmask.commands.common import add_dtype_arg, reports_errors
+from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
 from retmask.methods.retmask.instructions import BUILTIN
 
 
@@ -36,6 +36,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="pairs JSONL to write")
     p.add_argument("--model", help="policy model: hub id, folder or .gguf (default: the embedded SmolLM2)")
     add_dtype_arg(p)
+    add_device_arg(p)
     p.add_argument(
         "--temperature", type=nonneg_float, default=0.6, help="0 = greedy (default 0.6, as the paper)"
     )
@@ -92,14 +93,16 @@ def _run(args: argparse.Namespace) -> int:
         sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.seed)
         if args.max_prompt_tokens <= 0:
             raise GenerateError(f"--max-prompt-tokens must be positive, got {args.max_prompt_tokens}")
-        dtype = resolve_dtype_name(args.dtype)  # "auto" resolved once: recorded and used for both models
-        model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype))
+        check_device_arg(args.device, "generate")
+        # "auto" resolved once, for the device: recorded and used for both models
+        dtype = resolve_dtype_name(args.dtype, args.device)
+        model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype), device=args.device)
         heads = rejected_model = rejected_tokenizer = None
         if args.heads is not None:
             heads = read_heads(args.heads, model_shape=model_shape(model)).heads
         else:
             rejected_model, rejected_tokenizer = retmask.load_model(
-                args.rejected_model, dtype=parse_dtype(dtype)
+                args.rejected_model, dtype=parse_dtype(dtype), device=args.device
             )
         instructions = load_instructions(
             args.instructions, args.limit, column=args.column, tokenizer=tokenizer,
@@ -111,6 +114,8 @@ def _run(args: argparse.Namespace) -> int:
             "instructions": str(args.instructions),
             "column": args.column,
             "dtype": dtype,
+            # only off the CPU, so pair files begun before the option still resume
+            **({"device": args.device} if args.device != "cpu" else {}),
         }
         stats = generate_pairs(
             instructions, model, tokenizer, args.out, sampling, heads=heads, rejected_model=rejected_model,

@@ -39,7 +39,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=nonneg_int, default=0, help="seed of the baseline's random draw (default 0)"
     )
-    p.add_argument("--out", type=Path, default=Path("heads.json"), help="heads JSON to write")
+    p.add_argument(
+        "--out", type=Path, default=Path("heads.json"), help="heads JSON to write (default heads.json)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (else refused)")
     p.add_argument(
         "--model-shape",
         type=positive_int,
@@ -70,13 +73,14 @@ def run(args: argparse.Namespace) -> int:
     absent from the scores file take part in baselines) before anything is written.
     """
     import retmask
-    from retmask.runfiles import check_writable
+    from retmask.runfiles import check_not_replacing, check_writable
 
     try:
         if args.export is None and args.model is not None:
             raise SelectionError("--model only matters with --export DIR; add --export or drop --model")
         scores = load_scores(args.scores)
         check_writable(args.out, what="--out")
+        check_not_replacing([args.out], overwrite=args.overwrite)
         if args.export is not None:  # before the model is loaded: a wrong folder fails in a second
             check_writable(args.export, what="--export", directory=True)
         shape = list(args.model_shape) if args.model_shape is not None else None

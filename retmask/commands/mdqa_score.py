@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import positive_int, unit_float
-from retmask.commands.common import add_dtype_arg, reports_errors
+from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -33,8 +33,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
     add_dtype_arg(p)
+    add_device_arg(p)
     p.add_argument("--out", type=Path, required=True, help="scores JSON to write")
     p.add_argument("--plot", type=Path, help="heatmap PNG of the mean F1 per head")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out and its run record (else refused)"
+    )
     p.add_argument("--epsilon", type=unit_float, default=DEFAULT_EPSILON,
                    help=f"attended = mass > ε (default {DEFAULT_EPSILON}, the MuDAF reference code's value; small models "
                         "spread their mass thinner: SmolLM2-135M with 8 passages needs ~0.05, see "
@@ -55,9 +59,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 @reports_errors(interrupt_hint=None)
 def run(args: argparse.Namespace) -> int:
-    from retmask.runfiles import RunLock, check_writable
+    from retmask.runfiles import RunLock, check_not_replacing, check_writable
 
     check_writable(args.out, what="--out")
+    check_not_replacing([args.out, args.out.with_name(args.out.stem + ".run.json")], overwrite=args.overwrite)
     for path, what in (
         (args.plot, "--plot"),
         (args.out.with_name(args.out.stem + ".run.json"), "run record"),
@@ -86,13 +91,15 @@ def _run(args: argparse.Namespace) -> int:
         cfg = MDQAScoreConfig(epsilon=args.epsilon, batch_size=args.batch_size, max_length=args.max_length)
         cfg.check()
         examples = load_mdqa(args.data, limit=args.limit)
-        dtype = resolve_dtype_name(args.dtype)
-        model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype))
+        check_device_arg(args.device, "mdqa-score")
+        dtype = resolve_dtype_name(args.dtype, args.device)
+        model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype), device=args.device)
         scores = score_mdqa(model, tokenizer, examples, cfg)
         extra = {
             "data": str(args.data),
             "model": args.model or "embedded SmolLM2-135M-Instruct",
             "dtype": dtype,
+            "device": args.device,
         }
         if args.answers:
             extra["answers"] = answer_accuracy(model, tokenizer, examples, max_length=args.max_length)

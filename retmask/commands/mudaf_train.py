@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import nonneg_float, nonneg_int, positive_float, positive_int, unit_float
-from retmask.commands.common import add_dtype_arg, reports_errors
+from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -31,6 +31,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
     p.add_argument("--out", type=Path, required=True, help="folder for the trained model")
     add_dtype_arg(p, training=True)
+    add_device_arg(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--heads", type=Path, help="heads JSON (retmask mask / a list of [layer, head])")
     src.add_argument("--scores", type=Path, help="MDQA scores JSON (retmask mdqa-score): sample the heads")
@@ -46,9 +47,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--vanilla-sft", action="store_true", help="λ = 0: CLM only (L_CON still logged if heads given)"
     )
-    p.add_argument("--lambda", dest="lambda_con", type=nonneg_float, default=d.lambda_con,
+    weight = p.add_mutually_exclusive_group()  # two ways to weight L_CON: one at a time
+    weight.add_argument("--lambda", dest="lambda_con", type=nonneg_float, default=d.lambda_con,
                    help=f"λ in L_CLM + λ·L_CON (paper Eq. 8; default {d.lambda_con:g})")  # fmt: skip
-    p.add_argument("--alpha", type=unit_float,
+    weight.add_argument("--alpha", type=unit_float,
                    help="use (1-α)·L_CLM + α·L_CON instead (the reference code's form; it used α = 0.3)")  # fmt: skip
     p.add_argument(
         "--temperature", type=positive_float, default=d.temperature, help="L_CON temperature (default 0.05)"
@@ -145,9 +147,11 @@ def _run(args: argparse.Namespace) -> int:
             raise MDQAError(f"--limit must be >= 1, got {args.limit}")
         if not args.vanilla_sft and args.heads is None and args.scores is None:
             raise MDQAError("MuDAF needs target heads: --heads heads.json or --scores mdqa_scores.json")
-        dtype = resolve_training_dtype(args.dtype)  # before loading: a bad value fails fast
+        check_device_arg(args.device, "mudaf-train")
+        dtype = resolve_training_dtype(args.dtype, args.device)  # before loading: a bad value fails fast
         examples = load_mdqa(args.data, limit=args.limit)
-        model, tokenizer = retmask.load_model(args.model)  # float32 master weights whatever --dtype says
+        # float32 master weights whatever --dtype says
+        model, tokenizer = retmask.load_model(args.model, device=args.device)
         selection = select(args, list(head_layout(model).shape))
         cfg = MuDAFConfig(
             heads=list(selection.heads) if selection else [], lambda_con=args.lambda_con, alpha=args.alpha,

@@ -30,7 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "Evaluate Needle-in-a-Haystack retrieval on a lengths x depths grid (the detection protocol's "
             "context, prompt and needles; greedy answers, stopping at newline/EOS) and score each answer by "
             "ROUGE-1 recall of the needle. Optionally mask heads: the top K by retrieval score, K random "
-            "heads, or a heads JSON from `retmask mask`. Prints the grid and the mean; writes JSON and a PNG."
+            "heads, or a heads JSON from `retmask mask`. Prints the grid and the mean; with --out / --plot, writes the result JSON / a heatmap PNG."
         ),
     )
     add_model_args(p)
@@ -52,6 +52,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write the NIAH heatmap PNG here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (else refused)")
     p.add_argument("--title", default=None, help="plot title (default: model and mask)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -108,6 +109,10 @@ def select_mask(args: argparse.Namespace, shape: tuple[int, int]) -> tuple[list,
         universe = [(a, b) for a in range(shape[0]) for b in range(shape[1])]
         if args.mask_random <= 0:
             raise SelectionError(f"--mask-random must be a positive number of heads, got {args.mask_random}")
+        if args.mask_random > len(universe):
+            raise SelectionError(
+                f"--mask-random {args.mask_random}: the model has only {len(universe)} heads"
+            )
         return sample_random(
             args.mask_random, universe, args.seed
         ), f"{args.mask_random} random heads (seed {args.seed}) masked"
@@ -119,10 +124,11 @@ def select_mask(args: argparse.Namespace, shape: tuple[int, int]) -> tuple[list,
 
 @reports_errors(interrupt_hint=None)
 def run(args: argparse.Namespace) -> int:
-    from retmask.runfiles import RunLock, check_writable
+    from retmask.runfiles import RunLock, check_not_replacing, check_writable
 
     if args.out is not None:
         check_writable(args.out, what="--out")
+        check_not_replacing([args.out], overwrite=args.overwrite)
     if args.plot is not None:
         check_writable(args.plot, what="--plot")
     if args.out is None:

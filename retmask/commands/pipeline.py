@@ -15,7 +15,7 @@ from retmask.commands.argtypes import (
     steps_or_off,
     unit_float,
 )
-from retmask.commands.common import add_dtype_arg, reports_errors
+from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
 from retmask.methods.retmask.pipeline_config import STAGES, VARIANTS, PipelineConfig
 from retmask.niah.grid import PROTOCOLS
 
@@ -37,6 +37,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "master weights in train; auto = bfloat16 on CUDA and on CPUs that compute bf16 natively (AMX or "
         "AVX512-BF16), float32 elsewhere (recorded resolved)"
     ))  # fmt: skip
+    add_device_arg(p, help="where every stage runs: cpu (default) or cuda (training: the Trainer's first visible "
+                           "GPU; pick one with CUDA_VISIBLE_DEVICES)")  # fmt: skip
     p.add_argument("--run-dir", type=Path, default=Path("runs/pipeline"), help="default runs/pipeline")
     p.add_argument("--baseline", choices=VARIANTS, default=d.baseline,
                    help="what makes the rejected responses: the retrieval heads masked (retmask, default), as many "
@@ -53,10 +55,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--protocol", default=d.protocol, choices=sorted(PROTOCOLS),
                    help="detection grid preset: " + "; ".join(f"{k}: {v.description}" for k, v in PROTOCOLS.items())
                    + " (default: default, 96 tests with the 6 shipped needles)")  # fmt: skip
-    g.add_argument("--detect-min-len", type=positive_int)
-    g.add_argument("--detect-max-len", type=positive_int)
-    g.add_argument("--detect-lengths", type=positive_int)
-    g.add_argument("--detect-depths", type=positive_int)
+    g.add_argument(
+        "--detect-min-len", type=positive_int, help="shortest context, tokens (default: the protocol's)"
+    )
+    g.add_argument(
+        "--detect-max-len", type=positive_int, help="longest context, tokens (default: the protocol's)"
+    )
+    g.add_argument(
+        "--detect-lengths", type=positive_int, help="number of context lengths (default: the protocol's)"
+    )
+    g.add_argument(
+        "--detect-depths", type=positive_int, help="number of needle depths (default: the protocol's)"
+    )
     g = p.add_argument_group("mask")
     sel = g.add_mutually_exclusive_group()
     sel.add_argument("--threshold", type=unit_float, help="retrieval heads: score >= τ (default 0.1)")
@@ -67,19 +77,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--num-instructions", type=positive_int, default=d.num_instructions,
                    help=f"stratified subset size (default {d.num_instructions}); win-lose: the number of pairs "
                         "to make")  # fmt: skip
-    g.add_argument("--temperature", type=nonneg_float, default=d.temperature)
-    g.add_argument("--gen-max-new-tokens", type=positive_int, default=d.gen_max_new_tokens)
-    g.add_argument("--gen-batch-size", type=positive_int, default=d.gen_batch_size)
-    g.add_argument("--gen-seed", type=nonneg_int, default=d.gen_seed)
+    g.add_argument("--temperature", type=nonneg_float, default=d.temperature,
+                   help="sampling temperature of the chosen and rejected responses (0 = greedy)")  # fmt: skip
+    g.add_argument("--gen-max-new-tokens", type=positive_int, default=d.gen_max_new_tokens,
+                   help="tokens per response (longer ones are cut and counted as truncated)")  # fmt: skip
+    g.add_argument("--gen-batch-size", type=positive_int, default=d.gen_batch_size,
+                   help="instructions per generation batch (2x rows: chosen and rejected)")  # fmt: skip
+    g.add_argument("--gen-seed", type=nonneg_int, default=d.gen_seed, help="seed of the sampled responses")
     g = p.add_argument_group("train")
     g.add_argument("--lr", type=positive_float, default=d.lr, help=f"peak lr (default {d.lr:g}, the paper's)")
-    g.add_argument("--epochs", type=positive_float, default=d.epochs)
+    g.add_argument("--epochs", type=positive_float, default=d.epochs, help="passes over the pairs")
     g.add_argument("--max-steps", type=steps_or_off, default=d.max_steps,
                    help="stop DPO after N optimizer steps (default -1: --epochs decides)")  # fmt: skip
-    g.add_argument("--batch-size", type=positive_int, default=d.batch_size)
-    g.add_argument("--grad-accum", type=positive_int, default=d.grad_accum)
-    g.add_argument("--max-length", type=positive_int, default=d.max_length)
-    g.add_argument("--beta", type=positive_float, default=d.beta)
+    g.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="pairs per device and step")
+    g.add_argument("--grad-accum", type=positive_int, default=d.grad_accum,
+                   help="gradient accumulation steps (global batch = batch size x this; the paper's is 512)")  # fmt: skip
+    g.add_argument("--max-length", type=positive_int, default=d.max_length,
+                   help="prompt + response tokens; longer responses are cut")  # fmt: skip
+    g.add_argument("--beta", type=positive_float, default=d.beta, help="DPO beta")
     g.add_argument(
         "--train-seed",
         type=nonneg_int,
@@ -96,19 +111,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--telemetry-every", type=nonneg_int, default=d.telemetry_every, help="0 = no retrieval telemetry"
     )
     g = p.add_argument_group("eval")
-    g.add_argument("--eval-min-len", type=positive_int, default=d.eval_min_len)
+    g.add_argument(
+        "--eval-min-len", type=positive_int, default=d.eval_min_len, help="shortest context, tokens"
+    )
     g.add_argument("--eval-max-len", type=positive_int, help="default min(4000, the model's maximum)")
-    g.add_argument("--eval-lengths", type=positive_int, default=d.eval_lengths)
-    g.add_argument("--eval-depths", type=positive_int, default=d.eval_depths)
-    g.add_argument("--eval-needles", type=positive_int, default=d.eval_needles)
-    g.add_argument("--eval-tasks", nargs="+", default=d.eval_tasks, choices=["niah", "multi_needle", "kv"])
+    g.add_argument(
+        "--eval-lengths", type=positive_int, default=d.eval_lengths, help="number of context lengths"
+    )
+    g.add_argument("--eval-depths", type=positive_int, default=d.eval_depths, help="NIAH needle depths")
+    g.add_argument(
+        "--eval-needles", type=positive_int, default=d.eval_needles, help="the first N shipped needles"
+    )
+    g.add_argument("--eval-tasks", nargs="+", default=d.eval_tasks, choices=["niah", "multi_needle", "kv"],
+                   help="NIAH grid (and the heads' retrieval scores), multi-needle recall, key-value retrieval")  # fmt: skip
     g.add_argument("--eval-cache", help="per-model eval cache shared between runs (the original model once)")
     p.add_argument(
         "--overwrite",
         action="store_true",
         help="run every stage again, deleting the run dir's earlier outputs",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (the stage log lines remain)")
     p.set_defaults(func=run)
     return p
 
@@ -122,9 +144,18 @@ def run(args: argparse.Namespace) -> int:
     from retmask.methods.retmask.pairs import PairsError
     from retmask.methods.retmask.pipeline import PipelineError, run_pipeline
 
+    check_device_arg(args.device, "pipeline")
+    if args.scores is not None:
+        from retmask.heads import load_scores
+
+        try:
+            load_scores(args.scores)  # a missing or malformed file fails now, not after the run dir is set up
+        except (SelectionError, OSError) as e:
+            print(f"retmask pipeline: error: --scores: {e}", file=sys.stderr)
+            return 2
     threshold = args.threshold if args.threshold is not None else (None if args.top_k is not None else 0.1)
     cfg = PipelineConfig(
-        model=args.model, dtype=resolve_training_dtype(args.dtype), baseline=args.baseline, rejected_model=args.rejected_model,
+        model=args.model, dtype=resolve_training_dtype(args.dtype, args.device), device=args.device, baseline=args.baseline, rejected_model=args.rejected_model,
         scores=args.scores, protocol=args.protocol,
         detect_min_len=args.detect_min_len, detect_max_len=args.detect_max_len, detect_lengths=args.detect_lengths,
         detect_depths=args.detect_depths, threshold=threshold, top_k=args.top_k, mask_seed=args.mask_seed,

@@ -16,7 +16,7 @@ from retmask.commands.argtypes import (
     steps_or_off,
     unit_float,
 )
-from retmask.commands.common import add_dtype_arg, reports_errors
+from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
 from retmask.heads.selection import SelectionError
 from retmask.methods.retmask.fused_head import LM_HEAD_POSITIONS
 from retmask.methods.retmask.pairs import PairsError
@@ -37,7 +37,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--pairs", type=Path, required=True, help="pairs JSONL from `retmask generate`")
     p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
-    p.add_argument("--out", type=Path, required=True, help="folder for the trained model")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for the trained model (HF checkpoint), retmask_train.json (settings, losses, "
+                        "timings) and, with telemetry, telemetry.json / .png")  # fmt: skip
     p.add_argument("--beta", type=positive_float, default=d.beta, help=f"DPO beta (default {d.beta})")
     p.add_argument(
         "--lr",
@@ -49,23 +51,38 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--min-lr-rate", type=unit_float, default=d.min_lr_rate, help="final lr / peak lr (default 0.1)"
     )
     p.add_argument(
-        "--warmup-ratio", type=float_range(0.0, 1.0, hi_open=True), default=d.warmup_ratio, help="default 0.1"
+        "--warmup-ratio",
+        type=float_range(0.0, 1.0, hi_open=True),
+        default=d.warmup_ratio,
+        help="share of the steps with a linear lr warm-up (default 0.1)",
     )
-    p.add_argument("--weight-decay", type=nonneg_float, default=d.weight_decay, help="default 0.1")
-    p.add_argument("--epochs", type=positive_float, default=d.epochs, help=f"default {d.epochs:g}")
+    p.add_argument(
+        "--weight-decay", type=nonneg_float, default=d.weight_decay, help="AdamW weight decay (default 0.1)"
+    )
+    p.add_argument(
+        "--epochs",
+        type=positive_float,
+        default=d.epochs,
+        help=f"passes over the pairs (default {d.epochs:g})",
+    )
     p.add_argument("--max-steps", type=steps_or_off, default=d.max_steps,
                    help="stop after N optimizer steps (default -1: --epochs decides)")  # fmt: skip
     p.add_argument(
         "--batch-size", type=positive_int, default=d.batch_size, help=f"per device (default {d.batch_size})"
     )
-    p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum, help=f"default {d.grad_accum}")
+    p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum,
+                   help=f"gradient accumulation steps (global batch = batch size x this; default {d.grad_accum})")  # fmt: skip
     p.add_argument("--max-length", type=positive_int, default=d.max_length,
                    help=f"prompt + response tokens (default {d.max_length}); longer responses are truncated")  # fmt: skip
-    p.add_argument("--seed", type=nonneg_int, default=d.seed)
+    p.add_argument(
+        "--seed", type=nonneg_int, default=d.seed, help="seed of the data order and initialisation"
+    )
     p.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for memory")
     precision = p.add_mutually_exclusive_group()  # --bf16 --dtype float32 would be a contradiction
     add_dtype_arg(precision, training=True)
     precision.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
+    add_device_arg(p, help="where to train: cpu (default) or cuda (the Trainer's first visible GPU; pick one "
+                           "with CUDA_VISIBLE_DEVICES)")  # fmt: skip
     p.add_argument(
         "--sft", action="store_true", help="SFT on the chosen responses only (the paper's baseline)"
     )
@@ -97,13 +114,14 @@ def run(args: argparse.Namespace) -> int:
     from retmask.methods.retmask.pair_file import unfinished_generation
     from retmask.runfiles import RunLock, check_writable
 
+    check_device_arg(args.device, "train")
     cfg = TrainConfig(
         learning_rate=args.lr, min_lr_rate=args.min_lr_rate, warmup_ratio=args.warmup_ratio,
         weight_decay=args.weight_decay, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
         grad_accum=args.grad_accum, max_length=args.max_length, seed=args.seed,
         gradient_checkpointing=args.gradient_checkpointing, beta=args.beta,
-        dtype=resolve_training_dtype("bfloat16" if args.bf16 else args.dtype),
-        lm_head_positions=args.lm_head_positions,
+        dtype=resolve_training_dtype("bfloat16" if args.bf16 else args.dtype, args.device),
+        lm_head_positions=args.lm_head_positions, device=args.device,
     )  # fmt: skip
     try:
         for name in ("batch_size", "grad_accum", "max_length"):

@@ -44,9 +44,15 @@ class EvalConfig:
                 f"--max-len {hi} (+{self.max_new_tokens} answer tokens) exceeds the model's maximum of {limit} "
                 f"tokens; use --max-len {limit - self.max_new_tokens} or less"
             )
-        if self.num_lengths < 1 or self.num_depths < 1 or hi < self.min_len:
+        if hi < self.min_len:
+            where = "given" if self.max_len is not None else "the default for this model"
             raise ValueError(
-                f"empty grid: lengths {self.min_len}..{hi} x {self.num_lengths}; check the flags"
+                f"empty grid: the longest context {hi} ({where}; --max-len, --eval-max-len in a pipeline) is "
+                f"below the shortest {self.min_len} (--min-len / --eval-min-len); raise the one or lower the other"
+            )
+        if self.num_lengths < 1 or self.num_depths < 1:
+            raise ValueError(
+                f"empty grid: {self.num_lengths} lengths x {self.num_depths} depths; both must be >= 1"
             )
         return length_grid(self.min_len, hi, self.num_lengths)
 

@@ -120,9 +120,11 @@ def evaluate_model(model: Any, tokenizer: Any, cfg: EvalConfig, *, progress: boo
 # --- several models --------------------------------------------------------------------------------------
 
 
-def _fingerprint(cfg: EvalConfig, identity: str) -> str:
+def _fingerprint(cfg: EvalConfig, identity: str, device: str = "cpu") -> str:
     config = without_default_dtype(asdict(cfg))
-    return digest({"version": RESULT_VERSION, "config": config, "model": identity})
+    # the device only off the CPU, so cache entries written before the option still match
+    where = {"device": device} if device != "cpu" else {}
+    return digest({"version": RESULT_VERSION, "config": config, "model": identity, **where})
 
 
 def run_suite(
@@ -136,8 +138,10 @@ def run_suite(
     progress: bool = True,
     command: str | None = None,
     log=print,
+    device: str = "cpu",
 ) -> dict:
-    """Evaluate ``models`` (specs for ``retmask.load_model``; None = the embedded model), write the report.
+    """Evaluate ``models`` (specs for ``retmask.load_model``; None = the embedded model) on ``device``, write
+    the report.
     The first model is the baseline of every "change" column. Returns the ``eval.json`` content."""
 
     cfg = cfg or EvalConfig()
@@ -161,7 +165,7 @@ def run_suite(
     for spec, label in zip(models, labels, strict=True):
         spec = None if spec in ("embedded", "default") else spec
         identity = model_identity(spec)
-        fp = _fingerprint(cfg, identity)
+        fp = _fingerprint(cfg, identity, device)
         path = cache / f"{fp[:16]}.json"
         cached = (
             read_json(path, what="eval cache entry", fix="delete it to evaluate again")
@@ -174,7 +178,7 @@ def run_suite(
         else:
             log(f"[eval] {label}: evaluating {spec or 'the embedded model'}")
             start = time.perf_counter()
-            model, tok = load_model(spec, dtype=DTYPES[cfg.dtype])
+            model, tok = load_model(spec, dtype=DTYPES[cfg.dtype], device=device)
             res = evaluate_model(model, tok, cfg, progress=progress)
             del model
             res.update({"fingerprint": fp, "model": spec or "embedded", "identity": identity,
@@ -183,8 +187,8 @@ def run_suite(
         results.append({**res, "label": label})
     for hs in heads_sets:
         hs["shift"] = shift_rows(results, hs["heads"])
-    data = {"version": RESULT_VERSION, "config": asdict(cfg), "command": command, "models": results,
-            "heads": heads_sets}  # fmt: skip
+    data = {"version": RESULT_VERSION, "config": asdict(cfg), "device": device, "command": command,
+            "models": results, "heads": heads_sets}  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "eval.json", data)
     plot_niah_side_by_side(results, out_dir / "niah.png")

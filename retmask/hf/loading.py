@@ -332,7 +332,7 @@ def _resolve(spec: str | None, gguf_file: str | None) -> str:
     if not _HUB_ID.match(spec):  # "/abs/path", "./x", "a/b/c", "~/m": a path, not a hub id
         raise ModelNotFoundError(
             f"model path {spec} does not exist; pass an existing model folder or .gguf file, a hub id "
-            "(owner/name), or no --model for the embedded SmolLM2-135M-Instruct"
+            "(owner/name), or --model smollm2 for the embedded SmolLM2-135M-Instruct"
         )
     return spec
 
@@ -375,7 +375,7 @@ def load_model(
     except OSError as err:
         raise ModelLoadError(
             f"could not load model {source!r}: {err}. Hub downloads may be unavailable here: pass a local "
-            "folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct"
+            "folder, a .gguf file, or --model smollm2 for the embedded SmolLM2-135M-Instruct"
         ) from err
     if attn_implementation == "retmask":
         check_supported(model)

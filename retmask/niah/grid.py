@@ -57,8 +57,16 @@ def resolve_grid(
     hi = p.max_len if max_len is None else max_len
     nl = p.num_lengths if num_lengths is None else num_lengths
     nd = p.num_depths if num_depths is None else num_depths
-    if nl < 1 or nd < 1 or hi < lo:
-        raise ValueError(f"empty grid: lengths {lo}..{hi} x {nl}, depths x {nd}; check the grid flags")
+    if hi < lo:
+        default = f" (the {protocol} protocol's)"
+        raise ValueError(
+            f"empty grid: --max-len {hi}{'' if max_len is not None else default} is below --min-len {lo}"
+            f"{'' if min_len is not None else default}; raise --max-len or lower --min-len"
+        )
+    if nl < 1 or nd < 1:
+        raise ValueError(
+            f"empty grid: {nl} lengths x {nd} depths; --num-lengths and --num-depths must be >= 1"
+        )
     return length_grid(lo, hi, nl), depth_grid(nd)
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from retmask.cli import HelpFormatter, build_parser
+from retmask.cli import HelpFormatter, build_parser, main
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
@@ -112,3 +112,22 @@ def test_every_command_that_runs_a_model_takes_dtype(name):
     assert action.default == "float32" and {"auto", "float32", "bfloat16"} <= set(action.choices)
     # training keeps float32 master weights: a float16 or float64 "training dtype" is refused by the parser
     assert ("float16" in action.choices) == (name in MODEL_COMMANDS)
+
+
+def test_unknown_flags_are_reported_by_the_command_with_a_resume_hint(capsys):
+    """An unknown flag is named by the sub-command's own parser (its usage line, not the top level's);
+    --resume on a command that resumes by itself says so."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pipeline", "--resume"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: retmask pipeline") and "pipeline resumes by itself" in err
+    with pytest.raises(SystemExit):
+        main(["detect", "--bogus"])
+    assert "retmask detect: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("retmask ")

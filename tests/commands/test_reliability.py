@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from retmask.cli import main
+from retmask.errors import UsageError
 from retmask.runfiles import RunLock, lock_path
 from tests.test_runfiles import unwritable_dir
 
@@ -352,3 +353,72 @@ def test_detect_records_the_dtype_auto_resolved_to(
 
     assert record["config"]["prompt_style"] == "auto"
     assert record["prompt_style"] == resolve_prompt_style(AutoTokenizer.from_pretrained(tiny_dir), "auto")
+
+
+class _Loaded(UsageError):
+    """Raised by the stand-in loader: the command got as far as loading its model."""
+
+
+DEVICE_COMMANDS = ["detect", "niah", "ablate", "generate", "eval", "mdqa-score", "mudaf-train", "pipeline"]
+
+
+@pytest.mark.parametrize("command", DEVICE_COMMANDS)
+def test_every_command_loads_its_model_on_the_device_asked_for(
+    command, tiny_dir, tmp_path, monkeypatch, capsys
+):
+    """--device reaches the model loader of every command that loads a model (a command that ignored it
+    would silently run on the CPU). The loader is a stand-in that records the device and stops."""
+    import torch
+
+    seen = []
+
+    def loader(spec=None, **kw):
+        seen.append(str(kw.get("device", "cpu")))
+        raise _Loaded("loaded")
+
+    for target in ("retmask.hf.loading.load_model", "retmask.load_model", "retmask.detect.run.load_model",
+                   "retmask.evaluate.suite.load_model", "retmask.methods.retmask.pipeline.load_model"):  # fmt: skip
+        module, name = target.rsplit(".", 1)
+        monkeypatch.setattr(sys.modules[module] if module in sys.modules else __import__(module), name,
+                            loader, raising=False)  # fmt: skip
+    # this machine may have no GPU: the device check passes "cuda" through
+    monkeypatch.setattr("retmask.hf.loading.check_device", lambda device: torch.device(device))
+    f = _inputs(tmp_path)
+    m = ["--model", str(tiny_dir), "--device", "cuda"]
+    argv = {
+        "detect": ["detect", *m, "--out", str(tmp_path / "s.json"), "--no-progress"],
+        "niah": ["niah", *m],
+        "ablate": ["ablate", *m, "--scores", str(f["scores"]), "--out-dir", str(tmp_path / "a")],
+        "generate": ["generate", *m, "--heads", str(f["heads"]), "--out", str(tmp_path / "p.jsonl")],
+        "eval": ["eval", *m, "--out-dir", str(tmp_path / "e"), "--no-progress"],
+        "mdqa-score": ["mdqa-score", *m, "--data", str(f["data"]), "--out", str(tmp_path / "s.json")],
+        "mudaf-train": [
+            "mudaf-train",
+            *m,
+            "--data",
+            str(f["data"]),
+            "--heads",
+            str(f["heads"]),
+            "--out",
+            str(tmp_path / "m"),
+        ],  # fmt: skip
+        "pipeline": ["pipeline", *m, "--run-dir", str(tmp_path / "p"), "--no-progress"],
+    }[command]
+    assert main(argv) == 2
+    assert "loaded" in capsys.readouterr().err
+    assert seen == ["cuda"]
+
+
+def test_training_device():
+    """DPO / SFT: the Trainer places the model; cpu, or the first visible GPU (another index says how)."""
+    import torch
+
+    from retmask.hf.loading import ModelLoadError
+    from retmask.methods.retmask import dpo
+
+    assert dpo._use_cpu("cpu") is True
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="--device cuda: CUDA is not available"):
+            dpo._use_cpu("cuda")
+    with pytest.raises(ModelLoadError, match="not a device name"):
+        dpo._use_cpu("gpu")

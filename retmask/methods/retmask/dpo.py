@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from retmask.hf.loading import load_model
+from retmask.hf.loading import ModelLoadError, check_device, load_model
 from retmask.kernels import backward_choice, linear_cpu
 from retmask.methods.retmask.fused_head import (
     check_positions,
@@ -38,12 +38,21 @@ class TrainResult:
     lengths: LengthReport
 
 
-def _use_cpu() -> bool:
-    """Train on CPU when there is no GPU. Decided from the machine, not from the model: ``load_model``
-    returns CPU models and the Trainer (or accelerate, one GPU per process) moves them itself."""
-    import torch
-
-    return not torch.cuda.is_available()
+def _use_cpu(device: str) -> bool:
+    """The Trainer's ``use_cpu`` for ``TrainConfig.device``. ``load_model`` returns a CPU model and the
+    Trainer (accelerate: one GPU per process) moves it itself, always to the first visible GPU: another
+    index is an error that says how to pick that GPU."""
+    dev = check_device(device)  # a wrong name or a missing GPU: a clear error before any work
+    if dev.type == "cpu":
+        return True
+    if dev.type != "cuda":
+        raise ModelLoadError(f"--device {device}: training runs on cpu or cuda")
+    if dev.index not in (None, 0):
+        raise ModelLoadError(
+            f"--device {device}: the Trainer uses the first visible GPU; run with CUDA_VISIBLE_DEVICES={dev.index} "
+            "and --device cuda"
+        )
+    return False
 
 
 def _bind(trainer: Any, callbacks: list | None) -> None:
@@ -106,7 +115,9 @@ def train_dpo(
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen", "rejected"), pairs.source)
     out = Path(out)
-    args = DPOConfig(**cfg.trainer_kwargs(str(out), _use_cpu()), beta=cfg.beta, loss_type=["sigmoid"])
+    args = DPOConfig(
+        **cfg.trainer_kwargs(str(out), _use_cpu(cfg.device)), beta=cfg.beta, loss_type=["sigmoid"]
+    )
     model.train()
     trainer = DPOTrainer(
         model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(pairs.rows),
@@ -142,7 +153,7 @@ def train_sft(
     rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs.rows]
     out = Path(out)
     # prompt-completion rows: TRL computes the loss on the completion only (completion_only_loss)
-    args = SFTConfig(**cfg.trainer_kwargs(str(out), _use_cpu()), completion_only_loss=True)
+    args = SFTConfig(**cfg.trainer_kwargs(str(out), _use_cpu(cfg.device)), completion_only_loss=True)
     model.train()
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,

@@ -103,7 +103,12 @@ class Pipeline:
         atomic_write_json(self.state_path, self.state)
 
     def stage_config(self, name: str) -> dict:
-        return without_default_dtype(self._stage_config(name))
+        config = without_default_dtype(self._stage_config(name))
+        # the device only off the CPU (and not for mask, which loads no model), so runs begun before the
+        # option still resume
+        if self.cfg.device != "cpu" and name != "mask" and not (name == "detect" and self.cfg.scores):
+            config["device"] = self.cfg.device
+        return config
 
     def _stage_config(self, name: str) -> dict:
         c = self.cfg
@@ -207,7 +212,7 @@ class Pipeline:
                 shutil.copyfile(run, out.with_name("scores.run.json"))
             return {"source": str(c.scores)}
         cfg = DetectConfig(model=c.model, protocol=c.protocol, min_len=c.detect_min_len, max_len=c.detect_max_len,
-                           num_lengths=c.detect_lengths, num_depths=c.detect_depths, dtype=c.dtype)  # fmt: skip
+                           num_lengths=c.detect_lengths, num_depths=c.detect_depths, dtype=c.dtype, device=c.device)  # fmt: skip
         res = run_detect(cfg, out, plot=out.with_suffix(".png"), resume=resume, progress_bar=self.progress)
         return {"tests_counted": res.record["tests_counted"]}
 
@@ -244,7 +249,7 @@ class Pipeline:
     def _generate(self, resume: bool) -> dict:
 
         c = self.cfg
-        model, tok = load_model(c.model, dtype=DTYPES[c.dtype])
+        model, tok = load_model(c.model, dtype=DTYPES[c.dtype], device=c.device)
         win_lose = c.baseline == "win-lose"
         heads = (
             []
@@ -253,7 +258,9 @@ class Pipeline:
         )
         rejected_model = rejected_tok = None
         if c.rejected_model:  # smaller-model: its own tokenizer and chat template, in the same dtype
-            rejected_model, rejected_tok = load_model(c.rejected_model, dtype=DTYPES[c.dtype])
+            rejected_model, rejected_tok = load_model(
+                c.rejected_model, dtype=DTYPES[c.dtype], device=c.device
+            )
         pool = load_instructions(c.instructions, tokenizer=tok, max_tokens=512)
         if win_lose:  # its judge ranks the two samples against the instruction's reference answer
             pool = [inst for inst in pool if inst.reference]
@@ -287,7 +294,7 @@ class Pipeline:
         shutil.rmtree(out, ignore_errors=True)  # no checkpoints: an interrupted training starts over
         cfg = TrainConfig(learning_rate=c.lr, epochs=c.epochs, max_steps=c.max_steps, batch_size=c.batch_size,
                           grad_accum=c.grad_accum, max_length=c.max_length, beta=c.beta, seed=c.train_seed,
-                          dtype=c.dtype)  # fmt: skip
+                          dtype=c.dtype, device=c.device)  # fmt: skip
         callbacks = None
         if c.telemetry_every:
             # a baseline that masks nothing follows the retrieval heads themselves
@@ -319,7 +326,7 @@ class Pipeline:
             }.get(c.baseline, f"{c.baseline}-mask-dpo")
         data = run_suite([c.model, str(self.dir / "train" / "model")], d, ecfg, labels=["original", label],
                          heads_files=heads, cache_dir=c.eval_cache or d / "models", progress=self.progress,
-                         log=self.log)  # fmt: skip
+                         log=self.log, device=c.device)  # fmt: skip
         return {"tasks": {r["label"]: r["tasks"] for r in data["models"]}}
 
 

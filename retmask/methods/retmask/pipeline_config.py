@@ -27,6 +27,8 @@ class PipelineConfig:
     scores: str | None = None  # reuse this scores JSON instead of running detect
     # float32 | bfloat16 (resolved, never "auto"): weights of detect / generate / eval, bf16 autocast in train
     dtype: str = "float32"
+    # where every stage runs: "cpu" or "cuda" (training: the Trainer's first visible GPU)
+    device: str = "cpu"
     # detect (the protocol's grid unless overridden)
     protocol: str = "default"
     detect_min_len: int | None = None

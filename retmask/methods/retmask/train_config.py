@@ -49,6 +49,8 @@ class TrainConfig:
     # DPO on a CPU: "labelled" projects only completion positions through TRL's fused LM head (as TRL does
     # on CUDA); "all" keeps TRL's CPU behaviour of projecting every position (see ``fused_head``).
     lm_head_positions: str = "labelled"
+    # "cpu" or "cuda" (the Trainer places the model itself; on CUDA its first visible GPU)
+    device: str = "cpu"
 
     def trainer_kwargs(self, output_dir: str, use_cpu: bool) -> dict[str, Any]:
         """Keyword arguments shared by ``DPOConfig`` and ``SFTConfig``."""
