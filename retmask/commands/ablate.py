@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.commands.argtypes import nonneg_int, positive_int
+from retmask.commands.argtypes import nonneg_int, positive_int, unit_float
 from retmask.commands.common import (
     add_grid_args,
     add_model_args,
@@ -60,8 +60,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--random-from",
         default=None,
         choices=["all", "non-retrieval"],
-        help="draw random heads from all heads (default; Wu et al. Fig. 7) or only heads scoring < 0.1",
+        help="draw random heads from all heads (default; Wu et al. Fig. 7) or only heads scoring below --tau",
     )
+    p.add_argument("--tau", type=unit_float, default=None,
+                   help="with --random-from non-retrieval: heads scoring below this form the pool (default 0.1; "
+                        "RetMask uses 0.05 for Qwen3 and OLMo-3)")  # fmt: skip
     add_model_args(p)
     add_grid_args(p, num_needles=DEFAULT_NEEDLES, grid=DEFAULT_GRID)
     p.add_argument("--out-dir", type=Path, default=Path("runs/ablate"), help="folder for the outputs")
@@ -104,7 +107,13 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import time
 
-    from retmask.evaluate.ablate import AblationError, parse_ks, plot_ablation, run_ablation
+    from retmask.evaluate.ablate import (
+        NON_RETRIEVAL_TAU,
+        AblationError,
+        parse_ks,
+        plot_ablation,
+        run_ablation,
+    )
     from retmask.heads.selection import SelectionError, load_scores
     from retmask.niah import load_haystack
     from retmask.niah.haystack import HaystackError
@@ -113,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
     from retmask.runfiles import check_fresh_or_resume
 
     t0 = time.perf_counter()
-    curve_flags = {"--k": args.k, "--seeds": args.seeds, "--random-from": args.random_from}
+    curve_flags = {"--k": args.k, "--seeds": args.seeds, "--random-from": args.random_from, "--tau": args.tau}
     if args.each is not None:
         given = [flag for flag, value in curve_flags.items() if value is not None]
         if given:
@@ -127,6 +136,11 @@ def _run(args: argparse.Namespace) -> int:
     args.k = "0,5,10,20,40" if args.k is None else args.k
     args.seeds = 3 if args.seeds is None else args.seeds
     args.random_from = "all" if args.random_from is None else args.random_from
+    if args.tau is not None and args.random_from != "non-retrieval":
+        print("retmask ablate: error: --tau sets the non-retrieval pool; add --random-from non-retrieval or drop "
+              "--tau", file=sys.stderr)  # fmt: skip
+        return 2
+    args.tau = NON_RETRIEVAL_TAU if args.tau is None else args.tau
     configs = args.out_dir / f"{args.prefix}.configs"  # checked again (with the settings) by run_ablation
     earlier = [configs] if configs.is_dir() and any(configs.glob("*.json")) else []
     check_fresh_or_resume(earlier, resume=args.resume, overwrite=args.overwrite, remove=False,
@@ -150,7 +164,7 @@ def _run(args: argparse.Namespace) -> int:
         res = run_ablation(
             model, tok, scores, ks=ks, seeds=args.seeds, lengths=lengths, depths=depths, needles=needles,
             haystack_text=haystack, out_dir=args.out_dir, prefix=args.prefix, resume=args.resume,
-            overwrite=args.overwrite, random_from=args.random_from, base_seed=args.seed,
+            overwrite=args.overwrite, random_from=args.random_from, tau=args.tau, base_seed=args.seed,
             max_new_tokens=args.max_new_tokens, model_name=name, progress=not args.no_progress, limit=args.limit,
             log=lambda msg: print(msg, file=sys.stderr), prompt_style=args.prompt_style,
         )  # fmt: skip

@@ -92,6 +92,13 @@ def run(args: argparse.Namespace) -> int:
                     f"--model-shape {shape} disagrees with the model's [L, Hq] = {model_shape}"
                 )
             shape = model_shape
+        if args.baseline and shape is None:
+            layers = 1 + max(ly for ly, _ in scores)
+            heads = 1 + max(h for _, h in scores)
+            if len(scores) < layers * heads:
+                print(f"retmask mask: warning: {args.scores} lists {len(scores)} heads, not a full {layers} x {heads} "
+                      "grid; the baseline draws only from those listed (pass --model-shape L H, or --export, to draw "
+                      "from every head of the model, as `retmask pipeline` does)", file=sys.stderr)  # fmt: skip
         selection = select_heads(
             scores,
             threshold=args.threshold,

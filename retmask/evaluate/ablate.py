@@ -32,7 +32,9 @@ from retmask.plotting import pyplot, save_figure
 from retmask.runfiles import atomic_write_json, check_same_settings, read_json
 
 RANDOM_POOLS = ("all", "non-retrieval")
-NON_RETRIEVAL_TAU = 0.1  # random-from "non-retrieval": heads with a mean retrieval score below this
+# random-from "non-retrieval": heads with a mean retrieval score below this (Wu et al.'s and RetMask's τ for
+# Llama; RetMask uses 0.05 for Qwen3 and OLMo-3: pass tau to run_ablation / --tau)
+NON_RETRIEVAL_TAU = 0.1
 SUMMARY_VERSION = 1
 
 
@@ -81,13 +83,13 @@ def plan(ks: Sequence[int], seeds: int, base_seed: int = 0) -> list[MaskConfig]:
     return out
 
 
-def random_pool(scores: Mapping[Head, float], random_from: str) -> list[Head]:
-    """Heads random masks are drawn from: all heads, or those scoring below ``NON_RETRIEVAL_TAU``."""
+def random_pool(scores: Mapping[Head, float], random_from: str, tau: float = NON_RETRIEVAL_TAU) -> list[Head]:
+    """Heads random masks are drawn from: all heads, or those scoring below ``tau``."""
     if random_from not in RANDOM_POOLS:
         raise AblationError(f"random_from must be one of {RANDOM_POOLS}, got {random_from!r}")
     if random_from == "all":
         return sorted(scores)
-    return sorted(h for h, v in scores.items() if v < NON_RETRIEVAL_TAU)
+    return sorted(h for h, v in scores.items() if v < tau)
 
 
 def heads_for(cfg: MaskConfig, scores: Mapping[Head, float], pool: Sequence[Head]) -> list[Head]:
@@ -102,7 +104,13 @@ def heads_for(cfg: MaskConfig, scores: Mapping[Head, float], pool: Sequence[Head
         raise AblationError(f"{cfg.name}: {err}") from None
 
 
-def check_ks(ks: Sequence[int], scores: Mapping[Head, float], pool: Sequence[Head], shape) -> None:
+def check_ks(
+    ks: Sequence[int],
+    scores: Mapping[Head, float],
+    pool: Sequence[Head],
+    shape,
+    tau: float = NON_RETRIEVAL_TAU,
+) -> None:
     """K larger than the heads available -> a clear error before any work."""
     total = shape[0] * shape[1]
     big = max(ks)
@@ -113,8 +121,8 @@ def check_ks(ks: Sequence[int], scores: Mapping[Head, float], pool: Sequence[Hea
         )
     if big > len(pool):
         raise AblationError(
-            f"K = {big} but only {len(pool)} heads score below {NON_RETRIEVAL_TAU} (random_from="
-            f"'non-retrieval'); lower K or use random_from='all'"
+            f"K = {big} but only {len(pool)} heads score below {tau} (--random-from non-retrieval); lower K, "
+            "raise --tau or use --random-from all"
         )
 
 
@@ -246,6 +254,7 @@ def run_ablation(
     resume: bool = False,
     overwrite: bool = False,
     random_from: str = "all",
+    tau: float = NON_RETRIEVAL_TAU,
     base_seed: int = 0,
     max_new_tokens: int = 50,
     model_name: str | None = None,
@@ -267,8 +276,8 @@ def run_ablation(
     except SelectionError as err:
         raise AblationError(f"{err} (model: {model_name or model.config._name_or_path})") from None
     ks = parse_ks(ks)
-    pool = random_pool(full, random_from)
-    check_ks(ks, full, pool, shape)
+    pool = random_pool(full, random_from, tau)
+    check_ks(ks, full, pool, shape, tau)
     configs = plan(ks, seeds, base_seed)
     heads = {c.name: heads_for(c, full, pool) for c in configs}
 
@@ -283,6 +292,8 @@ def run_ablation(
         "shape": list(shape),
         "scores_sha256": scores_digest(full),
         "random_from": random_from,
+        # only when it matters and is not the default, so runs begun before the option still resume
+        **({"tau": tau} if random_from == "non-retrieval" and tau != NON_RETRIEVAL_TAU else {}),
     }
 
     cdir = Path(out_dir) / f"{prefix}.configs" if out_dir is not None else None

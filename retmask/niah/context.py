@@ -9,10 +9,18 @@ DEFAULT_BUFFER = 200  # tokens left for the template, the question and the answe
 
 
 def period_token_ids(tokenizer) -> frozenset[int]:
-    """Ids of the sentence-ending period: the tokenisation of ``"."`` (the reference's generic rule)."""
-    ids = tokenizer(".", add_special_tokens=False)["input_ids"]
+    """Ids of the sentence-ending period: the tokenisation of ``"."`` (the reference's generic rule), plus
+    the id a period gets right after a word. They differ for SentencePiece tokenizers that add a dummy
+    prefix (Llama 2, Mistral): ``"."`` alone is ``"▁."``, which never ends a sentence mid-text, so the walk
+    back would always run to the start of the context (the published script lists both ids of those
+    models by hand). Byte-level BPE tokenizers (SmolLM2, Llama 3) and Gemma's give one id either way."""
+    ids = set(tokenizer(".", add_special_tokens=False)["input_ids"])
     if not ids:
         raise ValueError("the tokenizer encodes '.' to no tokens; cannot find sentence ends")
+    word = tokenizer("sentence", add_special_tokens=False)["input_ids"]
+    ended = tokenizer("sentence.", add_special_tokens=False)["input_ids"]
+    if len(ended) == len(word) + 1 and ended[: len(word)] == word:  # the period is a token of its own
+        ids.add(ended[-1])
     return frozenset(ids)
 
 

@@ -109,6 +109,14 @@ def test_clear_errors_before_any_work(tiny, tokenizer, monkeypatch):
         _run(tiny, tokenizer, ks=[7], random_from="non-retrieval")
 
 
+def test_non_retrieval_pool_follows_tau():
+    """RetMask's τ is 0.05 for some models: the non-retrieval pool is the heads scoring below the τ given."""
+    scores = {(0, 0): 0.3, (0, 1): 0.07, (0, 2): 0.04, (0, 3): 0.0}
+    assert ablate_mod.random_pool(scores, "non-retrieval") == [(0, 1), (0, 2), (0, 3)]
+    assert ablate_mod.random_pool(scores, "non-retrieval", tau=0.05) == [(0, 2), (0, 3)]
+    assert ablate_mod.random_pool(scores, "all", tau=0.05) == sorted(scores)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tiny, tokenizer, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-model")
@@ -152,7 +160,22 @@ def test_commands_write_outputs(tiny_dir, tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     heads = tmp_path / "h.json"
     heads.write_text(json.dumps({"heads": [[1, 2], [0, 3]]}))
-    assert main(["niah", "--model", str(tiny_dir), "--mask-file", str(heads), *grid, "--out", str(res)]) == 0
+    assert (
+        main(
+            [
+                "niah",
+                "--model",
+                str(tiny_dir),
+                "--mask-file",
+                str(heads),
+                *grid,
+                "--out",
+                str(res),
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
     assert json.loads(res.read_text())["entries"] == data["entries"]  # same heads, same answers
     assert main(["niah", "--model", str(tiny_dir), "--mask-top", "2", *grid]) == 2
     assert "--scores" in capsys.readouterr().err

@@ -48,3 +48,32 @@ def test_too_short_length_and_haystack_raise():
         build_context_ids(hay(1000), NEEDLE, length=203, depth_percent=0, period_ids={PERIOD})
     with pytest.raises(ValueError, match="longer haystack"):
         build_context_ids(hay(10), NEEDLE, length=300, depth_percent=0, period_ids={PERIOD})
+
+
+class _DummyPrefixTokenizer:
+    """SentencePiece with a dummy prefix, as Llama 2: "." alone is "▁." (869); after a word it is "." (29889)."""
+
+    vocab = {"▁.": 869, "▁sentence": 100, ".": 29889}
+
+    def __call__(self, text, add_special_tokens=False):
+        if text == ".":
+            return {"input_ids": [869]}
+        ids = [100] if text.startswith("sentence") else []
+        return {"input_ids": ids + ([29889] if text.endswith(".") else [])}
+
+
+def test_period_ids_include_the_period_after_a_word():
+    """Otherwise a dummy-prefix tokenizer's sentence ends are never found and every needle lands at 0."""
+    from retmask.niah import period_token_ids
+
+    assert period_token_ids(_DummyPrefixTokenizer()) == {869, 29889}
+
+
+def test_period_ids_of_the_embedded_tokenizer_are_one_id():
+    from transformers import AutoTokenizer
+
+    import retmask
+    from retmask.niah import period_token_ids
+
+    tok = AutoTokenizer.from_pretrained(str(retmask.default_model_path()))
+    assert period_token_ids(tok) == set(tok(".", add_special_tokens=False)["input_ids"])
