@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import retmask
     from retmask.heads import SelectionError, model_shape, read_heads
-    from retmask.hf.loading import parse_dtype, resolve_dtype_name
+    from retmask.hf.loading import check_model_spec, parse_dtype, resolve_dtype_name
     from retmask.methods.retmask.generate import GenerateError, SamplingConfig, generate_pairs, stats_path
     from retmask.methods.retmask.instructions import InstructionError, load_instructions
 
@@ -96,6 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         check_device_arg(args.device, "generate")
         # "auto" resolved once, for the device: recorded and used for both models
         dtype = resolve_dtype_name(args.dtype, args.device)
+        check_model_spec(args.rejected_model)  # a typo fails before the policy model is loaded
         model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype), device=args.device)
         heads = rejected_model = rejected_tokenizer = None
         if args.heads is not None:

@@ -39,7 +39,7 @@ from retmask.evaluate.shift import build_probe, probe_scores, split_means
 from retmask.evaluate.synthetic import run_task
 from retmask.heads import model_shape
 from retmask.heads.selection import read_heads
-from retmask.hf.loading import DTYPES, default_model_path, load_model
+from retmask.hf.loading import DTYPES, check_model_spec, default_model_path, load_model
 from retmask.niah import depth_grid
 from retmask.runfiles import atomic_write_json, digest, read_json, without_default_dtype
 
@@ -159,6 +159,8 @@ def run_suite(
         heads_sets.append(
             {"file": str(f), "name": _heads_name(sel, f), "heads": [list(h) for h in sel.heads]}
         )
+    for spec in models:  # every model's path before the first one's evaluation
+        check_model_spec(None if spec in ("embedded", "default") else spec)
     out_dir = Path(out_dir)
     cache = Path(cache_dir) if cache_dir is not None else out_dir / "models"
     results = []

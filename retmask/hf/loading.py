@@ -330,11 +330,30 @@ def _resolve(spec: str | None, gguf_file: str | None) -> str:
         check_gguf_file(path)  # a GGUF file without the .gguf suffix, or an error naming the file
         return str(converted_gguf_path(path))
     if not _HUB_ID.match(spec):  # "/abs/path", "./x", "a/b/c", "~/m": a path, not a hub id
-        raise ModelNotFoundError(
-            f"model path {spec} does not exist; pass an existing model folder or .gguf file, a hub id "
-            "(owner/name), or --model smollm2 for the embedded SmolLM2-135M-Instruct"
-        )
+        raise _not_found(spec)
     return spec
+
+
+def _not_found(spec: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"model path {spec} does not exist; pass an existing model folder or .gguf file, a hub id "
+        "(owner/name), or --model smollm2 for the embedded SmolLM2-135M-Instruct"
+    )
+
+
+def check_model_spec(spec: str | None) -> None:
+    """The cheap checks of ``load_model(spec)``, without reading weights or converting anything: a path
+    that does not exist, a folder without a model, a file that is not GGUF. A command that loads several
+    models runs them for all before the first one's work, so a typo in the last fails in a second."""
+    if spec is None or (spec in NAMED_MODELS and not Path(spec).exists()):
+        return
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        check_model_folder(path)
+    elif path.is_file():
+        check_gguf_file(path)
+    elif not _HUB_ID.match(spec):
+        raise _not_found(spec)
 
 
 def load_model(

@@ -422,3 +422,23 @@ def test_training_device():
             dpo._use_cpu("cuda")
     with pytest.raises(ModelLoadError, match="not a device name"):
         dpo._use_cpu("gpu")
+
+
+@pytest.mark.parametrize("command", ["eval", "pipeline", "generate"])
+def test_a_missing_second_model_fails_before_the_first_is_loaded(command, tiny_dir, tmp_path, monkeypatch, capsys):
+    """eval's later --model, pipeline's and generate's --rejected-model: checked before any loading."""
+    import retmask.hf.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded a model first"))
+    monkeypatch.setattr("retmask.load_model", loading.load_model, raising=False)
+    monkeypatch.setattr("retmask.evaluate.suite.load_model", loading.load_model)
+    missing = str(tmp_path / "typo")
+    argv = {
+        "eval": ["eval", "--model", str(tiny_dir), "--model", missing, "--out-dir", str(tmp_path / "e")],
+        "pipeline": ["pipeline", "--model", str(tiny_dir), "--baseline", "smaller-model", "--rejected-model",
+                     missing, "--run-dir", str(tmp_path / "p")],  # fmt: skip
+        "generate": ["generate", "--model", str(tiny_dir), "--rejected-model", missing, "--out",
+                     str(tmp_path / "p.jsonl")],  # fmt: skip
+    }[command]
+    assert main(argv) == 2
+    assert f"model path {missing} does not exist" in capsys.readouterr().err

@@ -37,7 +37,7 @@ from retmask.detect import DetectConfig, run_detect
 from retmask.evaluate.suite import EvalConfig, run_suite
 from retmask.heads import model_shape
 from retmask.heads.selection import load_scores, read_heads, select_heads, write_heads
-from retmask.hf.loading import DTYPES, default_model_path, load_model
+from retmask.hf.loading import DTYPES, check_model_spec, default_model_path, load_model
 from retmask.methods.retmask.dpo import train_dpo, train_sft
 from retmask.methods.retmask.generate import SamplingConfig, generate_pairs
 from retmask.methods.retmask.instructions import load_instructions
@@ -85,6 +85,8 @@ class Pipeline:
         overwrite: bool = False,
     ):
         cfg.check()
+        for spec in (cfg.model, cfg.rejected_model):  # a typo fails now, not after the first stages
+            check_model_spec(spec)
         self.cfg = cfg
         self.dir = Path(run_dir)
         self.progress = progress
