@@ -108,6 +108,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "rejected responses are still generated, so a run with the same seeds trains on RetMask's chosen)",
     )
     g.add_argument(
+        "--drop-unfinished",
+        action="store_true",
+        help="train only on pairs whose responses ended before --gen-max-new-tokens (a cut response is otherwise "
+        "trained on as if complete)",
+    )
+    g.add_argument(
         "--telemetry-every", type=nonneg_int, default=d.telemetry_every, help="0 = no retrieval telemetry"
     )
     g = p.add_argument_group("eval")
@@ -164,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
         grad_accum=args.grad_accum, max_length=args.max_length, beta=args.beta, train_seed=args.train_seed,
         objective="sft" if args.sft else "dpo", telemetry_every=args.telemetry_every,
+        drop_unfinished=args.drop_unfinished,
         eval_min_len=args.eval_min_len, eval_max_len=args.eval_max_len, eval_lengths=args.eval_lengths,
         eval_depths=args.eval_depths, eval_needles=args.eval_needles, eval_cache=args.eval_cache,
         eval_tasks=list(args.eval_tasks),

@@ -99,6 +99,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace the files of an earlier run in --out (else refused)"
     )
     p.add_argument(
+        "--drop-unfinished",
+        action="store_true",
+        help="train only on pairs whose responses ended by themselves, not at `retmask generate`'s "
+        "--max-new-tokens (DPO: both responses; --sft: the chosen one); a cut response is otherwise closed with "
+        "an end-of-turn token as if complete",
+    )
+    p.add_argument(
         "--allow-incomplete",
         action="store_true",
         help="train on the pairs of an unfinished `retmask generate` run (refused by default)",
@@ -121,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum, max_length=args.max_length, seed=args.seed,
         gradient_checkpointing=args.gradient_checkpointing, beta=args.beta,
         dtype=resolve_training_dtype("bfloat16" if args.bf16 else args.dtype, args.device),
-        lm_head_positions=args.lm_head_positions, device=args.device,
+        lm_head_positions=args.lm_head_positions, device=args.device, drop_unfinished=args.drop_unfinished,
     )  # fmt: skip
     try:
         for name in ("batch_size", "grad_accum", "max_length"):

@@ -425,7 +425,9 @@ def test_training_device():
 
 
 @pytest.mark.parametrize("command", ["eval", "pipeline", "generate"])
-def test_a_missing_second_model_fails_before_the_first_is_loaded(command, tiny_dir, tmp_path, monkeypatch, capsys):
+def test_a_missing_second_model_fails_before_the_first_is_loaded(
+    command, tiny_dir, tmp_path, monkeypatch, capsys
+):
     """eval's later --model, pipeline's and generate's --rejected-model: checked before any loading."""
     import retmask.hf.loading as loading
 
@@ -435,10 +437,26 @@ def test_a_missing_second_model_fails_before_the_first_is_loaded(command, tiny_d
     missing = str(tmp_path / "typo")
     argv = {
         "eval": ["eval", "--model", str(tiny_dir), "--model", missing, "--out-dir", str(tmp_path / "e")],
-        "pipeline": ["pipeline", "--model", str(tiny_dir), "--baseline", "smaller-model", "--rejected-model",
-                     missing, "--run-dir", str(tmp_path / "p")],  # fmt: skip
-        "generate": ["generate", "--model", str(tiny_dir), "--rejected-model", missing, "--out",
-                     str(tmp_path / "p.jsonl")],  # fmt: skip
+        "pipeline": [
+            "pipeline",
+            "--model",
+            str(tiny_dir),
+            "--baseline",
+            "smaller-model",
+            "--rejected-model",
+            missing,
+            "--run-dir",
+            str(tmp_path / "p"),
+        ],  # fmt: skip
+        "generate": [
+            "generate",
+            "--model",
+            str(tiny_dir),
+            "--rejected-model",
+            missing,
+            "--out",
+            str(tmp_path / "p.jsonl"),
+        ],  # fmt: skip
     }[command]
     assert main(argv) == 2
     assert f"model path {missing} does not exist" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from retmask.methods.retmask.fused_head import (
     labelled_positions_only,
     lm_head_impl,
 )
-from retmask.methods.retmask.pairs import Pairs, read_pairs_file
+from retmask.methods.retmask.pairs import Pairs, drop_unfinished, read_pairs_file
 from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
 
 
@@ -55,6 +55,17 @@ def _use_cpu(device: str) -> bool:
     return False
 
 
+def _read_pairs(path: str | Path, cfg: TrainConfig, sides: tuple[str, ...]) -> tuple[Pairs, int]:
+    """The pairs to train on and how many ``cfg.drop_unfinished`` dropped (printed, and recorded)."""
+    pairs = read_pairs_file(path)
+    if not cfg.drop_unfinished:
+        return pairs, 0
+    pairs, dropped = drop_unfinished(pairs, sides)
+    print(f"retmask train: dropped {dropped} pair(s) with a {' or '.join(sides)} response cut at the token limit; "
+          f"{len(pairs.rows)} left")  # fmt: skip
+    return pairs, dropped
+
+
 def _bind(trainer: Any, callbacks: list | None) -> None:
     """Give callbacks that log through the trainer (``RetrievalTelemetry.bind``) the trainer itself."""
     for cb in callbacks or []:
@@ -63,7 +74,7 @@ def _bind(trainer: Any, callbacks: list | None) -> None:
 
 
 def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pairs, lengths: LengthReport,
-            seconds: float, mode: str, lm_head: str | None = None) -> TrainResult:  # fmt: skip
+            seconds: float, mode: str, lm_head: str | None = None, dropped: int = 0) -> TrainResult:  # fmt: skip
     """Save the trained model + tokenizer and a ``retmask_train.json`` summary in ``out``."""
     trainer.save_model(str(out))
     tokenizer.save_pretrained(str(out))
@@ -71,7 +82,7 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
     losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
     result = TrainResult(out, steps, seconds, seconds / max(steps, 1), losses, lengths)
     summary = {
-        "mode": mode, "pairs": pairs.source, "examples": len(pairs.rows), "steps": steps,
+        "mode": mode, "pairs": pairs.source, "examples": len(pairs.rows), "dropped_unfinished": dropped, "steps": steps,
         "seconds": round(seconds, 2), "seconds_per_step": round(result.seconds_per_step, 3), "losses": losses,
         "config": asdict(cfg), "lengths": asdict(lengths),
         "log_history": trainer.state.log_history,  # every logged entry (losses, rewards, retrieval/* telemetry)
@@ -107,7 +118,7 @@ def train_dpo(
     check_positions(cfg.lm_head_positions)  # before loading anything, like the pairs file
     lm_head_impl()  # a bad $RETMASK_LM_HEAD or $RETMASK_CPU_ATTN_BWD fails here too, not at the first step
     backward_choice.forced()
-    pairs = read_pairs_file(pairs_path)  # before loading anything: a wrong file fails fast
+    pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen", "rejected"))  # before loading: fails fast
     if model is None:
         model, tokenizer = load_model(model_spec)
     if ref_model is None:
@@ -127,7 +138,9 @@ def train_dpo(
     start = time.perf_counter()
     with labelled_positions_only(cfg.lm_head_positions), cpu_lm_head() as head:
         trainer.train()
-    return _finish(trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo", head)
+    return _finish(
+        trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo", head, dropped
+    )
 
 
 def train_sft(
@@ -146,7 +159,7 @@ def train_sft(
 
     cfg = cfg or TrainConfig()
     backward_choice.forced()  # a bad $RETMASK_CPU_ATTN_BWD fails before any loading
-    pairs = read_pairs_file(pairs_path)
+    pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen",))
     if model is None:
         model, tokenizer = load_model(model_spec)
     lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen",), pairs.source)
@@ -162,4 +175,6 @@ def train_sft(
     _bind(trainer, callbacks)
     start = time.perf_counter()
     trainer.train()
-    return _finish(trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "sft")
+    return _finish(
+        trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "sft", dropped=dropped
+    )

@@ -7,14 +7,16 @@ Accepted rows (JSONL, one object per line), all rows in the same format:
   "rejected": [{"role": "assistant", "content": ...}]}``;
 * standard: ``{"prompt": str, "chosen": str, "rejected": str}``.
 
-Other keys (``id``, ``metadata``) are allowed and dropped before training.
+Other keys (``id``, ``metadata``) are allowed and dropped before training; ``metadata``'s
+``chosen_finished`` / ``rejected_finished`` (written by ``retmask generate``: False when a response hit the
+token limit) are kept aside for :func:`drop_unfinished`.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,32 @@ class Pairs:
     rows: list[dict[str, Any]]  # only prompt / chosen / rejected
     format: str
     source: str
+    # per row {"chosen": bool | None, "rejected": bool | None}: whether the response ended by itself (EOS)
+    # rather than at the token limit; None where the file does not say (hand-made rows)
+    finished: list[dict[str, bool | None]] = field(default_factory=list)
+
+
+def drop_unfinished(pairs: Pairs, sides: Sequence[str] = ("chosen", "rejected")) -> tuple[Pairs, int]:
+    """The pairs whose ``sides`` all ended by themselves, and how many were dropped.
+
+    A response cut at the generation limit would otherwise be trained on as if complete: the chat template
+    closes it with an end-of-turn token, teaching the policy (DPO: also the contrast) to stop mid-sentence.
+    Raises :class:`PairsError` when the file does not record it or when no pair is left."""
+    unknown = [i for i, f in enumerate(pairs.finished) if any(f.get(s) is None for s in sides)]
+    if unknown or len(pairs.finished) != len(pairs.rows):
+        raise PairsError(
+            f"{pairs.source}: row {unknown[0] + 1 if unknown else 1} does not record whether its responses were "
+            "finished (metadata chosen_finished / rejected_finished, written by `retmask generate`); drop "
+            "--drop-unfinished for this file"
+        )
+    keep = [i for i, f in enumerate(pairs.finished) if all(f[s] for s in sides)]
+    if not keep:
+        raise PairsError(
+            f"{pairs.source}: every one of the {len(pairs.rows)} pairs has a response cut at the token limit; "
+            "generate with a larger --max-new-tokens, or drop --drop-unfinished"
+        )
+    kept = replace(pairs, rows=[pairs.rows[i] for i in keep], finished=[pairs.finished[i] for i in keep])
+    return kept, len(pairs.rows) - len(keep)
 
 
 def read_pairs_file(path: str | Path) -> Pairs:
@@ -70,7 +98,7 @@ def read_pairs_file(path: str | Path) -> Pairs:
     path = Path(path)
     if not path.is_file():
         raise PairsError(f"pairs file {path} does not exist; write one with `retmask generate`")
-    rows, fmt = [], None
+    rows, finished, fmt = [], [], None
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -88,6 +116,8 @@ def read_pairs_file(path: str | Path) -> Pairs:
             elif kind != fmt:
                 raise PairsError(f"{where}: a {kind} row in a file of {fmt} rows; use one format throughout")
             rows.append({k: row[k] for k in KEYS})
+            meta = row.get("metadata") if isinstance(row.get("metadata"), Mapping) else {}
+            finished.append({s: meta.get(f"{s}_finished") for s in ("chosen", "rejected")})
     if not rows:
         raise PairsError(f"{path}: no pairs (the file is empty)")
-    return Pairs(rows=rows, format=fmt or "standard", source=str(path))
+    return Pairs(rows=rows, format=fmt or "standard", source=str(path), finished=finished)

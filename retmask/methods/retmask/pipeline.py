@@ -134,7 +134,8 @@ class Pipeline:
                     "grad_accum": c.grad_accum, "max_length": c.max_length, "beta": c.beta, "seed": c.train_seed,
                     "telemetry_every": c.telemetry_every, "dtype": c.dtype,
                     # only when not the default, so runs started before the option still resume
-                    **({"objective": c.objective} if c.objective != "dpo" else {})}  # fmt: skip
+                    **({"objective": c.objective} if c.objective != "dpo" else {}),
+                    **({"drop_unfinished": True} if c.drop_unfinished else {})}  # fmt: skip
         return {"model": model, **self.eval_config_dict()}
 
     def eval_config_dict(self) -> dict:
@@ -296,7 +297,7 @@ class Pipeline:
         shutil.rmtree(out, ignore_errors=True)  # no checkpoints: an interrupted training starts over
         cfg = TrainConfig(learning_rate=c.lr, epochs=c.epochs, max_steps=c.max_steps, batch_size=c.batch_size,
                           grad_accum=c.grad_accum, max_length=c.max_length, beta=c.beta, seed=c.train_seed,
-                          dtype=c.dtype, device=c.device)  # fmt: skip
+                          dtype=c.dtype, device=c.device, drop_unfinished=c.drop_unfinished)  # fmt: skip
         callbacks = None
         if c.telemetry_every:
             # a baseline that masks nothing follows the retrieval heads themselves

@@ -59,6 +59,7 @@ class PipelineConfig:
     # "dpo" (RetMask) or "sft": the paper's SFT baseline, trained on the pairs' chosen responses only
     objective: str = "dpo"
     telemetry_every: int = 2
+    drop_unfinished: bool = False  # train only on pairs whose responses ended before --gen-max-new-tokens
     # eval
     eval_min_len: int = 1000
     eval_max_len: int | None = None

@@ -51,6 +51,9 @@ class TrainConfig:
     lm_head_positions: str = "labelled"
     # "cpu" or "cuda" (the Trainer places the model itself; on CUDA its first visible GPU)
     device: str = "cpu"
+    # train only on pairs whose responses ended by themselves (DPO: both; SFT: the chosen one), not at the
+    # generation limit (``pairs.drop_unfinished``)
+    drop_unfinished: bool = False
 
     def trainer_kwargs(self, output_dir: str, use_cpu: bool) -> dict[str, Any]:
         """Keyword arguments shared by ``DPOConfig`` and ``SFTConfig``."""

@@ -10,6 +10,7 @@ import retmask.methods.retmask.generate as contrastive
 from retmask.cli import main as cli
 from retmask.methods.retmask.generate import read_pairs
 from retmask.methods.retmask.pipeline import Pipeline, PipelineConfig, run_pipeline, stratified
+from retmask.methods.retmask.pipeline_config import STAGES
 
 TINY = dict(detect_min_len=300, detect_max_len=300, detect_lengths=1, detect_depths=2, threshold=None, top_k=2,
             num_instructions=4, gen_max_new_tokens=8, gen_batch_size=2, max_steps=2, batch_size=2, grad_accum=1,
@@ -165,3 +166,18 @@ def test_stratified_subset_covers_categories():
     items = [I(i, "a") for i in range(5)] + [I(i + 5, "b") for i in range(2)] + [I(9, "c")]
     assert [x.id for x in stratified(items, 5)] == [0, 5, 9, 1, 6]
     assert len(stratified(items, 100)) == 8
+
+
+def test_new_options_enter_the_fingerprints_only_when_set(tiny_dir, tmp_path):
+    """--drop-unfinished (train) and --device (every stage that loads a model) change the fingerprints of
+    the stages they affect; at their defaults the fingerprints of runs made before the options still hold."""
+    import dataclasses
+
+    base = PipelineConfig(model=str(tiny_dir), **TINY)
+    default = {s: Pipeline(base, tmp_path / "a").stage_config(s) for s in STAGES}
+    assert all("device" not in c and "drop_unfinished" not in c for c in default.values())
+    drop = Pipeline(dataclasses.replace(base, drop_unfinished=True), tmp_path / "b")
+    assert drop.stage_config("train") == default["train"] | {"drop_unfinished": True}
+    assert all(drop.stage_config(s) == default[s] for s in STAGES if s != "train")
+    gpu = Pipeline(dataclasses.replace(base, device="cuda"), tmp_path / "c")
+    assert {s for s in STAGES if gpu.stage_config(s).get("device") == "cuda"} == set(STAGES) - {"mask"}

@@ -192,3 +192,43 @@ def test_bad_cpu_override_fails_before_training(
             "--max-steps", "1"]  # fmt: skip
     assert cli(argv) != 0 and env in capsys.readouterr().err
     assert not (tmp_path / "out" / "retmask_train.json").exists()
+
+
+def test_drop_unfinished_pairs(tiny_dir, tmp_path, capsys):
+    """--drop-unfinished trains only on pairs whose responses ended by themselves (DPO: both sides; --sft:
+    the chosen one); files without the flags, or with nothing left, are clear errors."""
+    from retmask.methods.retmask.pairs import drop_unfinished
+
+    flags = [(True, True), (True, False), (False, True), (True, True)]
+    path = tmp_path / "pairs.jsonl"
+    rows = [
+        conv(*r, id=f"p{i}", metadata={"chosen_finished": c, "rejected_finished": rj})
+        for i, (r, (c, rj)) in enumerate(zip(ROWS, flags, strict=True))
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs = read_pairs_file(path)
+    kept, dropped = drop_unfinished(pairs)
+    assert dropped == 2 and [r["chosen"][0]["content"] for r in kept.rows] == [ROWS[0][1], ROWS[3][1]]
+    kept, dropped = drop_unfinished(pairs, ("chosen",))
+    assert dropped == 1 and len(kept.rows) == 3
+    out = tmp_path / "out"
+    argv = ["train", "--pairs", str(path), "--model", str(tiny_dir), "--out", str(out), "--max-steps", "1",
+            "--batch-size", "2", "--grad-accum", "1", "--max-length", "128", "--drop-unfinished"]  # fmt: skip
+    assert cli(argv) == 0
+    assert "dropped 2 pair(s)" in capsys.readouterr().out
+    summary = json.loads((out / "retmask_train.json").read_text())
+    assert (
+        summary["examples"] == 2
+        and summary["dropped_unfinished"] == 2
+        and summary["config"]["drop_unfinished"]
+    )
+
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps(conv(*r)) + "\n" for r in ROWS))
+    with pytest.raises(PairsError, match="row 1 does not record whether"):
+        drop_unfinished(read_pairs_file(bare))
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(json.dumps(conv(*r, metadata={"chosen_finished": False, "rejected_finished": True})) + "\n"
+                           for r in ROWS))  # fmt: skip
+    with pytest.raises(PairsError, match="every one of the 4 pairs"):
+        drop_unfinished(read_pairs_file(cut))
