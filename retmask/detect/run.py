@@ -21,7 +21,7 @@ from retmask.detect.shard import dist_context, gather_results, shard
 from retmask.detect.stopping import stop_token_ids
 from retmask.errors import UsageError
 from retmask.heads import model_shape
-from retmask.hf.loading import load_model, max_context, parse_dtype
+from retmask.hf.loading import load_model, max_context, parse_dtype, peek_config
 from retmask.kernels import cpu_autotune, linear_cpu
 from retmask.niah import (
     NiahTest,
@@ -100,7 +100,8 @@ class DetectResult:
 
 
 def check_context_limit(model, lengths: list[int], max_new_tokens: int) -> None:
-    """Refuse a grid whose longest test cannot fit the model, before any test is built or run."""
+    """Refuse a grid whose longest test cannot fit the model (a model or its config), before any test is
+    built or run."""
     limit = max_context(model)
     if limit is not None and max(lengths) + max_new_tokens > limit:
         raise ValueError(
@@ -475,6 +476,9 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
     needles = load_needles(cfg.needles)
     haystack_text = load_haystack(cfg.haystack)
     if model is None:
+        config = peek_config(cfg.model, cfg.gguf_file)
+        if config is not None:  # a grid too long for the model fails before its weights load
+            check_context_limit(config, lengths, cfg.max_new_tokens)
         model, tokenizer = load_model(
             cfg.model, gguf_file=cfg.gguf_file, dtype=parse_dtype(cfg.dtype, cfg.device), device=cfg.device
         )

@@ -22,9 +22,10 @@ import struct
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from retmask.cache_dir import cache_root
 from retmask.errors import UsageError
@@ -173,9 +174,26 @@ def named_model_path(name: str) -> Path:
 
 
 def max_context(model) -> int | None:
-    """The model's context limit (``max_position_embeddings`` of its text config), or None if unknown."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    """The context limit (``max_position_embeddings`` of the text config) of a model or of its config, or
+    None if unknown."""
+    config = model.config if hasattr(model, "config") else model
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(cfg, "max_position_embeddings", None)
+
+
+def peek_config(spec: str | None, gguf_file: str | None = None) -> Any:
+    """The config of a local HF folder, read without its weights, so a command can check its settings
+    against the model (context length, shape) before a large model loads; None for GGUF files, hub ids and
+    the embedded model, which ``load_model`` must convert or fetch first."""
+    if spec is None or gguf_file is not None:
+        return None
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
 
 
 def default_model_path() -> Path:

@@ -460,3 +460,23 @@ def test_a_missing_second_model_fails_before_the_first_is_loaded(
     }[command]
     assert main(argv) == 2
     assert f"model path {missing} does not exist" in capsys.readouterr().err
+
+
+def test_detect_checks_the_context_before_loading_the_weights(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A local model's config is read first: a grid longer than its context fails before a large model loads."""
+    import retmask.detect.run as detect_run
+
+    monkeypatch.setattr(detect_run, "load_model", lambda *a, **k: pytest.fail("loaded the weights first"))
+    argv = [
+        "detect",
+        "--model",
+        str(tiny_dir),
+        "--min-len",
+        "2000",
+        "--max-len",
+        "2000",
+        "--out",
+        str(tmp_path / "s.json"),
+    ]
+    assert main(argv) == 2
+    assert "exceeds the model's maximum of 1024 tokens" in capsys.readouterr().err
