@@ -53,6 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--masses", action="store_true",
                    help="also write <out stem>.masses.npz: per-example, per-head passage masses (re-score at any ε)")  # fmt: skip
     p.add_argument("--top", type=positive_int, default=10, help="print the N best heads (default 10)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
     return p
 
@@ -94,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
         check_device_arg(args.device, "mdqa-score")
         dtype = resolve_dtype_name(args.dtype, args.device)
         model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype), device=args.device)
-        scores = score_mdqa(model, tokenizer, examples, cfg)
+        scores = score_mdqa(model, tokenizer, examples, cfg, progress=not args.no_progress)
         extra = {
             "data": str(args.data),
             "model": args.model or "embedded SmolLM2-135M-Instruct",
@@ -102,7 +103,9 @@ def _run(args: argparse.Namespace) -> int:
             "device": args.device,
         }
         if args.answers:
-            extra["answers"] = answer_accuracy(model, tokenizer, examples, max_length=args.max_length)
+            extra["answers"] = answer_accuracy(
+                model, tokenizer, examples, max_length=args.max_length, progress=not args.no_progress
+            )
         paths = write_scores(scores, args.out, args.plot, masses=args.masses, **extra)
     except MDQAError as e:
         print(f"retmask mdqa-score: error: {e}", file=sys.stderr)

@@ -92,6 +92,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite", action="store_true", help="start over, replacing an earlier run's checkpoint in --out"
     )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the final summary remains)")
     p.set_defaults(func=run)
     return p
 
@@ -164,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
         if selection is not None:
             write_heads(selection, args.out / "heads.json")
         result = train_mudaf(
-            model, tokenizer, examples, args.out, cfg, resume=args.resume,
+            model, tokenizer, examples, args.out, cfg, resume=args.resume, progress=not args.no_progress,
             extra_record={"data": str(args.data), "model": args.model or "embedded SmolLM2-135M-Instruct",
                           "head_selection": selection.to_json() if selection else None},
         )  # fmt: skip
