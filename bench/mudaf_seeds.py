@@ -11,7 +11,7 @@ accuracy, with mean and standard deviation over seeds.
 
 Writes bench/results/mudaf_seeds_smollm2.{md,json,png}.
 
-    flock /tmp/retmask-heavy.lock python bench/mudaf_seeds.py --seeds 0,1,2,3,4   # the page (default: 0, 1, 2)
+    flock /tmp/retmask-heavy.lock python bench/mudaf_seeds.py --seeds 0,1,2,3,4,5,6,7,8,9   # the page (default: 0, 1, 2)
 """
 
 from __future__ import annotations
