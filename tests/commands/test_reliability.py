@@ -21,6 +21,16 @@ from retmask.runfiles import RunLock, lock_path
 from tests.test_runfiles import unwritable_dir
 
 GRID = ["--min-len", "300", "--max-len", "300", "--num-lengths", "1", "--num-depths", "1"]
+PIPELINE_GRID = [
+    "--detect-min-len",
+    "300",
+    "--detect-max-len",
+    "300",
+    "--detect-lengths",
+    "1",
+    "--detect-depths",
+    "1",
+]
 
 
 def detect_argv(tiny_dir, needles, out, *extra):
@@ -218,7 +228,7 @@ def test_ctrl_c_prints_how_to_continue(command, hint, tiny_dir, tmp_path, ctrl_c
     f = _inputs(tmp_path)
     m = ["--model", str(tiny_dir)]
     argv = {
-        "detect": ["detect", *m, "--out", str(tmp_path / "s.json"), "--no-progress"],
+        "detect": ["detect", *m, "--out", str(tmp_path / "s.json"), "--no-progress", *GRID],
         "generate": ["generate", *m, "--heads", str(f["heads"]), "--out", str(tmp_path / "p.jsonl")],
         "ablate": ["ablate", *m, "--scores", str(f["scores"]), "--out-dir", str(tmp_path / "a")],
         "mudaf-train": [
@@ -231,7 +241,7 @@ def test_ctrl_c_prints_how_to_continue(command, hint, tiny_dir, tmp_path, ctrl_c
             "--out",
             str(tmp_path / "m"),
         ],  # fmt: skip
-        "pipeline": ["pipeline", *m, "--run-dir", str(tmp_path / "p"), "--no-progress"],
+        "pipeline": ["pipeline", *m, "--run-dir", str(tmp_path / "p"), "--no-progress", *PIPELINE_GRID],
         "eval": ["eval", *m, "--out-dir", str(tmp_path / "e"), "--no-progress"],
         "niah": ["niah", *m],
         "mdqa-score": ["mdqa-score", *m, "--data", str(f["data"]), "--out", str(tmp_path / "s.json")],
@@ -386,7 +396,7 @@ def test_every_command_loads_its_model_on_the_device_asked_for(
     f = _inputs(tmp_path)
     m = ["--model", str(tiny_dir), "--device", "cuda"]
     argv = {
-        "detect": ["detect", *m, "--out", str(tmp_path / "s.json"), "--no-progress"],
+        "detect": ["detect", *m, "--out", str(tmp_path / "s.json"), "--no-progress", *GRID],
         "niah": ["niah", *m],
         "ablate": ["ablate", *m, "--scores", str(f["scores"]), "--out-dir", str(tmp_path / "a")],
         "generate": ["generate", *m, "--heads", str(f["heads"]), "--out", str(tmp_path / "p.jsonl")],
@@ -402,7 +412,7 @@ def test_every_command_loads_its_model_on_the_device_asked_for(
             "--out",
             str(tmp_path / "m"),
         ],  # fmt: skip
-        "pipeline": ["pipeline", *m, "--run-dir", str(tmp_path / "p"), "--no-progress"],
+        "pipeline": ["pipeline", *m, "--run-dir", str(tmp_path / "p"), "--no-progress", *PIPELINE_GRID],
     }[command]
     assert main(argv) == 2
     assert "loaded" in capsys.readouterr().err

@@ -85,8 +85,6 @@ class Pipeline:
         overwrite: bool = False,
     ):
         cfg.check()
-        for spec in (cfg.model, cfg.rejected_model):  # a typo fails now, not after the first stages
-            check_model_spec(spec)
         self.cfg = cfg
         self.dir = Path(run_dir)
         self.progress = progress
@@ -166,6 +164,8 @@ class Pipeline:
         if stop_after is not None and stop_after not in STAGES:
             raise PipelineError(f"--stop-after must be one of {STAGES}, got {stop_after!r}")
         check_writable(self.dir, what="run dir", directory=True)
+        for spec in (self.cfg.model, self.cfg.rejected_model):  # a typo fails now, not after the first stages
+            check_model_spec(spec)
         with RunLock(self.state_path, flag="--run-dir"):
             return self._run(stop_after)
 

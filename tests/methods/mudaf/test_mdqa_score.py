@@ -134,7 +134,11 @@ def test_command_end_to_end(tmp_path, mdqa_examples, bpe_tokenizer, capsys):
     assert len(answers["outputs"]) == 5
     assert answers["accuracy"] == sum(r["correct"] for r in answers["outputs"]) / 5
     assert "top heads" in capsys.readouterr().out
+    # the finished run's outputs are not replaced without --overwrite
+    rc = cli_main(["mdqa-score", "--data", str(data), "--model", str(folder), "--out", str(out)])
+    assert rc == 2 and "already exist; pass --overwrite" in capsys.readouterr().err
     rc = cli_main(
-        ["mdqa-score", "--data", str(tmp_path / "missing.jsonl"), "--model", str(folder), "--out", str(out)]
-    )
+        ["mdqa-score", "--data", str(tmp_path / "missing.jsonl"), "--model", str(folder), "--out", str(out),
+         "--overwrite"]
+    )  # fmt: skip
     assert rc == 2 and "does not exist" in capsys.readouterr().err
