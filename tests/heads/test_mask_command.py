@@ -55,6 +55,8 @@ def test_mask_errors_are_reported(tmp_path, capsys):
     assert rc == 2 and "does not exist in a model" in capsys.readouterr().err
     rc = mask.main(["--scores", str(_scores(tmp_path)), "--top-k", "2", "--model", "m"])
     assert rc == 2 and "--export" in capsys.readouterr().err
+    rc = mask.main(["--scores", str(_scores(tmp_path)), "--top-k", "2", "--dtype", "bfloat16"])
+    assert rc == 2 and "--dtype only matter(s) with --export" in capsys.readouterr().err
 
 
 def test_export_uses_model_layer(tmp_path, monkeypatch):
@@ -62,7 +64,12 @@ def test_export_uses_model_layer(tmp_path, monkeypatch):
     calls = {}
     model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3, num_attention_heads=4))
     model.config.get_text_config = lambda: model.config
-    monkeypatch.setattr(retmask, "load_model", lambda spec=None: (model, "tok"), raising=False)
+
+    def fake_load(spec=None, **kw):
+        calls["load"] = kw
+        return model, "tok"
+
+    monkeypatch.setattr(retmask, "load_model", fake_load, raising=False)
 
     def fake_export(m, heads, out_dir, tokenizer, provenance=None):
         calls.update(model=m, heads=heads, out_dir=out_dir, tokenizer=tokenizer, provenance=provenance)
@@ -81,9 +88,14 @@ def test_export_uses_model_layer(tmp_path, monkeypatch):
             str(tmp_path / "ckpt"),
             "--model",
             "tiny",
+            "--dtype",
+            "bfloat16",
         ]
     )
     assert rc == 0
+    import torch
+
+    assert calls["load"] == {"gguf_file": None, "dtype": torch.bfloat16}  # the saved weights' dtype
     assert calls["model"] is model and calls["tokenizer"] == "tok" and calls["out_dir"] == tmp_path / "ckpt"
     assert calls["heads"] == [tuple(h) for h in json.loads(out.read_text())["heads"]]
     # the checkpoint will say where its heads came from
@@ -97,7 +109,7 @@ def test_export_uses_model_layer(tmp_path, monkeypatch):
 
     small = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_attention_heads=4))
     small.config.get_text_config = lambda: small.config
-    monkeypatch.setattr(retmask, "load_model", lambda spec=None: small, raising=False)
+    monkeypatch.setattr(retmask, "load_model", lambda spec=None, **kw: small, raising=False)
     calls.clear()
     rc = mask.main(
         [
