@@ -64,7 +64,6 @@ def load_for_export(
 ) -> tuple[Any, Any, list[int]]:
     """Load the model to export (and its tokenizer when the loader gives one) and its ``[L, Hq]``."""
     import retmask  # the model layer (load_model, export_masked) belongs to the package root
-
     from retmask.hf.loading import DTYPES
 
     loaded = retmask.load_model(model_spec, gguf_file=gguf_file, dtype=DTYPES[dtype])
