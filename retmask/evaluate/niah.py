@@ -160,10 +160,18 @@ def grid_fingerprint(
     prompt_style: str,
 ) -> dict:
     """Everything besides the mask that determines an :func:`evaluate_niah` result (for resume checks);
-    ``prompt_style``: the resolved template, "base" or "chat"."""
+    ``prompt_style``: the resolved template, "base" or "chat". The model's parameter dtype and its device
+    are in it only where they are not float32 / the CPU, so resume files of earlier runs still match."""
     import hashlib
 
+    param = next(model.parameters(), None)
+    precision = {}
+    if param is not None and param.dtype != torch.float32:
+        precision["dtype"] = str(param.dtype).removeprefix("torch.")
+    if param is not None and param.device.type != "cpu":
+        precision["device"] = str(param.device)
     return {
+        **precision,
         "model": model_name or str(getattr(model.config, "_name_or_path", "")),
         "lengths": [int(x) for x in lengths],
         "depths": [int(x) for x in depths],

@@ -165,13 +165,16 @@ def render_report(data: dict) -> str:
             rows = [[r["label"]] + [_f(v, 2) for v in r[task]["by_length"].values()] for r in results]
             out += [f"## {TASK_LABELS[task]} by length", "", _table(["model", *map(str, lengths)], rows), ""]
     for hs in data.get("heads", []):
+        if not hs.get("shift"):  # no NIAH scores (the niah task was off): nothing to compare
+            continue
         rows = [[s["label"], _f(s["masked_mean"], 4), _f(s["masked_change"], 4, True), _f(s["other_mean"], 4),
                  _f(s["other_change"], 4, True), f"{s['counted']}/{s['tests']}"] for s in hs["shift"]]  # fmt: skip
         out += [f"## Retrieval-score shift: {hs['name']}", "",
                 f"Mean retrieval score (Wu et al., on the NIAH tests above that pass the ROUGE-1 > 0.5 filter) of the "
                 f"heads in `{hs['file']}` vs all other heads.", "",
                 _table(["model", "masked heads", "change", "other heads", "change", "counted tests"], rows), ""]  # fmt: skip
-    if data.get("heads"):
+    # plotted only with NIAH scores (suite.run_suite's rule)
+    if data.get("heads") and "niah" in data.get("config", {}).get("tasks", ()):
         out += ["![shift](shift.png)", ""]
     return "\n".join(out)
 

@@ -40,7 +40,7 @@ from retmask.evaluate.synthetic import run_task
 from retmask.heads import model_shape
 from retmask.heads.selection import read_heads
 from retmask.hf.loading import DTYPES, check_model_spec, default_model_path, load_model
-from retmask.niah import depth_grid
+from retmask.niah import depth_grid, load_haystack, load_needles
 from retmask.runfiles import atomic_write_json, digest, read_json, without_default_dtype
 
 RESULT_VERSION = 1
@@ -121,10 +121,16 @@ def evaluate_model(model: Any, tokenizer: Any, cfg: EvalConfig, *, progress: boo
 
 
 def _fingerprint(cfg: EvalConfig, identity: str, device: str = "cpu") -> str:
+    """The cache key of one model's results: settings, weights, device, and the shipped texts the tasks are
+    built from (the NIAH haystack and needles: a new release of either must not serve old results)."""
     config = without_default_dtype(asdict(cfg))
-    # the device only off the CPU, so cache entries written before the option still match
+    # the device only off the CPU
     where = {"device": device} if device != "cpu" else {}
-    return digest({"version": RESULT_VERSION, "config": config, "model": identity, **where})
+    texts = {
+        "haystack_sha256": hashlib.sha256(load_haystack(None).encode("utf-8")).hexdigest(),
+        "needles": [n.to_dict() for n in load_needles()[: cfg.niah_needles]],
+    }
+    return digest({"version": RESULT_VERSION, "config": config, "model": identity, **where, **texts})
 
 
 def run_suite(

@@ -115,8 +115,9 @@ def word_recalled(answer: str, response: str) -> bool:
 
 
 def exact_number(answer: str, response: str) -> bool:
-    """Key–value: the first number in ``response`` is exactly ``answer`` (no number -> False)."""
-    m = NUMBER.search(response)
+    """Key–value: the first number in ``response`` is exactly ``answer`` (no number -> False); thousands
+    separators between digits are dropped first ("48,213" reads as 48213)."""
+    m = NUMBER.search(re.sub(r"(?<=\d)[,\u202f](?=\d{3}(?!\d))", "", response))
     return m is not None and m.group(0) == answer
 
 
