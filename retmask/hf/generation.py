@@ -61,8 +61,10 @@ def generate_copies(
         kwargs["logits_processor"] = logits_processor
     split = 0
     one_prefill_call = getattr(config, "prefill_chunk_size", None) is None  # not a chunked prefill
-    if share_prefill and copies > 1 and one_prefill_call:
-        split = shared_layers(input_ids, head_mask, copies, _stacked_layers(model))
+    # an argmax capture records every row of every layer: the shared layers would record b rows, not R
+    capturing = any(getattr(m, "_retmask_capture", None) is not None for m in model.modules())
+    if share_prefill and copies > 1 and one_prefill_call and not capturing:
+        split = shared_layers(input_ids, head_mask, copies, _stacked_layers(model), attention_mask)
     with contextlib.ExitStack() as scope:
         scope.enter_context(_only_config(model))
         if head_mask is not None:

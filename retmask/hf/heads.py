@@ -29,6 +29,10 @@ def set_head_mask(model: torch.nn.Module, heads: HeadSpec) -> torch.Tensor:
 
     Returns:
         the normalised CPU mask, bool [L, Hq] or [B, L, Hq].
+
+    With gradient checkpointing, keep the mask of a forward call set until its ``backward()``: the
+    recomputation reads the mask that is set then, so a mask changed in between gives the gradients of
+    the other mask (or a ``CheckpointError`` when the saved tensors no longer match).
     """
     require_retmask(model, "set_head_mask")
     layout = head_layout(model)

@@ -81,7 +81,7 @@ def _key_padding_mask(
     device: torch.device,
 ) -> torch.Tensor | None:
     """The mask built by ``retmask_mask`` -> kernel ``key_padding_mask`` bool [B, N] (True = valid key)."""
-    if attention_mask is None:
+    if attention_mask is None or getattr(attention_mask, "_retmask_all_valid", False):
         return None
     model = _model_name(module)
     if attention_mask.dim() != 2:
@@ -102,6 +102,20 @@ def _key_padding_mask(
         )
     mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
     return mask.to(device)
+
+
+def _check_window(attention_mask: torch.Tensor | None, window: int | None, module: torch.nn.Module) -> None:
+    """Refuse a layer whose sliding-window mask (``retmask_mask``) and ``sliding_window`` argument differ:
+    the kernel would attend to keys eager attention masks out (e.g. Qwen2-MoE and PhiMoE build sliding
+    masks without passing the window)."""
+    mask_window = getattr(attention_mask, "_retmask_window", None)
+    if mask_window is not None and window != mask_window:
+        passed = "no window" if window is None else f"a window of {window}"
+        raise _unsupported(
+            _model_name(module),
+            f"a sliding-window mask of {mask_window} keys while its attention call passes {passed} (retmask takes "
+            "the window from that argument, so it would attend differently from eager attention)",
+        )
 
 
 def _skip_heads(module: torch.nn.Module, batch: int, device: torch.device) -> torch.Tensor | None:
@@ -157,6 +171,7 @@ def retmask_attention(
     features = dict(
         window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
     )
+    _check_window(attention_mask, features["window"], module)
     query, key, value = _autocast_inputs(query, key, value)
     B, _, S, _ = query.shape
     kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
@@ -255,9 +270,18 @@ def retmask_mask(
         # flash_attention_mask drops an all-valid mask after a data-dependent `mask.all()` (a graph break);
         # the kernel gives the same output with the all-valid mask kept.
         return attention_mask[:, -kv_length:]
-    return flash_attention_mask(
+    mask = flash_attention_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
     )
+    if sliding is not None and not torch.compiler.is_compiling():
+        # The kernel takes the window from the attention call's ``sliding_window`` argument, which some
+        # models never pass (they build the sliding mask only): the mask carries its window, and the
+        # attention function refuses a call whose window differs (see ``_check_window``).
+        if mask is None:  # every key valid: an all-valid mask, marked so that no padding work is done
+            mask = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+            mask._retmask_all_valid = True
+        mask._retmask_window = sliding
+    return mask
 
 
 def register() -> None:

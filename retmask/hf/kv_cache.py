@@ -46,9 +46,9 @@ class GrowingLayer(DynamicLayer):
         capacity = 0 if self._key_buffer is None else self._key_buffer.shape[-2]
         if needed <= capacity:
             return
-        capacity = (
-            max(needed, self.capacity_hint) if self.capacity_hint else max(MIN_CAPACITY, 2 * capacity, needed)
-        )
+        # the hint when it suffices; past it (or without one) double, so appends stay amortised O(1)
+        fits = self.capacity_hint and needed <= self.capacity_hint
+        capacity = self.capacity_hint if fits else max(MIN_CAPACITY, 2 * capacity, needed)
         key_buffer = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
         value_buffer = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
         if self._length:

@@ -36,11 +36,16 @@ from retmask.hf.layers import decoder_layers, head_layout
 
 
 def shared_layers(
-    input_ids: torch.Tensor, head_mask: torch.Tensor | None, copies: int, num_layers: int
+    input_ids: torch.Tensor,
+    head_mask: torch.Tensor | None,
+    copies: int,
+    num_layers: int,
+    attention_mask: torch.Tensor | None = None,
 ) -> int:
     """How many layers from the bottom a prefill of ``copies`` stacked copies can share (0 = none).
 
-    input_ids: [R, T]; 0 unless R = copies * b and the rows are ``copies`` copies of the first b.
+    input_ids, attention_mask: [R, T]; 0 unless R = copies * b and the rows are ``copies`` copies of the
+    first b, padding included (the shared rows run with the first b rows' mask).
     head_mask: None, bool [L, Hq] (the same for every row) or [R, L, Hq]: the first layer in which a copy
     masks other heads than the first b rows, at most L - 1 (the top layer always runs on every row).
     """
@@ -48,8 +53,11 @@ def shared_layers(
     if copies < 2 or rows % copies or num_layers < 2:
         return 0
     b = rows // copies
-    if not all(torch.equal(input_ids[:b], input_ids[c * b : (c + 1) * b]) for c in range(1, copies)):
-        return 0
+    for rows_of in (input_ids, attention_mask):
+        if rows_of is not None and not all(
+            torch.equal(rows_of[:b], rows_of[c * b : (c + 1) * b]) for c in range(1, copies)
+        ):
+            return 0
     if head_mask is None or head_mask.dim() == 2:
         return num_layers - 1
     first = head_mask[:b]

@@ -165,3 +165,37 @@ def test_bidirectional_sliding_overlay_is_refused():
     ids, _ = random_batch(1, 8)
     with pytest.raises(NotImplementedError, match="gemma3_text.*attention pattern"), torch.no_grad():
         model(input_ids=ids)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        (
+            "qwen2_moe",
+            dict(
+                use_sliding_window=True,
+                sliding_window=WINDOW,
+                max_window_layers=0,
+                layer_types=["sliding_attention"] * 2,
+                num_experts=2,
+                num_experts_per_tok=1,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+            ),
+        ),  # fmt: skip
+        ("phimoe", dict(sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1)),
+    ],
+)
+def test_a_sliding_mask_without_a_window_argument_is_refused(arch, overrides):
+    """These models build a sliding-window mask but never pass ``sliding_window`` to the attention
+    function, from which the kernel takes it: refused rather than attending to keys eager masks out."""
+    torch.manual_seed(0)
+    config = tiny_config(arch, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    retmask.patch(model)
+    ids, mask = random_batch(1, 14, [0])
+    with pytest.raises(
+        NotImplementedError, match=f"'{arch}' uses a sliding-window mask of {WINDOW} keys while"
+    ):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)

@@ -119,3 +119,18 @@ def test_beam_search_on_the_growing_cache_equals_the_dynamic_cache():
         want = model.generate(input_ids=ids, **kw)
         got = model.generate(input_ids=ids, **kw, **cache_kwargs(model, growing_cache(model)))
     assert torch.equal(got, want)
+
+
+def test_growth_past_the_capacity_hint_doubles():
+    """Past a too-small hint the buffer doubles (amortised O(1) appends), not one allocation per token."""
+    layer = GrowingLayer()
+    layer.capacity_hint = 8
+    k = torch.randn(1, 1, 8, 4)
+    layer.update(k, k)
+    assert layer._key_buffer.shape[-2] == 8  # the hint, exactly
+    allocations = set()
+    for _ in range(20):
+        one = torch.randn(1, 1, 1, 4)
+        layer.update(one, one)
+        allocations.add(layer._key_buffer.data_ptr())
+    assert layer._key_buffer.shape[-2] >= 28 and len(allocations) <= 3

@@ -120,6 +120,11 @@ def test_shared_layers_rules():
     assert shared_layers(other, mask, 2, 5) == 0
     assert shared_layers(ids, mask, 1, 5) == 0  # not copies
     assert shared_layers(ids[:5], mask[:5], 2, 5) == 0  # 5 rows are not 2 copies
+    _, attn = _copies()
+    assert shared_layers(ids, mask, 2, 5, attn) == 3  # the copies' padding agrees too
+    padded = attn.clone()
+    padded[B, 0] = 0  # same ids, other padding: not copies
+    assert shared_layers(ids, mask, 2, 5, padded) == 0
     first = mask.clone()
     first[B, 0, 1] = True
     assert shared_layers(ids, first, 2, 5) == 0  # they differ from the bottom layer on
@@ -196,3 +201,15 @@ def test_the_models_generation_defaults_do_not_shape_the_logits():
         model.generation_config.repetition_penalty == 50.0
         and model.generation_config.no_repeat_ngram_size == 1
     )
+
+
+def test_an_argmax_capture_turns_the_shared_prefill_off():
+    """A capture records every row of every layer; shared layers would record the first copies' rows only."""
+    model = tiny_model("llama", num_hidden_layers=5)
+    layout = head_layout(model)
+    ids, attn = _copies()
+    mask = _rejected_mask(layout.num_layers, layout.num_heads, 3)
+    with retmask.capture_argmax(model, rows=1) as cap:
+        out = generate_copies(model, ids, attn, _config(3), copies=2, head_mask=mask)
+    assert out.sequences.shape[0] == 2 * B
+    assert all(c.shape[1] == 2 * B for c in cap.calls)  # every call recorded every row
