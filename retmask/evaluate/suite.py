@@ -44,18 +44,25 @@ from retmask.niah import depth_grid, load_haystack, load_needles
 from retmask.runfiles import atomic_write_json, digest, read_json, without_default_dtype
 
 RESULT_VERSION = 1
+# besides the weights, what decides a model's prompts and context length
+PROMPT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                "special_tokens_map.json", "chat_template.jinja", "chat_template.json")  # fmt: skip
 
 
 # --- model identity --------------------------------------------------------------------------------------
 
 
 def model_identity(spec: str | None) -> str:
-    """What makes two evaluations of ``spec`` the same model: the sha256 of its weight files for a local
-    folder or file, else the spec itself (hub id; the embedded model's cached conversion)."""
+    """What makes two evaluations of ``spec`` the same model: the sha256 of its weight files and of the
+    files that shape its prompts and context (config, tokenizer, chat template) for a local folder or file,
+    else the spec itself (hub id; the embedded model's cached conversion)."""
 
     path = Path(spec) if spec is not None else default_model_path()
     if path.exists():
-        files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) if path.is_dir() else [path]
+        files = [path]
+        if path.is_dir():
+            files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+            files += [path / n for n in PROMPT_FILES if (path / n).is_file()] if files else []
         if files:
             h = hashlib.sha256()
             for f in files:

@@ -56,3 +56,16 @@ def test_key_value_reads_numbers_with_thousands_separators():
     assert exact_number("48213", "48213")
     assert not exact_number("48213", "48,2130")  # not a separator: 48 is read
     assert exact_number("48", "48, 213") and not exact_number("1000", "1,000,000")
+
+
+def test_model_identity_covers_weights_and_prompt_files(tmp_path):
+    """Another chat template changes every prompt: it is part of a local model's identity, like its weights."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "a"}')
+    first = suite.model_identity(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "b"}')
+    second = suite.model_identity(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")
+    assert len({first, second, suite.model_identity(str(tmp_path))}) == 3
+    (tmp_path / "notes.txt").write_text("not part of the model")
+    assert suite.model_identity(str(tmp_path)) == suite.model_identity(str(tmp_path))
