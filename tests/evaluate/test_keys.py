@@ -66,6 +66,7 @@ def test_model_identity_covers_weights_and_prompt_files(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "b"}')
     second = suite.model_identity(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"other weights")
-    assert len({first, second, suite.model_identity(str(tmp_path))}) == 3
+    third = suite.model_identity(str(tmp_path))
+    assert len({first, second, third}) == 3
     (tmp_path / "notes.txt").write_text("not part of the model")
-    assert suite.model_identity(str(tmp_path)) == suite.model_identity(str(tmp_path))
+    assert suite.model_identity(str(tmp_path)) == third
