@@ -4,6 +4,7 @@ on the CPU, the resolved dtype in every record, and fingerprints of float32 runs
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 
 import torch
@@ -16,6 +17,7 @@ from retmask.methods.retmask.dpo import train_dpo
 from retmask.methods.retmask.pipeline import Pipeline
 from retmask.methods.retmask.pipeline_config import STAGES, PipelineConfig
 from retmask.methods.retmask.train_config import TrainConfig
+from retmask.niah import load_haystack, load_needles
 from retmask.runfiles import digest
 from tests.methods.retmask.test_train import ROWS, conv
 
@@ -75,6 +77,12 @@ def test_float32_fingerprints_are_the_ones_before_dtype_existed(tmp_path):
     for stage in STAGES:
         assert "dtype" not in pipe32.stage_config(stage)
         assert pipe16.stage_config(stage).get("dtype") == (None if stage == "mask" else "bfloat16")
+    # the eval key leaves float32 out too (it also holds the shipped texts since 2026-11-26: test_keys.py)
     old = {k: v for k, v in vars(EvalConfig()).items() if k != "dtype"}
-    assert _fingerprint(EvalConfig(), "m") == digest({"version": RESULT_VERSION, "config": old, "model": "m"})
+    texts = {
+        "haystack_sha256": hashlib.sha256(load_haystack(None).encode("utf-8")).hexdigest(),
+        "needles": [n.to_dict() for n in load_needles()[: EvalConfig().niah_needles]],
+    }
+    want = digest({"version": RESULT_VERSION, "config": old, "model": "m", **texts})
+    assert _fingerprint(EvalConfig(), "m") == want
     assert _fingerprint(EvalConfig(dtype="bfloat16"), "m") != _fingerprint(EvalConfig(), "m")
