@@ -20,6 +20,7 @@ layers), ``softcap`` (Gemma 2's ``attn_logit_softcapping``) and ``s_aux`` (gpt-o
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -36,6 +37,10 @@ from retmask.kernels import attention as kernel_attention
 NAME = "retmask"
 
 
+class UnknownAttentionArgumentWarning(UserWarning):
+    """A model passed a tensor argument to the attention function that retmask attention ignores."""
+
+
 def _model_name(module_or_config: Any) -> str:
     config = getattr(module_or_config, "config", module_or_config)
     return getattr(config, "model_type", None) or type(module_or_config).__name__
@@ -50,9 +55,25 @@ def _unsupported(model: str, feature: str) -> NotImplementedError:
     )
 
 
+# Tensor arguments of transformers' attention calls that the kernel uses or that do not change attention.
+KNOWN_TENSOR_ARGS = frozenset({"position_ids", "cache_position", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k"})
+
+
 def _check_features(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
-    """Raise for anything the kernel would silently get wrong."""
+    """Raise for anything the kernel would silently get wrong; warn about tensor arguments it does not
+    know (a model may pass attention inputs under a new name, e.g. its sinks or a sparsity pattern)."""
     model = _model_name(module)
+    unknown = sorted(
+        k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in KNOWN_TENSOR_ARGS
+    )
+    if unknown:
+        warnings.warn(
+            f"model '{model}' passes {', '.join(unknown)} to its attention function, which retmask attention does "
+            "not use: if they change attention, retmask's results differ from eager attention's (compare a "
+            "forward with attn_implementation='eager' once)",
+            UnknownAttentionArgumentWarning,
+            stacklevel=3,
+        )
     if kwargs.get("position_bias") is not None:
         raise _unsupported(model, "an additive position bias")
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:

@@ -199,3 +199,22 @@ def test_a_sliding_mask_without_a_window_argument_is_refused(arch, overrides):
     ):
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)
+
+
+def test_an_unknown_tensor_argument_warns_once_known_ones_do_not():
+    """A model passing attention inputs under a name retmask does not know gets a warning, not silence."""
+    import warnings
+
+    from retmask.hf.interface import UnknownAttentionArgumentWarning, retmask_attention
+
+    model = feature_model("mistral")
+    module = retmask.hf.head_layout(model).layers[0]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 6, 16, generator=g) for n in (4, 2, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        retmask_attention(module, q, k, v, None, position_ids=torch.arange(6)[None])
+        assert not [w for w in caught if w.category is UnknownAttentionArgumentWarning]
+        retmask_attention(module, q, k, v, None, sinks=torch.zeros(4))
+    hits = [w for w in caught if w.category is UnknownAttentionArgumentWarning]
+    assert len(hits) == 1 and "passes sinks to its attention function" in str(hits[0].message)
