@@ -22,10 +22,16 @@ from retmask.commands.common import (
     needles_from_args,
     reports_errors,
 )
+from retmask.errors import UsageError
 
 # A small default grid: every K runs the whole grid 1 + seeds times (13 runs for --k 0,5,10,20 --seeds 3).
 DEFAULT_GRID = {"num_lengths": 3, "num_depths": 3}
 DEFAULT_NEEDLES = 2
+
+
+# The K curve's flags default to None (not given), so --each can refuse them rather than ignore them; their
+# values when not given (--tau's is the library's NON_RETRIEVAL_TAU, imported with the ablation code).
+CURVE_DEFAULTS = {"k": "0,5,10,20,40", "seeds": 3, "random_from": "all"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -52,9 +58,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     # None = not given: --each refuses the K curve's flags instead of ignoring them
     p.add_argument(
-        "--k", default=None, help="comma-separated numbers of heads to mask (default 0,5,10,20,40)"
+        "--k", default=None, help=f"comma-separated numbers of heads to mask (default {CURVE_DEFAULTS['k']})"
     )
-    p.add_argument("--seeds", type=positive_int, default=None, help="random-head draws per K (default 3)")
+    p.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=None,
+        help=f"random-head draws per K (default {CURVE_DEFAULTS['seeds']})",
+    )
     p.add_argument("--seed", type=nonneg_int, default=0, help="first seed (draws use seed, seed+1, ...)")
     p.add_argument(
         "--random-from",
@@ -122,25 +133,21 @@ def _run(args: argparse.Namespace) -> int:
     from retmask.runfiles import check_fresh_or_resume
 
     t0 = time.perf_counter()
-    curve_flags = {"--k": args.k, "--seeds": args.seeds, "--random-from": args.random_from, "--tau": args.tau}
+    given = [
+        f"--{name.replace('_', '-')}" for name in (*CURVE_DEFAULTS, "tau") if getattr(args, name) is not None
+    ]
     if args.each is not None:
-        given = [flag for flag, value in curve_flags.items() if value is not None]
         if given:
-            print(
-                f"retmask ablate: error: {', '.join(given)} set the K curve, which --each replaces (each head "
-                f"masked alone); drop {'it' if len(given) == 1 else 'them'} or drop --each",
-                file=sys.stderr,
+            raise UsageError(
+                f"{', '.join(given)} set the K curve, which --each replaces (each head masked alone); drop "
+                f"{'it' if len(given) == 1 else 'them'} or drop --each"
             )
-            return 2
         return _run_each(args, t0)
-    args.k = "0,5,10,20,40" if args.k is None else args.k
-    args.seeds = 3 if args.seeds is None else args.seeds
-    args.random_from = "all" if args.random_from is None else args.random_from
     if args.tau is not None and args.random_from != "non-retrieval":
-        print("retmask ablate: error: --tau sets the non-retrieval pool; add --random-from non-retrieval or drop "
-              "--tau", file=sys.stderr)  # fmt: skip
-        return 2
-    args.tau = NON_RETRIEVAL_TAU if args.tau is None else args.tau
+        raise UsageError("--tau sets the non-retrieval pool; add --random-from non-retrieval or drop --tau")
+    for name, default in (CURVE_DEFAULTS | {"tau": NON_RETRIEVAL_TAU}).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     configs = args.out_dir / f"{args.prefix}.configs"  # checked again (with the settings) by run_ablation
     earlier = [configs] if configs.is_dir() and any(configs.glob("*.json")) else []
     check_fresh_or_resume(earlier, resume=args.resume, overwrite=args.overwrite, remove=False,

@@ -8,6 +8,7 @@ from typing import Any
 
 from retmask.commands.argtypes import nonneg_int, positive_int
 from retmask.commands.common import add_grid_args, add_model_args, reports_errors
+from retmask.errors import UsageError
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -104,9 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from retmask.niah.needles import NeedleFileError
 
     if args.patience is not None and not args.until_stable:
-        print("retmask detect: error: --patience only applies with --until-stable; add --until-stable or drop "
-              "--patience", file=sys.stderr)  # fmt: skip
-        return 2
+        raise UsageError("--patience only applies with --until-stable; add --until-stable or drop --patience")
     cfg = DetectConfig(
         model=args.model,
         gguf_file=args.gguf_file,
@@ -124,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_impl=args.prefill_impl,
         draft_history=args.draft_history,
         until_stable=args.until_stable,
-        patience=20 if args.patience is None else args.patience,
+        **({"patience": args.patience} if args.patience is not None else {}),
         seed=args.seed,
         prompt_style=args.prompt_style,
         span_rule=args.span_rule,

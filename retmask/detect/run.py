@@ -300,6 +300,7 @@ def _run_record(
 ) -> dict:
     """The run record (``<out stem>.run.json``): settings, grid, skipped tests, summary, timings and every
     test's response and recall (the per-head copies are in the scores file)."""
+    runnable, skipped = split_runnable(tests, cfg.span_miss)
     return {
         "config": asdict(cfg),
         "model": fingerprint["model"],
@@ -325,10 +326,10 @@ def _run_record(
                 "needle_index": t.needle_index,
                 "reason": t.skip_reason,
             }
-            for t in split_runnable(tests, cfg.span_miss)[1]
+            for t in skipped
         ],  # fmt: skip
         # tests that ran although their needle span was not found (--span-miss zeros): 0 for every head
-        "span_missed": [t.key for t in split_runnable(tests, cfg.span_miss)[0] if t.span_missed],
+        "span_missed": [t.key for t in runnable if t.span_missed],
         "tests_run": len(done),
         "tests_counted": sum(bool(e["counted"]) for e in done.values()),
         "until_stable": None

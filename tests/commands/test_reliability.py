@@ -190,11 +190,16 @@ def ctrl_c_on_load(monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
+    _replace_loaders(monkeypatch, interrupted)
+
+
+def _replace_loaders(monkeypatch, loader) -> None:
+    """Every name a command loads its model through -> ``loader``."""
     for target in ("retmask.hf.loading.load_model", "retmask.load_model", "retmask.detect.run.load_model",
                    "retmask.evaluate.suite.load_model", "retmask.methods.retmask.pipeline.load_model"):  # fmt: skip
         module, name = target.rsplit(".", 1)
         monkeypatch.setattr(sys.modules[module] if module in sys.modules else __import__(module), name,
-                            interrupted, raising=False)  # fmt: skip
+                            loader, raising=False)  # fmt: skip
 
 
 def _inputs(tmp_path: Path) -> dict[str, Path]:
@@ -211,23 +216,11 @@ def _inputs(tmp_path: Path) -> dict[str, Path]:
     }
 
 
-INTERRUPTED = [
-    ("detect", "continue with the same command plus --resume"),
-    ("generate", "continue with the same command plus --resume"),
-    ("ablate", "continue with the same command plus --resume"),
-    ("mudaf-train", "continue with the same command plus --resume"),
-    ("pipeline", "run the same command again to resume"),
-    ("eval", "run the same command again: models already evaluated are cached"),
-    ("niah", "nothing was written"),
-    ("mdqa-score", "nothing was written"),
-]
-
-
-@pytest.mark.parametrize("command,hint", INTERRUPTED, ids=[c for c, _ in INTERRUPTED])
-def test_ctrl_c_prints_how_to_continue(command, hint, tiny_dir, tmp_path, ctrl_c_on_load, capsys):
+def _command_argv(command: str, model_args: list[str], tmp_path: Path) -> list[str]:
+    """A minimal valid command line of ``command`` that gets as far as loading its model."""
     f = _inputs(tmp_path)
-    m = ["--model", str(tiny_dir)]
-    argv = {
+    m = model_args
+    return {
         "detect": ["detect", *m, "--out", str(tmp_path / "s.json"), "--no-progress", *GRID],
         "generate": ["generate", *m, "--heads", str(f["heads"]), "--out", str(tmp_path / "p.jsonl")],
         "ablate": ["ablate", *m, "--scores", str(f["scores"]), "--out-dir", str(tmp_path / "a")],
@@ -246,6 +239,23 @@ def test_ctrl_c_prints_how_to_continue(command, hint, tiny_dir, tmp_path, ctrl_c
         "niah": ["niah", *m],
         "mdqa-score": ["mdqa-score", *m, "--data", str(f["data"]), "--out", str(tmp_path / "s.json")],
     }[command]
+
+
+INTERRUPTED = [
+    ("detect", "continue with the same command plus --resume"),
+    ("generate", "continue with the same command plus --resume"),
+    ("ablate", "continue with the same command plus --resume"),
+    ("mudaf-train", "continue with the same command plus --resume"),
+    ("pipeline", "run the same command again to resume"),
+    ("eval", "run the same command again: models already evaluated are cached"),
+    ("niah", "nothing was written"),
+    ("mdqa-score", "nothing was written"),
+]
+
+
+@pytest.mark.parametrize("command,hint", INTERRUPTED, ids=[c for c, _ in INTERRUPTED])
+def test_ctrl_c_prints_how_to_continue(command, hint, tiny_dir, tmp_path, ctrl_c_on_load, capsys):
+    argv = _command_argv(command, ["--model", str(tiny_dir)], tmp_path)
     assert main(argv) == 130
     err = capsys.readouterr().err
     assert f"retmask {command}: interrupted; {hint}" in err
@@ -386,34 +396,10 @@ def test_every_command_loads_its_model_on_the_device_asked_for(
         seen.append(str(kw.get("device", "cpu")))
         raise _Loaded("loaded")
 
-    for target in ("retmask.hf.loading.load_model", "retmask.load_model", "retmask.detect.run.load_model",
-                   "retmask.evaluate.suite.load_model", "retmask.methods.retmask.pipeline.load_model"):  # fmt: skip
-        module, name = target.rsplit(".", 1)
-        monkeypatch.setattr(sys.modules[module] if module in sys.modules else __import__(module), name,
-                            loader, raising=False)  # fmt: skip
+    _replace_loaders(monkeypatch, loader)
     # this machine may have no GPU: the device check passes "cuda" through
     monkeypatch.setattr("retmask.hf.loading.check_device", lambda device: torch.device(device))
-    f = _inputs(tmp_path)
-    m = ["--model", str(tiny_dir), "--device", "cuda"]
-    argv = {
-        "detect": ["detect", *m, "--out", str(tmp_path / "s.json"), "--no-progress", *GRID],
-        "niah": ["niah", *m],
-        "ablate": ["ablate", *m, "--scores", str(f["scores"]), "--out-dir", str(tmp_path / "a")],
-        "generate": ["generate", *m, "--heads", str(f["heads"]), "--out", str(tmp_path / "p.jsonl")],
-        "eval": ["eval", *m, "--out-dir", str(tmp_path / "e"), "--no-progress"],
-        "mdqa-score": ["mdqa-score", *m, "--data", str(f["data"]), "--out", str(tmp_path / "s.json")],
-        "mudaf-train": [
-            "mudaf-train",
-            *m,
-            "--data",
-            str(f["data"]),
-            "--heads",
-            str(f["heads"]),
-            "--out",
-            str(tmp_path / "m"),
-        ],  # fmt: skip
-        "pipeline": ["pipeline", *m, "--run-dir", str(tmp_path / "p"), "--no-progress", *PIPELINE_GRID],
-    }[command]
+    argv = _command_argv(command, ["--model", str(tiny_dir), "--device", "cuda"], tmp_path)
     assert main(argv) == 2
     assert "loaded" in capsys.readouterr().err
     assert seen == ["cuda"]
