@@ -128,8 +128,8 @@ def render_report(data: dict) -> str:
         out += ["```", data["command"], "```", ""]
     lengths = results[0].get("lengths", [])
     out += [f"Lengths {lengths} tokens; NIAH depths {depth_grid(cfg['num_depths'])} × {cfg['niah_needles']} needles; "
-            f"multi-needle: {cfg['mn_needles']} needles per context; key-value: queries at {cfg['kv_depths']}% of the "
-            f"list; greedy, ≤ {cfg['max_new_tokens']} new tokens; seed {cfg['seed']}.", ""]  # fmt: skip
+            f"multi-needle: {cfg['mn_needles']} needles per context (right when the asked password is the first of "
+            f"them named); key-value: queries at {cfg['kv_depths']}% of the list (right when the first number is); greedy, ≤ {cfg['max_new_tokens']} new tokens; seed {cfg['seed']}.", ""]  # fmt: skip
     tasks = [t for t in TASK_LABELS if any(t in r["tasks"] for r in results)]
     base = results[0]["tasks"]
     rows = []

@@ -137,6 +137,10 @@ def _fingerprint(cfg: EvalConfig, identity: str, device: str = "cpu") -> str:
         "haystack_sha256": hashlib.sha256(load_haystack(None).encode("utf-8")).hexdigest(),
         "needles": [n.to_dict() for n in load_needles()[: cfg.niah_needles]],
     }
+    if "multi_needle" in cfg.tasks:
+        # the scoring rule changed once (another needle's value named first no longer counts): results
+        # scored the old way must not be served; a key without multi-needle stays as it was
+        texts["multi_needle_rule"] = "asked value named first"
     return digest({"version": RESULT_VERSION, "config": config, "model": identity, **where, **texts})
 
 

@@ -3,8 +3,9 @@
 * **Multi-needle recall**: ``needles`` generated facts ("The password for the Dravelon vault is
   tromavek.") inserted at evenly spread depths (sentence boundaries, as the NIAH context rule) into the
   default prose haystack of a given length; one question per needle, each asked on the same context.
-  A needle is recalled when its value appears as a whole word in the answer (case-insensitive). Score: the
-  fraction of needles recalled.
+  A needle is recalled when its value appears as a whole word in the answer (case-insensitive) before any
+  other needle's value: an answer that lists several of the context's passwords counts only when the asked
+  one comes first, so naming them all is no better than naming one. Score: the fraction of needles recalled.
 * **Key–value retrieval**: a list of ``key: value`` lines (keys: generated pseudo-words, all distinct;
   values: distinct 5-digit numbers) filling the context; the question asks for the value of one key,
   picked at ``depths`` (percent of the list). Exact match: the first number in the answer must equal the
@@ -107,16 +108,25 @@ class SyntheticItem:
 # --- scoring -------------------------------------------------------------------------------------------
 
 
-def word_recalled(answer: str, response: str) -> bool:
-    """Multi-needle: ``answer`` occurs as a whole word of ``response`` (case-insensitive)."""
-    return (
-        re.search(rf"(?<![A-Za-z0-9]){re.escape(answer)}(?![A-Za-z0-9])", response, re.IGNORECASE) is not None
-    )
+def _word_start(word: str, text: str) -> int | None:
+    """Where ``word`` first occurs in ``text`` as a whole word (case-insensitive); None if nowhere."""
+    m = re.search(rf"(?<![A-Za-z0-9]){re.escape(word)}(?![A-Za-z0-9])", text, re.IGNORECASE)
+    return m.start() if m else None
 
 
-def exact_number(answer: str, response: str) -> bool:
+def word_recalled(answer: str, response: str, others: Sequence[str] = ()) -> bool:
+    """Multi-needle: ``answer`` occurs as a whole word of ``response`` (case-insensitive), and none of
+    ``others`` (the other needles' values in the same context) occurs before it."""
+    first = _word_start(answer, response)
+    if first is None:
+        return False
+    return all((at := _word_start(other, response)) is None or at > first for other in others)
+
+
+def exact_number(answer: str, response: str, others: Sequence[str] = ()) -> bool:
     """Key–value: the first number in ``response`` is exactly ``answer`` (no number -> False); thousands
-    separators between digits are dropped first ("48,213" reads as 48213)."""
+    separators between digits are dropped first ("48,213" reads as 48213). ``others`` is not needed: only
+    the first number counts, so listing other values gains nothing."""
     m = NUMBER.search(re.sub(r"(?<=\d)[,\u202f](?=\d{3}(?!\d))", "", response))
     return m is not None and m.group(0) == answer
 
@@ -303,7 +313,8 @@ def run_items(
             response = tokenizer.decode(res.tokens, skip_special_tokens=True).strip()
             out[i] = {
                 "task": it.task, "key": it.key, "length": it.length, "depth": it.depth, "question": it.question,
-                "answer": it.answer, "response": response, "correct": bool(SCORERS[it.task](it.answer, response)),
+                "answer": it.answer, "response": response,
+                "correct": bool(SCORERS[it.task](it.answer, response, it.others)),
                 "prompt_tokens": int(len(it.prompt_ids)),
             }  # fmt: skip
             bar.update(1)

@@ -31,6 +31,23 @@ def test_eval_cache_key_follows_the_shipped_texts(monkeypatch):
     assert suite._fingerprint(cfg, "sha256:x") != key
 
 
+def test_eval_cache_key_marks_the_multi_needle_scoring_rule():
+    """Multi-needle results scored before the first-named rule are not served; a key without that task
+    (the seed studies' NIAH-only evals) is unchanged."""
+    niah_only = EvalConfig(tasks=["niah"])
+    texts = {
+        "haystack_sha256": suite.hashlib.sha256(suite.load_haystack(None).encode("utf-8")).hexdigest(),
+        "needles": [n.to_dict() for n in load_needles()[: niah_only.niah_needles]],
+    }
+    config = suite.without_default_dtype(asdict(niah_only))
+    before = suite.digest({"version": suite.RESULT_VERSION, "config": config, "model": "m", **texts})
+    assert suite._fingerprint(niah_only, "m") == before
+    with_mn = EvalConfig(tasks=["niah", "multi_needle"])
+    config = suite.without_default_dtype(asdict(with_mn))
+    old_rule = suite.digest({"version": suite.RESULT_VERSION, "config": config, "model": "m", **texts})
+    assert suite._fingerprint(with_mn, "m") != old_rule
+
+
 def test_ablation_key_holds_the_dtype_off_float32():
     """An ablation resumed in bf16 must not mix with float32 results (the default keeps old keys)."""
     model = tiny_llama()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import types
 
 import numpy as np
 import pytest
@@ -82,6 +83,21 @@ def test_word_recalled(answer, response, ok):
 
 
 @pytest.mark.parametrize(
+    "response,ok",
+    [
+        ("The password is tromavek.", True),
+        ("tromavek, or maybe pudemel", True),  # the asked value first
+        ("pudemel, gigupas or tromavek", False),  # listing the context's passwords gains nothing
+        ("Pudemel? No: tromavek.", False),
+        ("tromaveks pudemel", False),  # not the whole word, another value named
+        ("tromavek, unrelated-word", True),  # only the other needles' values count against it
+    ],
+)
+def test_word_recalled_counts_only_the_asked_value_named_first(response, ok):
+    assert word_recalled("tromavek", response, ["pudemel", "gigupas"]) is ok
+
+
+@pytest.mark.parametrize(
     "answer,response,ok",
     [
         ("48213", "48213", True),
@@ -96,6 +112,27 @@ def test_exact_number(answer, response, ok):
     assert exact_number(answer, response) is ok
 
 
+def test_run_items_score_a_listing_answer_by_the_value_named_first(tiny, tokenizer, monkeypatch):
+    """A model that answers every question with the context's whole password list is right only on the
+    question whose value it names first."""
+    import retmask.evaluate.synthetic as synthetic
+
+    items = multi_needle_items(tokenizer, [500], num_needles=3)
+    listing = " ".join(it.answer for it in items)
+
+    class ListingDetector:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def run(self, prompt_ids, span):
+            return types.SimpleNamespace(tokens=tokenizer(listing, add_special_tokens=False)["input_ids"])
+
+    monkeypatch.setattr(synthetic, "FastDetector", ListingDetector)
+    entries = run_items(tiny, tokenizer, items, max_new_tokens=8, progress=False)
+    assert [e["response"] for e in entries] == [listing] * 3
+    assert [e["correct"] for e in entries] == [True, False, False]
+
+
 def test_run_items_equal_plain_greedy_and_are_scored(tiny, tokenizer):
     items = kv_items(tokenizer, [500], depths=(10, 90)) + multi_needle_items(tokenizer, [500], num_needles=2)
     entries = run_items(tiny, tokenizer, items, max_new_tokens=8, progress=False)
@@ -104,7 +141,7 @@ def test_run_items_equal_plain_greedy_and_are_scored(tiny, tokenizer):
         ref = greedy_reference(tiny, it.prompt_ids, stops, 8)
         assert e["response"] == tokenizer.decode(ref, skip_special_tokens=True).strip()
         scorer = exact_number if it.task == "kv" else word_recalled
-        assert e["correct"] == scorer(it.answer, e["response"]) and e["answer"] == it.answer
+        assert e["correct"] == scorer(it.answer, e["response"], it.others) and e["answer"] == it.answer
     res = run_task(tiny, tokenizer, "kv", [500], kv_depths=(10, 90), max_new_tokens=8, progress=False)
     assert [e["response"] for e in res.entries] == [e["response"] for e in entries[:2]]
     assert res.score == sum(e["correct"] for e in res.entries) / 2 and list(res.by_length()) == [500]
