@@ -11,6 +11,8 @@
 #   bench  bench_triton.py in bf16 for the SmolLM2 and Llama-3.1-8B attention shapes (pages in OUTDIR);
 #   decode bench_triton_decode.py: a decode call's host time against its GPU time in a CUDA graph, both
 #          shapes, bf16 (pages in OUTDIR);
+#   step   bench_decode_step.py: time per generated token of a whole SmolLM2-shaped model by attention
+#          implementation (sdpa, eager, retmask with argmax / head masks / in-place cache), bf16;
 #   model  the embedded SmolLM2-135M-Instruct on the GPU: `retmask detect` on the default grid (dtype auto,
 #          i.e. bf16, and float32), and bench_detect.py (reference-style detection vs ours, bf16) with each
 #          prefill chunk in DETECT_CHUNKS (default "256 4096").
@@ -64,6 +66,10 @@ for stage in $stages; do
         {
             nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
             $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+            # What can make every CUDA op cost a host round trip (a model forward took 50-60 ms on the second
+            # H100's host, see gpu_h100_notes.md): synchronous launches, debug modes, thread settings.
+            env | grep -E "^(CUDA_LAUNCH_BLOCKING|CUDA_MODULE_LOADING|TORCH_|PYTORCH_|OMP_|MKL_|TRITON_)" | sort
+            echo "host cpus: $(nproc), load: $(cut -d' ' -f1-3 /proc/loadavg)"
         } >"$out/env.txt" 2>&1
         rc=$?
         cat "$out/env.txt"
@@ -101,6 +107,15 @@ for stage in $stages; do
             tail -2 "$out/decode_$model.log"
         done
         ;;
+    step)
+        # bench_decode_step.py: ms per generated token of a SmolLM2-shaped model (random weights, no files
+        # needed) by attention implementation, with attention's host share; the page is rewritten after
+        # each prompt length, so a timeout keeps what was measured.
+        timeout "${STEP_TIMEOUT:-180}" $py bench/bench_decode_step.py --device cuda --dtype bf16 \
+            --prompt ${STEP_PROMPTS:-1024 4096} --steps 16 --rounds 3 --out "$out" >"$out/step.log" 2>&1
+        rc=$?
+        grep -E "^\| [0-9]" "$out"/decode_step_*.md 2>/dev/null | cut -d: -f2- | cut -c1-110
+        ;;
     model)
         rc=0
         if [ $have_model = 0 ]; then
@@ -128,7 +143,7 @@ for stage in $stages; do
         fi
         ;;
     *)
-        echo "unknown stage $stage (env, tests, tune, bench, decode, model)" >&2
+        echo "unknown stage $stage (env, tests, tune, bench, decode, step, model)" >&2
         rc=2
         ;;
     esac
