@@ -53,6 +53,10 @@ if [[ "$native_bf16" == 1 ]]; then
     step generate-masks-bf16 python bench/bench_generate_masks.py --dtype bfloat16
 fi
 step generate-masks python bench/bench_generate_masks.py
+step decode-step python bench/bench_decode_step.py --device cpu --dtype fp32
+if [[ "$native_bf16" == 1 ]]; then
+    step decode-step-bf16 python bench/bench_decode_step.py --device cpu --dtype bf16
+fi
 # the heads of the pages written before --heads (comparable across CPU kinds measured earlier)
 step generate-masks-random python bench/bench_generate_masks.py --heads random
 step padded-backward python bench/bench_padded_backward.py
