@@ -28,6 +28,7 @@ _LAZY = {
     "set_head_mask": "retmask.hf",
     "export_masked": "retmask.hf.export",
     "generate_copies": "retmask.hf.generation",
+    "growing_cache": "retmask.hf.kv_cache",
     "default_model_path": "retmask.hf.loading",
     "load_model": "retmask.hf.loading",
     "tap_qk": "retmask.hf.taps",
@@ -41,6 +42,7 @@ __all__ = [
     "default_model_path",
     "export_masked",
     "generate_copies",
+    "growing_cache",
     "head_mask",
     "kernels",
     "load_model",
@@ -55,6 +57,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects
     from retmask.hf import capture_argmax, clear_head_mask, head_mask, patch, set_head_mask
     from retmask.hf.export import export_masked
     from retmask.hf.generation import generate_copies
+    from retmask.hf.kv_cache import growing_cache
     from retmask.hf.linears import patch_linears
     from retmask.hf.loading import default_model_path, load_model
     from retmask.hf.taps import tap_qk
