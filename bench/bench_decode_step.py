@@ -87,7 +87,7 @@ def build_model(config_dir: Path | None, device: torch.device, dtype: torch.dtyp
 
 
 @contextmanager
-def timed_attention(implementation: str, spent: list[float]) -> Iterator[None]:
+def timed_attention(model, implementation: str, spent: list[float]) -> Iterator[None]:
     """While active, the host seconds inside ``implementation``'s attention function are appended to
     ``spent`` (one entry per layer call)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -102,15 +102,18 @@ def timed_attention(implementation: str, spent: list[float]) -> Iterator[None]:
         return timed
 
     if implementation == "eager":
-        # Llama-style modules fall back to their module-level eager function (looked up at call time).
-        from transformers.models.llama import modeling_llama
-
-        original = modeling_llama.eager_attention_forward
-        modeling_llama.eager_attention_forward = wrap(original)
+        # Attention modules fall back to their modeling module's eager function (looked up at call time).
+        modeling = sys.modules[type(model).__module__]
+        original = getattr(modeling, "eager_attention_forward", None)
+        if original is None:
+            raise SystemExit(
+                f"{modeling.__name__} has no eager_attention_forward to time; leave out --config"
+            )
+        modeling.eager_attention_forward = wrap(original)
         try:
             yield
         finally:
-            modeling_llama.eager_attention_forward = original
+            modeling.eager_attention_forward = original
         return
     original = ALL_ATTENTION_FUNCTIONS[implementation]
     ALL_ATTENTION_FUNCTIONS[implementation] = wrap(original)
@@ -152,7 +155,7 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
                 out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
                 token = out.logits[:, -1:].argmax(-1)
                 sync()
-                with timed_attention(implementation, spent):
+                with timed_attention(model, implementation, spent):
                     t0 = time.perf_counter()
                     for _ in range(steps):
                         out = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True)
