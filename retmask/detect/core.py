@@ -249,11 +249,13 @@ class FastDetector:
         tokens: list[int] = []
         x = int(prompt[-1])
         passes = 0
-        # Draft length cap: a rejected draft costs its rows for nothing (on 2 CPU cores a pass costs about
-        # 65 ms + 8 ms per row for SmolLM2 at 5K), so after a rejection at position a the next draft is at
-        # most max(min_draft, 2a) long; a fully accepted draft restores the maximum. min_draft = 2 was
-        # measured worse than 8 on the benchmark grid (+12% passes, +25% decode time): after a rejection
-        # the model often resumes copying the needle, and a longer draft catches that in the same pass.
+        # Draft length cap: a rejected draft costs its rows for nothing, so after a rejection at position a
+        # the next draft is at most max(min_draft, 2a) long; a fully accepted draft restores the maximum.
+        # On 2 Zen 5 cores a SmolLM2 pass costs about 33 ms + 5.4 ms per 1K cached tokens + 1.1 ms per row
+        # (fitted on the default grid's 96 tests, R^2 0.998). min_draft = 2 was measured worse than 8 on the
+        # benchmark grid (+12% passes, +25% decode time): after a rejection the model often resumes copying
+        # the needle, and a longer draft catches that in the same pass. A replay of the default grid's
+        # recorded answers through that cost model puts 6-8 at the optimum (2: +5% decode, 16: +4%).
         draft_cap = self.max_draft
         stopped = False
         # One capture for all of the test's passes, every row of each: entering one per pass walked the
