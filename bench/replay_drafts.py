@@ -4,23 +4,25 @@ Usage:  python bench/replay_drafts.py [--run runs/detect/smollm2.run.json] [--ou
 
 Detection's answer is the greedy one whatever the drafts (a draft only decides how many tokens one
 verification pass accepts), so a run record, which holds every test's greedy answer, lets any draft rule
-be replayed exactly: the prompts are rebuilt from the record's configuration, the tests run in the
-detector's order with the same history of earlier answers, and each pass accepts the longest draft
-prefix equal to the recorded answer plus one token. With the rule the run used, the replay must give
-every test's recorded pass count (checked; the script stops if not).
+be replayed exactly: the prompts are rebuilt from the record's configuration (and the haystack whose hash
+it holds), the tests run in the detector's order with the same history of earlier answers, and each pass
+accepts the longest draft prefix equal to the recorded answer plus one token. The replay of the rule the
+run used (the record's ``draft_rule``; "fixed-order" for records from before that field) must give every
+test's recorded pass count: the script checks it and stops if not.
 
 The time of a pass is then fitted on the record by least squares over its tests,
 ``decode_s = a * passes + b * rows + c * passes * (cached tokens / 1000)``, and each rule's passes and
-rows are priced with it. Rules compared: the shipped one at several ``min_draft`` values (the draft cap
-after a rejection), and one that takes the continuation after the longest suffix n-gram match across
-sources (earlier answers, the answer's own repeats, the needle's neighbourhood, the prompt) instead of
-trying the sources in a fixed order. Writes bench/results/draft_replay_<cpu kind>.{md,json,png} (the cost
-model is the recording machine's; the pass counts hold on any machine).
+rows are priced with it. Rules compared: the shipped "longest-match" rule (the continuation after the
+longest suffix n-gram found in any source) at several ``min_draft`` values (the draft cap after a
+rejection), and the "fixed-order" rule it replaced (sources tried one after the other: earlier answers,
+the prompt, the answer's own loops). Writes bench/results/draft_replay_<run>_<cpu kind>.{md,json,png}
+(the cost model is the recording machine's; the pass counts hold on any machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -50,8 +52,17 @@ def rebuild_tests(record: dict) -> list:
     cfg = DetectConfig(**{k: v for k, v in record["config"].items() if k in known})
     tokenizer = AutoTokenizer.from_pretrained(record["model_name_or_path"])
     lengths, depths = cfg.grid()
+    # The default haystack changed once (pydoc text -> shipped essays): take the text whose hash the record has.
+    want = record.get("haystack_sha256")
+    candidates = [cfg.haystack] if cfg.haystack is not None else [None, "pydoc"]
+    texts = [load_haystack(c) for c in candidates]
+    matching = [t for t in texts if want is None or hashlib.sha256(t.encode("utf-8")).hexdigest() == want]
+    if not matching:
+        sys.exit(
+            f"none of the haystacks {candidates} has the record's sha256 {want}: its prompts cannot be rebuilt"
+        )
     tests = build_tests(
-        tokenizer, load_needles(cfg.needles), load_haystack(cfg.haystack), lengths, depths,
+        tokenizer, load_needles(cfg.needles), matching[0], lengths, depths,
         chat=record["prompt_style"] == "chat", span_rule=cfg.span_rule,
     )  # fmt: skip
     runnable, _ = split_runnable(tests, cfg.span_miss)
@@ -95,38 +106,41 @@ def features(per_test: dict[int, dict]) -> np.ndarray:
     )
 
 
-def longest_match_draft(
+def fixed_order_draft(
     prompt: np.ndarray, span: tuple[int, int], generated: list[int], max_len: int,
-    history: Sequence[list[int]] = (), max_ngram: int = 4,
+    history: Sequence[list[int]] = (), max_ngram: int = 3,
 ) -> list[int]:  # fmt: skip
-    """The continuation after the longest suffix n-gram of the answer found in any source; at equal n:
-    earlier answers, then the answer's own repeats, the needle's neighbourhood, the whole prompt."""
+    """The rule before "longest-match" (run records without ``draft_rule``): past the shipped rule's first
+    choices, the sources in a fixed order, each from its longest n-gram down: earlier answers, then the
+    needle's neighbourhood and the prompt, then the answer's own loops."""
     from retmask.detect.drafts import NEIGHBOURHOOD, _find, continue_earlier_answer, propose_draft
 
-    # the shipped rule's first choices: an earlier answer's continuation, or the needle itself at the start
+    # the first choices are the same: an earlier answer's continuation, or the needle itself at the start
     if max_len <= 0 or not generated or continue_earlier_answer(generated, history):
         return propose_draft(prompt, span, generated, max_len, history)
     s, e = span
     gen = np.asarray(generated, dtype=np.int64)
-    lo, hi = max(0, s - NEIGHBOURHOOD), min(len(prompt), e + NEIGHBOURHOOD)
     for n in range(min(max_ngram, len(gen)), 0, -1):
-        pattern = gen[-n:]
         for answer in reversed(history):
-            pos = _find(np.asarray(answer, dtype=np.int64), pattern)
+            pos = _find(np.asarray(answer, dtype=np.int64), gen[-n:])
             if pos >= 0:
                 return list(answer[pos + n :])[:max_len]
-        pos = _find(gen[:-1], pattern) if len(gen) > n else -1
-        if pos >= 0:
-            return gen[pos + n : pos + n + max_len].tolist()
+    seq = np.concatenate([prompt, gen])
+    lo, hi = max(0, s - NEIGHBOURHOOD), min(len(prompt), e + NEIGHBOURHOOD)
+    for n in range(min(max_ngram, len(seq)), 0, -1):
         for start, stop in ((lo, hi), (0, len(prompt))):
-            pos = _find(prompt[start:stop], pattern)
+            pos = _find(prompt[start:stop], seq[-n:])
             if pos >= 0:
                 return prompt[start + pos + n : start + pos + n + max_len].tolist()
+    for n in range(min(max_ngram, len(gen) - 1), 0, -1):
+        pos = _find(gen[:-1], gen[-n:])
+        if pos >= 0:
+            return gen[pos + n : pos + n + max_len].tolist()
     return []
 
 
 def main() -> None:
-    from retmask.detect.drafts import propose_draft
+    from retmask.detect.drafts import DRAFT_RULE, propose_draft
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", type=Path, default=DEFAULT_RUN, help="a detection's run record (*.run.json)")
@@ -142,51 +156,56 @@ def main() -> None:
     answers = {i: t["tokens"] for i, t in by_index.items()}
     max_new = record["config"]["max_new_tokens"]
 
-    shipped = replay(tests, answers, propose_draft, max_new_tokens=max_new)
-    differ = [i for i, r in shipped.items() if r["passes"] != by_index[i]["passes"]]
+    rule_fns: dict[str, DraftFn] = {DRAFT_RULE: propose_draft, "fixed-order": fixed_order_draft}
+    recorded_rule = record.get("draft_rule", "fixed-order")
+    if recorded_rule not in rule_fns:
+        sys.exit(
+            f"the record's draft rule {recorded_rule!r} is not one this script knows ({sorted(rule_fns)})"
+        )
+    as_recorded = replay(tests, answers, rule_fns[recorded_rule], max_new_tokens=max_new)
+    differ = [i for i, r in as_recorded.items() if r["passes"] != by_index[i]["passes"]]
     if differ:
         sys.exit(
-            f"the replay of the shipped rule differs from the record on {len(differ)} tests: not comparable"
+            f"the replay of the record's rule differs from the record on {len(differ)} tests: not comparable"
         )
-    x = features(shipped)
-    y = np.array([by_index[i]["decode_s"] for i in shipped], float)
+    x = features(as_recorded)
+    y = np.array([by_index[i]["decode_s"] for i in as_recorded], float)
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     r2 = 1 - float(((y - x @ coef) ** 2).sum() / ((y - y.mean()) ** 2).sum())
 
-    rules: dict[str, tuple[DraftFn, int]] = {
-        f"shipped, min_draft {m}": (propose_draft, m) for m in (2, 4, 6, 8, 16, 24)
-    }
-    rules["longest n-gram match across sources, min_draft 8"] = (longest_match_draft, 8)
-    rows, results = [], {}
-    base = None
+    rules = {f"{DRAFT_RULE} (shipped), min_draft {m}": (propose_draft, m) for m in (2, 4, 6, 8, 16, 24)}
+    rules["fixed-order (before), min_draft 8"] = (fixed_order_draft, 8)
+    shipped_name = f"{DRAFT_RULE} (shipped), min_draft 8"
+    results = {}
     for name, (fn, min_draft) in rules.items():
-        per = shipped if (fn is propose_draft and min_draft == 8) else replay(
-            tests, answers, fn, max_new_tokens=max_new, min_draft=min_draft
-        )  # fmt: skip
-        f = features(per)
+        f = features(replay(tests, answers, fn, max_new_tokens=max_new, min_draft=min_draft))
         cost = float((f @ coef).sum())
         results[name] = {"passes": int(f[:, 0].sum()), "rows": int(f[:, 1].sum()), "predicted_decode_s": cost}
-        base = base if base is not None or name != "shipped, min_draft 8" else cost
-    for name, r in results.items():
-        rows.append([name, str(r["passes"]), str(r["rows"]), f"{r['predicted_decode_s']:.1f}",
-                     f"{r['predicted_decode_s'] / base:.2f}x"])  # fmt: skip
+    base = results[shipped_name]["predicted_decode_s"]
+    rows = [
+        [name, str(r["passes"]), str(r["rows"]), f"{r['predicted_decode_s']:.1f}", f"{r['predicted_decode_s'] / base:.2f}x"]
+        for name, r in results.items()
+    ]  # fmt: skip
 
     machine = machine_description()
-    stem = args.out / f"draft_replay_{cpu_kind(machine)}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_name = args.run.name.removesuffix(".run.json")
+    stem = args.out / f"draft_replay_{run_name}_{cpu_kind(machine)}"
     title = f"Draft rules replayed on {args.run.name}'s recorded answers ({len(tests)} tests)"
     lines = [
         f"# {title}",
         "",
-        f"The shipped rule's replay gives every test's recorded pass count ({int(x[:, 0].sum())} passes). "
+        f"The record was made with the {recorded_rule!r} draft rule; its replay gives every test's recorded pass "
+        f"count ({int(x[:, 0].sum())} passes). "
         f"Pass cost fitted on the record: {coef[0] * 1e3:.1f} ms a pass + {coef[1] * 1e3:.2f} ms a row + "
         f"{coef[2] * 1e3:.1f} ms a pass per 1K cached tokens (R² {r2:.3f}, recorded decode "
-        f"{y.sum():.1f} s). Ratios to the shipped rule (min_draft 8); the cost model is the recording "
+        f"{y.sum():.1f} s). Ratios to the shipped rule at min_draft 8; the cost model is the recording "
         "machine's, the pass counts hold on any machine.",
         "",
         markdown_table(["rule", "passes", "rows", "predicted decode s", "vs shipped"], rows),
     ]
     plot(results, stem.with_suffix(".png"), title)
-    payload = {"run": str(args.run), "cost_model_s": {"per_pass": coef[0], "per_row": coef[1],
+    payload = {"run": str(args.run), "recorded_rule": recorded_rule, "cost_model_s": {"per_pass": coef[0], "per_row": coef[1],
                "per_pass_per_1k_cached": coef[2], "r2": r2}, "rules": results}  # fmt: skip
     write_page(stem, lines + page_tail(stem, machine), payload)
 

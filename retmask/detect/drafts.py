@@ -9,6 +9,12 @@ model does *not* copy the needle: a small model that paraphrases or drifts tends
 every depth (SmolLM2-135M gave 2-13 distinct answers over 16 tests per needle on the default grid), and
 those answers are nowhere in the prompt. On the benchmark grid this cut the verification passes from 264
 to 151 in a replay of the recorded answers (``bench/results/detect.md``).
+
+Past the start, the draft continues the longest suffix n-gram of the answer found in any source (earlier
+answers, the answer's own earlier tokens, the needle's neighbourhood, the whole prompt; in that order at
+equal length). Trying the sources in a fixed order instead took a short match in the prompt over a longer
+one in the answer itself (a model repeating a phrase got the needle's continuation as its draft): that
+rule needed 3-4% more passes in replays of four recorded runs (``bench/replay_drafts.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 
 NEIGHBOURHOOD = 64  # tokens around the needle span searched before the whole prompt
+# recorded in run records (bench/replay_drafts.py replays by it); records without it: "fixed-order"
+DRAFT_RULE = "longest-match"
 
 
 def _find(haystack: np.ndarray, pattern: np.ndarray) -> int:
@@ -46,32 +54,21 @@ def continue_earlier_answer(generated: list[int], history: Sequence[list[int]]) 
     return list(max(votes, key=votes.__getitem__)) if votes else []
 
 
-def _lookup_in_answers(generated: list[int], history: Sequence[list[int]], max_ngram: int) -> list[int]:
-    """The tokens after the longest suffix n-gram of ``generated`` in an earlier answer (latest first)."""
-    for n in range(min(max_ngram, len(generated)), 0, -1):
-        pattern = np.asarray(generated[-n:], dtype=np.int64)
-        for answer in reversed(history):
-            pos = _find(np.asarray(answer, dtype=np.int64), pattern)
-            if pos >= 0:
-                return list(answer[pos + n :])
-    return []
-
-
 def propose_draft(
     prompt: np.ndarray,
     span: tuple[int, int],
     generated: list[int],
     max_len: int,
     history: Sequence[list[int]] = (),
-    max_ngram: int = 3,
+    max_ngram: int = 4,
 ) -> list[int]:
     """Up to ``max_len`` draft tokens continuing ``prompt + generated``.
 
     prompt: int64 [n]; history: earlier answers (token lists) to the same needle, oldest first. In order:
     the continuation of ``generated`` shared by most earlier answers that start with it; nothing generated
-    yet -> the needle span itself (the expected answer); the tokens after the longest suffix n-gram
-    (n <= ``max_ngram``) of the sequence in an earlier answer, else near the needle, else anywhere in the
-    prompt; else a loop of the answer itself.
+    yet -> the needle span itself (the expected answer); else the tokens after the longest suffix n-gram
+    (n <= ``max_ngram``) of ``generated`` found in an earlier answer (latest first), in ``generated``
+    itself (a loop), near the needle, or anywhere in the prompt (that order at equal n); else nothing.
     """
     if max_len <= 0:
         return []
@@ -81,22 +78,21 @@ def propose_draft(
     s, e = span
     if not generated:
         return prompt[s:e][:max_len].tolist()
-    from_answers = _lookup_in_answers(generated, history, max_ngram)
-    if from_answers:
-        return from_answers[:max_len]
-    seq = np.concatenate([prompt, np.asarray(generated, dtype=prompt.dtype)])
+    gen = np.asarray(generated, dtype=prompt.dtype)
     lo, hi = max(0, s - NEIGHBOURHOOD), min(len(prompt), e + NEIGHBOURHOOD)
-    for n in range(min(max_ngram, len(seq)), 0, -1):
-        pattern = seq[-n:]
+    for n in range(min(max_ngram, len(gen)), 0, -1):
+        pattern = gen[-n:]
+        for answer in reversed(history):
+            pos = _find(np.asarray(answer, dtype=prompt.dtype), pattern)
+            if pos >= 0:
+                return list(answer[pos + n : pos + n + max_len])
+        # the answer repeating itself: the tokens after the pattern's earlier occurrence
+        pos = _find(gen[:-1], pattern) if len(gen) > n else -1
+        if pos >= 0:
+            return gen[pos + n : pos + n + max_len].tolist()
         for start, stop in ((lo, hi), (0, len(prompt))):
             pos = _find(prompt[start:stop], pattern)
             if pos >= 0:
                 begin = start + pos + n
                 return prompt[begin : begin + max_len].tolist()
-    # Small models often loop: the answer so far may predict its own continuation.
-    gen = seq[len(prompt) :]
-    for n in range(min(max_ngram, len(gen) - 1), 0, -1):
-        pos = _find(gen[:-1], gen[-n:])
-        if pos >= 0:
-            return gen[pos + n : pos + n + max_len].tolist()
     return []

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from retmask.detect.answers import HistoryFn, answer_tests, earlier_answers, prefix_order
 from retmask.detect.core import FastDetector
+from retmask.detect.drafts import DRAFT_RULE
 from retmask.detect.prefill_chunk import resolve_prefill_chunk
 from retmask.detect.scores import StabilityTracker, format_summary, head_scores, mean_matrix, summarize
 from retmask.detect.shard import dist_context, gather_results, shard
@@ -332,6 +333,8 @@ def _run_record(
         "span_missed": [t.key for t in runnable if t.span_missed],
         "tests_run": len(done),
         "tests_counted": sum(bool(e["counted"]) for e in done.values()),
+        # how drafts were proposed: it decides each test's passes (not its answer), see bench/replay_drafts.py
+        "draft_rule": DRAFT_RULE,
         "until_stable": None
         if tracker is None
         else {"stable": tracker.stable, "patience": tracker.patience, "counted_tests_used": tracker.count},

@@ -70,6 +70,17 @@ def test_draft_prefers_the_needle_neighbourhood():
     assert propose_draft(prompt, span, [5], 0) == []
 
 
+def test_draft_takes_the_longest_match_whatever_its_source():
+    prompt = np.array([5, 6, 7, 8] + [1] * 100 + [5, 6, 9, 9, 9, 2], dtype=np.int64)
+    span = (106, 109)
+    # an answer repeating "5 6 3": its own loop (match of 2 in the answer itself, as long as the needle's)
+    assert propose_draft(prompt, span, [5, 6, 3, 5, 6], 3) == [3, 5, 6]
+    # a longer match in the prompt beats a shorter one in the answer: "8 1 1" continues as in the prompt
+    assert propose_draft(prompt, span, [1, 4, 8, 1], 3) == [1, 1, 1]
+    # at equal length, earlier answers come first
+    assert propose_draft(prompt, span, [3, 5, 6], 2, [[4, 5, 6, 7, 7]]) == [7, 7]
+
+
 def test_draft_continues_the_most_common_earlier_answer():
     prompt = np.array([5, 6, 7, 8] + [1] * 100 + [5, 6, 9, 9, 9, 2], dtype=np.int64)
     span = (106, 109)
