@@ -2,7 +2,7 @@
 
 A draft only decides how many tokens one verification pass can accept; the accepted tokens are always
 the greedy ones, so any draft gives the same answer. NIAH answers are copied from the needle, so the
-needle's neighbourhood in the prompt is searched first.
+needle's neighbourhood is searched before the rest of the prompt.
 
 The model's earlier answers to the same needle (at other lengths and depths) are the best draft when the
 model does *not* copy the needle: a small model that paraphrases or drifts tends to drift the same way at
