@@ -59,14 +59,15 @@ SMOLLM2_SHAPE = dict(
     num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
     rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
 )  # fmt: skip
-CASES = (
-    "sdpa",
-    "eager",
-    "retmask",
-    "retmask+argmax",
-    "retmask, half heads masked",
-    "retmask, growing cache",
-)
+# case -> (attention implementation, what else the case switches on)
+CASES = {
+    "sdpa": ("sdpa", None),
+    "eager": ("eager", None),
+    "retmask": ("retmask", None),
+    "retmask+argmax": ("retmask", "argmax"),
+    "retmask, half heads masked": ("retmask", "mask"),
+    "retmask, growing cache": ("retmask", "growing cache"),
+}
 
 
 def build_model(config_dir: Path | None, device: torch.device, dtype: torch.dtype):
@@ -131,7 +132,7 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
     import retmask
     from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
 
-    implementation = case.split(",")[0].split("+")[0]
+    implementation, option = CASES[case]
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     half_masked = (torch.arange(heads) % 2 == 1).expand(layers, heads)
 
@@ -141,14 +142,14 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
 
     def run() -> tuple[float, float]:
         model.set_attn_implementation(implementation)
-        if case == "retmask, half heads masked":
+        if option == "mask":
             retmask.set_head_mask(model, half_masked)
-        if case == "retmask, growing cache":
+        if option == "growing cache":
             cache = growing_cache(model)
             reserve(cache, prompt.shape[1] + steps)
         else:
             cache = DynamicCache(config=model.config)
-        capture = retmask.capture_argmax(model, rows=1) if case == "retmask+argmax" else nullcontext()
+        capture = retmask.capture_argmax(model, rows=1) if option == "argmax" else nullcontext()
         spent: list[float] = []
         try:
             with torch.no_grad(), capture:
@@ -163,7 +164,7 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
                     sync()
                     seconds = time.perf_counter() - t0
         finally:
-            if case == "retmask, half heads masked":
+            if option == "mask":
                 retmask.clear_head_mask(model)
         return seconds / steps, sum(spent) / steps
 

@@ -74,6 +74,8 @@ def replay(
     max_draft: int = 64, min_draft: int = 8, history: bool = True,
 ) -> dict[int, dict]:  # fmt: skip
     """{test index: {"passes", "rows", "cached"}}: FastDetector.run's loop with ``answers`` as the model."""
+    from retmask.detect.drafts import next_draft_cap
+
     out: dict[int, dict] = {}
     earlier: dict[int, list[int]] = {}
     for t in tests:
@@ -90,7 +92,7 @@ def replay(
             # the last token of the answer is the pass's own greedy token, never a draft's
             while accepted < len(draft) and accepted < len(truth) - 1 and draft[accepted] == truth[accepted]:
                 accepted += 1
-            cap = max_draft if accepted == len(draft) else max(min_draft, 2 * accepted)
+            cap = next_draft_cap(accepted, len(draft), max_draft, min_draft)
             tokens += truth[: accepted + 1]
             passes += 1
             rows += 1 + len(draft)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from retmask.detect.drafts import propose_draft
+from retmask.detect.drafts import next_draft_cap, propose_draft
 from retmask.detect.kv_only import last_layer_kv_only
 from retmask.detect.prefill_chunk import resolve_prefill_chunk
 from retmask.heads import model_shape
@@ -276,7 +276,7 @@ class FastDetector:
                 while accepted < len(draft) and draft[accepted] == greedy[accepted]:
                     accepted += 1
                 new = greedy[: accepted + 1]
-                draft_cap = self.max_draft if accepted == len(draft) else max(self.min_draft, 2 * accepted)
+                draft_cap = next_draft_cap(accepted, len(draft), self.max_draft, self.min_draft)
                 for i, tok in enumerate(new):
                     if tok in self.stop_ids:
                         new = new[: i + 1]

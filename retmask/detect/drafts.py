@@ -41,6 +41,12 @@ def _find(haystack: np.ndarray, pattern: np.ndarray) -> int:
     return int(cand[0]) if cand.size else -1
 
 
+def next_draft_cap(accepted: int, draft_len: int, max_draft: int, min_draft: int) -> int:
+    """The longest draft allowed in the next pass: ``max_draft`` after a fully accepted draft, else
+    ``max(min_draft, 2 * accepted)`` (a rejected draft costs its rows for nothing)."""
+    return max_draft if accepted == draft_len else max(min_draft, 2 * accepted)
+
+
 def continue_earlier_answer(generated: list[int], history: Sequence[list[int]]) -> list[int]:
     """The continuation of ``generated`` in the earlier answers that start with it: the most frequent one
     (ties: the longest, then the most recent); [] if no earlier answer extends ``generated``."""
