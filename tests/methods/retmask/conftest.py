@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 import retmask
@@ -36,3 +37,18 @@ def tiny_dir(tmp_path_factory, tokenizer) -> Path:
 def tiny(tiny_dir):
     """(model, tokenizer) loaded through retmask.load_model (retmask attention, eval mode)."""
     return retmask.load_model(str(tiny_dir))
+
+
+@pytest.fixture(scope="session")
+def peaked(tiny_dir):
+    """``tiny`` with its logits scaled 10x (final norm weight): std ~1.6 instead of ~0.16.
+
+    A random init=0.02 model's next-token distribution is almost uniform over 49,152 tokens, so top-p's
+    sort order among ~42K near-equal probabilities is decided by float rounding, which differs between
+    batch compositions (and between CPU kinds). A trained model's distribution is peaked like this one's;
+    tests that compare sampled text across batchings use it.
+    """
+    model, tok = retmask.load_model(str(tiny_dir))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(10.0)
+    return model, tok

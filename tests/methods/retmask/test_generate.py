@@ -37,9 +37,12 @@ UPPER_HEADS = [(1, 0), (1, 3)]
 
 @pytest.mark.parametrize("heads", [HEADS, UPPER_HEADS], ids=["from-layer-0", "layer-1-only"])
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.8, 0.9)])
-def test_per_row_masks_equal_separate_runs(tiny, temperature, top_p, heads):
-    """Rows [chosen.., rejected..] with the mask on rejected rows only = each row generated alone."""
-    model, tok = tiny
+def test_per_row_masks_equal_separate_runs(peaked, temperature, top_p, heads):
+    """Rows [chosen.., rejected..] with the mask on rejected rows only = each row generated alone.
+
+    Equal up to tokens whose sampling decision lies within float rounding (see ``sampling``'s
+    reproducibility note): the model's logits are peaked as a trained model's are, not near-uniform."""
+    model, tok = peaked
     insts = instructions(3)
     sampling = C.SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=12, seed=7)
     batched = C.contrast_batch(insts, model, tok, sampling, heads=heads)
