@@ -85,13 +85,14 @@ def propose_draft(
     if not generated:
         return prompt[s:e][:max_len].tolist()
     gen = np.asarray(generated, dtype=prompt.dtype)
+    answers = [np.asarray(a, dtype=prompt.dtype) for a in reversed(history)]  # latest first, converted once
     lo, hi = max(0, s - NEIGHBOURHOOD), min(len(prompt), e + NEIGHBOURHOOD)
     for n in range(min(max_ngram, len(gen)), 0, -1):
         pattern = gen[-n:]
-        for answer in reversed(history):
-            pos = _find(np.asarray(answer, dtype=prompt.dtype), pattern)
+        for answer in answers:
+            pos = _find(answer, pattern)
             if pos >= 0:
-                return list(answer[pos + n : pos + n + max_len])
+                return answer[pos + n : pos + n + max_len].tolist()
         # the answer repeating itself: the tokens after the pattern's earlier occurrence
         pos = _find(gen[:-1], pattern) if len(gen) > n else -1
         if pos >= 0:
