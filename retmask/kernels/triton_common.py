@@ -259,12 +259,18 @@ class PairList:
     host_fill: bool
 
 
-def active_pairs(skip: torch.Tensor | None, rows: int, cols: int) -> PairList:
-    """Pair list for ``skip``: bool [rows, cols] (True = disabled) or None (nothing disabled)."""
+def active_pairs(
+    skip: torch.Tensor | None, rows: int, cols: int, *, always_sync_free: bool = False
+) -> PairList:
+    """Pair list for ``skip``: bool [rows, cols] (True = disabled) or None (nothing disabled).
+
+    always_sync_free: the sync-free grid whatever ``sync_free()`` says; for launches whose disabled
+    programs cost nothing next to a host sync (decode: a handful of programs, host-bound on a GPU).
+    """
     if skip is None:
         return PairList(None, None, rows * cols, host_fill=False)
     flat = skip.reshape(-1)
-    if sync_free(skip.device):
+    if always_sync_free or sync_free(skip.device):
         return PairList(None, flat.contiguous(), rows * cols, host_fill=False)
     pairs = (~flat).nonzero().flatten().to(torch.int32)  # host sync: the count sizes the grid
     return PairList(pairs, None, int(pairs.numel()), host_fill=True)

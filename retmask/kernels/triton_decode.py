@@ -23,9 +23,10 @@ still applies. A sliding window limits the row to keys N - window .. N - 1: only
 holding key N - window are split over the programs (that block alone gets the window mask). Soft-capping
 is applied per logit as in the prefill (``_fwd_block``); a sink joins the merge's denominator
 (``m_ref = max(m, sink)``, ``l += 2^(sink - m_ref)``). A split that met a NaN / +inf logit has a NaN
-``l_s``, which survives the merge's weighting (NaN * 0 = NaN): the row becomes NaN with argmax -1. Head skipping: only KV heads with at least one enabled query head do work (a fully
-disabled group never reads its K/V; in the sync-free grid mode its programs run empty loops); disabled
-rows inside a working group ride along in the tile for free and the merge stores 0 / -1 / +inf for them.
+``l_s``, which survives the merge's weighting (NaN * 0 = NaN): the row becomes NaN with argmax -1. Head skipping: only KV heads with at least one enabled query head do work. The grid is always
+the sync-free one (``triton_common.sync_free``), with no host sync: a fully disabled group's programs
+get no keys, never read its K/V and only write their fixed partial states; disabled rows inside a working
+group ride along in the tile for free, and the merge stores 0 / -1 / +inf for every disabled row.
 """
 
 from __future__ import annotations
@@ -235,7 +236,10 @@ def decode_forward(
     argmax = new_index((B, Hq, 1), device) if argmax_rows else None
     lse = new_float((B, Hq, 1), torch.float32, device) if return_lse else None
     kv_skip = None if skip_heads is None else skip_heads.view(B, Hkv, group).all(-1)
-    plist = active_pairs(kv_skip, B, Hkv)  # KV heads with at least one enabled query head
+    # Always the sync-free grid: a decode call is a few programs whose GPU time is microseconds, so the
+    # exact grid's device->host sync (and its pair list and fill ops) would cost far more than the
+    # disabled programs it saves, which only write their fixed outputs.
+    plist = active_pairs(kv_skip, B, Hkv, always_sync_free=True)
     if plist.host_fill:
         fill_skipped(skip_heads, out, argmax, lse)
     if plist.grid == 0:

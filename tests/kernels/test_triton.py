@@ -282,6 +282,9 @@ def test_active_pairs(monkeypatch):
     assert free.disabled.tolist() == [True, False, False, False, True, True]
     none = active_pairs(None, 2, 3)
     assert none.pairs is None and none.disabled is None and none.grid == 6 and not none.host_fill
+    monkeypatch.delenv(SYNC_FREE_ENV)
+    forced = active_pairs(skip, 2, 3, always_sync_free=True)  # decode's grid, whatever the mode
+    assert forced.grid == 6 and not forced.host_fill and forced.disabled.tolist() == free.disabled.tolist()
 
 
 def test_grid_mode_is_sync_free_while_a_cuda_graph_is_captured(monkeypatch):
@@ -301,7 +304,8 @@ def test_grid_mode_is_sync_free_while_a_cuda_graph_is_captured(monkeypatch):
 def test_calls_captured_in_a_cuda_graph_replay_on_new_inputs(M, with_skip):
     """``attention()`` (decode and prefill, argmax, skipped heads) captured once in a CUDA graph, then
     replayed on new values copied into the captured inputs, matches an eager call on those values; with
-    skipped heads the capture succeeds only because the grid went sync-free by itself."""
+    skipped heads the prefill's capture succeeds only because its grid went sync-free by itself (decode
+    always takes the sync-free grid)."""
     B, Hq, Hkv, N, D = 2, 6, 2, 300, 64
     dev = TEST_DEVICE
     q, k, v = (t.to(dev) for t in make_qkv(B, Hq, Hkv, M, N, D, dtype=torch.bfloat16, seed=40 + M))
@@ -326,8 +330,7 @@ def test_calls_captured_in_a_cuda_graph_replay_on_new_inputs(M, with_skip):
             dst.copy_(src.to(dev))
         graph.replay()
         out_e, argmax_e = call()
-        # Same logits and argmax; the output may differ in rounding: with skipped heads the two grid modes
-        # can split a decode row's keys differently.
+        # Same logits and argmax; the output may differ in rounding between a captured and an eager call.
         torch.testing.assert_close(out_g, out_e, **TOL[torch.bfloat16])
         assert torch.equal(argmax_g, argmax_e)
         ref_out, _ = reference_attention(q.float(), k.float(), v.float(), skip_heads=skip)
@@ -541,8 +544,9 @@ def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
 
 def test_launch_grids_cover_only_enabled_heads():
     """Work is proportional to the enabled heads: the prefill, dQ and preprocess grids enumerate the
-    enabled (batch, head) pairs; the memory-bound decode and the dK/dV kernel enumerate KV heads with at
-    least one enabled query head (a fully disabled GQA group costs nothing)."""
+    enabled (batch, head) pairs; the dK/dV kernel enumerates KV heads with at least one enabled query
+    head (a fully disabled GQA group costs nothing). The decode grid is always sync-free: one program per
+    KV head and split, a disabled group's getting no keys."""
     from retmask.kernels.triton_aot import record_launches
 
     B, Hq, Hkv, M, N, D = 2, 8, 2, 300, 300, 64
@@ -570,8 +574,8 @@ def test_launch_grids_cover_only_enabled_heads():
     group_off = torch.zeros(B, Hq, dtype=torch.bool)
     group_off[0, :4] = True  # the whole first KV group of batch 0
     g = grids(group_off)
-    for kernel in ("_decode_partial_kernel", "_bwd_dkdv_kernel"):
-        assert g[kernel][1] == B * Hkv - 1, kernel
+    assert g["_bwd_dkdv_kernel"][1] == B * Hkv - 1
+    assert g["_decode_partial_kernel"][1] == B * Hkv and g["_decode_merge_kernel"] == (B * Hkv, Hq // Hkv)
     assert g["_fwd_kernel"][1] == B * Hq - 4
     assert "_fwd_kernel" not in grids(torch.ones(B, Hq, dtype=torch.bool))  # nothing enabled: no launch
 
