@@ -8,8 +8,10 @@ For a kernel change: copy the built ``retmask/_C*.so`` away first, change and re
 
 Both builds run the same inputs interleaved (A B A B ..., so drift of a shared machine hits both), on the
 attention shapes of detection and generation: full-prefill argmax (2K and 8K keys), a 256-row prefill
-chunk, a 1-row decode step and a 9-row verification pass, for SmolLM2-135M (9 query / 3 KV heads, D 64)
-and Llama-3.1-8B (32 / 8, D 128), B = 1; fp32 unless ``--dtype``, the fused micro-kernels unless ``--path``
+chunk, a 1-row decode step (on the same K/V each call, and streamed: one call per layer over K/V sets
+too large to stay in cache, as in a model) and a 9-row verification pass, for SmolLM2-135M (9 query / 3
+KV heads, D 64) and Llama-3.1-8B (32 / 8, D 128), and the decode cases for Gemma-3-270M (4 / 1, D 256);
+B = 1; fp32 unless ``--dtype``, the fused micro-kernels unless ``--path``
 (``gemm`` / ``gemm_fp32``: the same kernel with its block products on torch's block GEMM). Outputs and argmaxes must be bit-identical between the builds unless the
 change is meant to alter arithmetic (reported per shape). Writes bench/results/kernel_ab_<tag>.{md,json,png}.
 """
@@ -32,27 +34,39 @@ from common import machine_description, markdown_table  # noqa: E402
 from retmask.kernels import cpu  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-HEADS = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128)}
-# (name, M query rows, N keys, argmax rows)
+HEADS = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128), "Gemma-3-270M": (4, 1, 256)}
+# Gemma 3's single KV head matters for decode (one work item per call unless the keys are split); its
+# prefill tiles are the other shapes' story, so only its decode cases run.
+DECODE_ONLY = {"Gemma-3-270M"}
+# (name, M query rows, N keys, argmax rows, streamed)
 CASES = [
-    ("prefill argmax all", 2048, 2048, 2048),
-    ("prefill argmax all 8K", 8192, 8192, 8192),  # 256 tile rows per item (default_block_m at 8K)
-    ("prefill chunk", 256, 4096, 0),
-    ("decode step", 1, 5000, 1),
-    ("verify 9 rows", 9, 5000, 9),
+    ("prefill argmax all", 2048, 2048, 2048, False),
+    ("prefill argmax all 8K", 8192, 8192, 8192, False),  # 256 tile rows per item (default_block_m at 8K)
+    ("prefill chunk", 256, 4096, 0, False),
+    ("decode step", 1, 5000, 1, False),
+    ("decode step 1K, streamed", 1, 1024, 1, True),
+    ("decode step 16K, streamed", 1, 16384, 1, True),
+    ("verify 9 rows", 9, 5000, 9, False),
 ]
+# Streamed cases time one call per "layer" over enough distinct K/V sets that they cannot stay in the CPU's
+# caches (256 MiB in all, at most 30 sets, as many layers as a small model has): a model's decode reads
+# each layer's cache from memory, while repeating one call on the same K/V reads it from cache.
+STREAM_BYTES = 256 << 20
 
 
 def run_case(
-    lib: ctypes.CDLL, q, k, v, argmax_rows: int, path: str = "cpp"
+    lib: ctypes.CDLL, sets: list[tuple[torch.Tensor, ...]], argmax_rows: int, path: str = "cpp"
 ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """One call per (q, k, v) of ``sets`` with build ``lib`` -> (the last call's out and argmax, seconds per
+    call)."""
     cpu._library = lambda: lib  # forward() looks the library up on every call
     t0 = time.perf_counter()
-    out, idx = cpu.cpp_forward(
-        q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5, key_padding_mask=None, skip_heads=None,
-        argmax_rows=argmax_rows, gemm=path != "cpp", gemm_fp32=path == "gemm_fp32",
-    )  # fmt: skip
-    return out, idx, time.perf_counter() - t0
+    for q, k, v in sets:
+        out, idx = cpu.cpp_forward(
+            q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5, key_padding_mask=None, skip_heads=None,
+            argmax_rows=argmax_rows, gemm=path != "cpp", gemm_fp32=path == "gemm_fp32",
+        )  # fmt: skip
+    return out, idx, (time.perf_counter() - t0) / len(sets)
 
 
 def main() -> None:
@@ -76,20 +90,26 @@ def main() -> None:
     rows, records = [], []
     gen = torch.Generator().manual_seed(0)
     for model, (hq, hkv, d) in HEADS.items():
-        for name, m, n, t in CASES:
-            if args.only not in f"{model} {name}":
+        for name, m, n, t, streamed in CASES:
+            if args.only not in f"{model} {name}" or (model in DECODE_ONLY and m != 1):
                 continue
             dtype = getattr(torch, args.dtype)
-            q = torch.randn(1, hq, m, d, generator=gen).to(dtype)
-            k = torch.randn(1, hkv, n, d, generator=gen).to(dtype)
-            v = torch.randn(1, hkv, n, d, generator=gen).to(dtype)
+            kv_bytes = 2 * hkv * n * d * dtype.itemsize
+            n_sets = min(30, -(-STREAM_BYTES // kv_bytes)) if streamed else 1
+            sets = [
+                tuple(
+                    torch.randn(1, h, rows, d, generator=gen).to(dtype)
+                    for h, rows in ((hq, m), (hkv, n), (hkv, n))
+                )
+                for _ in range(n_sets)
+            ]
             times: dict[str, list[float]] = {"baseline": [], "new": []}
             results = {}
             for rep in range(args.repeats + 1):
                 for side, lib in (
                     (("baseline", old), ("new", new)) if rep % 2 else (("new", new), ("baseline", old))
                 ):
-                    out, idx, dt = run_case(lib, q, k, v, t, args.path)
+                    out, idx, dt = run_case(lib, sets, t, args.path)
                     results[side] = (out, idx)
                     if rep:  # the first round is the warm-up
                         times[side].append(dt)

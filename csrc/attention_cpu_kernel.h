@@ -508,6 +508,9 @@ inline void softcap_block(float* __restrict s, int64_t n, float c, float inv, fl
 struct Item {
     int64_t b, hkv, i0, i1;  // query rows [i0, i1)
     int64_t cost;
+    // A piece of a split decode item (split_keys): keys [k0, k1) only, its rows' partial state left in
+    // slot `part` of the call's partials instead of the output; part < 0: a whole item.
+    int64_t k0 = 0, k1 = 0, part = -1;
 };
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -605,9 +608,15 @@ struct Plan {
     // Below this the call runs on one thread: waking a second one costs more than it saves (and on a
     // busy machine it can cost milliseconds: the scheduler must find it a core). ~0.1-0.2 ms of work.
     static constexpr int64_t kParallelWork = int64_t(1) << 21;
-    bool parallel() const { return work >= kParallelWork && items.size() > 1; }
+    // A split decode call streams its keys from memory (one row per head: few flops per byte), so the same
+    // time is spent at a quarter of the multiply-adds.
+    static constexpr int64_t kParallelDecodeWork = kParallelWork / 4;
+    bool parallel() const { return work >= (whole.empty() ? kParallelWork : kParallelDecodeWork) && items.size() > 1; }
     std::vector<uint8_t> blk_state;  // per batch, per key block: 0 none valid, 1 some, 2 all
     std::vector<Item> items;         // sorted by cost (visited keys x rows), largest first
+    // Split decode (split_keys): the whole items, each cut into `pieces` items at fixed key positions.
+    std::vector<Item> whole;
+    int64_t pieces = 1;
 };
 
 // Work items, key-block validity, and the zeros / -1 of skipped heads (their only "work").
@@ -679,6 +688,7 @@ struct Tile {
     int R;
     const int64_t *row_h, *row_i;
     int64_t min_pos, max_pos, key_begin, key_end, win_edge;
+    int64_t part;  // >= 0: a piece of a split decode item, whose rows leave partial states in this slot
 };
 
 // Runs body(bufs, tile) over the work items on `threads` OpenMP threads (dynamic schedule, largest items
@@ -711,10 +721,14 @@ RETMASK_INLINE void for_each_item(const Args& a, const Plan& plan, int threads, 
                 }
             }
             const int64_t min_pos = a.N - a.M + w.i0, max_pos = a.N - a.M + w.i1 - 1;
-            const int64_t key_begin = a.window ? std::max<int64_t>(0, min_pos - a.window + 1) : 0;
+            int64_t key_begin = a.window ? std::max<int64_t>(0, min_pos - a.window + 1) : 0;
+            int64_t key_end = a.causal ? max_pos + 1 : a.N;
+            if (w.part >= 0) {
+                key_begin = w.k0;
+                key_end = w.k1;
+            }
             const int64_t win_edge = a.window ? max_pos - a.window + 1 : 0;
-            body(bufs, Tile{w.b, w.hkv, R, row_h, row_i, min_pos, max_pos, key_begin, a.causal ? max_pos + 1 : a.N,
-                            win_edge});
+            body(bufs, Tile{w.b, w.hkv, R, row_h, row_i, min_pos, max_pos, key_begin, key_end, win_edge, w.part});
         }
     }
 }
@@ -849,6 +863,91 @@ RETMASK_INLINE void softmax_rows(const Args& a, const Tile& t, int64_t j0, int n
     }
 }
 
+// ---- split-key decode ---------------------------------------------------------------------------------
+// A decode call (M == 1) has one work item per (batch, kv head with an active head): fewer items than
+// threads on models with few KV heads (SmolLM2 has 3, Gemma 3 one), so threads idle while one item streams
+// its keys from memory. split_keys cuts every item at fixed key positions (multiples of kSplitKeys rounded
+// up to whole key blocks: the cuts depend on the call's N and window only, never on the batch, the threads or the head mask) into
+// pieces that run as items of their own and leave each row's partial state (running max, sum, argmax and
+// unnormalised accumulator); merge_pieces combines a row's pieces and stores the row. A call whose keys
+// fit in one piece is not split and computes exactly as before.
+constexpr int64_t kSplitKeys = 256;
+
+inline void split_keys(const Args& a, Plan& plan) {
+    if (a.M != 1 || plan.items.empty()) return;
+    // The one row sits at N - 1: it sees keys [N - window, N) with a window, else all N.
+    const int64_t key_begin = a.window ? std::max<int64_t>(0, a.N - a.window) : 0, key_end = a.N;
+    // Cuts on key-block boundaries, so that no block is visited by two pieces.
+    const int64_t C = (kSplitKeys + a.block_n - 1) / a.block_n * a.block_n;
+    const int64_t first_cut = (key_begin / C + 1) * C;
+    if (first_cut >= key_end) return;
+    const int64_t pieces = plan.pieces = 2 + (key_end - first_cut - 1) / C;
+    const int64_t keys = key_end - first_block_key(a, a.N - 1);  // the keys make_plan costed an item by
+    plan.whole = std::move(plan.items);
+    plan.items.clear();
+    plan.items.reserve(plan.whole.size() * pieces);
+    for (size_t w = 0; w < plan.whole.size(); ++w) {
+        const Item& it = plan.whole[w];
+        const int64_t active = it.cost / keys;
+        for (int64_t p = 0; p < pieces; ++p) {
+            const int64_t k0 = p == 0 ? key_begin : first_cut + (p - 1) * C;
+            const int64_t k1 = std::min(key_end, first_cut + p * C);
+            plan.items.push_back({it.b, it.hkv, it.i0, it.i1, (k1 - k0) * active, k0, k1,
+                                  static_cast<int64_t>(w) * pieces + p});
+        }
+    }
+    std::stable_sort(plan.items.begin(), plan.items.end(),
+                     [](const Item& x, const Item& y) { return x.cost > y.cost; });
+}
+
+// Partial states of the pieces' rows, slot-major: slot s = whole item * pieces + piece, row r of it at
+// s * rows + r (the accumulator: Dp floats from there).
+struct Partials {
+    int64_t rows;
+    int Dp;
+    std::vector<float> m, l, o;
+    std::vector<int64_t> am;
+    Partials(const Plan& plan, int Dp_)
+        : rows(plan.max_rows), Dp(Dp_), m(plan.whole.size() * plan.pieces * rows),
+          l(m.size()), o(m.size() * Dp_), am(m.size()) {}
+};
+
+// Every split row: with m = max_p m_p over its pieces, sum = sum_p l_p e^{m_p - m} and accumulator
+// sum_p o_p e^{m_p - m}, then stored (store_row, which adds a sink). The argmax is that of the first piece
+// (in key order) whose max is m, so ties keep the smallest key index as in one pass. A piece that met a
+// NaN / +inf logit has a NaN sum, which survives the weighting: the row comes out NaN with argmax -1.
+template <class E>
+void merge_pieces(const Args& a, const Plan& plan, const Partials& part, int threads) {
+    const int64_t n_whole = static_cast<int64_t>(plan.whole.size()), P = plan.pieces, Dp = part.Dp;
+    std::vector<float> scratch(static_cast<size_t>(threads) * Dp);  // allocated outside the region
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t w = 0; w < n_whole; ++w) {
+        const Item& it = plan.whole[w];
+        float* o = scratch.data() + static_cast<int64_t>(thread_num()) * Dp;
+        int64_t r = 0;
+        for (int64_t h = it.hkv * plan.g; h < (it.hkv + 1) * plan.g; ++h) {
+            if (a.skip && a.skip[it.b * a.Hq + h]) continue;
+            const auto at = [&](int64_t p) { return (w * P + p) * part.rows + r; };
+            float mx = NEG_INF;
+            for (int64_t p = 0; p < P; ++p) mx = part.m[at(p)] > mx ? part.m[at(p)] : mx;
+            float sum = 0.f;
+            int64_t am = -1;
+            std::memset(o, 0, sizeof(float) * Dp);
+            for (int64_t p = 0; p < P; ++p) {
+                const float mp = part.m[at(p)];
+                if (am < 0 && mp == mx && mx != NEG_INF) am = part.am[at(p)];
+                const float wgt = mp == mx ? 1.f : std::exp(mp - mx);  // all -inf: 1, sums 0 (or NaN) kept
+                sum += part.l[at(p)] * wgt;
+                const float* op = part.o.data() + at(p) * Dp;
+                for (int64_t d = 0; d < Dp; ++d) o[d] += op[d] * wgt;
+            }
+            const bool want = a.argmax && a.T;
+            store_row<E>(a, it.b, h, it.i0, o, 1, mx, sum, want, am);
+            ++r;
+        }
+    }
+}
+
 // ---- row-major tiles (decode) ------------------------------------------------------------------------
 
 template <class E>
@@ -873,6 +972,7 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
                     c.take<float>(max_rows), c.take<float>(BN), c.take<int64_t>(max_rows),
                     c.take<int64_t>(max_rows), c.take<uint8_t>(max_rows)};
     };
+    Partials part(plan, Dp);  // empty unless split_keys split the call; allocated outside the region
     for_each_item(a, plan, threads, carve, [&](const Bufs& buf, const Tile& t) RETMASK_LAMBDA_INLINE {
         float *const Qt = buf.Qt, *const Ot = buf.Ot, *const S = buf.S, *const Vp = buf.Vp;
         float *const m = buf.m, *const l = buf.l, *const kbias = buf.kbias;
@@ -908,10 +1008,21 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
             pv_rows<MR_PV>(S, BN, Vp, Dp, Ot, Dp, Dp, nj, R);
         });
 
+        if (t.part >= 0) {  // a piece of a split row: its partial state, for merge_pieces
+            for (int r = 0; r < R; ++r) {
+                const int64_t at = t.part * part.rows + r;
+                part.m[at] = m[r];
+                part.l[at] = l[r];
+                part.am[at] = am[r];
+                std::memcpy(part.o.data() + at * Dp, Ot + static_cast<int64_t>(r) * Dp, sizeof(float) * Dp);
+            }
+            return;
+        }
         for (int r = 0; r < R; ++r)
             store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + static_cast<int64_t>(r) * Dp, 1, m[r], l[r], want[r],
                          am[r]);
     });
+    if (!plan.whole.empty()) merge_pieces<E>(a, plan, part, threads);
 }
 
 // ---- block-GEMM tiles (an external GEMM: matrix units, native bf16 dot products) ----------------------
@@ -1317,7 +1428,10 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
 // thread; others on `threads` threads, at most one per work item.
 template <class E>
 void run(const Args& a, int threads) {
-    const Plan plan = make_plan<E>(a);
+    Plan plan = make_plan<E>(a);
+    bool lanes_dot = false;
+    if constexpr (std::is_same_v<E, BF16>) lanes_dot = a.bf16_dot;
+    if (!lanes_dot && !a.gemm && plan.max_rows < VL) split_keys(a, plan);  // the row-major layout's decode
     threads = plan.parallel() ? static_cast<int>(std::min<int64_t>(threads, plan.items.size())) : 1;
     if constexpr (std::is_same_v<E, BF16>) {
         // Always the lanes layout, tiles of fewer rows padded to a vector: a row's arithmetic then never
