@@ -61,34 +61,33 @@ KNOWN_TENSOR_ARGS = frozenset({"position_ids", "cache_position", "s_aux", "cu_se
 
 def _check_features(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
     """Raise for anything the kernel would silently get wrong; warn about tensor arguments it does not
-    know (a model may pass attention inputs under a new name, e.g. its sinks or a sparsity pattern)."""
-    model = _model_name(module)
-    unknown = sorted(
-        k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in KNOWN_TENSOR_ARGS
-    )
+    know (a model may pass attention inputs under a new name, e.g. its sinks or a sparsity pattern).
+    Runs on every attention call: the model's name is looked up only for a message."""
+    unknown = [k for k, v in kwargs.items() if k not in KNOWN_TENSOR_ARGS and isinstance(v, torch.Tensor)]
     if unknown:
         warnings.warn(
-            f"model '{model}' passes {', '.join(unknown)} to its attention function, which retmask attention does "
+            f"model '{_model_name(module)}' passes {', '.join(sorted(unknown))} to its attention function, which "
+            "retmask attention does "
             "not use: if they change attention, retmask's results differ from eager attention's (compare a "
             "forward with attn_implementation='eager' once)",
             UnknownAttentionArgumentWarning,
             stacklevel=3,
         )
     if kwargs.get("position_bias") is not None:
-        raise _unsupported(model, "an additive position bias")
+        raise _unsupported(_model_name(module), "an additive position bias")
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-        raise _unsupported(model, "packed sequences (cu_seq_lens)")
+        raise _unsupported(_model_name(module), "packed sequences (cu_seq_lens)")
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
-        raise _unsupported(model, "a paged KV cache (continuous batching)")
+        raise _unsupported(_model_name(module), "a paged KV cache (continuous batching)")
     if dropout and dropout > 0:
         raise _unsupported(
-            model,
+            _model_name(module),
             f"attention dropout ({dropout}) in training; set config.attention_dropout = 0.0 before training",
         )
     if kwargs.get("output_attentions"):
         raise ValueError(
-            f"model '{model}': retmask attention never materialises attention weights, so "
+            f"model '{_model_name(module)}': retmask attention never materialises attention weights, so "
             "output_attentions=True is not available; use retmask.capture_argmax(model) for the per-head "
             "argmax, or attn_implementation='eager' for full weights"
         )
@@ -139,8 +138,16 @@ def _check_window(attention_mask: torch.Tensor | None, window: int | None, modul
         )
 
 
+def _layer_state(module: torch.nn.Module, name: str) -> Any:
+    """A per-layer ``_retmask_*`` attribute, or None where it was never set. Read from the instance's
+    ``__dict__`` (where ``nn.Module.__setattr__`` puts these plain values): ``getattr`` with a default
+    goes through ``nn.Module.__getattr__``, which raises and catches an AttributeError for every unset
+    name, several times per attention call."""
+    return module.__dict__.get(name)
+
+
 def _skip_heads(module: torch.nn.Module, batch: int, device: torch.device) -> torch.Tensor | None:
-    rows = getattr(module, "_retmask_rows", None)
+    rows = _layer_state(module, "_retmask_rows")
     if rows is not None and rows != batch:
         raise ValueError(
             f"model '{_model_name(module)}': the per-row head mask was set for batch size {rows} "
@@ -148,7 +155,7 @@ def _skip_heads(module: torch.nn.Module, batch: int, device: torch.device) -> to
             "[L, Hq] mask) with retmask.set_head_mask. Note that generate() expands the batch for beam "
             "search / num_return_sequences"
         )
-    skip = getattr(module, "_retmask_skip", None)
+    skip = _layer_state(module, "_retmask_skip")
     if skip is not None and skip.device != device:  # the model was moved after set_head_mask
         skip = skip.to(device)
         module._retmask_skip = skip
@@ -197,12 +204,12 @@ def retmask_attention(
     B, _, S, _ = query.shape
     kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
     skip = _skip_heads(module, B, query.device)
-    tap = getattr(module, "_retmask_tap", None)
+    tap = _layer_state(module, "_retmask_tap")
     if (
         tap is not None
     ):  # the exact kernel inputs, not detached (MuDAF's contrastive loss trains through them)
         tap.record(module.layer_idx, query, key, scaling, **features)
-    recorder = getattr(module, "_retmask_capture", None)
+    recorder = _layer_state(module, "_retmask_capture")
     if recorder is not None and recorder.active:
         rows, select = recorder.rows_for_call(S, query.device)
         out, argmax = kernel_attention(
