@@ -142,7 +142,11 @@ def _layer_state(module: torch.nn.Module, name: str) -> Any:
     """A per-layer ``_retmask_*`` attribute, or None where it was never set. Read from the instance's
     ``__dict__`` (where ``nn.Module.__setattr__`` puts these plain values): ``getattr`` with a default
     goes through ``nn.Module.__getattr__``, which raises and catches an AttributeError for every unset
-    name, several times per attention call."""
+    name, several times per attention call. Under ``torch.compile`` it stays ``getattr``: dynamo guards
+    the attributes it reads that way (a head mask set after compiling recompiles the graph), not a read
+    of ``__dict__``."""
+    if torch.compiler.is_compiling():
+        return getattr(module, name, None)
     return module.__dict__.get(name)
 
 
