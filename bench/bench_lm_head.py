@@ -150,8 +150,21 @@ def main() -> None:
     args = ap.parse_args()
     machine = machine_description()
     stem = args.out or RESULTS / f"lm_head_{cpu_kind(machine)}"
-    heads = [head_alone(rows, dtype, args.repeats) for dtype in DTYPES for rows in args.rows]
-    steps = [policy_step(dtype, args.repeats) for dtype in DTYPES]
+    # One line per measured cell: the page is written at the end, and a run can take over 18 min on a
+    # 2-core AVX2 machine, so a run stopped early still shows what it measured.
+    heads, steps = [], []
+    for dtype in DTYPES:
+        for rows in args.rows:
+            heads.append(head_alone(rows, dtype, args.repeats))
+            sec = heads[-1]["seconds"]
+            print(
+                f"head alone, {rows} rows, {dtype}: retmask / trl {sec['retmask'] / sec['trl']:.2f}",
+                flush=True,
+            )
+    for dtype in DTYPES:
+        steps.append(policy_step(dtype, args.repeats))
+        sec = steps[-1]["seconds"]
+        print(f"policy step, {dtype}: retmask / trl {sec['retmask'] / sec['trl']:.2f}", flush=True)
 
     head_rows = [
         [c["dtype"], str(c["rows"]), f"{c['seconds']['trl'] * 1e3:.0f} ms", f"{c['seconds']['retmask'] * 1e3:.0f} ms",
