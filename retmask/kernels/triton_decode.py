@@ -44,7 +44,6 @@ from .triton_common import (
     device_guard,
     dot_precision,
     effective_window,
-    fill_skipped,
     first_valid_keys,
     interpreting,
     launch_fitting,
@@ -239,11 +238,7 @@ def decode_forward(
     # Always the sync-free grid: a decode call is a few programs whose GPU time is microseconds, so the
     # exact grid's device->host sync (and its pair list and fill ops) would cost far more than the
     # disabled programs it saves, which only write their fixed outputs.
-    plist = active_pairs(kv_skip, B, Hkv, always_sync_free=True)
-    if plist.host_fill:
-        fill_skipped(skip_heads, out, argmax, lse)
-    if plist.grid == 0:
-        return out, argmax, lse
+    plist = active_pairs(kv_skip, B, Hkv, always_sync_free=True)  # one program per KV head, never host_fill
     n_kv = plist.grid
 
     window = effective_window(window, N)
