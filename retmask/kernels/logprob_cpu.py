@@ -23,9 +23,12 @@ Here:
 * the weight is cast to the compute dtype once per call and reused by the backward (TRL casts it per
   token chunk and again in the backward); a call that is one tile keeps its logits for the backward
   instead of computing them again;
-* in bf16 (or fp16) all three products stay in the compute dtype on oneDNN's GEMM (AVX512-BF16 / AMX where the CPU
-  has them). Each product is accumulated in fp32 inside the GEMM and rounded to the compute dtype once,
-  as autocast's own linear backward does; products of several vocabulary or token chunks are summed in
+* in bf16 (or fp16) all three products take operands in the compute dtype, are accumulated in fp32 and
+  rounded to the compute dtype once, as autocast's own linear backward does. Where the CPU has native
+  bf16 / fp16 GEMMs (AMX, AVX512-BF16) they run there, on oneDNN; elsewhere torch's half-precision
+  matmuls are emulated and tens of times slower than fp32, so the same products run in fp32 on the
+  rounded operands and are rounded after (``half_matmul.HalfProducts``: the same numbers up to the order
+  of the fp32 sums); products of several vocabulary or token chunks are summed in
   fp32. The vocabulary is taken in chunks of up to ``TILE_BYTES`` of fp32 per tile, so that for a DPO
   batch of a few hundred completion tokens the whole vocabulary is one chunk and every gradient element
   is rounded once. TRL instead sums every chunk's product in fp32 through an fp32 GEMM (no bf16 rounding
@@ -44,7 +47,7 @@ import math
 
 import torch
 
-from .linear_cpu import linear
+from .half_matmul import HalfProducts
 
 TOKEN_CHUNK = 4096  # rows per token chunk (TRL's TOKEN_CHUNK_SIZE)
 # fp32 bytes of one [rows, vocab chunk] tile; a vocab chunk is at least the caller's chunk_size
@@ -96,10 +99,13 @@ class Transform:
         return grad_z
 
 
-def _logits_tile(hidden_c: torch.Tensor, weight_c: torch.Tensor, bias_c: torch.Tensor | None) -> torch.Tensor:
-    """hidden_c [n, H] @ weight_c [c, H]^T (+ bias_c [c]) -> [n, c] in the compute dtype: oneDNN in bf16 /
-    fp16, and in fp32 the backend ``linear_cpu`` measured faster for this shape on this machine."""
-    return linear(hidden_c, weight_c, bias_c)
+def _logits_tile(
+    products: HalfProducts, hidden_c: torch.Tensor, weight_c: torch.Tensor, bias_c: torch.Tensor | None
+) -> torch.Tensor:
+    """hidden_c [n, H] @ weight_c [c, H]^T (+ bias_c [c]) -> [n, c] in the compute dtype (operands from
+    ``products.operand``): oneDNN in bf16 / fp16 where the CPU has native kernels, fp32 products rounded
+    to the compute dtype elsewhere, and in fp32 the backend ``linear_cpu`` measured faster here."""
+    return products.linear(hidden_c, weight_c, bias_c)
 
 
 def _as_fp32(tile: torch.Tensor) -> torch.Tensor:
@@ -168,10 +174,11 @@ class CPUChunkedLogProb(torch.autograd.Function):
     ):
         ctx.set_materialize_grads(False)
         dtype = compute_dtype_for(hidden)
+        products = HalfProducts(dtype)
         transform = Transform(logit_scale, final_logit_softcapping, temperature)
         n_rows, vocab = hidden.shape[0], weight.shape[0]
-        weight_c = weight.to(dtype)  # once per call: the backward reuses it
-        bias_c = bias.to(dtype) if bias is not None else None
+        weight_c = products.operand(weight)  # once per call: the backward reuses it
+        bias_c = products.operand(bias) if bias is not None else None
         width = vocab_chunk(min(n_rows, TOKEN_CHUNK), vocab, chunk_size)
         # One tile for the whole call (a DPO batch of a few hundred completion tokens): keep its logits
         # for the backward instead of computing them again there.
@@ -181,11 +188,12 @@ class CPUChunkedLogProb(torch.autograd.Function):
         parts = []
         for t0 in range(0, n_rows, TOKEN_CHUNK):
             t1 = min(t0 + TOKEN_CHUNK, n_rows)
-            hidden_c = hidden[t0:t1].to(dtype)
+            hidden_c = products.operand(hidden[t0:t1])
             stats = _Stats(t1 - t0, outputs)
             for v0 in range(0, vocab, width):
                 v1 = min(v0 + width, vocab)
-                tile = _logits_tile(hidden_c, weight_c[v0:v1], bias_c[v0:v1] if bias_c is not None else None)
+                bias_chunk = bias_c[v0:v1] if bias_c is not None else None
+                tile = _logits_tile(products, hidden_c, weight_c[v0:v1], bias_chunk)
                 z, _ = transform.apply_(
                     tile.clone() if keep_tile and tile.dtype == torch.float32 else _as_fp32(tile)
                 )
@@ -209,7 +217,7 @@ class CPUChunkedLogProb(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy if entropy is not None else log_z)
         ctx.weight_c, ctx.bias_c = weight_c, bias_c
         ctx.tile = tile if keep_tile else None
-        ctx.dtype, ctx.width, ctx.transform = dtype, width, transform
+        ctx.products, ctx.width, ctx.transform = products, width, transform
         ctx.mark_non_differentiable(*(x for x in (log_sum_sq, mean_logits, is_top1) if x is not None))
         return log_probs, entropy, log_sum_sq, mean_logits, is_top1
 
@@ -218,7 +226,7 @@ class CPUChunkedLogProb(torch.autograd.Function):
     def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_):
         hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
         weight_c, bias_c, kept_tile = ctx.weight_c, ctx.bias_c, ctx.tile
-        dtype, width, transform = ctx.dtype, ctx.width, ctx.transform
+        products, width, transform = ctx.products, ctx.width, ctx.transform
         ctx.weight_c = ctx.bias_c = ctx.tile = None
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         n_rows, vocab = hidden.shape[0], weight.shape[0]
@@ -234,7 +242,7 @@ class CPUChunkedLogProb(torch.autograd.Function):
         g_ent = grad_entropy.float() if grad_entropy is not None else None
         for t0 in range(0, n_rows, TOKEN_CHUNK):
             t1 = min(t0 + TOKEN_CHUNK, n_rows)
-            hidden_c = hidden[t0:t1].to(dtype)
+            hidden_c = products.operand(hidden[t0:t1])
             rows = torch.arange(t1 - t0)
             for v0 in range(0, vocab, width):
                 v1 = min(v0 + width, vocab)
@@ -242,7 +250,7 @@ class CPUChunkedLogProb(torch.autograd.Function):
                     tile = kept_tile
                 else:
                     bias_chunk = bias_c[v0:v1] if bias_c is not None else None
-                    tile = _logits_tile(hidden_c, weight_c[v0:v1], bias_chunk)
+                    tile = _logits_tile(products, hidden_c, weight_c[v0:v1], bias_chunk)
                 z, tanh = transform.apply_(_as_fp32(tile))
                 grad_z = _grad_logits(z, log_z[t0:t1], entropy[t0:t1], g_lp, g_ent, t0, t1)
                 if g_lp is not None:  # d log p_t / dz_j = 1[j = t] - p_j: the 1 at the target column
@@ -252,9 +260,9 @@ class CPUChunkedLogProb(torch.autograd.Function):
                 grad_y = transform.backward_(grad_z, tanh)
                 tile.copy_(grad_y)  # the products run in the compute dtype
                 if grad_hidden is not None:
-                    grad_hidden[t0:t1] += torch.mm(tile, weight_c[v0:v1])
+                    grad_hidden[t0:t1] += products.mm(tile, weight_c[v0:v1])
                 if grad_weight is not None:
-                    product = torch.mm(tile.t(), hidden_c)
+                    product = products.mm(tile.t(), hidden_c)
                     grad_weight[v0:v1].copy_(product) if t0 == 0 else grad_weight[v0:v1].add_(product)
                 if grad_bias is not None:
                     grad_bias[v0:v1] += tile.sum(0, dtype=torch.float32)

@@ -11,7 +11,7 @@ import torch
 
 import retmask
 from retmask.hf.linears import CPULinear, patch_linears, torch_linears, unpatch_linears
-from retmask.kernels import linear_cpu
+from retmask.kernels import half_matmul, linear_cpu
 
 from .conftest import random_batch, tiny_model
 
@@ -80,8 +80,10 @@ def test_patched_model_gives_torch_logits_generation_and_gradients(onednn):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
-def test_bf16_autocast_training_still_casts(onednn):
-    """Under CPU autocast the patched layers must run F.linear (autocast casts it to bf16), never fp32."""
+def test_bf16_autocast_training_still_casts(onednn, monkeypatch):
+    """Under CPU autocast, on a CPU with native bf16, the patched layers must run F.linear (autocast casts
+    it to bf16), never fp32."""
+    monkeypatch.setattr(half_matmul, "native_half_matmul", lambda dtype: True)
     model = tiny_model("llama")
     patch_linears(model)
     ids, _ = random_batch(2, 8)
@@ -91,6 +93,42 @@ def test_bf16_autocast_training_still_casts(onednn):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=ids)
     assert seen == [torch.bfloat16] and not onednn
+
+
+def test_bf16_on_a_cpu_without_native_bf16_runs_emulated_linears(monkeypatch):
+    """On a CPU where torch emulates bf16 matmuls, the patched layers multiply the rounded operands in
+    fp32: an autocast training step gives torch's bf16 loss and gradients (up to bf16 rounding), and so
+    does a forward of the model converted to bf16."""
+    monkeypatch.setattr(half_matmul, "native_half_matmul", lambda dtype: False)
+    calls = []
+    real = half_matmul._EmulatedLinear.apply
+    monkeypatch.setattr(half_matmul._EmulatedLinear, "apply", lambda *a: calls.append(a[3]) or real(*a))
+    model = tiny_model("llama")
+    plain = copy.deepcopy(model)
+    patch_linears(model)
+    ids, mask = random_batch(2, 20, left_pad=[0, 4], seed=3)  # 40 rows: >= EMULATE_MIN_ROWS
+    labels = ids.masked_fill(~mask.bool(), -100)
+    model.train(), plain.train()
+    losses = []
+    for m in (model, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss)
+    assert calls and set(calls) == {torch.bfloat16} and len(calls) == len(_linears(model))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-2, atol=1e-2)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        scale = q.grad.abs().max()
+        assert (p.grad - q.grad).abs().max() <= 5e-2 * scale, name
+    model.eval(), plain.eval()
+    model.bfloat16(), plain.bfloat16()
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        want = plain(input_ids=ids, attention_mask=mask).logits
+    assert got.dtype == torch.bfloat16
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid].float(), want[valid].float(), rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.embedded

@@ -184,7 +184,7 @@ def test_a_one_tile_call_keeps_its_logits_for_the_backward(monkeypatch, small_ti
     all); with several vocab chunks it computes each tile again."""
     calls = []
     original = lp._logits_tile
-    monkeypatch.setattr(lp, "_logits_tile", lambda *a: calls.append(a[1].shape[0]) or original(*a))
+    monkeypatch.setattr(lp, "_logits_tile", lambda *a: calls.append(a[2].shape[0]) or original(*a))
     h, w, _, t = inputs(12, 8, 100, False, seed=6)
     hidden = h.clone().requires_grad_()
     CPUChunkedLogProb.apply(hidden, w, None, t, 1.0, 32, None, 1.0, ("log_probs",))[0].sum().backward()
@@ -196,3 +196,102 @@ def test_a_one_tile_call_keeps_its_logits_for_the_backward(monkeypatch, small_ti
     CPUChunkedLogProb.apply(hidden, w, None, t, 1.0, 32, None, 1.0, ("log_probs",))[0].sum().backward()
     assert calls == [32, 32, 32, 4] * 2
     torch.testing.assert_close(hidden.grad, kept, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(params=["native", "emulated"])
+def half_products(request, monkeypatch):
+    """Run bf16 / fp16 products as if the CPU had native half-precision GEMMs or not (both work on any
+    CPU; the native one is slow where torch emulates it, so shapes stay small)."""
+    import retmask.kernels.half_matmul as hm
+
+    monkeypatch.setattr(hm, "native_half_matmul", lambda dtype: request.param == "native")
+    return request.param
+
+
+def _half_dtype_calls(fn) -> set[torch.dtype]:
+    """The dtypes of the matrix products (mm, addmm, linear) ``fn`` runs, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[torch.dtype] = set()
+    products = {"mm", "addmm", "linear", "matmul", "bmm", "_mkldnn_linear", "mkldnn_linear"}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name.split("::")[-1] in products:
+                seen.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("token_chunk", [4096, 5])
+def test_bfloat16_autocast_native_and_emulated_products(bias, token_chunk, half_products, small_tiles):
+    """Both ways of running the bf16 products give bf16-rounded results of the same fp32 sums: within
+    bf16 rounding of float64, and the emulated way runs no half-precision product at all."""
+    h, w, b, t = inputs(23, 16, 300, bias, seed=11)
+    if token_chunk < 4096:
+        small_tiles(token_chunk, 64)
+    params = [x.clone().requires_grad_() for x in (h, w)] + ([b.clone().requires_grad_()] if bias else [])
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = CPUChunkedLogProb.apply(params[0], params[1], params[2] if bias else None, t, 1.0, 64,
+                                          None, 1.0, OUTPUTS)  # fmt: skip
+        (out[0].sum() + 0.5 * out[1].sum()).backward()
+        return out
+
+    dtypes = _half_dtype_calls(run)
+    assert dtypes == ({torch.float32} if half_products == "emulated" else {torch.bfloat16})
+    ref_params = [x.double().requires_grad_() for x in (h, w)] + (
+        [b.double().requires_grad_()] if bias else []
+    )
+    ref = reference(ref_params[0], ref_params[1], ref_params[2] if bias else None, t, 1.0, None, 1.0)
+    (ref["log_probs"].sum() + 0.5 * ref["entropy"].sum()).backward()
+    for p, rp in zip(params, ref_params, strict=True):
+        assert p.grad.dtype == torch.float32
+        scale = rp.grad.abs().max()
+        assert ((p.grad.double() - rp.grad).abs().max() / scale).item() < 2e-2
+
+
+def test_bfloat16_emulated_products_equal_native_ones_up_to_summation_order(monkeypatch):
+    """The emulated products are the native ones' numbers: every gradient element is equal or one bf16
+    rounding step apart (the fp32 sums, in another order, fall on the other side of a rounding edge
+    only rarely), and the forward outputs agree to fp32 rounding of those."""
+    import retmask.kernels.half_matmul as hm
+
+    h, w, b, t = inputs(31, 24, 500, True, seed=12)
+    results = {}
+    for mode in ("native", "emulated"):
+        monkeypatch.setattr(hm, "native_half_matmul", lambda dtype, mode=mode: mode == "native")
+        params = [x.clone().requires_grad_() for x in (h, w, b)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = CPUChunkedLogProb.apply(*params, t, 1.0, 1024, None, 1.0, OUTPUTS)
+        out[0].sum().backward()
+        results[mode] = (out, [p.grad for p in params])
+    (out_n, grads_n), (out_e, grads_e) = results["native"], results["emulated"]
+    assert torch.equal(out_n[4], out_e[4])
+    for a, c in zip(out_n[:4], out_e[:4], strict=True):
+        torch.testing.assert_close(c, a, rtol=1e-2, atol=1e-2)
+    for a, c in zip(grads_n, grads_e, strict=True):
+        apart = (a - c).abs() > 2**-7 * torch.maximum(a.abs(), c.abs()) + 1e-12
+        assert not apart.any()
+        assert (a != c).float().mean() < 0.05
+
+
+def test_float16_inputs_use_the_same_products(half_products):
+    """fp16 tensors (no autocast): the compute dtype is fp16 and the gradients come back in fp16."""
+    h, w, _, t = inputs(9, 8, 120, False, seed=13)
+    params = [x.half().requires_grad_() for x in (h, w)]
+    out = CPUChunkedLogProb.apply(*params, None, t, 1.0, 32, None, 1.0, ("log_probs",))
+    out[0].sum().backward()
+    assert all(p.grad.dtype == torch.float16 for p in params)
+    ref_params = [x.half().double().requires_grad_() for x in (h, w)]
+    ref = reference(*ref_params, None, t, 1.0, None, 1.0)
+    torch.testing.assert_close(out[0].double(), ref["log_probs"], rtol=1e-2, atol=1e-2)
+    ref["log_probs"].sum().backward()
+    for p, rp in zip(params, ref_params, strict=True):
+        scale = rp.grad.abs().max()
+        assert ((p.grad.double() - rp.grad).abs().max() / scale).item() < 5e-3
