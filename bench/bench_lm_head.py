@@ -148,8 +148,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6, help="timed calls per implementation and cell")
     ap.add_argument(
         "--policy-repeats", type=int, default=None,
-        help="timed policy steps per head and dtype (default --repeats; a bf16 step takes ~100 s on a CPU "
-        "without native bf16, where torch emulates the model's bf16 matmuls)",
+        help="timed policy steps per head and dtype (default --repeats)",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="page stem (default bench/results/lm_head_<cpu>)")
     args = ap.parse_args()
@@ -160,7 +159,8 @@ def main() -> None:
         "native (AMX or AVX512-BF16): retmask's head runs them on oneDNN."
         if native_half_matmul(torch.bfloat16)
         else "emulated by torch (no AMX or AVX512-BF16): retmask's head multiplies the bf16-rounded operands "
-        "in fp32; the model's own bf16 linears (autocast) stay emulated and dominate a bf16 policy step."
+        "in fp32, and so do the model's linears of 32 rows or more (`retmask.kernels.half_matmul`), in "
+        "both columns of the policy step."
     )
     stem = args.out or RESULTS / f"lm_head_{cpu_kind(machine)}"
     # One line per measured cell: the page is written at the end, and a run can take over 18 min on a

@@ -20,7 +20,8 @@ Steps (each a ``retmask`` command, run as a subprocess; finished steps are skipp
 
 The learning rate defaults to 2e-5, 40x the paper's 5e-7: at 5e-7 the loss barely leaves ln 2 in a few
 steps and any two curves "match". On a CPU without native bf16 (no AMX-BF16 / AVX512-BF16) torch emulates
-bf16 matmuls, so a bf16 step is expected to be slower there; ``--dtype auto`` keeps fp32 on such CPUs.
+bf16 matmuls; retmask's linears and LM head multiply the bf16-rounded operands in fp32 there, so a bf16
+step costs about an fp32 one and gains nothing; ``--dtype auto`` keeps fp32 on such CPUs.
 
 Writes bench/results/train_dtype_<cpu kind>.{md,json,png}.
 
