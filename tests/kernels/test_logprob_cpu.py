@@ -130,9 +130,12 @@ def test_is_top1_takes_the_first_of_tied_maxima_across_chunks(small_tiles):
     """Vocabulary rows 3 and 11 are equal (tied logits) and lie in different vocab chunks of 8: argmax
     is the first; a target at 11 is then not the top-1, one at 3 is."""
     small_tiles(4096, 8)
-    w = torch.randn(16, 4) * 0.1
-    h = torch.randn(2, 4)
-    w[3] = w[11] = h[0] * 3 + h[1] * 3  # far above the rest for both rows
+    w = torch.randn(16, 4, generator=torch.Generator().manual_seed(0)) * 0.1
+    h = torch.tensor([[1.0, 0.5, -0.3, 0.2], [0.4, 1.0, 0.1, -0.5]])
+    w[3] = w[11] = torch.tensor([3.0, 3.0, 0.0, 0.0])  # logits 4.5 and 4.2: far above the rest
+    logits = h @ w.t()
+    assert torch.equal(logits[:, 3], logits[:, 11])
+    assert (logits[:, 3:4] > logits.masked_fill(torch.arange(16) % 8 == 3, -1e9) + 3).all()
     out = CPUChunkedLogProb.apply(h, w, None, torch.tensor([11, 3]), 1.0, 8, None, 1.0, ("is_top1",))
     assert out[4].tolist() == [False, True]
 
