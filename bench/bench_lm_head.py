@@ -152,6 +152,10 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="page stem (default bench/results/lm_head_<cpu>)")
     args = ap.parse_args()
+    if args.repeats < 1 or (args.policy_repeats is not None and args.policy_repeats < 1):
+        ap.error(f"--repeats and --policy-repeats must be >= 1, got {args.repeats} / {args.policy_repeats}")
+    if min(args.rows) < 1:
+        ap.error(f"--rows must be >= 1, got {args.rows}")
     machine = machine_description()
     from retmask.kernels.half_matmul import native_half_matmul
 

@@ -17,6 +17,8 @@ its forward and its backward's two products as fp32 products of rounded operands
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from .cpuinfo import cpu_flags
@@ -37,7 +39,7 @@ def native_half_matmul(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     elif dtype == torch.float16:
-        if "avx512_fp16" in cpu_flags():
+        if _has_avx512_fp16():
             return True
         checks = ("_is_amx_fp16_supported",)
     else:
@@ -45,16 +47,25 @@ def native_half_matmul(dtype: torch.dtype) -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
+@cache
+def _has_avx512_fp16() -> bool:
+    """/proc/cpuinfo lists AVX512-FP16 (read once: the check runs on every linear call)."""
+    return "avx512_fp16" in cpu_flags()
+
+
 class HalfProducts:
     """Products whose operands and results are rounded to ``dtype`` (the compute dtype of a mixed-
     precision op), run natively where the CPU can (``native_half_matmul``) and in float32 elsewhere.
 
     ``operand(x)`` gives the form the products take (``x`` rounded to ``dtype``; in float32 when
-    emulating), ``linear`` / ``mm`` take such operands and return results in ``dtype``."""
+    emulating), ``linear`` / ``mm`` take such operands and return results in ``dtype``. ``emulated``
+    overrides the CPU's answer (None: ask ``native_half_matmul``)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, emulated: bool | None = None) -> None:
         self.dtype = dtype
-        self.emulated = dtype in HALF_DTYPES and not native_half_matmul(dtype)
+        if emulated is None:
+            emulated = dtype in HALF_DTYPES and not native_half_matmul(dtype)
+        self.emulated = emulated
 
     def operand(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` rounded to the compute dtype, as the products take it: [*] -> [*]."""
@@ -70,12 +81,11 @@ class HalfProducts:
             return linear(x, weight, bias).to(self.dtype)
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a [n, k] @ b [k, c] -> [n, c] in the compute dtype; ``a`` may be in the compute dtype or
-        already an operand."""
+        """a [n, k] @ b [k, c] -> [n, c] in the compute dtype; operands from ``operand``."""
         if not self.emulated:
             return torch.mm(a, b)
         with torch.autocast("cpu", enabled=False):
-            return torch.mm(a.float(), b).to(self.dtype)
+            return torch.mm(a, b).to(self.dtype)
 
 
 def emulated_linear_dtype(
@@ -83,23 +93,26 @@ def emulated_linear_dtype(
 ) -> torch.dtype | None:
     """The half dtype in which ``F.linear(x, weight, bias)`` would compute on this CPU without native
     kernels for it, or None (a float32 call, a native one, another device, fewer than
-    ``EMULATE_MIN_ROWS`` input rows, a call that must reach aten::linear itself). Under CPU autocast that is autocast's dtype for floating inputs; without, the
-    inputs' common half dtype."""
+    ``EMULATE_MIN_ROWS`` input rows, a call that must reach aten::linear itself). Under CPU autocast
+    that is autocast's dtype for floating inputs; without, the inputs' common half dtype.
+
+    Runs on every patched linear call, so the common float32 call is answered first and cheaply."""
+    autocast = torch.is_autocast_enabled("cpu")
+    dtype = torch.get_autocast_dtype("cpu") if autocast else x.dtype
+    if dtype not in HALF_DTYPES:
+        return None
     if type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, torch.nn.Parameter):
         return None
     if x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2 or x.dim() < 2:
         return None
     if x.numel() < EMULATE_MIN_ROWS * x.shape[-1]:
         return None
-    if torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")
+    if autocast:
         if not (x.is_floating_point() and weight.is_floating_point()):
             return None
-    else:
-        dtype = x.dtype
-        if weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
-            return None
-    if dtype not in HALF_DTYPES or native_half_matmul(dtype) or not ordinary_dispatch():
+    elif weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
+        return None
+    if native_half_matmul(dtype) or not ordinary_dispatch():
         return None
     return dtype
 
@@ -112,32 +125,32 @@ class _EmulatedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype):
-        x_op = x.to(dtype).float()  # [..., in]
-        w_op = weight.to(dtype).float()  # [out, in]
-        b_op = bias.to(dtype).float() if bias is not None else None
-        with torch.autocast("cpu", enabled=False):
-            out = linear(x_op, w_op, b_op).to(dtype)  # [..., out]
+        products = HalfProducts(dtype, emulated=True)
+        x_op = products.operand(x)  # [..., in]
+        w_op = products.operand(weight)  # [out, in]
+        b_op = products.operand(bias) if bias is not None else None
+        out = products.linear(x_op, w_op, b_op)  # [..., out]
         need_x, need_w = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x_op if need_w else None, w_op if need_x else None)
-        ctx.dtype, ctx.dtypes = dtype, (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.products = products
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         x_op, w_op = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        products, (x_dtype, w_dtype, b_dtype) = ctx.products, ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g = grad_out.to(ctx.dtype).float()  # [..., out]
+        g = products.operand(grad_out)  # [..., out]
         g2 = g.reshape(-1, g.shape[-1])
         grad_x = grad_w = grad_b = None
-        with torch.autocast("cpu", enabled=False):
-            if need_x:
-                grad_x = torch.mm(g2, w_op).to(ctx.dtype).to(x_dtype).reshape(*g.shape[:-1], w_op.shape[1])
-            if need_w:
-                grad_w = torch.mm(g2.t(), x_op.reshape(-1, x_op.shape[-1])).to(ctx.dtype).to(w_dtype)
-            if need_b:
-                grad_b = g2.sum(0).to(ctx.dtype).to(b_dtype)
+        if need_x:
+            grad_x = products.mm(g2, w_op).to(x_dtype).reshape(*g.shape[:-1], w_op.shape[1])
+        if need_w:
+            grad_w = products.mm(g2.t(), x_op.reshape(-1, x_op.shape[-1])).to(w_dtype)
+        if need_b:
+            grad_b = g2.sum(0).to(products.dtype).to(b_dtype)
         return grad_x, grad_w, grad_b, None
 
 

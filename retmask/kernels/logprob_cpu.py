@@ -259,10 +259,11 @@ class CPUChunkedLogProb(torch.autograd.Function):
                     grad_z[rows[hit], local[hit]] += g_lp[t0:t1][hit]
                 grad_y = transform.backward_(grad_z, tanh)
                 tile.copy_(grad_y)  # the products run in the compute dtype
+                tile_op = products.operand(tile)  # converted once for both products where emulating
                 if grad_hidden is not None:
-                    grad_hidden[t0:t1] += products.mm(tile, weight_c[v0:v1])
+                    grad_hidden[t0:t1] += products.mm(tile_op, weight_c[v0:v1])
                 if grad_weight is not None:
-                    product = products.mm(tile.t(), hidden_c)
+                    product = products.mm(tile_op.t(), hidden_c)
                     grad_weight[v0:v1].copy_(product) if t0 == 0 else grad_weight[v0:v1].add_(product)
                 if grad_bias is not None:
                     grad_bias[v0:v1] += tile.sum(0, dtype=torch.float32)
