@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -59,10 +59,25 @@ def _unsupported(model: str, feature: str) -> NotImplementedError:
 KNOWN_TENSOR_ARGS = frozenset({"position_ids", "cache_position", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k"})
 
 
+# Keyword arguments whose value never calls for a warning or an error: the tensors above that the kernel
+# uses or that do not change attention, and the plain values transformers passes to every call. A call
+# with only these (every decode step of most models) skips the scan below.
+ROUTINE_ARGS = (KNOWN_TENSOR_ARGS - {"cu_seq_lens_q", "cu_seq_lens_k"}) | {
+    "use_cache", "sliding_window", "softcap", "is_causal",
+}  # fmt: skip
+
+
 def _check_features(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
     """Raise for anything the kernel would silently get wrong; warn about tensor arguments it does not
     know (a model may pass attention inputs under a new name, e.g. its sinks or a sparsity pattern).
     Runs on every attention call: the model's name is looked up only for a message."""
+    if dropout and dropout > 0:
+        raise _unsupported(
+            _model_name(module),
+            f"attention dropout ({dropout}) in training; set config.attention_dropout = 0.0 before training",
+        )
+    if kwargs.keys() <= ROUTINE_ARGS:
+        return
     unknown = [k for k, v in kwargs.items() if k not in KNOWN_TENSOR_ARGS and isinstance(v, torch.Tensor)]
     if unknown:
         warnings.warn(
@@ -80,11 +95,6 @@ def _check_features(module: torch.nn.Module, dropout: float, kwargs: dict) -> No
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise _unsupported(_model_name(module), "a paged KV cache (continuous batching)")
-    if dropout and dropout > 0:
-        raise _unsupported(
-            _model_name(module),
-            f"attention dropout ({dropout}) in training; set config.attention_dropout = 0.0 before training",
-        )
     if kwargs.get("output_attentions"):
         raise ValueError(
             f"model '{_model_name(module)}': retmask attention never materialises attention weights, so "
@@ -138,28 +148,43 @@ def _check_window(attention_mask: torch.Tensor | None, window: int | None, modul
         )
 
 
-def _layer_state(module: torch.nn.Module, name: str) -> Any:
-    """A per-layer ``_retmask_*`` attribute, or None where it was never set. Read from the instance's
-    ``__dict__`` (where ``nn.Module.__setattr__`` puts these plain values): ``getattr`` with a default
-    goes through ``nn.Module.__getattr__``, which raises and catches an AttributeError for every unset
-    name, several times per attention call. Under ``torch.compile`` it stays ``getattr``: dynamo guards
-    the attributes it reads that way (a head mask set after compiling recompiles the graph), not a read
-    of ``__dict__``."""
-    if torch.compiler.is_compiling():
-        return getattr(module, name, None)
-    return module.__dict__.get(name)
+class _LayerState(NamedTuple):
+    """A layer's ``_retmask_*`` attributes (see the module docstring), None where never set."""
+
+    skip: torch.Tensor | None
+    rows: int | None
+    tap: Any
+    capture: Any
 
 
-def _skip_heads(module: torch.nn.Module, batch: int, device: torch.device) -> torch.Tensor | None:
-    rows = _layer_state(module, "_retmask_rows")
-    if rows is not None and rows != batch:
+_STATE_NAMES = ("_retmask_skip", "_retmask_rows", "_retmask_tap", "_retmask_capture")
+
+
+def _layer_state(module: torch.nn.Module, compiling: bool) -> _LayerState:
+    """The layer's ``_retmask_*`` attributes. Read from the instance's ``__dict__`` (where
+    ``nn.Module.__setattr__`` puts these plain values): ``getattr`` with a default goes through
+    ``nn.Module.__getattr__``, which raises and catches an AttributeError for every unset name. Under
+    ``torch.compile`` (``compiling``) it stays ``getattr``: dynamo guards the attributes it reads that way
+    (a head mask set after compiling recompiles the graph), not a read of ``__dict__``."""
+    if compiling:
+        return _LayerState(*(getattr(module, name, None) for name in _STATE_NAMES))
+    get = module.__dict__.get
+    return _LayerState(
+        get("_retmask_skip"), get("_retmask_rows"), get("_retmask_tap"), get("_retmask_capture")
+    )
+
+
+def _skip_heads(
+    module: torch.nn.Module, state: _LayerState, batch: int, device: torch.device
+) -> torch.Tensor | None:
+    if state.rows is not None and state.rows != batch:
         raise ValueError(
-            f"model '{_model_name(module)}': the per-row head mask was set for batch size {rows} "
+            f"model '{_model_name(module)}': the per-row head mask was set for batch size {state.rows} "
             f"but this forward call has {batch} rows; set a mask of shape [{batch}, L, Hq] (or a shared "
             "[L, Hq] mask) with retmask.set_head_mask. Note that generate() expands the batch for beam "
             "search / num_return_sequences"
         )
-    skip = _layer_state(module, "_retmask_skip")
+    skip = state.skip
     if skip is not None and skip.device != device:  # the model was moved after set_head_mask
         skip = skip.to(device)
         module._retmask_skip = skip
@@ -167,12 +192,16 @@ def _skip_heads(module: torch.nn.Module, batch: int, device: torch.device) -> to
 
 
 def _autocast_inputs(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, compiling: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Under ``torch.autocast``, q, k, v in the autocast dtype, as SDPA gets them (it is on autocast's
     lower-precision list). Needed because they arrive mixed: Llama's rotary embedding multiplies the bf16
     q and k by float32 cos/sin, which promotes them to float32, while v stays bf16. Outside autocast the
-    tensors pass unchanged (and mixed dtypes stay an error that names them)."""
+    tensors pass unchanged (and mixed dtypes stay an error that names them). Eager calls ask first
+    whether any autocast is on (one C call; most calls are outside autocast); dynamo traces the
+    per-device question instead."""
+    if not compiling and not torch._C._is_any_autocast_enabled():
+        return query, key, value
     device_type = query.device.type
     if not torch.is_autocast_enabled(device_type):
         return query, key, value
@@ -195,30 +224,35 @@ def retmask_attention(
     query: [B, Hq, S, D] (a non-contiguous view); key, value: [B, Hkv, N, D] (not repeated for GQA; N
     includes the KV cache); attention_mask: bool [B, N] padding mask or None (from ``retmask_mask``).
     Returns (out [B, S, Hq, D] contiguous, None).
+
+    Written for its cost per call: a decode step of a small model spends as long in this Python as in
+    the kernel, and between two layers the weights evict it from the caches, so every step below that a
+    call does not need is skipped (each branch on None) rather than run as a no-op.
     """
     _check_features(module, dropout, kwargs)
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     # Per-layer attention features: None on layers (and models) without them.
-    features = dict(
-        window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
-    )
-    _check_window(attention_mask, features["window"], module)
-    query, key, value = _autocast_inputs(query, key, value)
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    compiling = torch.compiler.is_compiling()
+    state = _layer_state(module, compiling)
+    query, key, value = _autocast_inputs(query, key, value, compiling)
     B, _, S, _ = query.shape
-    kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
-    skip = _skip_heads(module, B, query.device)
-    tap = _layer_state(module, "_retmask_tap")
-    if (
-        tap is not None
-    ):  # the exact kernel inputs, not detached (MuDAF's contrastive loss trains through them)
-        tap.record(module.layer_idx, query, key, scaling, **features)
-    recorder = _layer_state(module, "_retmask_capture")
+    kpm = None
+    if attention_mask is not None:
+        _check_window(attention_mask, window, module)
+        kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
+    skip = None
+    if state.skip is not None or state.rows is not None:
+        skip = _skip_heads(module, state, B, query.device)
+    if state.tap is not None:  # the exact kernel inputs, not detached (MuDAF's loss trains through them)
+        state.tap.record(module.layer_idx, query, key, scaling, window=window, softcap=softcap, sinks=sinks)
+    recorder = state.capture
     if recorder is not None and recorder.active:
         rows, select = recorder.rows_for_call(S, query.device)
         out, argmax = kernel_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
-            return_argmax=True, argmax_rows=rows, **features,
+            return_argmax=True, argmax_rows=rows, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
         if select is not None:
             argmax = argmax.index_select(2, select)
@@ -226,7 +260,7 @@ def retmask_attention(
     else:
         out = kernel_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
-            **features,
+            window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 

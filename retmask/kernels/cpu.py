@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from . import cpu_autotune, cpu_blocked, cpu_gemm
+from .env import setting
 
 BLOCK_N = 64  # keys per block (multiple of 32)
 
@@ -152,11 +153,11 @@ def builds() -> tuple[tuple[str, int], ...]:
 def selected_isa(isa: str | None = None) -> str:
     """The build a call runs: ``isa`` if given, else ``$RETMASK_CPU_ISA`` if set, else the widest this CPU
     has. Raises ValueError for a name this CPU has no build for, listing the ones it has."""
+    wanted = isa if isa is not None else setting(ISA_ENV)
     available = builds()
+    if not wanted:  # every call of the kernel asks: no list built for it
+        return available[0][0] if available else ""
     names = [name for name, _ in available]
-    wanted = isa if isa is not None else os.environ.get(ISA_ENV, "").strip()
-    if not wanted:
-        return names[0] if names else ""
     if wanted not in names:
         source = f"${ISA_ENV}" if isa is None else "isa"
         raise ValueError(
@@ -381,7 +382,10 @@ def choose_path(q: torch.Tensor, k: torch.Tensor, **call: Any) -> str:
     ("gemm" 0.97-1.07x). Where torch's bf16 GEMMs run on AMX tiles, "gemm", "bf16dot" and "blocked" are
     the candidates that should win; the measurement finds out.
     """
-    return cpu_autotune.path_for(q, k, _run_path, kernel_paths=kernel_paths(q.dtype, q.shape[-1]), **call)
+    # The other layouts are only looked at when a case is decided (its first call), not on every call.
+    return cpu_autotune.path_for(
+        q, k, _run_path, kernel_paths=lambda: kernel_paths(q.dtype, q.shape[-1]), **call
+    )
 
 
 def forward(
@@ -401,23 +405,24 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Backend interface: q [B, Hq, M, D], k/v [B, Hkv, N, D] ->
     (out [B, Hq, M, D] q.dtype, argmax int64 [B, Hq, argmax_rows] | None, None)."""
-    features = dict(window=window, softcap=softcap, sinks=sinks)
     lib = _library()
     path = "blocked"
-    if lib is not None and _supports(lib, features):
+    plain = window is None and softcap is None and sinks is None  # no feature a build could lack
+    if lib is not None and (plain or _supports(lib, dict(window=window, softcap=softcap, sinks=sinks))):
         path = choose_path(
             q, k, causal=causal, key_padding_mask=key_padding_mask, skip_heads=skip_heads,
-            argmax_rows=argmax_rows, **features,
+            argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
     if path == "blocked":
         return cpu_blocked.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-            skip_heads=skip_heads, argmax_rows=argmax_rows, **features,
+            skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
     out, argmax = cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, argmax_rows=argmax_rows, gemm=path.startswith("gemm"),
-        gemm_fp32=path == "gemm_fp32", bf16_dot=path == "bf16dot" and bf16_dot_applies(q), **features,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
+        gemm=path.startswith("gemm"), gemm_fp32=path == "gemm_fp32",
+        bf16_dot=path == "bf16dot" and bf16_dot_applies(q),
     )  # fmt: skip
     return out, argmax, None
 

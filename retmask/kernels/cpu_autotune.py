@@ -109,6 +109,9 @@ class Case(NamedTuple):
         return " ".join(parts)
 
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 def _shape_class(M: int, N: int) -> str:
     if M == 1:
         return "decode"
@@ -143,9 +146,13 @@ def case_of(
     """
     _, Hq, M, D = q.shape
     _, Hkv, N, _ = k.shape
-    named = (("window", window), ("softcap", softcap), ("sinks", sinks))
+    if window is None and softcap is None and sinks is None:
+        features = "-"
+    else:
+        named = (("window", window), ("softcap", softcap), ("sinks", sinks))
+        features = "+".join(name for name, value in named if value is not None)
     return Case(
-        str(q.dtype).removeprefix("torch."),
+        _DTYPE_NAMES.get(q.dtype) or str(q.dtype).removeprefix("torch."),
         D,
         Hq // Hkv,
         bool(causal),
@@ -153,7 +160,7 @@ def case_of(
         _argmax_class(argmax_rows),
         key_padding_mask is not None,
         skip_heads is not None,
-        "+".join(name for name, value in named if value is not None) or "-",
+        features,
         "short" if N <= SHORT_KEYS else "long",
         torch.get_num_threads(),
     )  # positional, in the field order of Case: this runs on every call
@@ -392,14 +399,16 @@ def path_for(
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
     argmax_rows: int,
-    kernel_paths: tuple[str, ...] = (),
+    kernel_paths: tuple[str, ...] | Callable[[], tuple[str, ...]] = (),
     **features: Any,
 ) -> str:
     """The path for one call: forced by ``$RETMASK_CPU_PATH``, else the decision for its case
     (``choose`` among ``candidates(case, kernel_paths)``), memoised on the case so that a call of a decided case
     costs a few microseconds; a "blocked" decision gives way to its fallback where this call's sizes
     would make SDPA build too large a mask. q: [B, Hq, M, D]; k: [B, Hkv, N, D]; ``kernel_paths``: the
-    other layouts of the fused kernel that exist for this call (``cpu.kernel_paths``); ``features``: window, softcap, sinks (as in ``case_of``)."""
+    other layouts of the fused kernel that exist for this call (``cpu.kernel_paths``), or a function
+    giving them, asked only when a case is decided; ``features``: window, softcap, sinks (as in
+    ``case_of``)."""
     forced = forced_path()
     if forced != "auto":
         return forced
@@ -409,7 +418,8 @@ def path_for(
     )  # fmt: skip
     decision = _paths.get(case)
     if decision is None:
-        decision = _paths[case] = choose(case, run, candidates(case, kernel_paths))
+        others = kernel_paths() if callable(kernel_paths) else kernel_paths
+        decision = _paths[case] = choose(case, run, candidates(case, others))
     path = decision["path"]
     if path == "blocked" and not blocked_allowed(
         q.shape[2], k.shape[2], argmax_rows, causal, key_padding_mask is not None

@@ -15,12 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .env import setting
 
 log = logging.getLogger("retmask.kernels")
 
@@ -152,7 +153,7 @@ def interleaved_medians(
 def forced_choice(env: str, choices: tuple[str, ...]) -> str:
     """``$env`` (default ``"auto"``, the first of ``choices``): what the user forced instead of measuring;
     ValueError naming the variable and the choices for anything else."""
-    value = os.environ.get(env, "").strip() or "auto"
+    value = setting(env) or "auto"
     if value not in choices:
         raise ValueError(f"${env} must be one of {list(choices)}, got {value!r}; unset it to measure")
     return value

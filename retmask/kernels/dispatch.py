@@ -109,13 +109,18 @@ def attention(
     leave the argmax alone. Skipped heads stay exactly 0 / -1.
     """
     shape = check_qkv(q, k, v)
-    key_padding_mask = check_key_padding_mask(key_padding_mask, shape, q.device)
-    skip_heads = check_skip_heads(skip_heads, shape, q.device)
+    # The optional tensors are checked only when given: each check takes q.device, and reading it builds
+    # a torch.device object, three times per call of every layer of a decode step otherwise.
+    if key_padding_mask is not None:
+        key_padding_mask = check_key_padding_mask(key_padding_mask, shape, q.device)
+    if skip_heads is not None:
+        skip_heads = check_skip_heads(skip_heads, shape, q.device)
     rows = check_argmax_rows(argmax_rows, return_argmax, shape)
     scale = check_sm_scale(sm_scale, shape.head_dim)
     window = check_window(window, causal)
     softcap = check_softcap(softcap)
-    sinks = check_sinks(sinks, shape, q.device)
+    if sinks is not None:
+        sinks = check_sinks(sinks, shape, q.device)
     name = resolve_backend(backend, q)
 
     if shape.batch == 0 or shape.q_heads == 0 or shape.q_len == 0:

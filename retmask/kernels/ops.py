@@ -299,17 +299,22 @@ def _cpu_backward_choice(
     return backward_choice.choice_for(case, _proxy_grads, kernel=kernel)
 
 
-def _plain_eager(*tensors: torch.Tensor) -> bool:
-    """Plain tensors outside any tracer, dispatch / function mode or functorch transform: what the C++
-    backward (which reads the data) and ``eager_direct`` need. AOTAutograd traces the backward with fake
-    tensors and without ``is_compiling()``, hence the type check."""
+def _untraced() -> bool:
+    """Outside any tracer, dispatch / function mode, functorch transform or forward-AD level: what
+    ``_plain_eager`` and ``eager_direct`` ask of the state, apart from their tensors."""
     return not (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._are_functorch_transforms_active()
-        or any(type(t) is not torch.Tensor for t in tensors)
     )
+
+
+def _plain_eager(*tensors: torch.Tensor) -> bool:
+    """Plain tensors outside any tracer, dispatch / function mode or functorch transform: what the C++
+    backward (which reads the data) and ``eager_direct`` need. AOTAutograd traces the backward with fake
+    tensors and without ``is_compiling()``, hence the type check."""
+    return _untraced() and all(type(t) is torch.Tensor for t in tensors)
 
 
 def _proxy_grads(choice: str, call: dict) -> tuple[torch.Tensor, ...]:
@@ -431,8 +436,11 @@ def eager_direct(*tensors: torch.Tensor | None) -> bool:
     Hkv=3, D=64, M=1, N=512, stub kernel, CPU time on the 2-core dev machine): 26 us with the shortcut,
     76 us through the operator, 60 us for the autograd.Function wrapper before the operator existed.
     """
-    present = [t for t in tensors if t is not None]
     # dynamo / export fold is_compiling() to a constant while tracing; forward AD must see the operator too
-    if not _plain_eager(*present) or torch.autograd.forward_ad._current_level >= 0:
+    if not _untraced() or torch.autograd.forward_ad._current_level >= 0:
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+    grad_enabled = torch.is_grad_enabled()
+    for t in tensors:  # a loop, not any() over a generator: this runs on every decode step of every layer
+        if t is not None and (type(t) is not torch.Tensor or (grad_enabled and t.requires_grad)):
+            return False
+    return True

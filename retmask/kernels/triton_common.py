@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
 from triton.runtime.errors import OutOfResources
+
+from .env import setting
 
 LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453
@@ -28,7 +29,7 @@ POISON_INDEX = -12345
 
 def interpreting() -> bool:
     """True when the kernels run in the Triton interpreter (CPU tensors, tests)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return setting("TRITON_INTERPRET") == "1"
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -238,7 +239,7 @@ def sync_free(device: torch.device | None = None) -> bool:
     (a sync during capture is an error), and no extra kernel to build a pair list; the extra programs do
     no math.
     """
-    if os.environ.get(SYNC_FREE_ENV) == "1":
+    if setting(SYNC_FREE_ENV) == "1":
         return True
     return device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -299,7 +300,7 @@ def fp32_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def poisoning() -> bool:
-    return os.environ.get(POISON_ENV) == "1"
+    return setting(POISON_ENV) == "1"
 
 
 def new_float(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

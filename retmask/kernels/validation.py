@@ -7,7 +7,7 @@ can fix the call without reading kernel code.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -15,9 +15,9 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MAX_HEAD_DIM = 256
 
 
-@dataclass(frozen=True)
-class AttentionShape:
-    """Sizes of one attention call.
+class AttentionShape(NamedTuple):
+    """Sizes of one attention call (a named tuple: built on every call, where a frozen dataclass's
+    ``__init__`` costs several times as much).
 
     batch: B; q_heads: Hq; kv_heads: Hkv; q_len: M (query rows); kv_len: N (keys); head_dim: D.
     Query row ``i`` sits at absolute position ``N - M + i`` (prefill: M == N; decode: M == 1).
@@ -57,7 +57,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionSha
         raise ValueError(
             f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}; cast them first"
         )
-    if k.device != q.device or v.device != q.device:
+    # is_cpu first: reading .device builds a torch.device object per access, on every call
+    if not (q.is_cpu and k.is_cpu and v.is_cpu) and (k.device != q.device or v.device != q.device):
         raise ValueError(
             f"q, k, v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}"
         )

@@ -218,3 +218,35 @@ def test_an_unknown_tensor_argument_warns_once_known_ones_do_not():
         retmask_attention(module, q, k, v, None, sinks=torch.zeros(4))
     hits = [w for w in caught if w.category is UnknownAttentionArgumentWarning]
     assert len(hits) == 1 and "passes sinks to its attention function" in str(hits[0].message)
+
+
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        ({"sinks": torch.zeros(4)}, UserWarning),
+        ({"position_bias": torch.zeros(1, 4, 6, 6)}, NotImplementedError),
+        ({"cu_seq_lens_q": torch.tensor([0, 6])}, NotImplementedError),
+        ({"output_attentions": True}, ValueError),
+    ],
+)
+def test_routine_arguments_do_not_hide_a_problem_beside_them(extra, problem):
+    """Arguments every decode step passes (position ids, use_cache, ...) skip the argument scan only when
+    they are all there is: one more argument beside them is still warned about or refused."""
+    import warnings
+
+    from retmask.hf.interface import ROUTINE_ARGS, UnknownAttentionArgumentWarning, retmask_attention
+
+    model = feature_model("mistral")
+    module = retmask.hf.head_layout(model).layers[0]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 6, 16, generator=g) for n in (4, 2, 2))
+    routine = dict(position_ids=torch.arange(6)[None], cache_position=torch.arange(6), use_cache=True)
+    assert routine.keys() <= ROUTINE_ARGS
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if problem is UserWarning:
+            retmask_attention(module, q, k, v, None, **routine, **extra)
+            assert [w for w in caught if w.category is UnknownAttentionArgumentWarning]
+        else:
+            with pytest.raises(problem):
+                retmask_attention(module, q, k, v, None, **routine, **extra)
