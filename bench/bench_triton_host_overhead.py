@@ -10,7 +10,8 @@ a 256-row prefill at SmolLM2's shape (Hq 9, Hkv 3, D 64, 4,096 keys), with and w
 half the heads skipped (the default grid mode, whose pair list is built on the host, and the sync-free
 mode that CUDA-graph capture uses). Prints a table
 and writes bench/results/triton_host_overhead_<cpu kind>[_<tag>].{md,json}; times are medians of 5
-rounds of ``--calls`` calls, in microseconds per call.
+rounds of ``--calls`` calls, in microseconds per call, and the Python and C function calls one call
+makes (a count, robust where a shared machine makes the times noisy).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from common import (  # noqa: E402
     cpu_label,
     machine_description,
     markdown_table,
+    python_calls,
     time_calls,
     write_page,
 )
@@ -92,6 +94,7 @@ def main() -> int:
         ),
     }
     rows = {name: _per_call_us(fn, args.calls) for name, fn in cases.items()}
+    counts = {name: python_calls(fn) for name, fn in cases.items()}
     machine = machine_description()
     stem = RESULTS / ("triton_host_overhead_" + cpu_kind(machine) + (f"_{args.tag}" if args.tag else ""))
     lines = [
@@ -99,12 +102,16 @@ def main() -> int:
         "",
         f"Machine: {machine['cpu']}, {machine['simd']}; torch {machine['torch']}; one thread. Median of 5 rounds "
         f"of {args.calls} calls; SmolLM2 shape (Hq 9, Hkv 3, D 64), 4,096 keys. On a GPU add the Triton "
-        "launches (two for decode, one for prefill) and the device time.",
+        "launches (two for decode, one for prefill) and the device time. 'Python calls' and 'C calls' count "
+        "the function calls of one call (sys.setprofile): the same on a busy machine as on a quiet one.",
         "",
-        markdown_table(["call", "host us / call"], [[name, f"{us:.1f}"] for name, us in rows.items()]),
+        markdown_table(
+            ["call", "host us / call", "Python calls", "C calls"],
+            [[name, f"{us:.1f}", str(counts[name][0]), str(counts[name][1])] for name, us in rows.items()],
+        ),
         "",
     ]
-    write_page(stem, lines, dict(machine=machine, calls=args.calls, us_per_call=rows))
+    write_page(stem, lines, dict(machine=machine, calls=args.calls, us_per_call=rows, calls_per_call=counts))
     return 0
 
 

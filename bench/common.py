@@ -169,6 +169,26 @@ class PeakMemory:
         return max(0, peak - self.baseline)
 
 
+def python_calls(fn: Callable[[], Any]) -> tuple[int, int]:
+    """(Python function calls, C function calls) made by one call of ``fn``, counted with
+    ``sys.setprofile`` after one untimed call: a measure of host work that, unlike a time, does not
+    depend on how busy the machine is (functions called from C code, e.g. torch's dispatcher calling
+    back into Python, count too)."""
+    fn()
+    counts = {"call": 0, "c_call": 0}
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event in counts:
+            counts[event] += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return counts["call"] - 1, counts["c_call"]  # minus fn's own frame
+
+
 def time_calls(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
     """Wall-clock seconds of ``repeats`` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):
