@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -148,43 +148,32 @@ def _check_window(attention_mask: torch.Tensor | None, window: int | None, modul
         )
 
 
-class _LayerState(NamedTuple):
-    """A layer's ``_retmask_*`` attributes (see the module docstring), None where never set."""
-
-    skip: torch.Tensor | None
-    rows: int | None
-    tap: Any
-    capture: Any
-
-
-_STATE_NAMES = ("_retmask_skip", "_retmask_rows", "_retmask_tap", "_retmask_capture")
-
-
-def _layer_state(module: torch.nn.Module, compiling: bool) -> _LayerState:
-    """The layer's ``_retmask_*`` attributes. Read from the instance's ``__dict__`` (where
-    ``nn.Module.__setattr__`` puts these plain values): ``getattr`` with a default goes through
-    ``nn.Module.__getattr__``, which raises and catches an AttributeError for every unset name. Under
-    ``torch.compile`` (``compiling``) it stays ``getattr``: dynamo guards the attributes it reads that way
-    (a head mask set after compiling recompiles the graph), not a read of ``__dict__``."""
+def _layer_state(module: torch.nn.Module, compiling: bool) -> tuple[Any, Any, Any, Any]:
+    """The layer's ``_retmask_*`` attributes (skip, rows, tap, capture; None where never set). Read from
+    the instance's ``__dict__`` (where ``nn.Module.__setattr__`` puts these plain values): ``getattr``
+    with a default goes through ``nn.Module.__getattr__``, which raises and catches an AttributeError
+    for every unset name. Under ``torch.compile`` (``compiling``) it stays ``getattr``: dynamo guards the
+    attributes it reads that way (a head mask set after compiling recompiles the graph), not a read of
+    ``__dict__``. A plain tuple: a named one would be one more Python call per attention call."""
     if compiling:
-        return _LayerState(*(getattr(module, name, None) for name in _STATE_NAMES))
+        return (
+            getattr(module, "_retmask_skip", None), getattr(module, "_retmask_rows", None),
+            getattr(module, "_retmask_tap", None), getattr(module, "_retmask_capture", None),
+        )  # fmt: skip
     get = module.__dict__.get
-    return _LayerState(
-        get("_retmask_skip"), get("_retmask_rows"), get("_retmask_tap"), get("_retmask_capture")
-    )
+    return get("_retmask_skip"), get("_retmask_rows"), get("_retmask_tap"), get("_retmask_capture")
 
 
 def _skip_heads(
-    module: torch.nn.Module, state: _LayerState, batch: int, device: torch.device
+    module: torch.nn.Module, skip: torch.Tensor | None, rows: int | None, batch: int, device: torch.device
 ) -> torch.Tensor | None:
-    if state.rows is not None and state.rows != batch:
+    if rows is not None and rows != batch:
         raise ValueError(
-            f"model '{_model_name(module)}': the per-row head mask was set for batch size {state.rows} "
+            f"model '{_model_name(module)}': the per-row head mask was set for batch size {rows} "
             f"but this forward call has {batch} rows; set a mask of shape [{batch}, L, Hq] (or a shared "
             "[L, Hq] mask) with retmask.set_head_mask. Note that generate() expands the batch for beam "
             "search / num_return_sequences"
         )
-    skip = state.skip
     if skip is not None and skip.device != device:  # the model was moved after set_head_mask
         skip = skip.to(device)
         module._retmask_skip = skip
@@ -235,24 +224,22 @@ def retmask_attention(
     # Per-layer attention features: None on layers (and models) without them.
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     compiling = torch.compiler.is_compiling()
-    state = _layer_state(module, compiling)
+    skip, rows, tap, recorder = _layer_state(module, compiling)
     query, key, value = _autocast_inputs(query, key, value, compiling)
     B, _, S, _ = query.shape
     kpm = None
     if attention_mask is not None:
         _check_window(attention_mask, window, module)
         kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
-    skip = None
-    if state.skip is not None or state.rows is not None:
-        skip = _skip_heads(module, state, B, query.device)
-    if state.tap is not None:  # the exact kernel inputs, not detached (MuDAF's loss trains through them)
-        state.tap.record(module.layer_idx, query, key, scaling, window=window, softcap=softcap, sinks=sinks)
-    recorder = state.capture
+    if skip is not None or rows is not None:
+        skip = _skip_heads(module, skip, rows, B, query.device)
+    if tap is not None:  # the exact kernel inputs, not detached (MuDAF's loss trains through them)
+        tap.record(module.layer_idx, query, key, scaling, window=window, softcap=softcap, sinks=sinks)
     if recorder is not None and recorder.active:
-        rows, select = recorder.rows_for_call(S, query.device)
+        argmax_rows, select = recorder.rows_for_call(S, query.device)
         out, argmax = kernel_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
-            return_argmax=True, argmax_rows=rows, window=window, softcap=softcap, sinks=sinks,
+            return_argmax=True, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
         if select is not None:
             argmax = argmax.index_select(2, select)

@@ -109,16 +109,21 @@ def attention(
     leave the argmax alone. Skipped heads stay exactly 0 / -1.
     """
     shape = check_qkv(q, k, v)
-    # The optional tensors are checked only when given: each check takes q.device, and reading it builds
-    # a torch.device object, three times per call of every layer of a decode step otherwise.
+    # Each optional argument is checked only when given. In a decode step this runs once per layer with
+    # cold caches (the layer's weights evict them between two calls), where every distinct function a
+    # call enters costs ~5 us, and reading q.device builds a torch.device object.
     if key_padding_mask is not None:
         key_padding_mask = check_key_padding_mask(key_padding_mask, shape, q.device)
     if skip_heads is not None:
         skip_heads = check_skip_heads(skip_heads, shape, q.device)
-    rows = check_argmax_rows(argmax_rows, return_argmax, shape)
+    rows = 0
+    if return_argmax or argmax_rows is not None:
+        rows = check_argmax_rows(argmax_rows, return_argmax, shape)
     scale = check_sm_scale(sm_scale, shape.head_dim)
-    window = check_window(window, causal)
-    softcap = check_softcap(softcap)
+    if window is not None:
+        window = check_window(window, causal)
+    if softcap is not None:
+        softcap = check_softcap(softcap)
     if sinks is not None:
         sinks = check_sinks(sinks, shape, q.device)
     name = resolve_backend(backend, q)

@@ -66,5 +66,12 @@ def test_bad_masks_raise_value_error():
         attention(q, k, v, skip_heads=torch.zeros(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="argmax_rows"):
         attention(q, k, v, return_argmax=True, argmax_rows=4)
+    for rows in (0, 2):  # given without return_argmax, even a falsy 0, is a mistake worth naming
+        with pytest.raises(ValueError, match="argmax_rows was given but return_argmax=False"):
+            attention(q, k, v, argmax_rows=rows)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        attention(q, k, v, window=0)
+    with pytest.raises(ValueError, match="softcap must be a finite float > 0"):
+        attention(q, k, v, softcap=-1.0)
     with pytest.raises(ValueError, match="backend must be one of"):
         attention(q, k, v, backend="cuda")
