@@ -112,20 +112,6 @@ class Case(NamedTuple):
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _shape_class(M: int, N: int) -> str:
-    if M == 1:
-        return "decode"
-    if M <= 64:
-        return "verify"
-    return "chunk" if M < N else "prefill"
-
-
-def _argmax_class(argmax_rows: int) -> str:
-    if argmax_rows == 0:
-        return "none"
-    return "few" if argmax_rows <= BLOCKED_MAX_ARGMAX_ROWS else "many"
-
-
 def case_of(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -146,6 +132,10 @@ def case_of(
     """
     _, Hq, M, D = q.shape
     _, Hkv, N, _ = k.shape
+    # The classes of Case's docstring, as expressions: every distinct function a call enters costs ~5 us
+    # in a decode step, where the caches are cold.
+    shape = "decode" if M == 1 else "verify" if M <= 64 else "chunk" if M < N else "prefill"
+    argmax = "none" if argmax_rows == 0 else "few" if argmax_rows <= BLOCKED_MAX_ARGMAX_ROWS else "many"
     if window is None and softcap is None and sinks is None:
         features = "-"
     else:
@@ -156,10 +146,8 @@ def case_of(
         D,
         Hq // Hkv,
         bool(causal),
-        # the rules of _shape_class and _argmax_class, inline: every distinct function a call enters costs
-        # ~5 us in a decode step, where the caches are cold
-        "decode" if M == 1 else _shape_class(M, N),
-        "none" if argmax_rows == 0 else _argmax_class(argmax_rows),
+        shape,
+        argmax,
         key_padding_mask is not None,
         skip_heads is not None,
         features,

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from .env import setting
+
 # C++ symbols (Itanium ABI) of at::native::cpublas in libtorch_cpu.
 SYMBOLS = {
     torch.bfloat16: "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb",
@@ -88,12 +90,7 @@ def block_gemm(dtype: torch.dtype, head_dim: int, block_n: int = 64) -> BlockGem
     gemm = _address(SYMBOLS.get(dtype, ""))
     if not gemm:
         return None
-    vnni = (
-        could_pack(dtype)
-        and head_dim % 64 == 0
-        and block_n == 64
-        and os.environ.get(VNNI_ENV, "").strip() != "0"
-    )
+    vnni = could_pack(dtype) and head_dim % 64 == 0 and block_n == 64 and setting(VNNI_ENV) != "0"
     pack = _address(PACK_SYMBOL) if vnni else 0
     if vnni and not pack:
         vnni = False
