@@ -240,6 +240,7 @@ def retmask_attention(
         out, argmax = kernel_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
             return_argmax=True, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
+            out_layout="bmhd",
         )  # fmt: skip
         if select is not None:
             argmax = argmax.index_select(2, select)
@@ -247,8 +248,9 @@ def retmask_attention(
     else:
         out = kernel_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
-            window=window, softcap=softcap, sinks=sinks,
+            window=window, softcap=softcap, sinks=sinks, out_layout="bmhd",
         )  # fmt: skip
+    # out is a view of a contiguous [B, S, Hq, D] tensor ("bmhd"): contiguous() copies nothing
     return out.transpose(1, 2).contiguous(), None
 
 

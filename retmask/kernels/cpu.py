@@ -172,12 +172,22 @@ def vector_lanes(isa: str | None = None) -> int:
     return dict(builds()).get(selected_isa(isa), 16)
 
 
+def _tensor_args(codes: dict[torch.dtype, int], **tensors: torch.Tensor) -> list[tuple]:
+    """Each tensor as the binding takes it, in the order given: (data pointer, dtype code, shape, strides
+    in elements). One Python call for the four tensors every kernel call passes: a decode step makes
+    that call once per layer, with cold caches, where each Python function entered costs ~3-5 us."""
+    args = []
+    for name, t in tensors.items():
+        code = codes.get(t.dtype)
+        if code is None:
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported by the C++ kernel")
+        args.append((t.data_ptr(), code, t.shape, t.stride()))
+    return args
+
+
 def _tensor_arg(name: str, t: torch.Tensor, codes: dict[torch.dtype, int]) -> tuple:
-    """A tensor as the binding takes it: (data pointer, dtype code, shape, strides in elements)."""
-    code = codes.get(t.dtype)
-    if code is None:
-        raise ValueError(f"{name}: dtype {t.dtype} is not supported by the C++ kernel")
-    return (t.data_ptr(), code, t.shape, t.stride())
+    """One tensor as the binding takes it (see ``_tensor_args``)."""
+    return _tensor_args(codes, **{name: t})[0]
 
 
 def cpp_forward(
@@ -250,7 +260,9 @@ def cpp_forward(
         sinks32 = sinks.detach().to(torch.float32).contiguous()
         features["sinks"] = _tensor_arg("sinks", sinks32, codes)
     if lib.builds:  # builds from before the per-ISA ones take no isa
-        features["isa"] = selected_isa(isa)
+        # The widest build unless one is asked for; only a requested name needs selected_isa's check.
+        wanted = isa if isa is not None else setting(ISA_ENV)
+        features["isa"] = selected_isa(isa) if wanted else lib.builds[0][0]
     if gemm:
         fp32_operands = gemm_fp32 and q.dtype != torch.float32
         operand_dtype = torch.float32 if fp32_operands else q.dtype
@@ -273,8 +285,7 @@ def cpp_forward(
             )
         features["bf16_dot"] = True
     lib.module.attention_fwd(
-        _tensor_arg("q", q, codes), _tensor_arg("k", k, codes), _tensor_arg("v", v, codes),
-        _tensor_arg("out", out, codes),
+        *_tensor_args(codes, q=q, k=k, v=v, out=out),
         _tensor_arg("argmax", argmax, codes) if argmax is not None else None,
         _tensor_arg("key_padding_mask", kpm, codes) if kpm is not None else None,
         _tensor_arg("skip_heads", skip, codes) if skip is not None else None,
@@ -402,9 +413,12 @@ def forward(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    heads_last: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Backend interface: q [B, Hq, M, D], k/v [B, Hkv, N, D] ->
-    (out [B, Hq, M, D] q.dtype, argmax int64 [B, Hq, argmax_rows] | None, None)."""
+    (out [B, Hq, M, D] q.dtype, argmax int64 [B, Hq, argmax_rows] | None, None). ``heads_last``: the
+    fused kernel writes out into a [B, M, Hq, D] tensor (returned as its [B, Hq, M, D] view), the
+    layout transformers wants, instead of a contiguous [B, Hq, M, D] one; the blocked path ignores it."""
     lib = _library()
     path = "blocked"
     plain = window is None and softcap is None and sinks is None  # no feature a build could lack
@@ -418,10 +432,14 @@ def forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
+    out = None
+    if heads_last and q.shape[2] > 1:  # with one query row (decode) both layouts are the same memory
+        B, Hq, M, D = q.shape
+        out = torch.empty((B, M, Hq, D), dtype=q.dtype).transpose(1, 2)
     out, argmax = cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
         skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
-        gemm=path.startswith("gemm"), gemm_fp32=path == "gemm_fp32",
+        out=out, gemm=path.startswith("gemm"), gemm_fp32=path == "gemm_fp32",
         bf16_dot=path == "bf16dot" and bf16_dot_applies(q),
     )  # fmt: skip
     return out, argmax, None

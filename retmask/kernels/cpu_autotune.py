@@ -67,6 +67,7 @@ import torch
 
 from .cpuinfo import cpu_flags, cpu_model
 from .decision_cache import DecisionCache, DecisionStore, forced_choice, interleaved_medians
+from .env import setting
 
 PATH_ENV = "RETMASK_CPU_PATH"
 PATH_CHOICES = ("auto", "cpp", "gemm", "gemm_fp32", "bf16dot", "blocked")
@@ -399,9 +400,9 @@ def path_for(
     other layouts of the fused kernel that exist for this call (``cpu.kernel_paths``), or a function
     giving them, asked only when a case is decided; ``features``: window, softcap, sinks (as in
     ``case_of``)."""
-    forced = forced_path()
-    if forced != "auto":
-        return forced
+    # $RETMASK_CPU_PATH is validated (forced_path) only when set: unset, this is one dict lookup.
+    if setting(PATH_ENV) not in ("", "auto"):
+        return forced_path()
     case = case_of(
         q, k, causal=causal, key_padding_mask=key_padding_mask, skip_heads=skip_heads,
         argmax_rows=argmax_rows, **features,

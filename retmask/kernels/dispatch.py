@@ -29,6 +29,7 @@ from .reference import reference_attention
 from .validation import (
     check_argmax_rows,
     check_key_padding_mask,
+    check_out_layout,
     check_qkv,
     check_sinks,
     check_skip_heads,
@@ -39,6 +40,7 @@ from .validation import (
 
 Backend = Literal["auto", "triton", "cpu", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "cpu", "reference")
+OutLayout = Literal["bhmd", "bmhd"]
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
@@ -79,6 +81,7 @@ def attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     backend: Backend = "auto",
+    out_layout: OutLayout = "bhmd",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention with optional per-row argmax of the logits and head skipping.
 
@@ -97,6 +100,10 @@ def attention(
         sinks: float [Hq], one logit per query head added to the softmax denominator only (it has no
             value and is never an argmax); differentiable.
         backend: "auto" | "triton" | "cpu" | "reference".
+        out_layout: the memory layout of ``out`` (its shape is [B, Hq, M, D] either way): "bhmd", contiguous;
+            or "bmhd", a view of a contiguous [B, M, Hq, D] tensor (``out.transpose(1, 2)`` is contiguous),
+            the layout transformers' attention functions return. It saves the caller's transpose copy:
+            the fused CPU kernel writes that layout directly; the other paths copy once (differentiably).
 
     Returns:
         out: [B, Hq, M, D] in q's dtype (fp32 accumulation), or ``(out, argmax)`` with
@@ -127,21 +134,22 @@ def attention(
     if sinks is not None:
         sinks = check_sinks(sinks, shape, q.device)
     name = resolve_backend(backend, q)
+    heads_last = out_layout != "bhmd" and check_out_layout(out_layout)
 
     if shape.batch == 0 or shape.q_heads == 0 or shape.q_len == 0:
         # Nothing to compute: every backend would only be handed empty buffers.
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-        empty = torch.empty((shape.batch, shape.q_heads, 0), dtype=torch.int64, device=q.device)
-        return (out, empty) if return_argmax else out
-    if name == "reference":
+        argmax = torch.empty((shape.batch, shape.q_heads, 0), dtype=torch.int64, device=q.device)
+    elif name == "reference":
         out, argmax = reference_attention(
             q, k, v, causal=causal, sm_scale=scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, argmax_rows=rows, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
     elif eager_direct(q, k, v, key_padding_mask, skip_heads, sinks):
         out, argmax, _ = forward_impl(
-            q, k, v, key_padding_mask, skip_heads, sinks, causal, scale, rows, window, softcap, name, False
-        )
+            q, k, v, key_padding_mask, skip_heads, sinks, causal, scale, rows, window, softcap, name, False,
+            heads_last=heads_last,
+        )  # fmt: skip
     else:
         # The log-sum-exp is only kept for a backend's own backward, and only when a gradient is wanted.
         wants_grad = any(t is not None and t.requires_grad for t in (q, k, v, sinks))
@@ -149,6 +157,8 @@ def attention(
         out, argmax, _ = attention_fwd(
             q, k, v, key_padding_mask, skip_heads, sinks, causal, scale, rows, window, softcap, name, need_lse
         )
+    if heads_last and not out.transpose(1, 2).is_contiguous():  # a path that wrote [B, Hq, M, D]
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
     return (out, argmax) if return_argmax else out
 
 

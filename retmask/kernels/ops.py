@@ -109,14 +109,18 @@ def forward_impl(
     softcap: float | None,
     backend: str,
     need_lse: bool,
+    heads_last: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The body of ``attention_fwd``: (out contiguous, argmax or None, lse or None)."""
+    """The body of ``attention_fwd``: (out contiguous, argmax or None, lse or None). ``heads_last`` (from
+    ``attention``'s direct eager call only, never the operator's, whose fake gives a contiguous out):
+    the CPU backend may write out as a view of a [B, M, Hq, D] tensor, which is then returned as is."""
+    extra = {"heads_last": True} if heads_last and backend == "cpu" else {}
     out, argmax, lse = backend_module(backend).forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
         skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
-        return_lse=need_lse and backend in LSE_BACKENDS,
+        return_lse=need_lse and backend in LSE_BACKENDS, **extra,
     )  # fmt: skip
-    return out.contiguous(), argmax, lse
+    return (out if heads_last else out.contiguous()), argmax, lse
 
 
 def _fwd_kernel(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,

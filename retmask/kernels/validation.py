@@ -173,6 +173,20 @@ def check_sm_scale(sm_scale: float | None, head_dim: int) -> float:
     return float(sm_scale)
 
 
+OUT_LAYOUTS = ("bhmd", "bmhd")
+
+
+def check_out_layout(out_layout: str) -> bool:
+    """Whether ``out_layout`` asks for the [B, M, Hq, D] memory layout ("bmhd"); ValueError for anything
+    other than "bhmd" / "bmhd"."""
+    if out_layout not in OUT_LAYOUTS:
+        raise ValueError(
+            f"out_layout must be 'bhmd' (out contiguous as [B, Hq, M, D]) or 'bmhd' (out a view of a "
+            f"contiguous [B, M, Hq, D] tensor, as transformers' attention functions return), got {out_layout!r}"
+        )
+    return out_layout == "bmhd"
+
+
 def check_window(window: int | None, causal: bool) -> int | None:
     """A sliding-window size: row at position p sees keys j with p - window < j <= p. None = no window."""
     if window is None:
