@@ -28,6 +28,7 @@ CASES = [
     (1, 2, 1, 17, 40, 24, True, 3, None, None),
 ]
 CPU_PATHS = ["cpp", "blocked"] + (["gemm"] if cpu_backend.gemm_available(torch.float32) else [])
+BF16_PATHS = ["cpp", "blocked", *cpu_backend.gemm_paths(torch.bfloat16)]
 
 
 @pytest.fixture
@@ -47,9 +48,9 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
-def _inputs(case, seed: int):
+def _inputs(case, seed: int, dtype: torch.dtype = torch.float32):
     B, Hq, Hkv, M, N, D, causal, rows, pads, skipped = case
-    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=seed, noncontiguous_q=True)
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=seed, noncontiguous_q=True, dtype=dtype)
     kpm = left_padding_mask(B, N, pads) if pads else None
     skip = None
     if skipped:
@@ -80,6 +81,27 @@ def test_cpu_paths_write_heads_last_bit_for_bit(monkeypatch, poisoned_empty, pat
     _assert_heads_last(heads_last, default)
     assert not heads_last.isnan().any()
     assert torch.equal(heads_last, default)
+
+
+@pytest.mark.parametrize("path", BF16_PATHS)
+def test_bf16_paths_write_heads_last_bit_for_bit(monkeypatch, poisoned_empty, path):
+    monkeypatch.setenv("RETMASK_CPU_PATH", path)
+    q, k, v, kw = _inputs(CASES[0], seed=5, dtype=torch.bfloat16)
+    (default, default_argmax) = attention(q, k, v, backend="cpu", **kw)
+    heads_last, argmax = attention(q, k, v, backend="cpu", out_layout="bmhd", **kw)
+    _assert_heads_last(heads_last, default)
+    assert torch.equal(heads_last, default) and torch.equal(argmax, default_argmax)
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_window_softcap_and_sinks_in_the_layout(monkeypatch, poisoned_empty, path):
+    monkeypatch.setenv("RETMASK_CPU_PATH", path)
+    q, k, v, kw = _inputs(CASES[2], seed=9)
+    features = dict(window=40, softcap=5.0, sinks=torch.randn(q.shape[1]))
+    default = attention(q, k, v, backend="cpu", **features, **kw)
+    heads_last = attention(q, k, v, backend="cpu", out_layout="bmhd", **features, **kw)
+    _assert_heads_last(heads_last, default)
+    assert not heads_last.isnan().any() and torch.equal(heads_last, default)
 
 
 def test_fused_kernel_writes_the_layout_itself(monkeypatch):
