@@ -260,9 +260,7 @@ def cpp_forward(
         sinks32 = sinks.detach().to(torch.float32).contiguous()
         features["sinks"] = _tensor_arg("sinks", sinks32, codes)
     if lib.builds:  # builds from before the per-ISA ones take no isa
-        # The widest build unless one is asked for; only a requested name needs selected_isa's check.
-        wanted = isa if isa is not None else setting(ISA_ENV)
-        features["isa"] = selected_isa(isa) if wanted else lib.builds[0][0]
+        features["isa"] = selected_isa(isa)
     if gemm:
         fp32_operands = gemm_fp32 and q.dtype != torch.float32
         operand_dtype = torch.float32 if fp32_operands else q.dtype

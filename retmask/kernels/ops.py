@@ -113,12 +113,11 @@ def forward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The body of ``attention_fwd``: (out contiguous, argmax or None, lse or None). ``heads_last`` (from
     ``attention``'s direct eager call only, never the operator's, whose fake gives a contiguous out):
-    the CPU backend may write out as a view of a [B, M, Hq, D] tensor, which is then returned as is."""
-    extra = {"heads_last": True} if heads_last and backend == "cpu" else {}
+    the backend may write out as a view of a [B, M, Hq, D] tensor, which is then returned as is."""
     out, argmax, lse = backend_module(backend).forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
         skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
-        return_lse=need_lse and backend in LSE_BACKENDS, **extra,
+        return_lse=need_lse and backend in LSE_BACKENDS, heads_last=heads_last,
     )  # fmt: skip
     return (out if heads_last else out.contiguous()), argmax, lse
 

@@ -41,9 +41,14 @@ def forward(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    heads_last: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] -> (out [B, Hq, M, D] q.dtype,
     argmax int64 [B, Hq, argmax_rows] | None, lse fp32 [B, Hq, M] | None).
+
+    ``heads_last`` (the backend interface's request for a [B, M, Hq, D] output) is not taken up here:
+    these kernels write a contiguous [B, Hq, M, D] out and ``attention`` copies it (on a GPU the copy
+    is small next to the attention).
 
     window (causal only), softcap and sinks ([Hq], any float dtype) follow ``reference.py``; the lse
     includes the sink (``log(sum_j e^{s_j} + e^{sink})``), as the backward expects. One query row
