@@ -55,9 +55,9 @@ BACKWARD_ROWS = (256, 2048)
 
 def products(quick: bool) -> list[dict[str, Any]]:
     import torch
+    from retmask.kernels.decision_cache import interleaved_medians
 
     from retmask.kernels import linear_cpu
-    from retmask.kernels.decision_cache import interleaved_medians
 
     rows_list = ROWS[:3] if quick else ROWS
     out = []

@@ -48,9 +48,8 @@ def autocast(dtype: str):
 
 
 def head_alone(rows: int, dtype: str, repeats: int) -> dict:
-    from trl.kernels import ChunkedLogProbFunction
-
     from retmask.kernels.logprob_cpu import CPUChunkedLogProb
+    from trl.kernels import ChunkedLogProbFunction
 
     g = torch.Generator().manual_seed(rows)
     weight = (torch.randn(49152, 576, generator=g) * 0.05).requires_grad_()

@@ -67,20 +67,10 @@ void check(const retmask::AttentionFwdArgs& p) {
         bad("window", "a sliding window (" + str(p.window) + " keys) needs causal attention");
     if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap))
         bad("softcap", fstr(p.softcap) + " is not a finite value > 0 (or 0: no capping)");
-    if (p.block_gemm.fp32_operands && p.block_gemm.vnni)
-        bad("block_gemm", "fp32 operands are not packed: vnni must be off with gemm_fp32_operands");
-    if (p.block_gemm.vnni) {
-        if (!p.block_gemm.gemm || !p.block_gemm.pack) bad("block_gemm", "vnni needs a gemm and a pack function");
-        if (p.dtype == DType::Float32) bad("block_gemm", "vnni (paired-k layout) is for float16 / bfloat16, not float32");
-        // The packed operands are K^T blocks [D, block_n] and V chunks [block_n, 64] (row length <= 64).
-        if (p.D % 64) bad("block_gemm", "vnni needs a head dim that is a multiple of 64, got D = " + str(p.D));
-        if (p.block_n != 64) bad("block_gemm", "vnni needs block_n = 64, got " + str(p.block_n));
-    }
     if (p.bf16_dot) {
         if (p.dtype != DType::BFloat16)
             bad("bf16_dot", "bf16 dot products are for bfloat16 inputs, got dtype code " + str(static_cast<int>(p.dtype)));
         if (p.D % 2) bad("bf16_dot", "bf16 dot products take pairs of dims: D must be even, got " + str(p.D));
-        if (p.block_gemm.gemm) bad("bf16_dot", "not with block_gemm (one or the other runs the block products)");
     }
     if (p.B > 0 && p.M > 0) {  // pointers the kernel reads or writes
         if (!p.q) bad("q", "null data pointer");
@@ -183,8 +173,7 @@ void attention_fwd_cpu(const AttentionFwdArgs& p) {
                  p.out, p.argmax, p.key_padding_mask, p.skip_heads, p.B, p.Hq, p.Hkv, p.M, p.N, p.D, p.argmax_rows,
                  p.causal, p.sm_scale, p.block_m, p.block_n,
                  p.window < p.N ? p.window : 0,  // a window of N or more keys hides nothing: none
-                 p.softcap, cap_inv, cap_post, p.sinks,
-                 p.block_gemm.gemm ? &p.block_gemm : nullptr, p.bf16_dot};
+                 p.softcap, cap_inv, cap_post, p.sinks, p.bf16_dot};
     int threads = resolve_threads(p.num_threads);
     build.run(a, p.dtype, threads);
 }

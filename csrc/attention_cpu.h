@@ -14,29 +14,6 @@ namespace retmask {
 // q, k, v and out are one of the first three; argmax is Int64; masks are Bool (one byte, 0 or 1).
 enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2, Int64 = 3, Bool = 4 };
 
-// An external block GEMM for the "gemm" tile layout: C[m, n] = A[m, k] B[k, n] (+ C if add_c), row-major
-// with leading dimensions lda / ldb / ldc in elements; A and B of the call's dtype (fp32 with
-// fp32_operands), C fp32. With vnni, B was first rearranged by `pack` (pairs of k interleaved: the layout
-// of matrix units such as AMX), and release(vnni) frees a thread's matrix-unit state after its work. The signatures are those of torch's
-// CPU block GEMM (at::native::cpublas::brgemm, pack, brgemm_release), which the Python side resolves from
-// libtorch by symbol at run time: this extension still neither includes nor links torch.
-using BlockGemmFn = void (*)(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
-                             const void* a, const void* b, float* c, bool vnni);
-using BlockPackFn = void (*)(int64_t k, int64_t n, int64_t ld_in, int64_t ld_out, int8_t dtype_in, int8_t dtype_out,
-                             const void* in, void* out);
-using BlockReleaseFn = void (*)(bool vnni);
-
-struct BlockGemm {
-    BlockGemmFn gemm = nullptr;        // null: the built-in FMA micro-kernels (the "lanes" / "rowmajor" layouts)
-    BlockPackFn pack = nullptr;        // needed with vnni
-    BlockReleaseFn release = nullptr;  // optional
-    bool vnni = false;                 // pack B operands first (fp16 / bf16, D % 64 == 0, block_n = 64)
-    int8_t pack_dtype = 0;             // the dtype code `pack` takes for the call's dtype (torch's ScalarType)
-    // fp16 / bf16 calls: convert each block to fp32 (exact) and multiply with gemm = the fp32 GEMM, for CPUs
-    // whose half-precision GEMM only converts (no vnni then).
-    bool fp32_operands = false;
-};
-
 struct AttentionFwdArgs {
     DType dtype = DType::Float32;  // of q, k, v and out
     const void* q = nullptr;       // [B, Hq, M, D]
@@ -60,11 +37,9 @@ struct AttentionFwdArgs {
     // Attention sinks: [Hq] contiguous fp32, one logit per query head that joins the softmax denominator
     // only (out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}); never an argmax); or null.
     const float* sinks = nullptr;
-    // Block products through this GEMM instead of the built-in micro-kernels (gemm null: built-in).
-    BlockGemm block_gemm;
     // bfloat16 calls with an even D: both products as bf16 dot products in the lanes layout, whatever the
     // tile size (vdpbf16ps in the avx512bf16 build, emulated bit for bit in the others), P rounded to bf16
-    // before P V; not with block_gemm.
+    // before P V.
     bool bf16_dot = false;
     int block_m = 128;        // tile rows per work item (over the active heads of a kv group)
     int block_n = 64;         // keys per block, a multiple of 32

@@ -24,8 +24,7 @@ struct KernelArgs {
     // overflows (subnormal c), where both are rescaled by 2^64.
     float softcap, cap_inv, cap_post;
     const float* sinks;  // [Hq] fp32, or null
-    const BlockGemm* gemm;  // the "gemm" tile layout's block products, or null (built-in micro-kernels)
-    bool bf16_dot;          // bfloat16, even D: the lanes layout's products as bf16 dot products (no gemm)
+    bool bf16_dot;  // bfloat16, even D: the lanes layout's products as bf16 dot products
 };
 
 // The backward (attention_bwd_cpu_kernel.h), normalised: strides in elements, [4] each.

@@ -14,9 +14,8 @@
 //
 // Two tile layouts: "lanes" (query rows in vector lanes; prefill, >= 16 rows per tile) and "rowmajor"
 // (dot products along D, rows in registers; decode-sized tiles). fp16/bf16 are converted to fp32 on
-// load; all accumulation is fp32. Two variants of them: bf16 calls may run the lanes layout's products as
-// bf16 dot products (bf16_dot: pairs of bf16 per 32-bit lane, vdpbf16ps where the build has AVX512-BF16),
-// and any call may run both products through an external block GEMM (run_gemm).
+// load; all accumulation is fp32. bf16 calls may run the lanes layout's products as bf16 dot products
+// (bf16_dot: pairs of bf16 per 32-bit lane, vdpbf16ps where the build has AVX512-BF16).
 //
 // Features (the contract of retmask/kernels/reference.py): a sliding window visits only the key blocks
 // meeting the window of some tile row (O(M * window) work, not O(M * N)) and masks per row in the blocks
@@ -787,7 +786,7 @@ RETMASK_INLINE void start_rows(const Args& a, const Tile& t, float* Ot, int Dp, 
     }
 }
 
-// ---- row-major online softmax (the row-major and block-GEMM layouts share it) ----------------------
+// ---- row-major online softmax ----------------------
 // One key block [j0, j0 + nj) of a tile whose logits S [R][BN] are row-major (columns from nj on hold
 // finite filler): masks padding, the tail past nj, future keys (causal) and keys before a row's window to
 // -inf (a select), folds the block into each row's running max m[r], argmax am[r] (rows with want[r]) and
@@ -1025,216 +1024,6 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
     if (!plan.whole.empty()) merge_pieces<E>(a, plan, part, threads);
 }
 
-// ---- block-GEMM tiles (an external GEMM: matrix units, native bf16 dot products) ----------------------
-// Row-major tiles like the decode path, but both block products go through the caller's GEMM
-// (KernelArgs::gemm, torch's CPU block GEMM): S [R][BN] = Q K^T, then the shared online softmax in fp32,
-// then O [R][Dp] += P V. fp16 / bf16 operands stay in their dtype (Q unscaled, S scaled in fp32 after the
-// product; P rounded to the dtype before P V, as torch's SDPA does), so a CPU with AMX or AVX512-BF16 runs
-// the products natively; fp32 operands are Q pre-scaled, as in the other layouts. Per block, K is copied
-// transposed to Kt [D][BN] and V to Vb [BN][D], zero past the last key, so every product has the full
-// block width (with vnni both are then packed into the matrix unit's paired-k layout).
-// Op is the GEMM's operand type: the input dtype, or float for fp16 / bf16 calls whose blocks are converted
-// (exactly) on the copy and multiplied by an fp32 GEMM (BlockGemm::fp32_operands: CPUs whose half-precision
-// GEMM only converts); with fp32 operands everything runs as for an fp32 call.
-constexpr int64_t VNNI_N = 64;  // columns per packed V chunk (attention_cpu.cpp: vnni needs D % 64 == 0)
-
-// Key blocks transposed for the GEMM in 8 x 8 tiles. Eight lanes of 32 bits whatever the build's width
-// (the AVX-512 build runs them on ymm registers): a tile is eight key rows of eight dims, loaded as
-// vectors, transposed in registers, stored as eight pieces of Kt rows. Lane values are the operand's
-// fp32 value when Op is float (fp16 / bf16 converted exactly on the load) and otherwise the 16-bit
-// operand's bits, zero-extended on the load and narrowed back on the store (the shuffles move bits).
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-
-template <class E, class Op>
-RETMASK_INLINE v8f load8_lanes(const typename E::T* p) {
-    using T = typename E::T;
-    if constexpr (std::is_same_v<T, float>) {
-        v8f x;
-        std::memcpy(&x, p, sizeof(x));
-        return x;
-    } else if constexpr (std::is_same_v<Op, float> && std::is_same_v<T, _Float16>) {
-        typedef _Float16 v8f16 __attribute__((vector_size(16)));
-        v8f16 h;
-        std::memcpy(&h, p, sizeof(h));
-        return __builtin_convertvector(h, v8f);
-    } else {
-        v8h h;
-        std::memcpy(&h, p, sizeof(h));
-        v8u w = __builtin_convertvector(h, v8u);
-        if constexpr (std::is_same_v<Op, float>) w <<= 16;  // bf16 bits are the high half of an fp32's
-        v8f x;
-        std::memcpy(&x, &w, sizeof(x));
-        return x;
-    }
-}
-
-template <class Op>
-RETMASK_INLINE void store8_lanes(Op* p, v8f x) {
-    if constexpr (std::is_same_v<Op, float>) {
-        std::memcpy(p, &x, sizeof(x));
-    } else {
-        v8u w;
-        std::memcpy(&w, &x, sizeof(w));
-        const v8h h = __builtin_convertvector(w, v8h);  // the low 16 bits: the operand's own bits
-        std::memcpy(p, &h, sizeof(h));
-    }
-}
-
-// x[r] = row r of an 8 x 8 tile -> x[c] = its column c (unpack pairs of rows, shuffle pairs of pairs,
-// then swap 128-bit halves: the usual AVX sequence, written as shuffles GCC maps onto it).
-RETMASK_INLINE void transpose8x8(v8f (&x)[8]) {
-    v8f t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = __builtin_shufflevector(x[i], x[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-        t[i + 1] = __builtin_shufflevector(x[i], x[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-        u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-        u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
-        u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
-    }
-    for (int i = 0; i < 4; ++i) {
-        x[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-        x[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
-    }
-}
-
-// One input element as a GEMM operand: converted (exactly) to fp32 when Op is float, else as it is.
-template <class E, class Op>
-RETMASK_INLINE Op to_operand(const typename E::T* p) {
-    if constexpr (std::is_same_v<Op, float>) return E::load(p);
-    else return *p;
-}
-
-// Kt[d * ldt + j] = K[j][d] as an Op, for keys j < nj and dims d < D; element (j, d) is K[j * ldk + d * ldd].
-// Contiguous dims (ldd == 1) go in 8 x 8 tiles, then the key and dim tails one element at a time.
-template <class E, class Op>
-RETMASK_INLINE void transpose_keys(const typename E::T* __restrict K, int64_t ldk, int64_t ldd, int nj, int64_t D,
-                                   Op* __restrict Kt, int ldt) {
-    const auto put = [&](int j, int64_t d) RETMASK_LAMBDA_INLINE {
-        Kt[d * ldt + j] = to_operand<E, Op>(K + j * ldk + d * ldd);
-    };
-    const int nj8 = ldd == 1 ? nj / 8 * 8 : 0;
-    const int64_t D8 = ldd == 1 ? D / 8 * 8 : 0;
-    for (int j = 0; j < nj8; j += 8) {
-        for (int64_t d = 0; d < D8; d += 8) {
-            v8f x[8];
-            for (int r = 0; r < 8; ++r) x[r] = load8_lanes<E, Op>(K + (j + r) * ldk + d);
-            transpose8x8(x);
-            for (int c = 0; c < 8; ++c) store8_lanes(Kt + (d + c) * ldt + j, x[c]);
-        }
-    }
-    for (int j = 0; j < nj8; ++j)
-        for (int64_t d = D8; d < D; ++d) put(j, d);
-    for (int j = nj8; j < nj; ++j)
-        for (int64_t d = 0; d < D; ++d) put(j, d);
-}
-
-template <class E, class Op>
-void run_gemm(const Args& a, const Plan& plan, int threads) {
-    using T = typename E::T;
-    constexpr bool f32 = std::is_same_v<Op, float>;  // fp32 operands (an fp32 call, or converted blocks)
-    const BlockGemm& G = *a.gemm;
-    const bool vnni = G.vnni && !f32;
-    const T* k = static_cast<const T*>(a.k);
-    const T* v = static_cast<const T*>(a.v);
-    const int64_t D = a.D;
-    const int BN = a.block_n;
-    const int Dp = static_cast<int>(round_up(D, VL));
-    const int64_t max_rows = plan.max_rows;
-    struct Bufs {
-        Op *Q, *Kt, *Vb, *Kp, *Vp, *P;
-        float *Ot, *S, *m, *l, *kbias;
-        int64_t *am, *pos;
-        uint8_t* want;
-    };
-    const auto carve = [&](Carve& c) RETMASK_LAMBDA_INLINE {
-        return Bufs{c.take<Op>(max_rows * D),           c.take<Op>(D * BN),
-                    c.take<Op>(static_cast<int64_t>(BN) * D), c.take<Op>(vnni ? D * BN : 0),
-                    c.take<Op>(vnni ? D * BN : 0),      c.take<Op>(f32 ? 0 : max_rows * BN),
-                    c.take<float>(max_rows * Dp),      c.take<float>(max_rows * BN),
-                    c.take<float>(max_rows),           c.take<float>(max_rows),
-                    c.take<float>(BN),                 c.take<int64_t>(max_rows),
-                    c.take<int64_t>(max_rows),         c.take<uint8_t>(max_rows)};
-    };
-    for_each_item(a, plan, threads, carve, [&](const Bufs& buf, const Tile& t) RETMASK_LAMBDA_INLINE {
-        Op *const Q = buf.Q, *const Kt = buf.Kt, *const Vb = buf.Vb;
-        float *const Ot = buf.Ot, *const S = buf.S, *const m = buf.m, *const l = buf.l;
-        int64_t *const am = buf.am, *const pos = buf.pos;
-        uint8_t* const want = buf.want;
-        const int64_t b = t.b;
-        const int R = t.R;
-        start_rows(a, t, Ot, Dp, m, l, am, pos, want);
-        for (int r = 0; r < R; ++r) {
-            const int64_t h = t.row_h[r], i = t.row_i[r];
-            Op* qr = Q + static_cast<int64_t>(r) * D;
-            if constexpr (f32) {  // scaled, converted
-                load_q_row<E>(a, b, h, i, qr, 1);
-            } else {  // unscaled, in the input dtype: the GEMM's operand
-                const T* src = static_cast<const T*>(a.q) + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
-                for (int64_t d = 0; d < D; ++d) qr[d] = src[d * a.qs[3]];
-            }
-        }
-        const T* kb = k + b * a.ks[0] + t.hk * a.ks[1];
-        const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
-
-        for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
-            transpose_keys<E, Op>(kb + j0 * a.ks[2], a.ks[2], a.ks[3], nj, D, Kt, BN);
-            for (int j = 0; j < nj; ++j) {
-                const T* vr = vb + (j0 + j) * a.vs[2];
-                Op* vo = Vb + static_cast<int64_t>(j) * D;
-                if (a.vs[3] == 1) {  // contiguous rows: a plain (vectorisable) copy / conversion
-                    for (int64_t d = 0; d < D; ++d) vo[d] = to_operand<E, Op>(vr + d);
-                } else {
-                    for (int64_t d = 0; d < D; ++d) vo[d] = to_operand<E, Op>(vr + d * a.vs[3]);
-                }
-            }
-            for (int j = nj; j < BN; ++j) {  // zero past the last key: the products keep the full block width
-                for (int64_t d = 0; d < D; ++d) Kt[d * BN + j] = Op{};
-                std::fill_n(Vb + static_cast<int64_t>(j) * D, D, Op{});
-            }
-            // With vnni, V is packed in chunks of VNNI_N columns (a packed operand's row length is at most 64
-            // on AMX, as in torch's own attention): one P V product per chunk.
-            const Op* Kop = Kt;
-            if (vnni) {
-                G.pack(D, BN, BN, BN, G.pack_dtype, G.pack_dtype, Kt, buf.Kp);
-                for (int64_t c0 = 0; c0 < D; c0 += VNNI_N)
-                    G.pack(BN, VNNI_N, D, VNNI_N, G.pack_dtype, G.pack_dtype, Vb + c0, buf.Vp + c0 * BN);
-                Kop = buf.Kp;
-            }
-            G.gemm(R, BN, D, D, BN, BN, false, Q, Kop, S, vnni);
-            if constexpr (!f32) {
-                const vf sc = vbroadcast(a.scale);
-                for (int64_t x = 0; x < static_cast<int64_t>(R) * BN; x += VL) vstore(S + x, vload(S + x) * sc);
-            }
-            if (a.softcap > 0.f) softcap_block(S, static_cast<int64_t>(R) * BN, a.softcap, a.cap_inv, a.cap_post);
-
-            softmax_rows(a, t, j0, nj, st, S, BN, Ot, Dp, m, l, am, pos, want, buf.kbias);
-
-            if constexpr (f32) {
-                G.gemm(R, D, BN, BN, D, Dp, true, S, Vb, Ot, false);
-            } else {
-                Op* const P = buf.P;
-                for (int64_t x = 0; x < static_cast<int64_t>(R) * BN; ++x) E::store(P + x, S[x]);
-                if (vnni) {
-                    for (int64_t c0 = 0; c0 < D; c0 += VNNI_N)
-                        G.gemm(R, VNNI_N, BN, BN, VNNI_N, Dp, true, P, buf.Vp + c0 * BN, Ot + c0, true);
-                } else {
-                    G.gemm(R, D, BN, BN, D, Dp, true, P, Vb, Ot, false);
-                }
-            }
-        });
-
-        for (int r = 0; r < R; ++r)
-            store_row<E>(a, b, t.row_h[r], t.row_i[r], Ot + static_cast<int64_t>(r) * Dp, 1, m[r], l[r], want[r],
-                         am[r]);
-        if (G.release) G.release(vnni);
-    });
-}
-
 // ---- lanes tiles (prefill) ---------------------------------------------------------------------------
 
 // dst[p * step] = (q[2p], q[2p+1]) of row (b, h, i) as bf16 pairs, unscaled (the bf16dot layout scales
@@ -1422,8 +1211,7 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
     });
 }
 
-// bf16 dot products in the lanes layout when asked (bfloat16, whatever the tile size); the block-GEMM
-// path when the caller passed a GEMM; else the lanes path when a tile fills at least one VL-row vector,
+// bf16 dot products in the lanes layout when asked (bfloat16, whatever the tile size); else the lanes path when a tile fills at least one VL-row vector,
 // the row-major path otherwise (decode). Calls too small to split run on the calling
 // thread; others on `threads` threads, at most one per work item.
 template <class E>
@@ -1431,7 +1219,7 @@ void run(const Args& a, int threads) {
     Plan plan = make_plan<E>(a);
     bool lanes_dot = false;
     if constexpr (std::is_same_v<E, BF16>) lanes_dot = a.bf16_dot;
-    if (!lanes_dot && !a.gemm && plan.max_rows < VL) split_keys(a, plan);  // the row-major layout's decode
+    if (!lanes_dot && plan.max_rows < VL) split_keys(a, plan);  // the row-major layout's decode
     threads = plan.parallel() ? static_cast<int>(std::min<int64_t>(threads, plan.items.size())) : 1;
     if constexpr (std::is_same_v<E, BF16>) {
         // Always the lanes layout, tiles of fewer rows padded to a vector: a row's arithmetic then never
@@ -1441,11 +1229,7 @@ void run(const Args& a, int threads) {
             return;
         }
     }
-    if (a.gemm && (std::is_same_v<E, F32> || a.gemm->fp32_operands))
-        run_gemm<E, float>(a, plan, threads);
-    else if (a.gemm)
-        run_gemm<E, typename E::T>(a, plan, threads);
-    else if (plan.max_rows >= VL)
+    if (plan.max_rows >= VL)
         run_lanes<E>(a, plan, threads);
     else
         run_rows<E>(a, plan, threads);

@@ -5,10 +5,8 @@
 // kernel relies on and raises ValueError naming the bad argument (wrong dtype code, mismatched shapes,
 // non-contiguous argmax / masks; the kernel adds its own checks on sizes and tile settings), MemoryError if
 // the kernel's scratch cannot be allocated, TypeError (from pybind11) for arguments of the wrong type or
-// number. The compute runs without the GIL. The optional features (window, softcap, sinks, block_gemm,
-// gemm_fp32_operands, bf16_dot) are trailing keyword arguments with "off" defaults, so callers written for builds
-// from before them still work, and
-// FEATURES lists them (retmask/kernels/cpu.py falls back to its blocked path for a build without).
+// number. The compute runs without the GIL. The optional features (window, softcap, sinks, bf16_dot) are
+// trailing keyword arguments with "off" defaults.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -31,8 +29,6 @@ using retmask::DType;
 
 // A tensor as Python passes it: (data_ptr(), dtype code, shape, stride()), strides in elements.
 using TensorArg = std::tuple<std::uintptr_t, int, std::vector<int64_t>, std::vector<int64_t>>;
-// A block GEMM as Python passes it: (gemm, pack, release) function addresses (0: none), vnni, pack dtype.
-using BlockGemmArg = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, bool, int>;
 
 const char* dtype_name(int code) {
     switch (code) {
@@ -151,8 +147,7 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
                    const std::optional<TensorArg>& argmax_arg, const std::optional<TensorArg>& kpm_arg,
                    const std::optional<TensorArg>& skip_arg, bool causal, float sm_scale, int block_m, int block_n,
                    int num_threads, int64_t window, double softcap, const std::optional<TensorArg>& sinks_arg,
-                   const std::string& isa, const std::optional<BlockGemmArg>& gemm_arg, bool gemm_fp32_operands,
-                   bool bf16_dot) {
+                   const std::string& isa, bool bf16_dot) {
     const Tensor q = unpack("q", q_arg, 4, -1);
     const Tensor k = unpack("k", k_arg, 4, -1);
     const Tensor v = unpack("v", v_arg, 4, -1);
@@ -199,21 +194,7 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
     }
 
     a.isa = isa;  // the kernel checks the name against the builds this CPU runs
-    if (gemm_arg) {
-        const auto& [gemm, pack, release, vnni, pack_dtype] = *gemm_arg;
-        if (!gemm) bad("block_gemm", "null gemm function address");
-        if (pack_dtype < -128 || pack_dtype > 127) bad("block_gemm", "pack dtype code " + std::to_string(pack_dtype) + " is not an int8");
-        a.block_gemm.gemm = reinterpret_cast<retmask::BlockGemmFn>(gemm);
-        a.block_gemm.pack = reinterpret_cast<retmask::BlockPackFn>(pack);
-        a.block_gemm.release = reinterpret_cast<retmask::BlockReleaseFn>(release);
-        a.block_gemm.vnni = vnni;  // the kernel checks that vnni has a pack function and fits the dtype
-        a.block_gemm.pack_dtype = static_cast<int8_t>(pack_dtype);
-        a.block_gemm.fp32_operands = gemm_fp32_operands;
-    } else if (gemm_fp32_operands) {
-        bad("gemm_fp32_operands", "needs block_gemm (the fp32 GEMM's address)");
-    }
-
-    a.bf16_dot = bf16_dot;  // the kernel checks bfloat16, an even D and no block_gemm
+    a.bf16_dot = bf16_dot;  // the kernel checks bfloat16 and an even D
     py::gil_scoped_release no_gil;
     retmask::attention_fwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
 }
@@ -271,8 +252,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("argmax").none(true), py::arg("key_padding_mask").none(true), py::arg("skip_heads").none(true),
           py::arg("causal"), py::arg("sm_scale"), py::arg("block_m"), py::arg("block_n"), py::arg("num_threads"),
           py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks").none(true) = py::none(),
-          py::arg("isa") = "", py::arg("block_gemm").none(true) = py::none(), py::arg("gemm_fp32_operands") = false,
-          py::arg("bf16_dot") = false,
+          py::arg("isa") = "", py::arg("bf16_dot") = false,
           R"doc(Fused attention forward with per-row argmax of the logits, head skipping, sliding window,
 logit soft-capping and attention sinks.
 
@@ -289,15 +269,9 @@ window are visited), 0 = none; softcap: float > 0, logits s <- softcap * tanh(s 
 softmax and the argmax, 0 = none; sinks: float32 [Hq] contiguous or None, one logit per query head in
 the softmax denominator only (never an argmax).
 isa: which build of the kernel runs, a name from BUILDS ("" = the widest this CPU has).
-block_gemm: (gemm, pack, release, vnni, pack_dtype) or None: run both block products of every tile
-through this external GEMM (function addresses with the signatures of torch's at::native::cpublas::brgemm,
-pack and brgemm_release; pack / release may be 0 without vnni) instead of the built-in micro-kernels.
-Only pass addresses of functions with exactly these signatures: they are called as such.
-gemm_fp32_operands: float16 / bfloat16 calls convert each block to fp32 and block_gemm is torch's fp32 brgemm
-(no vnni): for CPUs whose half-precision GEMM only converts.
 bf16_dot: bfloat16 calls with an even D run both products as bf16 dot products (pairs of dims for Q K^T,
 pairs of keys for P V, P rounded to bf16 first) in the lanes layout, tiles of fewer rows padded to a
-vector: vdpbf16ps in the avx512bf16 build, emulated bit for bit by the others; not with block_gemm.
+vector: vdpbf16ps in the avx512bf16 build, emulated bit for bit by the others.
 Rows without an allowed key give 0 and -1; rows with a NaN or +inf logit among their allowed keys give
 NaN and -1.
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
@@ -317,8 +291,6 @@ num_threads: OpenMP threads (<= 0: the OpenMP default; small calls run on one); 
 window: int >= 1, the sliding window of attention_fwd (needs causal; only the keys a block of rows sees
 are visited), 0 = none.
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
-    m.attr("FEATURES") = py::make_tuple("window", "softcap", "sinks", "block_gemm", "gemm_fp32_operands", "bf16_dot",
-                                        "backward", "backward_window");
     // The kernel's builds this CPU runs, widest first: ((name, fp32 lanes), ...); the first is the default.
     py::list builds;
     for (const auto& [name, lanes] : retmask::cpu_builds()) builds.append(py::make_tuple(name, lanes));

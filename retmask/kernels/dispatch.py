@@ -19,11 +19,11 @@ eager call that records no autograd graph runs the operator's body directly (``o
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
 
-from .env import setting
 from .ops import LSE_BACKENDS, attention_fwd, backend_module, eager_direct, forward_impl
 from .reference import reference_attention
 from .validation import (
@@ -52,7 +52,7 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
             return "reference"
         return "triton" if q.is_cuda else "cpu"
     if backend == "triton" and not q.is_cuda:
-        if setting("TRITON_INTERPRET") != "1":
+        if os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 f"backend='triton' needs CUDA tensors, got q on {q.device}; use backend='cpu' (or set "
                 "TRITON_INTERPRET=1 to run the Triton kernels in the interpreter, for tests)"

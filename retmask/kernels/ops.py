@@ -22,17 +22,13 @@ are empty tensors:
 ``attention_bwd(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
 softcap, backend) -> (dq, dk, dv, dsinks)``, contiguous, in the inputs' dtypes (dsinks: [Hq] in sinks'
 dtype, or an empty tensor without sinks): the backend's own backward (Triton), given the forward's
-``out`` and ``lse``. Backends without one (CPU) get their gradients, in the autograd formula
-(``_AttentionAutograd``) rather than inside an operator, from the C++ CPU backward (``cpu_backward.py``,
-eager calls without soft-capping or sinks, where ``backward_choice`` measured it fastest on this machine) or from a
-differentiated recompute: through PyTorch SDPA
-(memory-efficient) for plain attention, one SDPA call per key run for a left- or right-padded batch
-(``padded_sdpa.py``: no dense [B, 1, M, N] mask; from ``KEY_RUNS_MIN_KEYS`` keys, in eager mode),
-through ``chunked.py`` (query-row chunks against the keys they see) for a sliding window, soft-capping
-or sinks, which SDPA cannot express without an [M, N] mask. The recompute is done there because an
-operator body runs below the autograd dispatch key, and ``torch.func.vjp`` there breaks under any
-active TorchDispatchMode. Skipped heads get zero gradient either way. There is
-no double backward.
+``out`` and ``lse``. Backends without one (CPU) get their gradients in the autograd formula
+(``_AttentionAutograd``) rather than inside an operator, on the path ``paths.cpu_backward_path`` names:
+the C++ CPU backward (``cpu_backward.py``) or a differentiated recompute (through PyTorch SDPA, or
+``chunked.py``'s query-row chunks where SDPA cannot express the call without an [M, N] mask). The
+recompute is done there because an operator body runs below the autograd dispatch key, and
+``torch.func.vjp`` there breaks under any active TorchDispatchMode. Skipped heads get zero gradient
+either way. There is no double backward.
 
 The operators' names are taken in the ``retmask`` namespace (a FRAGMENT library, so a C++ extension may
 register other operators there).
@@ -47,9 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import backward_choice, cpu_backward
+from . import cpu_backward, paths
 from .chunked import chunked_grads
-from .padded_sdpa import key_runs, sdpa_over_key_runs
 from .reference import allowed_keys
 
 # Backend modules are imported lazily: triton is optional and slow to import.
@@ -165,25 +160,6 @@ def _bwd_kernel(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks.contiguous()
 
 
-# From this many keys on, per-run SDPA beats one masked call (fwd + bwd, 2-core Zen 4 EPYC: 0.5-0.83x at
-# 1K-4K keys in fp32 and bf16, 0.9-1.3x at 200-600 keys, where the masked call is one batched kernel).
-KEY_RUNS_MIN_KEYS = 1024
-
-
-def _key_runs_if_eager(
-    q: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool, M: int, N: int
-) -> list[tuple[int, int]] | None:
-    """The per-row key runs of ``key_padding_mask`` when the per-run path applies: eager tensors (the runs
-    are read on the host, which a traced graph cannot do), enough keys, M == N if causal, one run per row."""
-    if key_padding_mask is None or torch.compiler.is_compiling():
-        return None
-    if type(q) is not torch.Tensor or type(key_padding_mask) is not torch.Tensor:  # fake / functional
-        return None
-    if N < KEY_RUNS_MIN_KEYS or (causal and M != N):
-        return None
-    return key_runs(key_padding_mask)
-
-
 def recompute_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -196,18 +172,10 @@ def recompute_attention(
 ) -> torch.Tensor:
     """Differentiable attention through PyTorch SDPA for the backward of backends without their own:
     ``sdpa.sdpa_attention`` without its data-dependent shortcut (``if not has_key.all()``), which
-    AOTAutograd cannot trace; rows without a valid key are zeroed by a multiply instead.
-
-    In eager mode, from ``KEY_RUNS_MIN_KEYS`` keys on, a padding mask whose valid keys form one run per
-    batch row (left or right padding) is computed per run (``padded_sdpa``) instead of through a dense
-    [B, 1, M, N] mask: 0.5-0.8x the time of the masked call at 1K-4K keys on a 2-core CPU, and no
-    O(M x N) memory."""
+    AOTAutograd cannot trace; rows without a valid key are zeroed by a multiply instead."""
     M, N = q.shape[2], k.shape[2]
     gqa = bool(q.shape[1] != k.shape[1])  # a SymBool under dynamic shapes
-    runs = _key_runs_if_eager(q, key_padding_mask, causal, M, N)
-    if runs is not None:
-        out = sdpa_over_key_runs(q, k, v, runs, causal=causal, sm_scale=sm_scale)
-    elif key_padding_mask is None and (not causal or M == N):
+    if key_padding_mask is None and (not causal or M == N):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=gqa)
     else:
         allowed = allowed_keys(M, N, causal, key_padding_mask, q.device)  # [B|1, 1, M, N]
@@ -236,34 +204,26 @@ def recompute_grads(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dq, dk, dv, dsinks or None): the C++ backward or a recompute (SDPA; query-row chunks,
-    ``chunked.py``, for a window) as ``backward_choice`` decides, and query-row chunks for soft-capping or
-    sinks."""
-    if softcap is not None or sinks is not None:
-        return chunked_grads(
-            grad_out, q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-            skip_heads=skip_heads, window=window, softcap=softcap, sinks=sinks,
-        )  # fmt: skip
-    choice = _cpu_backward_choice(q, k, causal, key_padding_mask is not None, window)
-    return _grads_by(choice, grad_out, q, k, v, causal=causal, sm_scale=sm_scale,
-                     key_padding_mask=key_padding_mask, skip_heads=skip_heads, window=window)  # fmt: skip
+    """(dq, dk, dv, dsinks or None) of a backend without a backward of its own (CPU), on the path
+    ``paths.cpu_backward_path`` names: the C++ backward, a query-row-chunked recompute (``chunked.py``)
+    or a recompute through SDPA (in the dtype, or on fp32 copies)."""
+    from . import cpu
 
-
-def _grads_by(choice, grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_heads, window):
-    """(dq, dk, dv, None) of attention without soft-capping or sinks, computed as ``choice`` says: the C++
-    backward ("kernel"), or a recompute: query-row chunks with a window, else SDPA in the dtype ("native")
-    or on fp32 copies ("fp32")."""
+    path = paths.cpu_backward_path(
+        q.dtype, built=q.device.type == "cpu" and cpu.cpp_available(), traced=not _plain_eager(q, k),
+        window=window, softcap=softcap, sinks=sinks,
+    )  # fmt: skip
     kwargs = {
         "causal": causal,
         "sm_scale": sm_scale,
         "key_padding_mask": key_padding_mask,
         "skip_heads": skip_heads,
     }
-    if choice == "kernel":
+    if path == "kernel":
         return (*cpu_backward.backward(grad_out, q, k, v, window=window, **kwargs), None)
-    if window is not None:
-        return chunked_grads(grad_out, q, k, v, window=window, softcap=None, sinks=None, **kwargs)
-    return (*_sdpa_grads(grad_out, q, k, v, fp32=choice == "fp32", **kwargs), None)
+    if path == "chunked":
+        return chunked_grads(grad_out, q, k, v, window=window, softcap=softcap, sinks=sinks, **kwargs)
+    return (*_sdpa_grads(grad_out, q, k, v, fp32=path == "sdpa_fp32", **kwargs), None)
 
 
 def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_heads, fp32=False):
@@ -282,26 +242,6 @@ def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_h
     return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
 
 
-def _cpu_backward_choice(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, masked: bool, window: int | None = None
-) -> str:
-    """How a backward without soft-capping or sinks runs: "kernel" (the C++ backward), "native" (SDPA in
-    the inputs' dtype; the chunked recompute with a window) or "fp32" (SDPA on fp32 copies), as
-    ``backward_choice`` measured (or was told) for plain eager CPU calls. CPU calls that are traced
-    (``torch.compile``, fake tensors) or seen by a dispatch mode cannot run the kernel: they get SDPA in
-    fp32 for bf16 / fp16 without a window (unless ``RETMASK_CPU_ATTN_BWD=native``), so that a compiled
-    graph's gradients match the eager kernel's to rounding, and "native" otherwise; other devices keep
-    "native"."""
-    if q.device.type != "cpu":
-        return "native"
-    if not _plain_eager(q, k):  # traced: fp32 SDPA for half precision (the kernel's numerics) unless forced
-        half = q.dtype in (torch.bfloat16, torch.float16) and window is None
-        return "fp32" if half and backward_choice.forced() != "native" else "native"
-    case = backward_choice.case_of(q, k, causal, masked, window)
-    kernel = cpu_backward.applies(q, window=window, softcap=None, sinks=None)
-    return backward_choice.choice_for(case, _proxy_grads, kernel=kernel)
-
-
 def _untraced() -> bool:
     """Outside any tracer, dispatch / function mode, functorch transform or forward-AD level: what
     ``_plain_eager`` and ``eager_direct`` ask of the state, apart from their tensors."""
@@ -318,13 +258,6 @@ def _plain_eager(*tensors: torch.Tensor) -> bool:
     backward (which reads the data) and ``eager_direct`` need. AOTAutograd traces the backward with fake
     tensors and without ``is_compiling()``, hence the type check."""
     return _untraced() and all(type(t) is torch.Tensor for t in tensors)
-
-
-def _proxy_grads(choice: str, call: dict) -> tuple[torch.Tensor, ...]:
-    """The gradients of a ``backward_choice`` proxy call, computed by ``choice``."""
-    return _grads_by(choice, call["grad_out"], call["q"], call["k"], call["v"], causal=call["causal"],
-                     sm_scale=call["sm_scale"], key_padding_mask=call["key_padding_mask"], skip_heads=None,
-                     window=call.get("window"))[:3]  # fmt: skip
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,

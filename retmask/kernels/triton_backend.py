@@ -8,12 +8,12 @@ normalised by ``attention()`` (see ``validation.py``): masks are contiguous bool
 
 Head skipping has two grid modes (``triton_common.sync_free``): by default the prefill and backward
 grids hold only the enabled heads, which costs one device->host sync per call to size them; while a CUDA
-graph is being captured, or everywhere with the environment variable RETMASK_TRITON_SYNC_FREE=1, there is
+graph is being captured, or everywhere with ``triton_common.FORCE_SYNC_FREE`` (tests), there is
 no host sync and programs for disabled heads only write their fixed outputs. Decode calls always take the
 sync-free grid (their few programs cost less than the sync). So every call, with or without skipped
 heads, can be captured in a CUDA graph (``torch.cuda.graph``) and replayed; at batch 1 a decode call's
 eager time is almost all host time (Python and two Triton launches), which a graph removes. Debugging:
-RETMASK_TRITON_POISON=1 fills every output buffer with NaN / -12345 before the kernels run, so an
+``triton_common.POISON_OUTPUTS = True`` (tests) fills every output buffer with NaN / -12345 before the kernels run, so an
 unwritten element cannot pass unnoticed.
 """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -15,21 +16,21 @@ from typing import TypeVar
 import torch
 from triton.runtime.errors import OutOfResources
 
-from .env import setting
-
 LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453
 
-# Debug aid for tests: when set to "1", every output buffer starts filled with a poison value (NaN for
-# floats, POISON_INDEX for argmax) instead of uninitialised memory, so an element a kernel forgot to
-# write is caught by comparison with the oracle instead of passing by luck.
-POISON_ENV = "RETMASK_TRITON_POISON"
+# Test aids (module attributes, set by the tests, not by users). POISON_OUTPUTS: every output buffer starts
+# filled with a poison value (NaN for floats, POISON_INDEX for argmax) instead of uninitialised memory, so
+# an element a kernel forgot to write is caught by comparison with the oracle instead of passing by luck.
+# FORCE_SYNC_FREE: the sync-free grid everywhere (see ``sync_free``), so the interpreter covers it.
+POISON_OUTPUTS = False
+FORCE_SYNC_FREE = False
 POISON_INDEX = -12345
 
 
 def interpreting() -> bool:
     """True when the kernels run in the Triton interpreter (CPU tensors, tests)."""
-    return setting("TRITON_INTERPRET") == "1"
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -224,12 +225,9 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-SYNC_FREE_ENV = "RETMASK_TRITON_SYNC_FREE"
-
-
 def sync_free(device: torch.device | None = None) -> bool:
     """Grid mode for head skipping: sync-free while a CUDA graph is being captured on ``device``'s
-    current stream, or everywhere with the environment variable RETMASK_TRITON_SYNC_FREE=1; else exact.
+    current stream, or everywhere with ``FORCE_SYNC_FREE`` (tests); else exact.
 
     exact: the grid has one program per *enabled* pair, read from a pair list; sizing it needs the
     enabled count on the host, i.e. one device->host sync per call, and the disabled heads' fixed outputs
@@ -239,7 +237,7 @@ def sync_free(device: torch.device | None = None) -> bool:
     (a sync during capture is an error), and no extra kernel to build a pair list; the extra programs do
     no math.
     """
-    if setting(SYNC_FREE_ENV) == "1":
+    if FORCE_SYNC_FREE:
         return True
     return device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -300,7 +298,7 @@ def fp32_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def poisoning() -> bool:
-    return setting(POISON_ENV) == "1"
+    return POISON_OUTPUTS
 
 
 def new_float(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

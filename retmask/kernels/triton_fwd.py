@@ -48,7 +48,7 @@ has no defined answer).
 Head skipping. Default ("exact") grid: the second axis indexes an int32 list of the enabled (batch,
 head) pairs built from ``skip_heads`` with ``program_id(1)`` (its length, read on the host, sizes the
 grid), so work is proportional to the enabled heads, and the disabled heads' outputs are written with
-torch (0 / -1 / +inf). Sync-free grid (while a CUDA graph is captured, or RETMASK_TRITON_SYNC_FREE=1):
+torch (0 / -1 / +inf). Sync-free grid (while a CUDA graph is captured, or ``triton_common.FORCE_SYNC_FREE`` in tests):
 one program per pair in natural order, each reading its pair's flag in ``skip_heads``; a disabled pair's
 program runs empty key loops, so its epilogue writes 0 / -1 / +inf, with no host sync and no extra
 kernel.

@@ -106,17 +106,15 @@ def _top2_margin_in_bf16_ulps(model, prompt: np.ndarray, answer: list[int]) -> f
 @pytest.mark.parametrize("path", ["cpp", "bf16dot"])
 def test_tiny_bf16_fast_equals_oracle_up_to_bf16_near_ties(path, monkeypatch):
     """Both sides in bf16 (weights, activations, caches), with the CPU kernel on its fp32-converting path
-    ("cpp") and on bf16 dot products ("bf16dot", P rounded to bf16: what `auto` picks for bf16 prefill on
-    CPUs with AVX512-BF16; emulated elsewhere). They do different bf16 arithmetic (eager rounds
+    ("cpp") and on bf16 dot products ("bf16dot", P rounded to bf16: what bf16 prefill runs on CPUs with
+    AVX512-BF16; emulated elsewhere). They do different bf16 arithmetic (eager rounds
     QK^T and the probabilities to bf16, the kernel keeps fp32 logits; a pass of k rows is not k passes of
     one), so a greedy answer may take another token where the top two logits are within bf16 rounding.
     Proven here: every test either matches the oracle exactly (answer and per-head copy counts), or
     matches it exactly up to the step where the answers part (both stopped there), and that step is a
     near-tie: top-2 gap <= 16 bf16 ulps (on these models 17% of all steps are that close, so a few
     divergences landing there by chance is unlikely; eager, SDPA and the kernel disagree there too)."""
-    from retmask.kernels import cpu_autotune
-
-    monkeypatch.setenv(cpu_autotune.PATH_ENV, path)
+    monkeypatch.setenv("RETMASK_CPU_PATH", path)
     exact = diverged = 0
     for seed in range(4):
         model = tiny_llama(seed=seed).to(torch.bfloat16)
@@ -140,13 +138,13 @@ def test_tiny_bf16_fast_equals_oracle_up_to_bf16_near_ties(path, monkeypatch):
 
 
 def test_tiny_fast_equals_oracle_on_onednn_linears(monkeypatch):
-    """The linears on oneDNN (what ``auto`` picks where it is faster): the oracle's single rows run its
-    matrix-vector kernel, the fast path's verification passes its matrix kernel, and still every answer
-    and copy count is the oracle's."""
+    """The linears on oneDNN (what the CPU speed-ups pick where it is faster): the oracle's single rows run
+    its matrix-vector kernel, the fast path's verification passes its matrix kernel, and still every
+    answer and copy count is the oracle's."""
+    from retmask.cpu_speedups import linear
     from retmask.hf.linears import patch_linears
-    from retmask.kernels import linear_cpu
 
-    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "onednn")
+    monkeypatch.setattr(linear, "backend_for", lambda case: "onednn")
     model = tiny_llama(seed=1)
     assert patch_linears(model) > 0
     copied = 0
@@ -191,9 +189,9 @@ def test_embedded_model_fast_equals_oracle(embedded):
 @pytest.mark.embedded
 def test_embedded_model_fast_equals_oracle_on_onednn_linears(embedded, monkeypatch):
     """The embedded model as ``retmask detect`` runs it where oneDNN's fp32 linears are faster."""
-    from retmask.kernels import linear_cpu
+    from retmask.cpu_speedups import linear
 
-    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "onednn")
+    monkeypatch.setattr(linear, "backend_for", lambda case: "onednn")
     model, tok = embedded
     tests = build_tests(tok, load_needles()[2:3], default_haystack_text(), [600], [30, 80])
     stops = stop_token_ids(tok, model)

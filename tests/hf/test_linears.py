@@ -10,15 +10,16 @@ import pytest
 import torch
 
 import retmask
+from retmask.cpu_speedups import half_matmul
+from retmask.cpu_speedups import linear as linear_cpu
 from retmask.hf.linears import CPULinear, patch_linears, torch_linears, unpatch_linears
-from retmask.kernels import half_matmul, linear_cpu
 
 from .conftest import random_batch, tiny_model
 
 
 @pytest.fixture
 def onednn(monkeypatch):
-    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "onednn")
+    monkeypatch.setattr(linear_cpu, "backend_for", lambda case: "onednn")
     calls = []
     real = linear_cpu._onednn_forward
     monkeypatch.setattr(linear_cpu, "_onednn_forward", lambda *a: calls.append(1) or real(*a))

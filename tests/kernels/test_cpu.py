@@ -8,7 +8,6 @@ sentinel index (argmax), so an element the kernel forgets to write cannot pass b
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import importlib.util
 import os
 import shutil
@@ -23,13 +22,13 @@ from hypothesis import strategies as st
 
 from retmask.kernels import attention, cpu_blocked, reference_attention
 from retmask.kernels import cpu as cpu_backend
+from retmask.kernels.paths import bf16_dot_fits
 
 from .helpers import POISON_FLOAT, POISON_INDEX, assert_argmax_matches, left_padding_mask, make_qkv
 
-PATHS = ("cpp", "gemm", "blocked")
-# "gemm_fp32" converts fp16 / bf16 blocks for the fp32 GEMM: on fp32 inputs it is "gemm", so half-precision
-# tests run it; "bf16dot" (bf16 dot products, emulated on CPUs without AVX512-BF16) changes only bf16 calls.
-HALF_PATHS = (*PATHS, "gemm_fp32", "bf16dot")
+PATHS = ("cpp", "blocked")
+# "bf16dot" (bf16 dot products, emulated on CPUs without AVX512-BF16) changes only bf16 calls.
+HALF_PATHS = (*PATHS, "bf16dot")
 OUT_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 ARGMAX_TOL = 1e-4  # logits are computed in fp32 from the same (rounded) inputs in every path
 
@@ -50,9 +49,9 @@ def run_path(
     **features,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One CPU path on [B, Hq, M, D] / [B, Hkv, N, D] inputs; skip_heads bool [B, Hq]; ``features``:
-    window / softcap / sinks (and ``gemm=True``: "cpp" on the block GEMM, as path "gemm"; with
-    ``gemm_fp32=True`` as path "gemm_fp32"; ``bf16_dot=True`` as path "bf16dot", which changes only
-    bf16 calls with an even head dim). For "cpp" and the gemm paths the outputs are pre-poisoned caller buffers (optionally a non-contiguous out view) and
+    window / softcap / sinks (and ``bf16_dot=True``: as path "bf16dot", which changes only bf16 calls
+    with an even head dim). For the fused kernel the outputs are pre-poisoned caller buffers (optionally
+    a non-contiguous out view) and
     ``block_m`` sets the tile rows (small values force row-major tiles)."""
     if path == "blocked":
         out, argmax, _ = cpu_blocked.forward(
@@ -60,9 +59,7 @@ def run_path(
             skip_heads=skip_heads, argmax_rows=argmax_rows, **features,
         )  # fmt: skip
         return out, argmax
-    gemm = features.pop("gemm", False) or path in ("gemm", "gemm_fp32")
-    gemm_fp32 = features.pop("gemm_fp32", False) or path == "gemm_fp32"
-    bf16_dot = (features.pop("bf16_dot", False) or path == "bf16dot") and cpu_backend.bf16_dot_applies(q)
+    bf16_dot = (features.pop("bf16_dot", False) or path == "bf16dot") and bf16_dot_fits(q.dtype, q.shape[-1])
     B, Hq, M, D = q.shape
     if out_transposed:  # [B, M, Hq, D] storage seen as [B, Hq, M, D], like transformers' layout
         out = torch.full((B, M, Hq, D), POISON_FLOAT, dtype=q.dtype).transpose(1, 2)
@@ -71,8 +68,8 @@ def run_path(
     argmax = torch.full((B, Hq, argmax_rows), POISON_INDEX, dtype=torch.int64) if argmax_rows else None
     got_out, got_argmax = cpu_backend.cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, argmax_rows=argmax_rows, out=out, argmax=argmax, block_m=block_m, gemm=gemm,
-        gemm_fp32=gemm_fp32, bf16_dot=bf16_dot, **features,
+        skip_heads=skip_heads, argmax_rows=argmax_rows, out=out, argmax=argmax, block_m=block_m,
+        bf16_dot=bf16_dot, **features,
     )  # fmt: skip
     assert got_out is out and got_argmax is argmax
     return out, argmax
@@ -149,7 +146,7 @@ def test_half_precision_dtypes(path, dtype, D):
     check_against_reference(path, q, k, v, causal=True, key_padding_mask=pad, argmax_rows=21)
 
 
-@pytest.mark.parametrize("path", ("cpp", "gemm", "gemm_fp32", "bf16dot"))
+@pytest.mark.parametrize("path", ("cpp", "bf16dot"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("D,dims_strided", [(36, False), (20, True), (64, True)])
 def test_key_block_transpose_tails_and_strides(path, dtype, D, dims_strided):
@@ -247,7 +244,7 @@ def test_all_heads_skipped(path):
 @pytest.mark.parametrize("skip_shape", ["Hq", "B,Hq"])
 def test_public_entry_skip_masks(path, skip_shape, monkeypatch):
     """attention(..., backend="cpu") with a [Hq] or [B, Hq] skip mask on the chosen path."""
-    monkeypatch.setattr(cpu_backend, "choose_path", lambda *a, **kw: path)
+    monkeypatch.setenv("RETMASK_CPU_PATH", path)
     q, k, v = make_qkv(2, 6, 3, 12, 80, 32, seed=7)
     if skip_shape == "Hq":
         skip = torch.tensor([True, False, False, True, True, False])
@@ -303,20 +300,6 @@ def test_half_precision_ties_and_skipped_heads(path, M):
     assert (argmax[~skip] == 3).all()
     assert (out[skip] == 0).all() and (argmax[skip] == -1).all()
     assert not torch.isnan(out).any()
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_gemm_fp32_is_the_fused_kernel_up_to_rounding(dtype):
-    """The "gemm_fp32" path multiplies the exactly converted blocks in fp32, like the fused kernel's FMAs: the two
-    outputs differ by at most one rounding of the output dtype, and the argmaxes agree."""
-    q, k, v = make_qkv(1, 6, 2, 150, 300, 64, dtype=dtype, seed=13)
-    pad = left_padding_mask(1, 300, [17])
-    kw = dict(causal=True, sm_scale=0.125, key_padding_mask=pad, argmax_rows=150)
-    out_cpp, argmax_cpp = run_path("cpp", q, k, v, **kw)
-    out_gemm, argmax_gemm = run_path("gemm_fp32", q, k, v, **kw)
-    ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
-    torch.testing.assert_close(out_gemm.float(), out_cpp.float(), rtol=ulp, atol=1e-5)
-    assert torch.equal(argmax_gemm, argmax_cpp)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -514,14 +497,14 @@ def test_thread_count_does_not_change_results(features):
 
 def test_load_library_gives_a_separate_build(tmp_path):
     """load_library (bench/bench_kernel_ab.py's A/B) loads a copy of the build as a module of its own, not
-    the installed one again (pybind11 caches modules by name), and bind_library takes a path or CDLL."""
+    the installed one again (pybind11 caches modules by name), and bind_library takes a path."""
     installed = cpu_backend._library()
     copy = tmp_path / "old_C.so"
     shutil.copy(installed.module.__file__, copy)
     other = cpu_backend.load_library(copy)
     assert other.module is not installed.module and other.module.__file__ == str(copy)
     assert sys.modules["retmask._C"] is installed.module
-    assert cpu_backend.bind_library(ctypes.CDLL(str(copy))).module is other.module
+    assert cpu_backend.bind_library(str(copy)).module is other.module
     q, k, v = make_qkv(1, 4, 2, 6, 50, 32, seed=17)
     kw = dict(causal=True, sm_scale=0.2, key_padding_mask=None, skip_heads=None, argmax_rows=6)
     a = cpu_backend.cpp_forward(q, k, v, **kw)
@@ -581,18 +564,12 @@ def test_property_random_shapes(data, B, Hkv, group, N, D, causal, dtype, path):
 # -- sliding window, soft-capping, sinks: the C++ kernel directly -----------------------------------------
 
 # Row-major tiles need fewer tile rows than the build's vector lanes (8 or 16): 4 rows per item gives them
-# whenever g < 8, whichever build runs. "gemm" (block products on torch's block GEMM) takes any tile.
-LAYOUTS = ("lanes", "rowmajor", "gemm")
-# fp16 / bf16 blocks converted for the fp32 GEMM; bf16 dot products in the lanes layout (fp16: "lanes")
-HALF_LAYOUTS = (*LAYOUTS, "gemm_fp32", "bf16dot")
-LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 4, "gemm": 64, "gemm_fp32": 64, "bf16dot": 128}
-LAYOUT_KW = {
-    name: {
-        "block_m": bm, "gemm": name.startswith("gemm"), "gemm_fp32": name == "gemm_fp32",
-        "bf16_dot": name == "bf16dot",
-    }
-    for name, bm in LAYOUT_BLOCK_M.items()
-}  # fmt: skip
+# whenever g < 8, whichever build runs.
+LAYOUTS = ("lanes", "rowmajor")
+# bf16 dot products in the lanes layout (fp16: "lanes")
+HALF_LAYOUTS = (*LAYOUTS, "bf16dot")
+LAYOUT_BLOCK_M = {"lanes": 128, "rowmajor": 4, "bf16dot": 128}
+LAYOUT_KW = {name: {"block_m": bm, "bf16_dot": name == "bf16dot"} for name, bm in LAYOUT_BLOCK_M.items()}
 
 
 def tile_layout(Hq: int, Hkv: int, M: int, skip: torch.Tensor | None, block_m: int) -> str:
@@ -616,7 +593,7 @@ def check_features(
     block_m = LAYOUT_BLOCK_M[layout]
     # The parametrisations only generate shapes that can use ``layout`` (``_feature_cases``).
     tiles = "lanes" if layout == "bf16dot" else layout
-    assert layout.startswith("gemm") or tile_layout(Hq, k.shape[1], M, skip_heads, block_m) == tiles, (
+    assert tile_layout(Hq, k.shape[1], M, skip_heads, block_m) == tiles, (
         f"this shape cannot use {layout} tiles"
     )
     rows = M if argmax_rows is None else argmax_rows
@@ -678,7 +655,7 @@ def _feature_cases():
             for layout in LAYOUTS:
                 skip = torch.zeros(B, Hq, dtype=torch.bool)
                 skip[0, -1] = True
-                if layout == "gemm" or tile_layout(Hq, Hkv, M, skip, LAYOUT_BLOCK_M[layout]) == layout:
+                if tile_layout(Hq, Hkv, M, skip, LAYOUT_BLOCK_M[layout]) == layout:
                     case_id = "B{}_Hq{}_Hkv{}_M{}_N{}_D{}_w{}_pad{}".format(*shape)
                     yield pytest.param(
                         layout,
@@ -861,26 +838,6 @@ def test_binding_rejects_bad_features(kwargs, message):
     assert out.isnan().all()
 
 
-def test_stale_build_without_features_falls_back(monkeypatch):
-    """A build from before window / softcap / sinks (no FEATURES): feature calls warn once and take the
-    blocked path; plain calls still use the build."""
-    lib = cpu_backend._library()
-    monkeypatch.setattr(cpu_backend, "_library", lambda: dataclasses.replace(lib, features=frozenset()))
-    cpu_backend._warn_stale_features.cache_clear()
-    q, k, v = make_qkv(1, 2, 1, 6, 30, 16, seed=27)
-    kw = dict(causal=True, sm_scale=0.25, key_padding_mask=None, skip_heads=None, argmax_rows=6)
-    with pytest.warns(RuntimeWarning, match="predates softcap, window"):
-        out, argmax, _ = cpu_backend.forward(q, k, v, window=4, softcap=3.0, **kw)
-    ref, ref_argmax = reference_attention(q, k, v, sm_scale=0.25, argmax_rows=6, window=4, softcap=3.0)
-    torch.testing.assert_close(out, ref)
-    assert torch.equal(argmax, ref_argmax)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cpu_backend.forward(q, k, v, window=4, softcap=3.0, **kw)  # warned once
-        cpu_backend.forward(q, k, v, **kw)
-    cpu_backend._warn_stale_features.cache_clear()
-
-
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
@@ -904,7 +861,7 @@ def test_property_features(data, B, Hkv, group, N, D, layout, dtype):
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=seed, noncontiguous_q=seed % 2 == 0)
     block_m = LAYOUT_BLOCK_M[layout]
     skip_heads = torch.tensor(skip).reshape(B, Hq)
-    if layout != "gemm" and tile_layout(Hq, Hkv, M, skip_heads, block_m) != layout:
+    if tile_layout(Hq, Hkv, M, skip_heads, block_m) != layout:
         layout = "rowmajor" if layout == "lanes" else "lanes"  # the other one, then (or a skip)
     check_features(
         q * 2, k, v, layout=layout, window=window, softcap=softcap,
@@ -938,50 +895,43 @@ def test_bf16dot_non_finite_contract():
 
 
 @pytest.mark.parametrize(
-    "dtype,D,gemm,message",
+    "dtype,D,message",
     [
-        (torch.float32, 16, False, "bf16_dot: bf16 dot products are for bfloat16 inputs"),
-        (torch.float16, 16, False, "bf16_dot: bf16 dot products are for bfloat16 inputs"),
-        (torch.bfloat16, 15, False, "bf16_dot: bf16 dot products take pairs of dims: D must be even, got 15"),
-        (torch.bfloat16, 16, True, r"bf16_dot: not with block_gemm"),
+        (torch.float32, 16, "bf16_dot: bf16 dot products are for bfloat16 inputs"),
+        (torch.float16, 16, "bf16_dot: bf16 dot products are for bfloat16 inputs"),
+        (torch.bfloat16, 15, "bf16_dot: bf16 dot products take pairs of dims: D must be even, got 15"),
     ],
-    ids=["float32", "float16", "odd-D", "with-gemm"],
+    ids=["float32", "float16", "odd-D"],
 )
-def test_binding_rejects_bad_bf16_dot(dtype, D, gemm, message):
+def test_binding_rejects_bad_bf16_dot(dtype, D, message):
     q, k, v = make_qkv(2, 6, 3, 5, 40, D, dtype=dtype, seed=13)
     out = torch.full_like(q, POISON_FLOAT)
     lib = cpu_backend._library()
     kwargs = {"bf16_dot": True}
-    if gemm:  # any non-null address: the check comes before any call
-        kwargs["block_gemm"] = (1, 0, 0, False, 15)
     with pytest.raises(ValueError, match=message):
         lib.module.attention_fwd(*_binding_args(q, k, v, out), **kwargs)
     assert out.isnan().all()
 
 
-def test_bf16dot_path_is_offered_where_it_is_native(monkeypatch):
-    """The autotuner measures "bf16dot" for bf16 calls with an even head dim on the build that runs
-    vdpbf16ps, never elsewhere (the other builds only emulate it), and never for decode; a forced
-    "bf16dot" runs other calls as "cpp"."""
+def test_bf16dot_is_taken_where_it_is_native(monkeypatch):
+    """The rule takes "bf16dot" for bf16 calls with an even head dim and more than one query row on the
+    build that runs vdpbf16ps, never elsewhere (the other builds only emulate it) and never for decode; a
+    forced "bf16dot" runs other calls as "cpp", bit for bit."""
+    from retmask.kernels.paths import cpu_forward_path
+
     assert cpu_backend.bf16_dot_native("avx2") is False
     assert cpu_backend.bf16_dot_native() == (cpu_backend.selected_isa() == "avx512bf16")
-    monkeypatch.setattr(cpu_backend, "_bf16_dot_native_cached", lambda: True)
-    assert cpu_backend.kernel_paths(torch.bfloat16, 64)[-1] == "bf16dot"
-    assert "bf16dot" not in cpu_backend.kernel_paths(torch.bfloat16, 63)
-    assert "bf16dot" not in cpu_backend.kernel_paths(torch.float16, 64)
-    assert "bf16dot" not in cpu_backend.kernel_paths(torch.float32, 64)
-    monkeypatch.setattr(cpu_backend, "_bf16_dot_native_cached", lambda: False)
-    assert "bf16dot" not in cpu_backend.kernel_paths(torch.bfloat16, 64)
-    from retmask.kernels import cpu_autotune
-
-    q, k = torch.randn(1, 6, 1, 64).bfloat16(), torch.randn(1, 2, 300, 64).bfloat16()
-    decode = cpu_autotune.case_of(q, k, causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=1)
-    assert cpu_autotune.candidates(decode, ("bf16dot",)) == ("cpp", "blocked")
-    prefill = decode._replace(shape="prefill", argmax="many")
-    assert cpu_autotune.candidates(prefill, ("bf16dot",)) == ("cpp", "bf16dot")
-    # Forced on an fp32 call it is the fused kernel, bit for bit.
+    native = "avx512bf16"
+    assert cpu_forward_path(torch.bfloat16, 64, 30, build=native) == "bf16dot"
+    assert cpu_forward_path(torch.bfloat16, 64, 1, build=native) == "cpp"  # decode
+    assert cpu_forward_path(torch.bfloat16, 63, 30, build=native) == "cpp"
+    assert cpu_forward_path(torch.float16, 64, 30, build=native) == "cpp"
+    assert cpu_forward_path(torch.float32, 64, 30, build=native) == "cpp"
+    assert cpu_forward_path(torch.bfloat16, 64, 30, build="avx512") == "cpp"
+    assert cpu_forward_path(torch.bfloat16, 64, 30, build="") == "blocked"  # no extension
     q32, k32, v32 = make_qkv(1, 6, 2, 30, 90, 64, seed=5)
     monkeypatch.setenv("RETMASK_CPU_PATH", "bf16dot")
+    assert cpu_forward_path(torch.float32, 64, 30, build=native) == "cpp"
     forced = attention(q32, k32, v32, causal=True, return_argmax=True, backend="cpu")
     monkeypatch.setenv("RETMASK_CPU_PATH", "cpp")
     plain = attention(q32, k32, v32, causal=True, return_argmax=True, backend="cpu")

@@ -160,9 +160,9 @@ def test_unknown_build_names_are_refused(monkeypatch):
     # The binding checks the name too (a caller that bypasses cpp_forward), even for an empty batch.
     lib = cpu_backend._library()
     empty = torch.empty(0, 2, 3, 16)
-    args = [cpu_backend._tensor_arg(n, t, lib.codes) for n, t in (("q", empty), ("k", empty), ("v", empty))]
+    args = [cpu_backend.tensor_arg(n, t, lib.codes) for n, t in (("q", empty), ("k", empty), ("v", empty))]
     with pytest.raises(ValueError, match="isa: 'neon' is not a build this CPU can run"):
         lib.module.attention_fwd(
-            *args, cpu_backend._tensor_arg("out", empty, lib.codes), None, None, None, True, 0.25, 64, 64, 1,
+            *args, cpu_backend.tensor_arg("out", empty, lib.codes), None, None, None, True, 0.25, 64, 64, 1,
             isa="neon",
         )  # fmt: skip

@@ -26,13 +26,15 @@ OUT_TOL = {torch.float32: 3e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 
 @pytest.fixture(autouse=True)
 def _triton_cases(request, monkeypatch):
-    """Triton cases poison the kernels' output buffers (NaN / -12345, RETMASK_TRITON_POISON as in
-    test_triton.py), so an element a kernel forgets to write cannot pass."""
+    """Triton cases poison the kernels' output buffers (NaN / -12345, ``triton_common.POISON_OUTPUTS`` as
+    in test_triton.py), so an element a kernel forgets to write cannot pass."""
     callspec = getattr(request.node, "callspec", None)
     params = callspec.params if callspec is not None else {}
     if params.get("backend") != "triton":
         return
-    monkeypatch.setenv("RETMASK_TRITON_POISON", "1")
+    from retmask.kernels import triton_common
+
+    monkeypatch.setattr(triton_common, "POISON_OUTPUTS", True)
 
 
 def loop_attention(q, k, v, *, sm_scale, window, softcap, sinks, key_padding_mask=None):

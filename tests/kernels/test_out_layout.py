@@ -27,8 +27,8 @@ CASES = [
     (1, 4, 4, 20, 20, 16, False, 5, None, None),
     (1, 2, 1, 17, 40, 24, True, 3, None, None),
 ]
-CPU_PATHS = ["cpp", "blocked"] + (["gemm"] if cpu_backend.gemm_available(torch.float32) else [])
-BF16_PATHS = ["cpp", "blocked", *cpu_backend.gemm_paths(torch.bfloat16)]
+CPU_PATHS = ["cpp", "blocked"]
+BF16_PATHS = ["cpp", "blocked", "bf16dot"]
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Triton backend against the reference oracle (runs in the Triton interpreter on CPU-only machines).
 
-Every test poisons the kernels' output buffers (NaN / POISON_INDEX via RETMASK_TRITON_POISON), so an
+Every test poisons the kernels' output buffers (NaN / POISON_INDEX via ``triton_common.POISON_OUTPUTS``), so an
 element a kernel forgets to write shows up as a mismatch. Shapes are tiny because the interpreter is
 slow; the interpreter tile config (BLOCK_M=32, BLOCK_N=16) still makes them span several ragged
 blocks. bf16 is not tested here: ``tl.dot`` on bf16 is wrong in the interpreter (triton#11584).
@@ -22,9 +22,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from retmask.kernels import attention as _attention
-from retmask.kernels import reference_attention, triton_backend, triton_bwd, triton_decode, triton_fwd
+from retmask.kernels import (
+    reference_attention,
+    triton_backend,
+    triton_bwd,
+    triton_common,
+    triton_decode,
+    triton_fwd,
+)
 from retmask.kernels.reference import reference_logits
-from retmask.kernels.triton_common import POISON_ENV, POISON_INDEX, SYNC_FREE_ENV, active_pairs, sync_free
+from retmask.kernels.triton_common import POISON_INDEX, active_pairs, sync_free
 
 from ..device import TEST_DEVICE, on_test_device
 from .helpers import assert_argmax_matches, left_padding_mask, make_qkv
@@ -49,15 +56,15 @@ ARGMAX_ATOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
-    monkeypatch.setenv(POISON_ENV, "1")
-    monkeypatch.delenv(SYNC_FREE_ENV, raising=False)
+    monkeypatch.setattr(triton_common, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(triton_common, "FORCE_SYNC_FREE", False)
 
 
 @pytest.fixture(params=["exact", "sync_free"])
 def grid_mode(request, monkeypatch):
     """Run a head-skipping test with both grid modes (see triton_common.sync_free)."""
     if request.param == "sync_free":
-        monkeypatch.setenv(SYNC_FREE_ENV, "1")
+        monkeypatch.setattr(triton_common, "FORCE_SYNC_FREE", True)
     return request.param
 
 
@@ -276,13 +283,13 @@ def test_active_pairs(monkeypatch):
     exact = active_pairs(skip, 2, 3)
     assert exact.grid == 3 and exact.host_fill and exact.pairs.dtype == torch.int32
     assert exact.pairs.tolist() == [1, 2, 3] and exact.disabled is None
-    monkeypatch.setenv(SYNC_FREE_ENV, "1")
+    monkeypatch.setattr(triton_common, "FORCE_SYNC_FREE", True)
     free = active_pairs(skip, 2, 3)  # every pair in natural order; the kernels read the flags themselves
     assert free.grid == 6 and not free.host_fill and free.pairs is None
     assert free.disabled.tolist() == [True, False, False, False, True, True]
     none = active_pairs(None, 2, 3)
     assert none.pairs is None and none.disabled is None and none.grid == 6 and not none.host_fill
-    monkeypatch.delenv(SYNC_FREE_ENV)
+    monkeypatch.setattr(triton_common, "FORCE_SYNC_FREE", False)
     forced = active_pairs(skip, 2, 3, always_sync_free=True)  # decode's grid, whatever the mode
     assert forced.grid == 6 and not forced.host_fill and forced.disabled.tolist() == free.disabled.tolist()
 
@@ -294,7 +301,7 @@ def test_grid_mode_is_sync_free_while_a_cuda_graph_is_captured(monkeypatch):
     assert not sync_free(cpu) and not sync_free(cuda) and not sync_free()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert sync_free(cuda) and not sync_free(cpu)
-    monkeypatch.setenv(SYNC_FREE_ENV, "1")
+    monkeypatch.setattr(triton_common, "FORCE_SYNC_FREE", True)
     assert sync_free(cpu) and sync_free()
 
 
@@ -494,7 +501,6 @@ def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
     D = 64, 128, 256 with sliding window + soft-capping + sinks) are recorded here and compiled for
     sm_90 by ptxas in a process without TRITON_INTERPRET."""
     import json
-    import os
     import subprocess
     import sys
     from dataclasses import asdict
@@ -580,7 +586,7 @@ def test_launch_grids_cover_only_enabled_heads():
     assert "_fwd_kernel" not in grids(torch.ones(B, Hq, dtype=torch.bool))  # nothing enabled: no launch
 
     # Sync-free mode: one program per pair (disabled ones only write their fixed outputs), no host sync.
-    os.environ[SYNC_FREE_ENV] = "1"
+    triton_common.FORCE_SYNC_FREE = True
     try:
         for skip in (half, torch.ones(B, Hq, dtype=torch.bool)):
             g = grids(skip)
@@ -589,7 +595,7 @@ def test_launch_grids_cover_only_enabled_heads():
             for kernel in ("_decode_partial_kernel", "_bwd_dkdv_kernel"):
                 assert g[kernel][1] == B * Hkv, kernel
     finally:
-        del os.environ[SYNC_FREE_ENV]
+        triton_common.FORCE_SYNC_FREE = False
 
 
 def test_decode_large_group_mqa(grid_mode):

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
+from retmask import kernels
 from retmask.hf.layers import head_layout
 from retmask.hf.loading import max_context
 from retmask.hf.precision import training_autocast
 from retmask.hf.taps import tap_qk
-from retmask.kernels import backward_choice
 from retmask.methods.mudaf.config import MuDAFConfig
 from retmask.methods.mudaf.loss import Head, combine, contrastive_loss
 from retmask.methods.mudaf.mdqa import MDQAError, MDQAExample, build_prompt, example_from_json
@@ -296,10 +296,7 @@ def train_mudaf(
         "seconds": round(seconds, 2),
         "seconds_per_step": round(seconds / max(step, 1), 3),
         "log": log,
-        # the measured CPU choices this run used: how the attention backward ran, per case
-        "cpu_decisions": {
-            "attention_backward": {name: d["choice"] for name, d in backward_choice.decisions().items()}
-        },
+        "kernels": kernels.describe(),  # the machine, and the path each kind of call took on it
         **(extra_record or {}),
     }  # fmt: skip
     atomic_write_json(out / "mudaf_train.json", record)

@@ -16,13 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from retmask import kernels
 from retmask.hf.loading import ModelLoadError, check_device, load_model
-from retmask.kernels import backward_choice, linear_cpu
 from retmask.methods.retmask.fused_head import (
     check_positions,
     cpu_lm_head,
     labelled_positions_only,
-    lm_head_impl,
 )
 from retmask.methods.retmask.pairs import Pairs, drop_unfinished, read_pairs_file
 from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
@@ -89,11 +88,7 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
     }  # fmt: skip
     if lm_head is not None:
         summary["lm_head"] = lm_head  # who computed the fused LM head's log-probabilities on the CPU
-    # the measured CPU choices this run used: fp32 linear backends, how the attention backward ran
-    summary["cpu_decisions"] = {
-        "linears": {name: d["backend"] for name, d in linear_cpu.decisions().items()},
-        "attention_backward": {name: d["choice"] for name, d in backward_choice.decisions().items()},
-    }
+    summary["kernels"] = kernels.describe()  # the machine, and the path each kind of call took on it
     (out / "retmask_train.json").write_text(json.dumps(summary, indent=1))
     return result
 
@@ -116,8 +111,7 @@ def train_dpo(
 
     cfg = cfg or TrainConfig()
     check_positions(cfg.lm_head_positions)  # before loading anything, like the pairs file
-    lm_head_impl()  # a bad $RETMASK_LM_HEAD or $RETMASK_CPU_ATTN_BWD fails here too, not at the first step
-    backward_choice.forced()
+    kernels.check_settings()  # a bad $RETMASK_* setting fails here, not at the first step
     pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen", "rejected"))  # before loading: fails fast
     if model is None:
         model, tokenizer = load_model(model_spec)
@@ -158,7 +152,7 @@ def train_sft(
     from trl import SFTConfig, SFTTrainer
 
     cfg = cfg or TrainConfig()
-    backward_choice.forced()  # a bad $RETMASK_CPU_ATTN_BWD fails before any loading
+    kernels.check_settings()  # a bad $RETMASK_* setting fails before any loading
     pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen",))
     if model is None:
         model, tokenizer = load_model(model_spec)

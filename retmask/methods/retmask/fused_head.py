@@ -15,22 +15,20 @@ to one length. For SmolLM2-135M (49K vocabulary) on a 2-core CPU the head was 42
 computation on fewer rows of the same GEMM; the skipped ones were masked to zero either way.
 
 :func:`cpu_lm_head` (also entered by ``retmask train``) runs the head itself on CPU tensors with
-``retmask.kernels.logprob_cpu.CPUChunkedLogProb`` instead of TRL's kernel, whose torch fallback for
-devices without Triton spends most of its time outside the GEMMs (see that module).
-``RETMASK_LM_HEAD=trl`` keeps TRL's.
+``retmask.cpu_speedups.logprob.CPUChunkedLogProb`` instead of TRL's kernel, whose torch fallback for
+devices without Triton spends most of its time outside the GEMMs (see that module). With the CPU
+speed-ups off (``RETMASK_CPU_SPEEDUPS=0``) TRL's stays.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 # "labelled": the compact path on a CPU (default); "all": TRL's own choice for the device.
 LM_HEAD_POSITIONS = ("labelled", "all")
-LM_HEAD_ENV = "RETMASK_LM_HEAD"
 LM_HEAD_IMPLS = ("retmask", "trl")  # who computes the head's log-probabilities on CPU tensors
 
 
@@ -97,19 +95,18 @@ def _same_contract(function: Any) -> bool:
 
 
 def lm_head_impl() -> str:
-    """``$RETMASK_LM_HEAD`` (``retmask``, the default, or ``trl``); ValueError naming the variable
-    for anything else."""
-    value = os.environ.get(LM_HEAD_ENV, "retmask").strip().lower() or "retmask"
-    if value not in LM_HEAD_IMPLS:
-        raise ValueError(f"{LM_HEAD_ENV}={value!r}: must be one of {LM_HEAD_IMPLS}")
-    return value
+    """``retmask`` while the CPU speed-ups are on (the default), ``trl`` with ``RETMASK_CPU_SPEEDUPS=0``;
+    ValueError naming the variable for a bad value."""
+    from retmask import cpu_speedups
+
+    return "retmask" if cpu_speedups.enabled() else "trl"
 
 
 @contextlib.contextmanager
 def cpu_lm_head(impl: str | None = None) -> Iterator[str]:
     """Inside the block, TRL's fused LM head computes on CPU tensors with retmask's
     ``CPUChunkedLogProb`` (same arguments, outputs and gradients as TRL's kernel); other devices keep
-    TRL's. ``impl``: ``"retmask"`` or ``"trl"`` (nothing changed); default ``$RETMASK_LM_HEAD``.
+    TRL's. ``impl``: ``"retmask"`` or ``"trl"`` (nothing changed); default ``lm_head_impl()``.
     Yields the implementation in effect: ``"trl"`` also where this TRL has no such kernel to replace or
     one with other arguments.
     Undone on exit, exceptions included."""
@@ -122,7 +119,7 @@ def cpu_lm_head(impl: str | None = None) -> Iterator[str]:
         yield "trl"
         return
     trl_utils = switch[0]
-    from retmask.kernels.logprob_cpu import CPUChunkedLogProb
+    from retmask.cpu_speedups.logprob import CPUChunkedLogProb
 
     class OnCPU:
         """TRL's ``_ChunkedLogProbFunction`` seen by its fused forward: retmask's on CPU tensors."""

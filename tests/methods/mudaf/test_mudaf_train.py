@@ -186,15 +186,15 @@ def test_command_samples_heads_and_errors(tmp_path, mdqa_examples, bpe_tokenizer
     assert cli_main(["mudaf-train", "--data", str(data), "--model", str(folder), "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
 
-    assert "attention_backward" in read_record(out)["cpu_decisions"]
+    assert read_record(out)["kernels"]["attention"]["cpu float32 backward"]["path"] == "kernel"
 
 
-def test_bad_attention_backward_override_fails_before_loading(tmp_path, mdqa_examples, monkeypatch, capsys):
-    monkeypatch.setenv("RETMASK_CPU_ATTN_BWD", "bf16")
+def test_bad_cpu_setting_fails_before_loading(tmp_path, mdqa_examples, monkeypatch, capsys):
+    monkeypatch.setenv("RETMASK_CPU_PATH", "gemm")
     data = write_mdqa(mdqa_examples[:2], tmp_path / "train.jsonl")
     rc = cli_main(["mudaf-train", "--data", str(data), "--model", str(tmp_path / "no-model"), "--out",
                    str(tmp_path / "run"), "--vanilla-sft"])  # fmt: skip
-    assert rc == 2 and "RETMASK_CPU_ATTN_BWD" in capsys.readouterr().err  # the model path was never read
+    assert rc == 2 and "RETMASK_CPU_PATH" in capsys.readouterr().err  # the model path was never read
 
 
 def test_bf16_autocast_tracks_float32(tmp_path, mdqa_examples, bpe_tokenizer):

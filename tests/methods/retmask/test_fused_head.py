@@ -104,7 +104,7 @@ def test_cpu_lm_head_runs_retmask_kernel_with_trl_values_and_gradients(fused_mod
     log-probabilities, loss and gradients as TRL's kernel (fp32), and the switch is undone."""
     import trl.trainer.utils as trl_utils
 
-    import retmask.kernels.logprob_cpu as lp
+    import retmask.cpu_speedups.logprob as lp
     from retmask.methods.retmask.fused_head import cpu_lm_head
 
     calls: list[int] = []
@@ -130,14 +130,15 @@ def test_cpu_lm_head_runs_retmask_kernel_with_trl_values_and_gradients(fused_mod
 def test_cpu_lm_head_choice_and_errors(monkeypatch):
     import trl.trainer.utils as trl_utils
 
-    from retmask.methods.retmask.fused_head import LM_HEAD_ENV, cpu_lm_head, lm_head_impl
+    from retmask.methods.retmask.fused_head import cpu_lm_head, lm_head_impl
 
     before = trl_utils._ChunkedLogProbFunction
-    monkeypatch.setenv(LM_HEAD_ENV, "trl")
+    assert lm_head_impl() == "retmask"
+    monkeypatch.setenv("RETMASK_CPU_SPEEDUPS", "0")  # the CPU speed-ups off: TRL's head
     with cpu_lm_head() as impl:
         assert impl == "trl" and trl_utils._ChunkedLogProbFunction is before
-    monkeypatch.setenv(LM_HEAD_ENV, "liger")
-    with pytest.raises(ValueError, match="RETMASK_LM_HEAD='liger'"):
+    monkeypatch.setenv("RETMASK_CPU_SPEEDUPS", "liger")
+    with pytest.raises(ValueError, match="RETMASK_CPU_SPEEDUPS='liger'"):
         lm_head_impl()
     with pytest.raises(ValueError, match="'retmask', 'trl'"):
         with cpu_lm_head("fast"):

@@ -183,7 +183,10 @@ def test_train_refuses_to_replace_an_earlier_model(pairs_file, tmp_path, capsys)
     assert (out / "model.safetensors").read_bytes() == b"earlier model"
 
 
-@pytest.mark.parametrize(("env", "value"), [("RETMASK_CPU_ATTN_BWD", "bf16"), ("RETMASK_LM_HEAD", "liger")])
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [("RETMASK_CPU_PATH", "gemm"), ("RETMASK_CPU_SPEEDUPS", "fast"), ("RETMASK_CPU_ISA", "sse9")],
+)
 def test_bad_cpu_override_fails_before_training(
     tiny_dir, pairs_file, tmp_path, monkeypatch, capsys, env, value
 ):

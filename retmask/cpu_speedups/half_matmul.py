@@ -21,8 +21,9 @@ from functools import cache
 
 import torch
 
-from .cpuinfo import cpu_flags
-from .linear_cpu import linear, ordinary_dispatch
+from retmask.kernels.cpuinfo import cpu_flags
+
+from .linear import linear, ordinary_dispatch
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Fewer input rows than this keep torch's own half-precision linear: its emulated matrix-vector products
@@ -74,7 +75,7 @@ class HalfProducts:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [n, k] @ weight [c, k]^T (+ bias [c]) -> [n, c] in the compute dtype; operands from
-        ``operand``. float32 products take the backend ``linear_cpu`` measured faster on this machine."""
+        ``operand``. float32 products take the backend ``linear`` measured faster on this machine."""
         if not self.emulated:
             return linear(x, weight, bias)
         with torch.autocast("cpu", enabled=False):  # autocast would cast the fp32 operands back to half

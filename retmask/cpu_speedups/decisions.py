@@ -1,8 +1,7 @@
 """Decisions measured on this machine: in memory for the process, and in one JSON file per kind of
 decision under the cache folder.
 
-Both CPU autotuners (the attention path, ``cpu_autotune``; the fp32 linear backend, ``linear_cpu``) time
-their candidates once per case and keep the result: a later process on the same machine reuses it
+The fp32 linear backend (``linear``) times its candidates once per case and keeps the result: a later process on the same machine reuses it
 instead of measuring again. The file holds ``{"format": F, "machines": {key: {"machine": {...}, "cases":
 {case name: decision}}}}``; the key hashes what the decision is valid for (CPU model and flags, torch
 version, ...), so a cache folder shared between machines (a network home) keeps each machine's own
@@ -20,8 +19,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from .env import setting
 
 log = logging.getLogger("retmask.kernels")
 
@@ -148,12 +145,3 @@ def interleaved_medians(
         if n >= max_calls or (n >= min_calls and time.perf_counter() - start > budget_s):
             break
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}, n
-
-
-def forced_choice(env: str, choices: tuple[str, ...]) -> str:
-    """``$env`` (default ``"auto"``, the first of ``choices``): what the user forced instead of measuring;
-    ValueError naming the variable and the choices for anything else."""
-    value = setting(env) or "auto"
-    if value not in choices:
-        raise ValueError(f"${env} must be one of {list(choices)}, got {value!r}; unset it to measure")
-    return value

@@ -1,13 +1,11 @@
 """float32 linear layers on the CPU: torch's BLAS or oneDNN, whichever this machine runs faster.
 
 Why. torch's CPU ``F.linear`` in float32 calls the BLAS torch was built with (MKL in the x86 wheels),
-while bf16 and fp16 linears already go to oneDNN. MKL's sgemm runs AVX2 code on AMD CPUs; on a core with
-full-width AVX-512 (AMD Zen 5) that is half the FMA rate, while oneDNN JIT-compiles its fp32 inner
-product for the AVX-512 the CPU reports. On a 2-core Zen 5 EPYC a [3000 x 576] x [576 x 1536] linear ran
-at 200 GFLOP/s through MKL and 490 through oneDNN; on Zen 4, whose AVX-512 runs at the AVX2 rate, the
-two are close, and on Intel CPUs MKL is at home. So which backend is faster is a property of the
-machine, and it is measured there, once per case, and cached (as the attention path is,
-``cpu_autotune``):
+while bf16 and fp16 linears already go to oneDNN. MKL's sgemm runs AVX2 code on AMD CPUs, half the FMA
+rate of a core with full-width AVX-512, while oneDNN JIT-compiles its fp32 inner product for the
+instruction set the CPU reports; on other CPUs MKL is at home, and the winner also changes with the
+layer's shape. So which backend is faster is a property of the machine, measured there once per case
+and cached (the measurements: bench/RESULTS.md, "fp32 linears"):
 
 * A :class:`LinearCase` is (out features, in features, bias, kind, threads) with kind "gemv" (one input
   row: a matrix-vector product, other kernels), "gemm" (more rows), "backward" (the two products of the
@@ -18,16 +16,15 @@ machine, and it is measured there, once per case, and cached (as the attention p
 * oneDNN replaces torch's linear only at <= ``ONEDNN_MAX_RATIO`` of its time: on a near tie torch's stays.
 * oneDNN must first agree with torch's linear on the proxy (max |difference| within ``AGREE_TOL`` of
   the output's scale, as two fp32 summation orders do) or it is rejected on that machine, with a warning.
+* The decisions are kept in ``<cache>/cpu_linears.json`` (``decisions.py``) under a key of the CPU
+  (model, family, flags), torch and oneDNN versions: another machine or torch measures again; deleting
+  the file is safe. Where oneDNN is unavailable, or the speed-ups are off, torch's linear runs.
 
 Only plain float32 CPU calls are concerned: another dtype or device, an input or weight that is not a
 plain tensor, CPU autocast (which must see ``F.linear`` to cast it), ``torch.compile`` tracing, a
 dispatch or function mode, a functorch transform or forward-mode AD all go to ``F.linear`` unchanged.
 The gradient is exact either way (the same products, another summation order); there is no double
-backward through oneDNN.
-
-``RETMASK_CPU_LINEAR=torch|onednn`` forces a backend for every such call (``auto``, the default,
-measures); the test suite pins ``torch``. :func:`decisions` lists what this process used, for run records
-and benchmark pages.
+backward through oneDNN. :func:`decisions` lists what this process used, for run records and pages.
 """
 
 from __future__ import annotations
@@ -40,11 +37,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .cpuinfo import cpu_identity
-from .decision_cache import DecisionCache, DecisionStore, forced_choice, interleaved_medians
+from retmask.kernels.cpuinfo import cpu_identity
 
-LINEAR_ENV = "RETMASK_CPU_LINEAR"
-LINEAR_CHOICES = ("auto", "torch", "onednn")
+from . import enabled
+from .decisions import DecisionCache, DecisionStore, interleaved_medians
+
+BACKENDS = ("torch", "onednn")
 ONEDNN_MAX_RATIO = 0.9
 PROXY_ROWS = {"gemv": 1, "gemm": 128, "backward": 256, "backward-long": 1024}
 LONG_BACKWARD_ROWS = 1024
@@ -69,11 +67,6 @@ class LinearCase(NamedTuple):
         return (
             f"{self.out_features}x{self.in_features} bias={int(self.bias)} {self.kind} threads={self.threads}"
         )
-
-
-def forced_backend() -> str:
-    """``$RETMASK_CPU_LINEAR`` (default ``auto``); ValueError naming the variable for anything else."""
-    return forced_choice(LINEAR_ENV, LINEAR_CHOICES)
 
 
 @cache
@@ -223,7 +216,7 @@ _store = DecisionStore(
     DecisionCache(
         CACHE_FILE,
         _FORMAT,
-        valid=lambda d: d.get("backend") in LINEAR_CHOICES[1:],
+        valid=lambda d: d.get("backend") in BACKENDS,
         what="the linear backend cache",
     ),
     _describe_machine,
@@ -326,16 +319,10 @@ def choose(case: LinearCase, run: Runner = run_backend) -> dict[str, Any]:
 
 
 def backend_for(case: LinearCase) -> str:
-    """The backend, "torch" or "onednn", for a call of ``case``: forced by ``$RETMASK_CPU_LINEAR``, or
-    "torch" where oneDNN is unavailable, or the (memoised) decision."""
-    forced = forced_backend()
-    if forced == "onednn" and not onednn_available():
-        raise RuntimeError(
-            f"${LINEAR_ENV}=onednn, but this torch ({torch.__version__}) has no working oneDNN fp32 linear "
-            f"(torch.ops.mkldnn._linear_pointwise); unset ${LINEAR_ENV} or set it to torch"
-        )
-    if forced != "auto":
-        return forced
+    """The backend, "torch" or "onednn", for a call of ``case``: "torch" when the CPU speed-ups are off
+    (``$RETMASK_CPU_SPEEDUPS=0``) or oneDNN is unavailable, else the (memoised) decision."""
+    if not enabled():
+        return "torch"
     backend = _backends.get(case)
     if backend is None:
         backend = _backends[case] = choose(case)["backend"] if onednn_available() else "torch"

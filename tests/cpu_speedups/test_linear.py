@@ -1,8 +1,6 @@
-"""float32 CPU linears on oneDNN or torch's BLAS (retmask.kernels.linear_cpu): the oneDNN products against
+"""float32 CPU linears on oneDNN or torch's BLAS (retmask.cpu_speedups.linear): the oneDNN products against
 a float64 reference (forward and every gradient, awkward shapes and layouts), which calls are left to
-F.linear, the measured decision (fake clock), its disk cache and the override variable.
-
-The suite pins ``RETMASK_CPU_LINEAR=torch`` (conftest); these tests set what they need themselves.
+F.linear, the measured decision (fake clock), its disk cache and the switch that turns it off.
 """
 
 from __future__ import annotations
@@ -14,20 +12,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from retmask.kernels import decision_cache, linear_cpu
+from retmask.cpu_speedups import decisions as decision_cache
+from retmask.cpu_speedups import linear as linear_cpu
 
 from . import fake_clock
 
 
 @pytest.fixture
 def onednn(monkeypatch):
-    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "onednn")
+    """Every case decided for oneDNN (what the measurement picks where it is faster)."""
+    monkeypatch.setattr(linear_cpu, "_backends", _AlwaysOneDNN())
+
+
+class _AlwaysOneDNN(dict):
+    def get(self, case, default=None):
+        return "onednn"
 
 
 @pytest.fixture
 def auto(monkeypatch, tmp_path):
-    """``auto`` mode, an empty cache folder, no decisions in memory (before and after)."""
-    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "auto")
+    """The default (measured) mode, an empty cache folder, no decisions in memory (before and after)."""
+    monkeypatch.delenv("RETMASK_CPU_SPEEDUPS", raising=False)
     monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
     linear_cpu.clear_memory()
     yield tmp_path / "cache" / linear_cpu.CACHE_FILE
@@ -142,23 +147,24 @@ def test_other_calls_go_to_f_linear(onednn, monkeypatch):
     torch.testing.assert_close(grad_w, x.reshape(-1, 8).sum(0).expand(4, 8))
 
 
-def test_forced_torch_never_calls_onednn(monkeypatch):
-    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "torch")
+def test_speedups_off_never_calls_onednn(monkeypatch):
+    monkeypatch.setenv("RETMASK_CPU_SPEEDUPS", "0")
     monkeypatch.setattr(linear_cpu, "_onednn_forward", lambda *a: pytest.fail("oneDNN called"))
     x, w, b = _inputs((3, 5), 8, 4, True, seed=8)
     assert torch.equal(linear_cpu.linear(x, w, b), F.linear(x, w, b))
 
 
-def test_bad_override_names_the_variable(monkeypatch):
-    monkeypatch.setenv(linear_cpu.LINEAR_ENV, "mkl")
-    with pytest.raises(ValueError, match=r"RETMASK_CPU_LINEAR.*auto.*torch.*onednn"):
+def test_bad_switch_names_the_variable(monkeypatch):
+    monkeypatch.setenv("RETMASK_CPU_SPEEDUPS", "mkl")
+    with pytest.raises(ValueError, match=r"RETMASK_CPU_SPEEDUPS='mkl'.*1.*0"):
         linear_cpu.linear(torch.randn(2, 3), torch.randn(4, 3))
 
 
-def test_forced_onednn_without_onednn_is_an_error(onednn, monkeypatch):
+def test_without_onednn_torch_runs(auto, monkeypatch):
     monkeypatch.setattr(linear_cpu, "onednn_available", lambda: False)
-    with pytest.raises(RuntimeError, match="RETMASK_CPU_LINEAR=onednn"):
-        linear_cpu.linear(torch.randn(2, 3), torch.randn(4, 3))
+    monkeypatch.setattr(linear_cpu, "_onednn_forward", lambda *a: pytest.fail("oneDNN called"))
+    x, w = torch.randn(2, 3), torch.randn(4, 3)
+    assert torch.equal(linear_cpu.linear(x, w), F.linear(x, w))
 
 
 # ---- the decision -------------------------------------------------------------------------------------

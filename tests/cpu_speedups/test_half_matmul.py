@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import retmask.kernels.half_matmul as hm
+import retmask.cpu_speedups.half_matmul as hm
 
 
 @pytest.fixture

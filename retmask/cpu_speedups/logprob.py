@@ -104,7 +104,7 @@ def _logits_tile(
 ) -> torch.Tensor:
     """hidden_c [n, H] @ weight_c [c, H]^T (+ bias_c [c]) -> [n, c] in the compute dtype (operands from
     ``products.operand``): oneDNN in bf16 / fp16 where the CPU has native kernels, fp32 products rounded
-    to the compute dtype elsewhere, and in fp32 the backend ``linear_cpu`` measured faster here."""
+    to the compute dtype elsewhere, and in fp32 the backend ``linear`` measured faster here."""
     return products.linear(hidden_c, weight_c, bias_c)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import retmask.kernels.logprob_cpu as lp
-from retmask.kernels.logprob_cpu import CPUChunkedLogProb
+import retmask.cpu_speedups.logprob as lp
+from retmask.cpu_speedups.logprob import CPUChunkedLogProb
 
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 FLOAT_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
@@ -205,7 +205,7 @@ def test_a_one_tile_call_keeps_its_logits_for_the_backward(monkeypatch, small_ti
 def half_products(request, monkeypatch):
     """Run bf16 / fp16 products as if the CPU had native half-precision GEMMs or not (both work on any
     CPU; the native one is slow where torch emulates it, so shapes stay small)."""
-    import retmask.kernels.half_matmul as hm
+    import retmask.cpu_speedups.half_matmul as hm
 
     monkeypatch.setattr(hm, "native_half_matmul", lambda dtype: request.param == "native")
     return request.param
@@ -263,7 +263,7 @@ def test_bfloat16_emulated_products_equal_native_ones_up_to_summation_order(monk
     """The emulated products are the native ones' numbers: every gradient element is equal or one bf16
     rounding step apart (the fp32 sums, in another order, fall on the other side of a rounding edge
     only rarely), and the forward outputs agree to fp32 rounding of those."""
-    import retmask.kernels.half_matmul as hm
+    import retmask.cpu_speedups.half_matmul as hm
 
     h, w, b, t = inputs(31, 24, 500, True, seed=12)
     results = {}

@@ -1,0 +1,64 @@
+"""``retmask env``: this machine, and the code path each kind of attention call takes on it.
+
+Register with ``retmask.commands.env.add_parser(subparsers)``; the parser's ``func`` default runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from retmask.commands.common import reports_errors
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``env`` sub-command to an ``argparse`` sub-parsers object and return its parser."""
+    p = subparsers.add_parser(
+        "env",
+        help="print the machine (CPU, flags, kernel build, versions, GPU) and the path of every kind of call",
+        description=(
+            "Print what retmask runs on this machine: the CPU model and its SIMD flags, the kernel build it "
+            "runs, the versions of torch, transformers, TRL and Triton, the GPU if any, the RETMASK_* "
+            "settings in effect, and for each kind of attention call the project makes (prefill, chunk, "
+            "verification, decode, backward; per dtype) the path it takes and why, and whether the CPU "
+            "speed-ups (linears, LM head) are on. Run records of detect and training embed the same "
+            "description. Include its output when you report a bug or a speed."
+        ),
+    )
+    p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.set_defaults(func=run)
+    return p
+
+
+def _lines(description: dict[str, Any]) -> list[str]:
+    lines = ["machine:"]
+    for key, value in description["machine"].items():
+        shown = " ".join(value) if isinstance(value, list) else value
+        lines.append(f"  {key:18} {shown}")
+    lines.append("settings:")
+    for key, value in description["settings"].items():
+        lines.append(f"  {key:22} {value or '(unset)'}")
+    lines.append("attention path by kind of call:")
+    for kind, entry in description["attention"].items():
+        lines.append(f"  {kind:46} {entry['path']:10} {entry['why']}")
+    lines.append("cpu speed-ups:")
+    for key, value in description["cpu_speedups"].items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}: {v}" for k, v in value.items()) or "(none decided in this process)"
+        lines.append(f"  {key:24} {value}")
+    return lines
+
+
+@reports_errors(interrupt_hint=None)
+def run(args: argparse.Namespace) -> int:
+    from retmask.kernels import describe
+
+    try:
+        description = describe()
+    except ValueError as err:  # a bad RETMASK_* setting
+        print(f"retmask env: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(description, indent=1) if args.json else "\n".join(_lines(description)))
+    return 0

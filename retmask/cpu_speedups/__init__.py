@@ -1,0 +1,66 @@
+"""CPU training and inference speed-ups that are not attention, behind one switch.
+
+What they are (each is exact: the same numbers as the code it replaces, up to summation order):
+
+* ``linear``: float32 linear layers on torch's BLAS or oneDNN, whichever this machine runs faster for
+  the layer's shape; the one measured choice of the project (measured once per case on a small proxy
+  call, cached in ``<cache>/cpu_linears.json`` under a key of the CPU, torch and oneDNN versions).
+* ``half_matmul``: bf16 / fp16 linears on a CPU without native half-precision GEMMs (where torch emulates
+  them slowly) as fp32 products of the rounded operands, rounded once.
+* ``logprob``: the LM head of DPO training as chunked log-probabilities that never build the
+  ``[tokens, vocab]`` logits (``CPUChunkedLogProb``, in place of TRL's fused head on CPU tensors).
+
+``hf.loading.load_model`` patches a CPU model's linears (``hf.linears.patch_linears``) and ``retmask
+train`` enters the LM head when these are on. ``RETMASK_CPU_SPEEDUPS=0`` turns all of them off: torch's
+linears, TRL's LM head, exactly what a user without retmask runs. ``retmask env`` says which are on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+SWITCH_ENV = "RETMASK_CPU_SPEEDUPS"
+_ON = ("", "1", "on", "true", "yes")
+_OFF = ("0", "off", "false", "no")
+
+
+def enabled() -> bool:
+    """Whether the CPU speed-ups are on: ``$RETMASK_CPU_SPEEDUPS`` unset or 1 (default), off for 0.
+    Raises ValueError naming the variable for any other value."""
+    value = os.environ.get(SWITCH_ENV, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"${SWITCH_ENV}={value!r}: set it to 1 (on, the default) or 0 (off)")
+
+
+def describe() -> dict[str, Any]:
+    """Which CPU speed-ups are on and why, for ``retmask env`` and run records."""
+    on = enabled()
+    if not on:
+        why = f"${SWITCH_ENV}=0"
+        return {"enabled": False, "linears": f"torch's ({why})", "half_precision_linears": f"torch's ({why})",
+                "lm_head": f"TRL's ({why})"}  # fmt: skip
+    from .half_matmul import native_half_matmul
+    from .linear import decisions, onednn_available
+
+    decided = {name: d["backend"] for name, d in decisions().items()}
+    linears = "float32: torch's BLAS or oneDNN, measured per layer shape on this machine"
+    if not onednn_available():
+        linears = "float32: torch's BLAS (this torch has no working oneDNN fp32 linear)"
+    half = (
+        "native (torch's own)"
+        if native_half_matmul(torch.bfloat16)
+        else "fp32 products of the rounded operands"
+    )
+    return {
+        "enabled": True,
+        "linears": linears,
+        "linear_decisions": decided,
+        "half_precision_linears": f"bf16: {half}",
+        "lm_head": "retmask's chunked log-probabilities on CPU tensors (training)",
+    }
