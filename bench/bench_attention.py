@@ -11,15 +11,12 @@ Methods:
                no argmax.
   ours_all     retmask.kernels.attention(backend="cpu", return_argmax=True): argmax of every row.
   ours_last64  the same with argmax_rows=64 (teacher-forced retrieval scoring needs only the last rows).
-  cpp_* / gemm_* / gemm32_* / dot_* / blocked_*   the CPU paths called directly (evidence for the
-               dispatch in kernels/cpu.py): the fused kernel, the same on torch's block GEMM, (fp16 / bf16
-               runs) the same with blocks converted to fp32 for the fp32 GEMM ("gemm_fp32"), (bf16 runs on a
-               build with AVX512-BF16) the fused kernel on bf16 dot products ("bf16dot"), SDPA + a blocked
-               argmax.
+  cpp_* / dot_* / blocked_*   the CPU paths called directly (evidence for the rule of
+               kernels/paths.py): the fused kernel ("cpp"), (bf16 runs on a build with AVX512-BF16) the
+               fused kernel on bf16 dot products ("bf16dot"), SDPA + a blocked argmax ("blocked").
 
-Before the run, the driver asks the CPU backend which path it picks (it measures each kind of call once
-per machine and caches the choice, ``retmask.kernels.cpu_autotune``) for the calls of this benchmark and
-of detection (prefill, prefill chunks, decode, verification) at both shapes; the page lists the decisions.
+The page also lists the path the rule (``retmask.kernels.paths.cpu_forward_path``) gives the calls of this
+benchmark and of detection (prefill, prefill chunks, decode, verification) at both shapes on this machine.
 
 Usage:
   flock /tmp/retmask-heavy.lock python bench/bench_attention.py            # full run (~15 min, 2 cores)
@@ -115,17 +112,16 @@ def _make_fn(method: str, skip_frac: float, q, k, v):
         def fn():
             return attention(q, k, v, skip_heads=skip, return_argmax=True, argmax_rows=T, backend="cpu")
 
-    elif method.startswith(("cpp_", "gemm_", "gemm32_", "dot_", "blocked_")):
+    elif method.startswith(("cpp_", "dot_", "blocked_")):
         path, which = method.split("_", 1)
         T = rows[which]
         skip_b = skip.expand(1, Hq).contiguous() if skip is not None else None
-        if path in ("cpp", "gemm", "gemm32", "dot"):
+        if path in ("cpp", "dot"):
 
             def fn():
                 return cpu_backend.cpp_forward(
                     q, k, v, causal=True, sm_scale=scale, key_padding_mask=None, skip_heads=skip_b,
-                    argmax_rows=T, gemm=path.startswith("gemm"), gemm_fp32=path == "gemm32",
-                    bf16_dot=path == "dot",
+                    argmax_rows=T, bf16_dot=path == "dot",
                 )  # fmt: skip
 
         else:
@@ -245,37 +241,21 @@ DECISION_CALLS = [
 ]
 
 
-def path_decisions(models: list[str], dtype: str, threads: int) -> list[dict[str, Any]]:
-    """The CPU backend's path for each of ``DECISION_CALLS`` at each model's shape, as ``attention`` picks
-    it (measuring now what this machine has not measured before). Runs in the driver, so that the workers
-    read the decisions from the cache instead of measuring inside a timed call."""
+def path_decisions(models: list[str], dtype: str) -> list[dict[str, Any]]:
+    """The CPU forward path of each of ``DECISION_CALLS`` at each model's shape on this machine, by the rule
+    of ``retmask.kernels.paths`` (``$RETMASK_CPU_PATH`` and ``$RETMASK_CPU_ISA`` included)."""
     import torch
 
     from retmask.kernels import cpu as cpu_backend
-    from retmask.kernels import cpu_autotune
+    from retmask.kernels import paths
 
-    torch.set_num_threads(threads)
+    build = cpu_backend.selected_isa()
     rows = []
     for model in models:
-        Hq, Hkv, D = MODELS[model]
-        for label, M, N, argmax_rows in DECISION_CALLS:
-            q = torch.empty(1, Hq, M, D, dtype=getattr(torch, dtype))
-            k = torch.empty(1, Hkv, N, D, dtype=q.dtype)
-            path = cpu_backend.choose_path(
-                q, k, causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=argmax_rows
-            )
-            name = cpu_autotune.case_of(
-                q, k, causal=True, key_padding_mask=None, skip_heads=None, argmax_rows=argmax_rows
-            ).name()
-            d = cpu_autotune.decisions().get(name)
-            ratios = d.get("ratios", {}) if d else {}
-            rows.append({"model": model, "call": label, "path": path, "case": name,
-                         "gemm": f"{ratios['gemm']:.2f}" if "gemm" in ratios else "-",
-                         "gemm_fp32": f"{ratios['gemm_fp32']:.2f}" if "gemm_fp32" in ratios else "-",
-                         "bf16dot": f"{ratios['bf16dot']:.2f}" if "bf16dot" in ratios else "-",
-                         "blocked": f"{ratios['blocked']:.2f}" if "blocked" in ratios else "-",
-                         "rejected": ", ".join(f"{p}: {why}" for p, why in d.get("rejected", {}).items()) if d else "",
-                         "proxy": d["proxy"] if d else "-"})  # fmt: skip
+        _, _, D = MODELS[model]
+        for label, M, _N, _argmax_rows in DECISION_CALLS:
+            path = paths.cpu_forward_path(getattr(torch, dtype), D, M, build=build)
+            rows.append({"model": model, "call": label, "path": path, "why": paths.WHY_CPU[path]})
     return rows
 
 
@@ -470,16 +450,10 @@ def main() -> None:
     t_start = time.time()
     mem_avail = common.mem_available_bytes()
 
-    log("== CPU path decisions (measured once per machine and cached) ==")
-    decisions = path_decisions(args.models, args.dtype, threads)
-    from retmask.kernels import cpu_autotune
-
+    log("== CPU forward path of each kind of call (the rule of retmask/kernels/paths.py) ==")
+    decisions = path_decisions(args.models, args.dtype)
     for d in decisions:
-        log(
-            f"  {d['model']:13s} {d['call']:34s} {d['path']:9s} gemm/cpp {d['gemm']:5s} "
-            f"gemm_fp32/cpp {d['gemm_fp32']:5s} bf16dot/cpp {d['bf16dot']:5s} blocked/cpp {d['blocked']}"
-            + (f"  rejected: {d['rejected']}" if d["rejected"] else "")
-        )
+        log(f"  {d['model']:13s} {d['call']:40s} {d['path']:8s} {d['why']}")
 
     log(f"== main: eager vs SDPA vs ours (causal prefill, B=1, {args.dtype}) ==")
     eager_skipped = []
@@ -507,20 +481,20 @@ def main() -> None:
     paths = []
     if not args.no_paths:
         log(
-            "== CPU path comparison (dispatch evidence): fused C++ vs C++ on torch's GEMM vs blocked torch =="
+            "== CPU path comparison (evidence for the rule): fused C++ vs bf16 dot products vs blocked torch =="
         )
         prefill_ns = [2048, 4096] if not args.quick else [1024]
-        gemm_kinds = ("gemm", "gemm32") if args.dtype != "float32" else ("gemm",)
         from retmask.kernels import cpu as cpu_backend
 
+        kernel_kinds: tuple[str, ...] = ("cpp",)
         if args.dtype == "bfloat16" and cpu_backend.bf16_dot_native():
-            gemm_kinds += ("dot",)  # bf16 dot products: prefill only (never a decode candidate)
+            kernel_kinds += ("dot",)  # bf16 dot products: prefill only (decode stays on cpp)
         for model in args.models:
             for N in prefill_ns:
                 if args.max_n and N > args.max_n:
                     continue
                 for which in ("all", "last64"):
-                    for method in [f"{p}_{which}" for p in ("cpp", *gemm_kinds, "blocked")]:
+                    for method in [f"{p}_{which}" for p in (*kernel_kinds, "blocked")]:
                         paths.append(runner.run(model, N, method, kind="path"))
             for N in [n for n in (2048, 8192, 32768) if not args.max_n or n <= args.max_n]:
                 if args.quick and N > 2048:
@@ -528,7 +502,7 @@ def main() -> None:
                 # Decode: M = 1, argmax of the one row. Up to 8K one call takes well under a millisecond, and
                 # with 2 threads on the shared VM it measures the scheduler's wake-up of the second thread
                 # (4-16 ms when the other core is busy), not the kernel: those run single-threaded.
-                for method in ("cpp_all", *(f"{p}_all" for p in gemm_kinds if p != "dot"), "blocked_all"):
+                for method in ("cpp_all", "blocked_all"):
                     th = 1 if N <= 8192 else None
                     paths.append(runner.run(model, N, method, M=1, repeats=(15, 2), kind="path", threads=th))
 
@@ -555,22 +529,13 @@ def main() -> None:
         common.markdown_table(headers, rows),
         "",
     ]
-    md += ["## Which CPU path the backend picks (measured on this machine, cached)", "",
-           "`retmask.kernels.attention(backend=\"cpu\")` measures, once per machine and kind of call, the fused "
-           "kernel (`cpp`) against the same kernel on torch's block GEMM (`gemm`; in fp16 / bf16 also with blocks "
-           "converted to fp32 for the fp32 GEMM, `gemm_fp32`), in bf16 on a CPU with AVX512-BF16 the fused "
-           "kernel on bf16 dot products (`bf16dot`), and SDPA + a blocked argmax "
-           "scan (`blocked`) on a small proxy call, and takes another path only at <= "
-           f"{cpu_autotune.ALT_MAX_RATIO['gemm']}x the fused kernel's time for the other layouts of the kernel and "
-           f"{cpu_autotune.ALT_MAX_RATIO['blocked']}x for `blocked` (a candidate must first agree with it on "
-           f"that call). An argmax of more than {cpu_autotune.BLOCKED_MAX_ARGMAX_ROWS} rows never takes "
-           "`blocked`, and decode (one query row per head) never takes the block-GEMM paths or `bf16dot` (it streams "
-           "the whole cache, which the in-cache proxy does not; `bf16dot` measured no gain there).", "",
-           common.markdown_table(["model", "call", "path", "gemm / cpp time", "gemm_fp32 / cpp time",
-                                  "bf16dot / cpp time", "blocked / cpp time", "rejected", "proxy"],
-                                 [[d["model"], d["call"], d["path"], d["gemm"], d["gemm_fp32"],
-                                   d.get("bf16dot", "-"), d["blocked"], d["rejected"] or "-", d["proxy"]]
-                                  for d in decisions]),
+    md += ["## Which CPU path each kind of call takes here", "",
+           "`retmask.kernels.attention(backend=\"cpu\")` takes the path the rule of `retmask/kernels/paths.py` "
+           "names: `$RETMASK_CPU_PATH` if set, else `blocked` (SDPA + a blocked argmax scan) without the built "
+           "extension, else `bf16dot` (the fused kernel on native bf16 dot products) for bf16 calls of more than "
+           "one query row with an even head dim on the `avx512bf16` build, else `cpp` (the fused kernel).", "",
+           common.markdown_table(["model", "call", "path", "what"],
+                                 [[d["model"], d["call"], d["path"], d["why"]] for d in decisions]),
            ""]  # fmt: skip
     if eager_skipped:
         md += ["Eager runs skipped because their materialised logits/probabilities would not fit "
@@ -597,10 +562,8 @@ def main() -> None:
             prow.append([r["model"], str(r["N"]), str(r["M"]), str(r["threads"]), r["method"],
                          common.fmt_seconds(r["median"]),
                          common.fmt_ratio(ratio), common.fmt_bytes(r["peak"])])  # fmt: skip
-        md += ["## CPU path comparison (dispatch evidence)", "",
-               "`cpp_*` = fused C++ kernel, `gemm_*` = the same kernel with its block products on torch's block GEMM, "
-               "`gemm32_*` = the same with fp16 / bf16 blocks converted to fp32 for the fp32 GEMM, "
-               "`dot_*` = the fused kernel on bf16 dot products (bf16, AVX512-BF16), "
+        md += ["## CPU path comparison (evidence for the rule)", "",
+               "`cpp_*` = fused C++ kernel, `dot_*` = the fused kernel on bf16 dot products (bf16, AVX512-BF16), "
                "`blocked_*` = SDPA output + key-blocked torch argmax scan; "
                "`_all` = argmax of every row, `_last64` = of the last 64 rows; M = 1 rows are decode steps. "
                "Each path is timed interleaved with SDPA in its own worker.",
@@ -610,7 +573,7 @@ def main() -> None:
     md_path.write_text("\n".join(md))
     (out_prefix.parent / (out_prefix.name + ".json")).write_text(
         json.dumps(
-            {"machine": machine, "dtype": args.dtype, "path_decisions": decisions, "results": runner.results},
+            {"machine": machine, "dtype": args.dtype, "cpu_paths": decisions, "results": runner.results},
             indent=1,
         )  # fmt: skip
     )

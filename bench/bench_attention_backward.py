@@ -1,15 +1,13 @@
-"""Benchmark: the attention backward on the CPU, the C++ kernel (``retmask.kernels.cpu_backward``)
-against PyTorch SDPA's backward (the recompute the CPU kernel's autograd used before it: in the
-inputs' dtype, and for bf16 also on fp32 copies rounded back), and what
-``retmask.kernels.backward_choice`` decides for each shape on this machine.
+"""Benchmark: the attention backward on the CPU, the C++ kernel (``retmask.kernels.cpu_backward``, what
+eager CPU calls take by the rule of ``retmask.kernels.paths``) against PyTorch SDPA's backward (the
+recompute ``ops._sdpa_grads``: in the inputs' dtype, and for bf16 also on fp32 copies rounded back, the
+paths of traced calls).
 
 SmolLM2's attention shape (9 query heads, 3 kv heads, head dim 64) at batch 1 and 4, Llama-3.1-8B's
 (32 / 8, head dim 128) at batch 1, and Gemma-3-270M's sliding-window layers (4 / 1, head dim 256, a window
 of 512 keys; against the query-chunked recompute) at batch 1; causal, square (training), the last batch row right-padded by a
 quarter; fp32 and bf16. All candidates interleaved in one process, median of ``--repeats`` calls; the
-gradients' largest difference from SDPA's fp32 ones, relative to their scale. The decision column is the
-autotuner's own measurement on its proxy call (keys rounded up to a multiple of 64 from 512, capped at
-2,048), made in a fresh cache folder.
+gradients' largest difference from SDPA's fp32 ones, relative to their scale.
 
 Writes bench/results/attention_backward_<cpu kind>.{md,json,png}.
 
@@ -19,10 +17,8 @@ Writes bench/results/attention_backward_<cpu kind>.{md,json,png}.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,11 +35,26 @@ from common import (  # noqa: E402
     write_page,
 )
 
-from retmask.kernels import backward_choice, cpu_backward, ops  # noqa: E402
+from retmask.kernels import cpu, cpu_backward, ops  # noqa: E402
+from retmask.kernels.chunked import chunked_grads  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128), "Gemma-3-270M": (4, 1, 256)}
 GEMMA_WINDOW = 512  # Gemma-3's sliding-window layers (5 of every 6)
+
+
+def grads_by(choice: str, call: dict) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of ``call`` by ``choice``: the C++ backward ("kernel"), or a recompute: the query-row
+    chunks with a window (which SDPA cannot express without an [M, N] mask), else SDPA in the dtype
+    ("native") or on fp32 copies ("fp32")."""
+    kwargs = {name: call[name] for name in ("causal", "sm_scale", "key_padding_mask")}
+    args, window = (call["grad_out"], call["q"], call["k"], call["v"]), call["window"]
+    if choice == "kernel":
+        return cpu_backward.backward(*args, skip_heads=None, window=window, **kwargs)
+    if window is not None:
+        grads = chunked_grads(*args, skip_heads=None, window=window, softcap=None, sinks=None, **kwargs)
+        return grads[:3]
+    return ops._sdpa_grads(*args, skip_heads=None, fp32=choice == "fp32", **kwargs)
 
 
 def cell(
@@ -63,7 +74,7 @@ def cell(
 
     def timed(choice: str) -> float:
         start = time.perf_counter()
-        results[choice] = ops._proxy_grads(choice, call)
+        results[choice] = grads_by(choice, call)
         return time.perf_counter() - start
 
     names = ["kernel", "native"] + (["fp32"] if dtype != torch.float32 and window is None else [])
@@ -74,14 +85,12 @@ def cell(
                   for a, b in zip(results[name], exact, strict=True))
         for name in names if results[name] is not exact
     }  # fmt: skip
-    case = backward_choice.case_of(q, k, True, True, window)
     seconds = {name: statistics.median(t) for name, t in times.items()}
     return {
         "model": model + (f" window {window}" if window else ""), "dtype": str(dtype).removeprefix("torch."),
         "batch": batch, "keys": keys,
         "seconds": seconds, "kernel_over_best_sdpa": seconds["kernel"] / min(seconds[n] for n in names[1:]),
         "max_rel_grad_diff_vs_sdpa_fp32": diff,
-        "decision": backward_choice.choice_for(case, ops._proxy_grads, kernel=True), "case": case.name(),
     }  # fmt: skip
 
 
@@ -112,14 +121,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    if not cpu_backward.available():
-        raise SystemExit(
-            "retmask._C has no attention backward: rebuild it (pip install --no-build-isolation -e .)"
-        )
+    if not cpu.cpp_available():
+        raise SystemExit("retmask._C is not built: build it (pip install --no-build-isolation -e .)")
     machine = machine_description()
     stem = args.out or RESULTS / f"attention_backward_{cpu_kind(machine)}"
-    os.environ[backward_choice.CHOICE_ENV] = "auto"
-    os.environ["RETMASK_CACHE"] = tempfile.mkdtemp(prefix="retmask-bwd-")  # decide afresh, not from a cache
     plan = [("SmolLM2", b, n) for b in (1, 4) for n in args.keys if b == 1 or n <= args.batch4_max_keys]
     plan += [("Llama-3.1-8B", 1, n) for n in args.llama_keys]
     plan += [("Gemma-3-270M", 1, n) for n in args.gemma_keys]
@@ -135,7 +140,7 @@ def main() -> None:
 
     rows = [
         [c["model"], c["dtype"], str(c["batch"]), str(c["keys"]), ms(c, "native"), ms(c, "fp32"), ms(c, "kernel"),
-         f"{c['kernel_over_best_sdpa']:.2f}x", f"{c['max_rel_grad_diff_vs_sdpa_fp32']['kernel']:.1e}", c["decision"]]
+         f"{c['kernel_over_best_sdpa']:.2f}x", f"{c['max_rel_grad_diff_vs_sdpa_fp32']['kernel']:.1e}"]
         for c in cells
     ]  # fmt: skip
     title = f"Attention backward on the CPU: C++ kernel vs SDPA ({cpu_label(machine)})"
@@ -152,12 +157,11 @@ def main() -> None:
         f"`retmask.kernels.cpu_backward` (fp32 inside, rounded once). Median of {args.repeats} interleaved calls. "
         "`kernel / best` = the kernel's time over the faster SDPA variant's. `Δ` = the kernel's largest gradient "
         "difference from SDPA fp32's (fp32 and windows: the recompute's in the dtype), relative to the gradient's "
-        "scale. `auto` = what "
-        "`backward_choice` decides on its own proxy call for that case (keys capped at "
-        f"{backward_choice.MAX_KEYS}). Separate measurements of one cell move by 10-15% on this machine.",
+        "scale. Eager CPU calls take the kernel (`retmask/kernels/paths.py`); traced bf16 calls SDPA fp32. "
+        "Separate measurements of one cell move by 10-15% on this machine.",
         "",
         markdown_table(
-            ["model", "dtype", "batch", "keys", "SDPA", "SDPA fp32", "kernel", "kernel / best", "Δ", "auto"],
+            ["model", "dtype", "batch", "keys", "SDPA", "SDPA fp32", "kernel", "kernel / best", "Δ"],
             rows,
         ),
         "",

@@ -31,6 +31,7 @@ from common import cpu_kind, cpu_label, dtype_suffix, gpu_slug, machine_descript
 
 import retmask  # noqa: E402
 from retmask.commands.argtypes import positive_int  # noqa: E402
+from retmask.cpu_speedups import linear as cpu_linear  # noqa: E402
 from retmask.detect import FastDetector, oracle_detect, stop_token_ids  # noqa: E402
 from retmask.detect.answers import earlier_answers, prefix_order  # noqa: E402
 from retmask.detect.prefill_chunk import resolve_prefill_chunk  # noqa: E402
@@ -38,7 +39,7 @@ from retmask.detect.run import RECALL_THRESHOLD, environment  # noqa: E402
 from retmask.detect.scores import head_scores, mean_matrix  # noqa: E402
 from retmask.heads.compare import compare_scores, score_table  # noqa: E402
 from retmask.hf.linears import torch_linears  # noqa: E402
-from retmask.kernels import cpu_autotune, linear_cpu  # noqa: E402
+from retmask.kernels import describe as describe_kernels  # noqa: E402
 from retmask.niah import (  # noqa: E402
     build_tests,
     default_haystack_text,
@@ -299,7 +300,7 @@ def main() -> None:
         "counted_tests": {"reference": ref_n, "fast": fast_n},
         "reference_prompt_logits": args.reference_logits,
         "reference_linears": args.reference_linears,
-        "cpu_linears": {name: d["backend"] for name, d in linear_cpu.decisions().items()},
+        "cpu_linears": {name: d["backend"] for name, d in cpu_linear.decisions().items()},
         "fast_without_draft_history_total_s": nohist_total,
         "phases": {
             side: {
@@ -321,15 +322,9 @@ def main() -> None:
         "top10_overlap": overlap,
         "tau_0.1_sets_equal": set_ref == set_fast,
         "tau_0.1_set_size": len(set_ref),
-        # Which CPU attention path each kind of call ran (measured per machine, or forced): both sides
+        # The machine and the path each kind of call takes on it (retmask/kernels/paths.py): both sides
         # go through the same backend, so the agreement above holds for these paths.
-        "cpu_attention_paths": {
-            "mode": cpu_autotune.forced_path(),
-            "decisions": {
-                name: {"path": d["path"], "time_over_cpp": d.get("ratios", {})}
-                for name, d in cpu_autotune.decisions().items()
-            },
-        },  # fmt: skip
+        "kernels": describe_kernels(),
     }
     (out_dir / f"{args.tag}.json").write_text(json.dumps(summary, indent=1))
     where = (
@@ -362,7 +357,7 @@ def main() -> None:
         + f". Fast: `retmask detect`'s path (tests in prefix order, prefill chunk {chunk}, drafts from earlier "
         "answers to the same needle"
         + (
-            "; float32 linears on the backend `retmask.kernels.linear_cpu` measured faster"
+            "; float32 linears on the backend `retmask.cpu_speedups.linear` measured faster"
             if not on_gpu and dtype == "float32"
             else ""
         )
@@ -393,14 +388,16 @@ def main() -> None:
     ]
     if nohist_line:
         md += ["", nohist_line]
-    paths = summary["cpu_attention_paths"]
-    md += [] if on_gpu else ["", f"CPU attention paths (mode {paths['mode']}; chosen per kind of call, `retmask.kernels.cpu_autotune`):",
-           ""] + [f"- {name}: `{d['path']}` (time over the fused kernel's on the proxy: {d['time_over_cpp'] or '-'})"
-                  for name, d in paths["decisions"].items()]  # fmt: skip
+    calls = {
+        name: d for name, d in summary["kernels"]["attention"].items() if name.startswith(f"cpu {dtype} ")
+    }
+    md += [] if on_gpu else ["", "CPU attention paths (the rule of `retmask/kernels/paths.py`):", ""] + [
+        f"- {name}: `{d['path']}` ({d['why']})" for name, d in calls.items()
+    ]  # fmt: skip
     if summary["cpu_linears"]:
         md += [
             "",
-            "float32 CPU linears of the fast side (`retmask.kernels.linear_cpu`, by layer shape and kind):",
+            "float32 CPU linears of the fast side (`retmask.cpu_speedups.linear`, by layer shape and kind):",
             "",
         ]
         md += [f"- {name}: {backend}" for name, backend in summary["cpu_linears"].items()]

@@ -119,7 +119,7 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
     model, _, tests, stops = load_niah_grid(args.model, lengths, depths, args.needles, dtype)
-    with torch.no_grad():  # untimed warm-up (thread pool, allocator, the autotuner's first measurements)
+    with torch.no_grad():  # untimed warm-up (thread pool, allocator, the fp32 linears' first measurements)
         for c in chunks:
             FastDetector(model, stops, chunk=c)._prefill(np.asarray(tests[0].prompt_ids[:-1], dtype=np.int64))
     totals = measure(model, tests, stops, chunks)

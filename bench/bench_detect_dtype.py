@@ -7,9 +7,9 @@ results), then compares per test (greedy answers, counted or not, per-head copy 
 head (mean retrieval score: Spearman over heads, the τ = 0.1 sets, the top 10). Time is the sum of the
 per-test prefill and decode seconds, so a resumed run is timed correctly.
 
-The same machinery compares other run variants (``--dtypes``): float32 linears on torch's BLAS, an
-attention path forced (``float32/path=cpp,float32/path=gemm``: do the retrieval heads depend on which CPU
-path the backend measured faster?), another thread count.
+The same machinery compares other run variants (``--dtypes``): the linears on torch's ``nn.Linear`` (the
+CPU speed-ups off), an attention path forced (``float32/path=cpp,float32/path=blocked``: do the retrieval
+heads depend on which CPU path a call takes?), another thread count.
 
 bf16 and fp32 are different arithmetic: a greedy answer may change where the model's top two logits are
 within bf16 rounding of each other. The page reports how often that happens and what it does to the scores.
@@ -33,11 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_kind, cpu_label, machine_description, markdown_table  # noqa: E402
 
+from retmask.cpu_speedups import SWITCH_ENV  # noqa: E402
 from retmask.detect import DetectConfig, run_detect  # noqa: E402
 from retmask.detect.run import DetectResult, progress_path, record_path  # noqa: E402
 from retmask.heads import head_key, mean_scores  # noqa: E402
 from retmask.heads.compare import compare_scores  # noqa: E402
-from retmask.kernels import cpu_autotune, linear_cpu  # noqa: E402
+from retmask.kernels.paths import CPU_PATH_ENV, CPU_PATHS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TAU = 0.1
@@ -91,23 +92,31 @@ def detect_once(cfg: DetectConfig, out: Path) -> DetectResult:
 
 
 def parse_variant(variant: str) -> tuple[str, dict]:
-    """``"float32/torch-linears/path=gemm/threads=1"`` -> ``("float32", {options})`` (see ``--dtypes``)."""
+    """``"float32/torch-linears/path=cpp/threads=1"`` -> ``("float32", {options})`` (see ``--dtypes``)."""
     dtype, *parts = variant.split("/")
-    options = {"torch-linears": False, "path": "auto", "threads": 2}
+    options = {"torch-linears": False, "path": "", "threads": 2}
     for part in parts:
         key, _, value = part.partition("=")
         if part == "torch-linears":
             options["torch-linears"] = True
-        elif key == "path" and value in cpu_autotune.PATH_CHOICES:
+        elif key == "path" and value in CPU_PATHS:
             options["path"] = value
         elif key == "threads" and value.isdigit() and int(value) > 0:
             options["threads"] = int(value)
         else:
             raise SystemExit(
                 f"--dtypes: {variant!r}: unknown option {part!r}; after '/' use torch-linears, "
-                f"path=<{'|'.join(cpu_autotune.PATH_CHOICES)}> or threads=<N>"
+                f"path=<{'|'.join(CPU_PATHS)}> or threads=<N>"
             )
     return dtype, options
+
+
+def set_env(name: str, value: str) -> None:
+    """``$name`` = ``value``; unset for ""."""
+    if value:
+        os.environ[name] = value
+    else:
+        os.environ.pop(name, None)
 
 
 def compute_seconds(result) -> float:
@@ -141,9 +150,9 @@ def main() -> None:
     ap.add_argument(
         "--dtypes", default="float32,bfloat16",
         help="runs to compare, baseline first: a dtype, optionally followed by options after '/': "
-        "'torch-linears' (float32 linears kept on torch's BLAS, RETMASK_CPU_LINEAR=torch, instead of retmask's "
-        "measured choice), 'path=P' (the CPU attention path forced, RETMASK_CPU_PATH=P), 'threads=N' (torch "
-        "and kernel threads), e.g. float32/torch-linears,float32,bfloat16 or float32/path=cpp,float32/path=gemm",
+        "'torch-linears' (the linears kept on torch's nn.Linear: the CPU speed-ups off, RETMASK_CPU_SPEEDUPS=0), "
+        "'path=P' (the CPU attention path forced, RETMASK_CPU_PATH=P), 'threads=N' (torch and kernel threads), "
+        "e.g. float32/torch-linears,float32,bfloat16 or float32/path=cpp,float32/path=blocked",
     )  # fmt: skip
     ap.add_argument("--num-lengths", type=int, default=None, help="override the protocol's grid")
     ap.add_argument("--num-depths", type=int, default=None, help="override the protocol's grid")
@@ -161,8 +170,8 @@ def main() -> None:
     runs = {}
     for variant in variants:
         dtype, options = parse_variant(variant)
-        os.environ[linear_cpu.LINEAR_ENV] = "torch" if options["torch-linears"] else "auto"
-        os.environ[cpu_autotune.PATH_ENV] = options["path"]
+        set_env(SWITCH_ENV, "0" if options["torch-linears"] else "")
+        set_env(CPU_PATH_ENV, options["path"])
         torch.set_num_threads(options["threads"])
         cfg = DetectConfig(
             model=args.model, dtype=dtype, num_lengths=args.num_lengths, num_depths=args.num_depths,
@@ -171,7 +180,8 @@ def main() -> None:
         out = args.run_dir / f"{variant.replace('/', '_')}.json"
         print(f"== retmask detect --dtype {dtype} ({options}) -> {out}", flush=True)
         runs[variant] = detect_once(cfg, out)
-    os.environ[linear_cpu.LINEAR_ENV] = os.environ[cpu_autotune.PATH_ENV] = "auto"
+    set_env(SWITCH_ENV, "")
+    set_env(CPU_PATH_ENV, "")
     torch.set_num_threads(2)
     base, others = variants[0], variants[1:]
     cmps = {other: compare(runs, base, other) for other in others}
@@ -219,9 +229,9 @@ def main() -> None:
         "",
         f"{model_name}, the same grid in every run ({grid}), weights and activations in the dtype named "
         "(the kernel accumulates in fp32 and takes the argmax of fp32 logits in both); '/torch-linears': "
-        "float32 linears on torch's BLAS instead of retmask's measured choice (`retmask.kernels.linear_cpu`); "
-        "'/path=P': every attention call forced onto CPU path P (`RETMASK_CPU_PATH`) instead of the measured "
-        "choice; '/threads=N': N torch and kernel threads.",
+        "the linears on torch's `nn.Linear` instead of retmask's (`RETMASK_CPU_SPEEDUPS=0`, "
+        "`retmask.cpu_speedups`); '/path=P': every attention call forced onto CPU path P (`RETMASK_CPU_PATH`) "
+        "instead of the rule of `retmask/kernels/paths.py`; '/threads=N': N torch and kernel threads.",
         "",
         times,
         "",

@@ -1,7 +1,7 @@
 """Benchmark: one training forward + backward of Gemma-3-270M on the CPU with the attention backward on
-retmask's C++ kernel (``RETMASK_CPU_ATTN_BWD=kernel``) against the recompute it replaced (``native``:
-PyTorch SDPA for the 3 global layers, the query-chunked recompute for the 15 sliding-window layers of
-512 keys).
+retmask's C++ kernel (``kernel``: what eager calls take by the rule of ``retmask.kernels.paths``) against
+the recompute it replaced (``native``, forced with ``common.force_cpu_backward("sdpa")``: PyTorch SDPA for
+the 3 global layers, the query-chunked recompute for the 15 sliding-window layers of 512 keys).
 
 One sequence of ``--tokens`` random token ids, the causal-LM loss over every position (the full LM head
 of 262K entries included), fp32 weights; ``bfloat16`` runs under bf16 autocast. Both settings alternate in
@@ -17,7 +17,6 @@ Writes bench/results/gemma_train_step_<cpu kind>.{md,json,png}.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -26,13 +25,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_kind, cpu_label, machine_description, markdown_table, save_figure, write_page  # noqa: E402
+from common import (  # noqa: E402
+    cpu_kind,
+    cpu_label,
+    force_cpu_backward,
+    machine_description,
+    markdown_table,
+    save_figure,
+    write_page,
+)
 
 import retmask  # noqa: E402
-from retmask.kernels import backward_choice  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SETTINGS = ("native", "kernel")
+FORCED = {"native": "sdpa", "kernel": None}  # force_cpu_backward's argument (None: the rule)
 
 
 def train_step(model, ids: torch.Tensor, dtype: str) -> float:
@@ -48,15 +55,16 @@ def measure(model, tokens: int, dtype: str, repeats: int) -> dict:
     ids = torch.randint(1000, 200_000, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     seconds: dict[str, list[float]] = {s: [] for s in SETTINGS}
     losses: dict[str, float] = {}
-    for setting in SETTINGS:  # warm-up: first calls, decisions
-        os.environ[backward_choice.CHOICE_ENV] = setting
+    for setting in SETTINGS:  # warm-up: first calls
+        force_cpu_backward(FORCED[setting])
         losses[setting] = train_step(model, ids, dtype)
     for r in range(repeats):
         for setting in SETTINGS if r % 2 == 0 else SETTINGS[::-1]:
-            os.environ[backward_choice.CHOICE_ENV] = setting
+            force_cpu_backward(FORCED[setting])
             start = time.perf_counter()
             train_step(model, ids, dtype)
             seconds[setting].append(time.perf_counter() - start)
+    force_cpu_backward(None)
     median = {s: statistics.median(t) for s, t in seconds.items()}
     return {"tokens": tokens, "dtype": dtype, "seconds": median, "runs": seconds, "losses": losses,
             "ratio": median["kernel"] / median["native"]}  # fmt: skip
@@ -105,7 +113,7 @@ def main() -> None:
         "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + ".",
         "",
         "Forward + backward of the causal-LM loss on one sequence of random token ids (every position, the full "
-        "262K-entry LM head), fp32 weights, bf16 under autocast. `native` = `RETMASK_CPU_ATTN_BWD=native`: SDPA's "
+        "262K-entry LM head), fp32 weights, bf16 under autocast. `native` = the recompute, forced: SDPA's "
         "backward for the 3 global layers and the query-chunked recompute for the 15 sliding-window layers "
         "(window 512); `kernel` = retmask's C++ backward for all 18. Median of "
         f"{args.repeats} alternating steps after one warm-up step each.",

@@ -11,15 +11,15 @@ attention shapes of detection and generation: full-prefill argmax (2K and 8K key
 chunk, a 1-row decode step (on the same K/V each call, and streamed: one call per layer over K/V sets
 too large to stay in cache, as in a model) and a 9-row verification pass, for SmolLM2-135M (9 query / 3
 KV heads, D 64) and Llama-3.1-8B (32 / 8, D 128), and the decode cases for Gemma-3-270M (4 / 1, D 256);
-B = 1; fp32 unless ``--dtype``, the fused micro-kernels unless ``--path``
-(``gemm`` / ``gemm_fp32``: the same kernel with its block products on torch's block GEMM). Outputs and argmaxes must be bit-identical between the builds unless the
-change is meant to alter arithmetic (reported per shape). Writes bench/results/kernel_ab_<tag>.{md,json,png}.
+B = 1; fp32 unless ``--dtype``, the fused fp32 FMA micro-kernels unless ``--path bf16dot`` (bfloat16: both
+block products as bf16 dot products). Outputs and argmaxes must be bit-identical between the builds unless
+the change is meant to alter arithmetic (reported per shape). Writes
+bench/results/kernel_ab_<tag>.{md,json,png}.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys
@@ -55,16 +55,16 @@ STREAM_BYTES = 256 << 20
 
 
 def run_case(
-    lib: ctypes.CDLL, sets: list[tuple[torch.Tensor, ...]], argmax_rows: int, path: str = "cpp"
+    lib: cpu.KernelLibrary, sets: list[tuple[torch.Tensor, ...]], argmax_rows: int, path: str = "cpp"
 ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """One call per (q, k, v) of ``sets`` with build ``lib`` -> (the last call's out and argmax, seconds per
     call)."""
-    cpu._library = lambda: lib  # forward() looks the library up on every call
+    cpu._library = lambda: lib  # cpp_forward() looks the library up on every call
     t0 = time.perf_counter()
     for q, k, v in sets:
         out, idx = cpu.cpp_forward(
             q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5, key_padding_mask=None, skip_heads=None,
-            argmax_rows=argmax_rows, gemm=path != "cpp", gemm_fp32=path == "gemm_fp32",
+            argmax_rows=argmax_rows, bf16_dot=path == "bf16dot",
         )  # fmt: skip
     return out, idx, (time.perf_counter() - t0) / len(sets)
 
@@ -76,16 +76,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per build and case (after 1 warm-up)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--path", default="cpp", choices=["cpp", "gemm", "gemm_fp32"], help="kernel layout to time"
+        "--path", default="cpp", choices=["cpp", "bf16dot"], help="kernel layout to time (bf16dot: bfloat16)"
     )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--only", default="", help="run only cases whose '<model> <case>' contains this text")
     args = ap.parse_args()
+    if args.path == "bf16dot" and args.dtype != "bfloat16":
+        ap.error("--path bf16dot needs --dtype bfloat16")
     torch.set_num_threads(args.threads)
     new = cpu._library()
     if new is None:
         raise SystemExit("retmask._C is not built; run `python setup.py build_ext --inplace` first")
-    old = cpu.bind_library(ctypes.CDLL(args.baseline))
+    old = cpu.load_library(args.baseline)
 
     rows, records = [], []
     gen = torch.Generator().manual_seed(0)

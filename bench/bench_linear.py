@@ -5,13 +5,13 @@ Part 1, the products (one process, the two backends interleaved call by call, me
 shape of SmolLM2-135M and of Llama-3.1-8B (without its 128K-row LM head: 2 GB of fp32 weight) at 1
 row (a decode step: matrix-vector), 16 rows (a verification pass, a small generation batch), 256 rows (a
 prefill chunk) and 2048 rows (a prefill); the backward's two products (grad_x, grad_w) at 256 and 2048
-rows. Each cell also shows what ``retmask.kernels.linear_cpu`` decides for the shape on this machine
+rows. Each cell also shows what ``retmask.cpu_speedups.linear`` decides for the shape on this machine
 (its own proxy measurement, cached).
 
-Part 2, the embedded SmolLM2-135M-Instruct end to end with its linears on torch's BLAS
-(``RETMASK_CPU_LINEAR=torch``) against retmask's measured choice (``auto``), interleaved, median: a
-prefill of 2,048 tokens, 32 greedy decode steps at batch 1 and at batch 16, and a training step (forward
-+ backward of 4 rows x 256 tokens, loss over every token).
+Part 2, the embedded SmolLM2-135M-Instruct end to end with its linears on torch's ``nn.Linear``
+(``retmask.hf.linears.torch_linears``) against retmask's measured choice (``retmask``), interleaved,
+median: a prefill of 2,048 tokens, 32 greedy decode steps at batch 1 and at batch 16, and a training step
+(forward + backward of 4 rows x 256 tokens, loss over every token).
 
     flock /tmp/retmask-heavy.lock python bench/bench_linear.py            # ~6 min on 2 cores
     python bench/bench_linear.py --quick --out /tmp/lin                   # a smoke test
@@ -22,6 +22,7 @@ Writes bench/results/linear_<cpu kind>.{md,json,png}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -55,9 +56,9 @@ BACKWARD_ROWS = (256, 2048)
 
 def products(quick: bool) -> list[dict[str, Any]]:
     import torch
-    from retmask.kernels.decision_cache import interleaved_medians
 
-    from retmask.kernels import linear_cpu
+    from retmask.cpu_speedups import linear as linear_cpu
+    from retmask.cpu_speedups.decisions import interleaved_medians
 
     rows_list = ROWS[:3] if quick else ROWS
     out = []
@@ -113,9 +114,10 @@ def end_to_end(quick: bool) -> list[dict[str, Any]]:
     import torch
 
     import retmask
-    from retmask.kernels import linear_cpu
+    from retmask.hf.linears import torch_linears
 
-    model, tok = retmask.load_model()
+    model, tok = retmask.load_model(cpu_linears=True)
+    linears = {"torch": lambda: torch_linears(model), "retmask": contextlib.nullcontext}
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prefill_ids = torch.randint(100, vocab, (1, 512 if quick else 2048), generator=gen)
@@ -146,29 +148,26 @@ def end_to_end(quick: bool) -> list[dict[str, Any]]:
     }
     out = []
     for name, fn in calls.items():
-        times: dict[str, list[float]] = {"torch": [], "auto": []}
+        times: dict[str, list[float]] = {"torch": [], "retmask": []}
         for backend in times:  # warm-up: decisions measured, caches filled
-            os.environ[linear_cpu.LINEAR_ENV] = backend
-            with torch.no_grad() if "training" not in name else torch.enable_grad():
+            with linears[backend](), torch.no_grad() if "training" not in name else torch.enable_grad():
                 fn()
         for _ in range(2 if quick else 5):
             for backend, ts in times.items():
-                os.environ[linear_cpu.LINEAR_ENV] = backend
-                t0 = time.perf_counter()
-                with torch.no_grad() if "training" not in name else torch.enable_grad():
+                with linears[backend](), torch.no_grad() if "training" not in name else torch.enable_grad():
+                    t0 = time.perf_counter()
                     fn()
-                ts.append(time.perf_counter() - t0)
+                    ts.append(time.perf_counter() - t0)
         med = {k: common.median(v) for k, v in times.items()}
         cell = {
             "call": name,
             "torch_s": med["torch"],
-            "auto_s": med["auto"],
-            "ratio": med["auto"] / med["torch"],
+            "retmask_s": med["retmask"],
+            "ratio": med["retmask"] / med["torch"],
         }
-        print(f"{name:40s} torch linears {med['torch']:.3f} s  retmask auto {med['auto']:.3f} s  "
+        print(f"{name:40s} torch linears {med['torch']:.3f} s  retmask linears {med['retmask']:.3f} s  "
               f"{cell['ratio']:.2f}x", flush=True)  # fmt: skip
         out.append(cell)
-    os.environ[linear_cpu.LINEAR_ENV] = "auto"
     return out
 
 
@@ -199,10 +198,12 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from retmask.kernels import linear_cpu
+    from retmask import cpu_speedups
+    from retmask.cpu_speedups import linear as linear_cpu
 
+    if not cpu_speedups.enabled():
+        ap.error(f"${cpu_speedups.SWITCH_ENV}=0 turns retmask's linears off: unset it for this benchmark")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    os.environ[linear_cpu.LINEAR_ENV] = "auto"
     machine = common.machine_description()
     kind = common.cpu_kind(machine)
     stem = Path(args.out) if args.out else RESULTS / f"linear_{kind}"
@@ -215,7 +216,7 @@ def main() -> None:
         "oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`) against what `nn.Linear` runs",
         f"(torch's BLAS: {torch.backends.mkl.is_available() and 'MKL' or 'not MKL'}), interleaved, median; "
         "ratio = oneDNN time / torch time (< 1: oneDNN faster). 'retmask' = what",
-        "`retmask.kernels.linear_cpu` decides for the shape on this machine (own proxy, rows by kind: "
+        "`retmask.cpu_speedups.linear` decides for the shape on this machine (own proxy, rows by kind: "
         + ", ".join(f"{k} {r}" for k, r in linear_cpu.PROXY_ROWS.items())
         + f"; oneDNN at <= {linear_cpu.ONEDNN_MAX_RATIO} of torch's time).",
         "",
@@ -239,9 +240,9 @@ def main() -> None:
             "## SmolLM2-135M-Instruct end to end (fp32, linears on torch's BLAS vs retmask's choice)",
             "",
         ]
-        rows = [[c["call"], common.fmt_seconds(c["torch_s"]), common.fmt_seconds(c["auto_s"]), f"{c['ratio']:.2f}x"]
+        rows = [[c["call"], common.fmt_seconds(c["torch_s"]), common.fmt_seconds(c["retmask_s"]), f"{c['ratio']:.2f}x"]
                 for c in model_cells]  # fmt: skip
-        lines.append(common.markdown_table(["call", "torch linears", "retmask auto", "ratio"], rows))
+        lines.append(common.markdown_table(["call", "torch linears", "retmask linears", "ratio"], rows))
     lines.append("")
     common.write_page(stem, lines, {"machine": machine, "products": cells, "model": model_cells,
                                     "decisions": linear_cpu.decisions()})  # fmt: skip

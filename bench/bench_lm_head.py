@@ -48,8 +48,9 @@ def autocast(dtype: str):
 
 
 def head_alone(rows: int, dtype: str, repeats: int) -> dict:
-    from retmask.kernels.logprob_cpu import CPUChunkedLogProb
     from trl.kernels import ChunkedLogProbFunction
+
+    from retmask.cpu_speedups.logprob import CPUChunkedLogProb
 
     g = torch.Generator().manual_seed(rows)
     weight = (torch.randn(49152, 576, generator=g) * 0.05).requires_grad_()
@@ -156,13 +157,13 @@ def main() -> None:
     if min(args.rows) < 1:
         ap.error(f"--rows must be >= 1, got {args.rows}")
     machine = machine_description()
-    from retmask.kernels.half_matmul import native_half_matmul
+    from retmask.cpu_speedups.half_matmul import native_half_matmul
 
     products_line = (
         "native (AMX or AVX512-BF16): retmask's head runs them on oneDNN."
         if native_half_matmul(torch.bfloat16)
         else "emulated by torch (no AMX or AVX512-BF16): retmask's head multiplies the bf16-rounded operands "
-        "in fp32, and so do the model's linears of 32 rows or more (`retmask.kernels.half_matmul`), in "
+        "in fp32, and so do the model's linears of 32 rows or more (`retmask.cpu_speedups.half_matmul`), in "
         "both columns of the policy step."
     )
     stem = args.out or RESULTS / f"lm_head_{cpu_kind(machine)}"
@@ -224,7 +225,7 @@ def main() -> None:
         "the backward's two products in fp32 (upcast bf16 operands); retmask takes all three products with "
         "bf16 operands, each rounded to bf16 once, on oneDNN's bf16 GEMM where the CPU has one and as fp32 "
         "products of the rounded operands where torch would emulate bf16 "
-        "(see `retmask/kernels/logprob_cpu.py`): the gradient differences in that column are of bf16 size.",
+        "(see `retmask/cpu_speedups/logprob.py`): the gradient differences in that column are of bf16 size.",
         "",
         "## SmolLM2 policy forward + backward on a DPO batch (TRL's fused head, labelled rows only)",
         "",

@@ -8,14 +8,15 @@ Steps (each a ``retmask`` command, run as a subprocess; finished steps are skipp
   3. ``retmask train`` in ``--dtype float32`` and ``--dtype bfloat16`` (bf16 autocast over fp32 master
      weights and optimizer state, as the Trainer's ``bf16=True``), each with ``--lm-head-positions
      labelled`` (retmask's default: TRL's fused LM head projects only the completion positions) and ``all``
-     (TRL's own CPU behaviour: every position), and once more in float32 with the linears on torch's
-     ``nn.Linear`` (``RETMASK_CPU_LINEAR=torch``, against retmask's measured fp32 linear backend); same
-     pairs, seed, order and steps; and in both dtypes with TRL's own CPU kernel for the fused LM head
-     (``RETMASK_LM_HEAD=trl``) instead of retmask's ``CPUChunkedLogProb``; and in both dtypes with the
-     attention backward on PyTorch SDPA (``RETMASK_CPU_ATTN_BWD=native`` in fp32, ``fp32`` in bf16: what
-     the CPU attention's autograd ran before retmask's C++ backward) instead of ``auto``. The nine variants
-     run in A B ... I I ... B A order (``--repeats 2``, default) so that drift of the shared machine hits
-     all alike.
+     (TRL's own CPU behaviour: every position); in both dtypes with the CPU speed-ups off
+     (``RETMASK_CPU_SPEEDUPS=0``: torch's ``nn.Linear`` and TRL's own CPU kernel for the fused LM head,
+     instead of retmask's linears and ``CPUChunkedLogProb``: one switch, so no longer separate
+     torch-linears and trl-head variants); and in both dtypes with the attention backward on PyTorch SDPA
+     (in fp32; in bf16 on fp32 copies: what the CPU attention's autograd ran before retmask's C++
+     backward; forced in the subprocess by this script's ``--retmask-with-backward``, see
+     ``common.force_cpu_backward``) instead of the C++ backward. Same pairs, seed, order and steps. The
+     eight variants run in A B ... H H ... B A order (``--repeats 2``, default) so that drift of the shared
+     machine hits all alike.
      Each run's ``retmask_train.json`` gives the per-step losses and the seconds per optimizer step.
 
 The learning rate defaults to 2e-5, 40x the paper's 5e-7: at 5e-7 the loss barely leaves ln 2 in a few
@@ -42,39 +43,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     cpu_kind,
     cpu_label,
+    force_cpu_backward,
     machine_description,
     markdown_table,
     run_step,
     save_figure,
 )
 
+from retmask.cpu_speedups import SWITCH_ENV  # noqa: E402
 from retmask.methods.retmask.pair_file import stats_path  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCORES = RESULTS / "smollm2_scores.json"
 DTYPES = ("float32", "bfloat16")
 POSITIONS = ("labelled", "all")  # retmask's default first, then TRL's own CPU path
-# fp32 with the linears on torch's nn.Linear (RETMASK_CPU_LINEAR=torch): what retmask's measured fp32
-# linear backend (retmask.kernels.linear_cpu) saves or costs in a DPO step on this CPU.
-TORCH_LINEARS = "float32/torch-linears"
-# TRL's own fused-LM-head kernel on the CPU (RETMASK_LM_HEAD=trl) instead of retmask's CPUChunkedLogProb.
-TRL_HEAD = {d: f"{d}/trl-head" for d in DTYPES}
-# The attention backward on PyTorch SDPA (fp32: in fp32; bf16: on fp32 copies, which the session-17
-# autotuner picked for these lengths) instead of retmask's C++ backward.
+# The CPU speed-ups off (RETMASK_CPU_SPEEDUPS=0): torch's nn.Linear and TRL's own fused-LM-head kernel on
+# the CPU, what a user without retmask runs, instead of retmask's linears and CPUChunkedLogProb.
+NO_SPEEDUPS = {d: f"{d}/no-speedups" for d in DTYPES}
+# The attention backward on PyTorch SDPA (fp32: in fp32; bf16: on fp32 copies) instead of retmask's C++
+# backward.
 SDPA_BACKWARD = {"float32": "float32/sdpa-backward", "bfloat16": "bfloat16/sdpa-fp32-backward"}
-# What a variant's "/option" sets in the environment of its `retmask train` subprocess.
-DEFAULT_ENV = {"RETMASK_CPU_LINEAR": "auto", "RETMASK_LM_HEAD": "retmask", "RETMASK_CPU_ATTN_BWD": "auto"}
-OPTION_ENV = {
-    "": {},
-    "torch-linears": {"RETMASK_CPU_LINEAR": "torch"},
-    "trl-head": {"RETMASK_LM_HEAD": "trl"},
-    "sdpa-backward": {"RETMASK_CPU_ATTN_BWD": "native"},
-    "sdpa-fp32-backward": {"RETMASK_CPU_ATTN_BWD": "fp32"},
-}
+# What a variant's "/option" changes in its `retmask train` subprocess: its environment, and the CPU
+# attention backward it forces (``force_cpu_backward``) through this script's --retmask-with-backward.
+DEFAULT_ENV = {SWITCH_ENV: "1"}
+OPTION_ENV = {"": {}, "no-speedups": {SWITCH_ENV: "0"}, "sdpa-backward": {}, "sdpa-fp32-backward": {}}
+OPTION_BACKWARD = {"sdpa-backward": "sdpa", "sdpa-fp32-backward": "sdpa_fp32"}
 VARIANTS = (
     tuple((d, p) for p in POSITIONS for d in DTYPES)
-    + ((TORCH_LINEARS, "labelled"),)
-    + tuple((TRL_HEAD[d], "labelled") for d in DTYPES)
+    + tuple((NO_SPEEDUPS[d], "labelled") for d in DTYPES)
     + tuple((SDPA_BACKWARD[d], "labelled") for d in DTYPES)
 )
 
@@ -119,7 +115,17 @@ def plot(
     save_figure(fig, path, title)
 
 
+def retmask_with_backward(path: str, argv: list[str]) -> int:
+    """``retmask <argv>`` in this process with the CPU attention backward forced onto ``path``."""
+    from retmask.cli import main as retmask_main
+
+    force_cpu_backward(path)
+    return retmask_main(argv)
+
+
 def main() -> None:
+    if len(sys.argv) >= 3 and sys.argv[1] == "--retmask-with-backward":
+        sys.exit(retmask_with_backward(sys.argv[2], sys.argv[3:]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("runs/train_dtype"), help="run folder (resumable)")
     ap.add_argument("--instructions", type=int, default=16, help="first N shipped instructions -> pairs")
@@ -156,7 +162,9 @@ def main() -> None:
         out = w / f"train_{variant.replace('/', '_')}_{positions}_{r}"
         os.environ.update(DEFAULT_ENV)
         os.environ.update(OPTION_ENV[option])  # the subprocess inherits it
-        run_step([*py, "train", "--pairs", str(pairs), "--out", str(out), "--dtype", dtype,
+        backward = OPTION_BACKWARD.get(option)
+        cmd = [sys.executable, __file__, "--retmask-with-backward", backward] if backward else py
+        run_step([*cmd, "train", "--pairs", str(pairs), "--out", str(out), "--dtype", dtype,
                   "--lm-head-positions", positions, "--max-steps", str(args.steps),
                   "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum), "--lr", str(args.lr),
                   "--seed", "0", "--overwrite"],
@@ -182,13 +190,6 @@ def main() -> None:
         d: float(np.max(np.abs(np.array(losses[d][:n]) - np.array(every[d, "all"][0]["losses"][:n]))))
         for d in DTYPES
     }
-    torch_linears_diff = float(
-        np.max(
-            np.abs(
-                np.array(losses["float32"][:n]) - np.array(every[TORCH_LINEARS, "labelled"][0]["losses"][:n])
-            )
-        )
-    )
 
     def against(other: dict[str, str]) -> dict[str, dict[str, float]]:
         """Each dtype's default run against the variant ``other[dtype]`` (same pairs, head positions)."""
@@ -207,7 +208,7 @@ def main() -> None:
             for d in DTYPES
         }
 
-    trl_head = against(TRL_HEAD)  # retmask's CPU LM head against TRL's kernel
+    no_speedups = against(NO_SPEEDUPS)  # retmask's CPU linears and LM head against torch's and TRL's
     sdpa_backward = against(SDPA_BACKWARD)  # retmask's C++ attention backward against SDPA's
     time_rows = [
         [p, f"{step_median['float32', p]:.2f}", f"{step_median['bfloat16', p]:.2f}",
@@ -253,24 +254,18 @@ def main() -> None:
         f"- **bf16 / fp32 = {ratio:.2f}x** with retmask's default head; `labelled` / `all`: fp32 "
         f"{step_median['float32', 'labelled'] / step_median['float32', 'all']:.2f}x, bf16 "
         f"{step_median['bfloat16', 'labelled'] / step_median['bfloat16', 'all']:.2f}x.",
-        f"- fp32 with the linears on torch's `nn.Linear` (`RETMASK_CPU_LINEAR=torch`, head `labelled`, "
-        "retmask's LM head as in every variant not marked `trl-head`): "
-        f"{step_median[TORCH_LINEARS, 'labelled']:.2f} s/step; retmask's measured fp32 linears take "
-        f"{step_median['float32', 'labelled'] / step_median[TORCH_LINEARS, 'labelled']:.2f}x of it, and bf16 "
-        f"{step_median['bfloat16', 'labelled'] / step_median[TORCH_LINEARS, 'labelled']:.2f}x (largest |Δ loss| "
-        f"against retmask's fp32 run: {torch_linears_diff:.2e}).",
-        "- The fused LM head on TRL's own CPU kernel (`RETMASK_LM_HEAD=trl`, head `labelled`) instead of "
-        "retmask's `CPUChunkedLogProb`: "
+        "- The CPU speed-ups off (`RETMASK_CPU_SPEEDUPS=0`, head `labelled`: torch's `nn.Linear` and TRL's own "
+        "CPU kernel for the fused LM head, instead of retmask's linears and `CPUChunkedLogProb`): "
         + "; ".join(
-            f"{d} {trl_head[d]['other_s']:.2f} s/step, retmask's head takes {trl_head[d]['ratio']:.2f}x of it "
-            f"(largest |Δ loss| {trl_head[d]['max_abs_loss_diff']:.2e})"
+            f"{d} {no_speedups[d]['other_s']:.2f} s/step, with the speed-ups {no_speedups[d]['ratio']:.2f}x of it "
+            f"(largest |Δ loss| {no_speedups[d]['max_abs_loss_diff']:.2e})"
             for d in DTYPES
         )
         + ".",
-        "- The attention backward on PyTorch SDPA (`RETMASK_CPU_ATTN_BWD=native` in fp32, `fp32` in bf16: the "
-        "recompute the CPU attention used before retmask's C++ backward) instead of `auto`: "
+        "- The attention backward on PyTorch SDPA (in fp32; in bf16 on fp32 copies: the recompute the CPU "
+        "attention used before retmask's C++ backward) instead of the C++ backward: "
         + "; ".join(
-            f"{d} {sdpa_backward[d]['other_s']:.2f} s/step, `auto` takes {sdpa_backward[d]['ratio']:.2f}x of it "
+            f"{d} {sdpa_backward[d]['other_s']:.2f} s/step, the C++ backward takes {sdpa_backward[d]['ratio']:.2f}x of it "
             f"(largest |Δ loss| {sdpa_backward[d]['max_abs_loss_diff']:.2e})"
             for d in DTYPES
         )
@@ -290,8 +285,8 @@ def main() -> None:
         "seconds_per_step_median": {f"{d} {p}": t for (d, p), t in step_median.items()},
         "losses_all_positions": {d: every[d, "all"][0]["losses"] for d in DTYPES},
         "max_abs_loss_diff_labelled_vs_all": head_diff,
-        "retmask_head_vs_trl_head": trl_head,
-        "auto_backward_vs_sdpa_backward": sdpa_backward,
+        "speedups_vs_no_speedups": no_speedups,
+        "cpp_backward_vs_sdpa_backward": sdpa_backward,
     }  # fmt: skip
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     plot(stem.with_suffix(".png"), losses, step_median, title)

@@ -20,7 +20,6 @@ message and measures nothing (the interpreter is no benchmark).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -68,14 +67,14 @@ def _eager_fits(hq: int, m: int, n: int) -> bool:
 def sync_free_grid(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` run in the sync-free grid mode (one program per (batch, head) pair, no host sync), the mode
     a CUDA-graph capture uses."""
-    from retmask.kernels.triton_common import SYNC_FREE_ENV
+    from retmask.kernels import triton_common
 
     def run():
-        os.environ[SYNC_FREE_ENV] = "1"
+        triton_common.FORCE_SYNC_FREE = True
         try:
             return fn()
         finally:
-            del os.environ[SYNC_FREE_ENV]
+            triton_common.FORCE_SYNC_FREE = False
 
     return run
 

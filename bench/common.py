@@ -60,7 +60,7 @@ def mem_total_bytes() -> int:
 
 def machine_description() -> dict[str, str]:
     """CPU model, cores, SIMD level, the C++ kernel build it runs, how the CPU attention path is chosen,
-    memory, torch / python versions, threads used by torch."""
+    whether the CPU speed-ups are on, memory, torch / python versions, threads used by torch."""
     import torch
 
     from retmask.kernels import cpu as cpu_kernel
@@ -68,27 +68,17 @@ def machine_description() -> dict[str, str]:
     flags = cpu_flags()
     simd = "avx512f" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")
     bf16 = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
-    from retmask.kernels import cpu_autotune
-
-    try:
-        build = cpu_kernel.selected_isa() or "not built"
-    except ValueError as err:  # a bad $RETMASK_CPU_ISA: say so in the header rather than fail
-        build = str(err)
-    try:
-        path_mode = cpu_autotune.forced_path()
-        path_mode = "measured per kind of call (auto)" if path_mode == "auto" else f"{path_mode} (forced)"
-    except ValueError as err:
-        path_mode = str(err)
-    from retmask.kernels import linear_cpu
+    from retmask import cpu_speedups
+    from retmask.kernels import paths
     from retmask.kernels.cpuinfo import cpu_family
 
     try:
-        linear_mode = linear_cpu.forced_backend()
-        linear_mode = (
-            "measured per layer shape (auto)" if linear_mode == "auto" else f"{linear_mode} (forced)"
-        )
-    except ValueError as err:
-        linear_mode = str(err)
+        build = cpu_kernel.selected_isa() or "not built"
+        forced = paths.forced_cpu_path()
+        path_mode = f"{forced} (forced)" if forced else "the rule of retmask/kernels/paths.py"
+        speedups = "on" if cpu_speedups.enabled() else "off"
+    except ValueError as err:  # a bad $RETMASK_* setting: say so in the header rather than fail
+        build = path_mode = speedups = str(err)
 
     return {
         "cpu": cpu_model(),
@@ -99,7 +89,7 @@ def machine_description() -> dict[str, str]:
         "native bf16": ", ".join(bf16) or "none",
         "kernel build": build,
         "cpu attention path": path_mode,
-        "cpu fp32 linears": linear_mode,
+        "cpu speed-ups": speedups,
         "memory": f"{mem_total_bytes() / 2**30:.1f} GiB",
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -330,6 +320,38 @@ def run_step(cmd: list[str], done: Path | None, log: list[dict]) -> None:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     log.append({"cmd": line, "seconds": round(time.perf_counter() - t0, 1)})
+
+
+# ---- the CPU attention backward, forced for a comparison ------------------------------------------
+
+RECOMPUTE_BACKWARDS = ("sdpa", "sdpa_fp32")
+_BACKWARD_RULE: list[Callable[..., str]] = []  # retmask.kernels.paths.cpu_backward_path, once replaced
+
+
+def force_cpu_backward(path: str | None) -> None:
+    """Make the eager CPU attention calls whose backward the rule gives to the C++ kernel take ``path``
+    instead: "sdpa" (PyTorch SDPA's backward in the inputs' dtype) or "sdpa_fp32" (on fp32 copies, rounded
+    back); calls with a sliding window, which SDPA cannot express, take the query-chunked recompute. None:
+    the rule again. Replaces ``retmask.kernels.paths.cpu_backward_path``, which ``ops.recompute_grads``
+    asks on every backward (the recompute the C++ backward replaced, for benchmarks only)."""
+    from retmask.kernels import paths
+
+    if not _BACKWARD_RULE:
+        _BACKWARD_RULE.append(paths.cpu_backward_path)
+    rule = _BACKWARD_RULE[0]
+    if path is None:
+        paths.cpu_backward_path = rule
+        return
+    if path not in RECOMPUTE_BACKWARDS:
+        raise ValueError(f"force_cpu_backward: {path!r} is not one of {RECOMPUTE_BACKWARDS} or None")
+
+    def forced(dtype: Any, **kwargs: Any) -> str:
+        chosen = rule(dtype, **kwargs)
+        if chosen != "kernel":
+            return chosen
+        return "chunked" if kwargs["window"] is not None else path
+
+    paths.cpu_backward_path = forced
 
 
 # ---- the NIAH grid of the detection benchmarks -----------------------------------------------------

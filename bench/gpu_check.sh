@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every check this project runs on a CUDA GPU, in one go, for a machine lent for a few minutes:
-#   env    the GPU, driver and library versions;
+#   env    the GPU, driver and library versions, and `retmask env` (the path of every kind of call);
 #   tests  the Triton kernel tests (compiled kernels, GPU tile tables, bf16 too and CUDA-graph capture),
 #          the Hugging Face equivalence tests and detection's exactness proofs (fast path == step-by-step
 #          oracle) with their tiny models on the GPU (RETMASK_TEST_DEVICE=cuda), and on the embedded model
@@ -70,6 +70,7 @@ for stage in $stages; do
             # H100's host, see gpu_h100_notes.md): synchronous launches, debug modes, thread settings.
             env | grep -E "^(CUDA_LAUNCH_BLOCKING|CUDA_MODULE_LOADING|TORCH_|PYTORCH_|OMP_|MKL_|TRITON_)" | sort
             echo "host cpus: $(nproc), load: $(cut -d' ' -f1-3 /proc/loadavg)"
+            $py -m retmask env
         } >"$out/env.txt" 2>&1
         rc=$?
         cat "$out/env.txt"

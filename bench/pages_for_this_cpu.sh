@@ -34,8 +34,8 @@ step() {  # step <name> <command...>: run unless a filter is given that the name
     echo "=== $name done in $((SECONDS - start)) s"
 }
 
-# The kernel against SDPA (and the autotuner's decisions), the fp32 linears' backends, then detection end
-# to end (float32 with torch's linears, float32 with retmask's measured choice, and bf16 where native).
+# The kernel against SDPA (and the path each kind of call takes here), the fp32 linears' backends, then
+# detection end to end (float32 with torch's linears, float32 with retmask's, and bf16 where native).
 step attention python bench/bench_attention.py --max-n 16384
 step linear python bench/bench_linear.py
 dtypes="float32/torch-linears,float32"
@@ -59,7 +59,6 @@ if [[ "$native_bf16" == 1 ]]; then
 fi
 # the heads of the pages written before --heads (comparable across CPU kinds measured earlier)
 step generate-masks-random python bench/bench_generate_masks.py --heads random
-step padded-backward python bench/bench_padded_backward.py
 step attention-backward python bench/bench_attention_backward.py
 step lm-head python bench/bench_lm_head.py
 echo "pages written: bench/results/*_$kind*"

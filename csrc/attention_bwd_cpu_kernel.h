@@ -179,7 +179,7 @@ BwdShape bwd_shape(const BwdKernelArgs& a, int threads) {
     BwdShape s{};
     s.DP = round_up(a.D, VL);
     s.NP = round_up(a.N, VL);
-    // S and dP of a block: 2 * m * SW floats; about 512 KB (a Zen 4 / 5 core has 1 MB of L2) unless the
+    // S and dP of a block: 2 * m * SW floats; about 512 KB (half of a 1 MB L2) unless the
     // caller asked for a block size. Through a window, m rows see at most m + window - 1 keys.
     const int64_t seen = a.window ? std::min<int64_t>(s.NP, a.window + 128) : s.NP;
     s.m = a.block_m > 0 ? a.block_m : std::max<int64_t>(16, std::min<int64_t>(256, (int64_t(1) << 16) / seen));

@@ -1,7 +1,7 @@
 // The avx512bf16 build of the fused CPU attention kernel (attention_cpu_kernel.h): the avx512 build plus
 // AVX512-BF16, whose vdpbf16ps runs the bf16dot lanes layout natively (two bf16 multiply-adds per fp32
 // lane and instruction); every other path compiles as in the avx512 build. attention_cpu.cpp calls it
-// only on CPUs that report AVX-512F and AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids on).
+// only on CPUs that report AVX-512F and AVX512-BF16.
 //
 // Every header is included *before* the target pragma, so the standard library's inline functions keep
 // the baseline instruction set (immintrin.h declares each intrinsic with its own target).

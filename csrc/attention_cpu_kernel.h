@@ -299,7 +299,7 @@ void pv_block(const float* V, int64_t ldv, const float* P, int RP, float* Ot, in
 // (v[2i][d], v[2i+1][d]). A pair's low half is its first element (little-endian bf16 rows).
 // The avx512bf16 build runs the instruction; the other builds emulate it bit for bit (the high products
 // first, then the low ones, each product exact in fp32, as Intel's pseudo-code has it and as measured on
-// AMD Zen 4), so the layout is tested on every CPU. The instruction treats denormal bf16 inputs as zero
+// hardware), so the layout is tested on every CPU. The instruction treats denormal bf16 inputs as zero
 // and flushes denormal results; the emulation does not, so the two differ only where |x| < 2^-126 (P is
 // flushed below that before rounding, which keeps it exact for P).
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
@@ -1049,7 +1049,7 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
     const int64_t max_rp = round_up(plan.max_rows, VL);
     // fp32 blocks are copied too from D = 128 on: a block then sits in a buffer reused at one address
     // (L1/L2-resident, no TLB walks over the whole K/V), which made bf16 calls 15% faster than fp32 ones
-    // at D = 128 (docs/kernel_optimisation.md, v11); at D = 64 reading in place ties.
+    // at D = 128; at D = 64 reading in place ties.
     const bool copy_fp32 = D >= 128;
     const bool convert = !Dot && (!std::is_same_v<E, F32> || a.ks[3] != 1 || a.vs[3] != 1 || copy_fp32);
     // bf16dot: K rows are read in place as words when their dims are contiguous, else copied (Kh).

@@ -30,14 +30,14 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_family() -> str:
-    """The CPU family number (e.g. "25" for AMD Zen 3, "23" for Zen 2; "" off Linux x86): what tells CPUs
-    apart when a hypervisor reports only a generic model name such as "AMD EPYC"."""
+    """The CPU family number ("" off Linux x86): what tells CPUs apart when a hypervisor reports only a
+    generic model name."""
     return _field("cpu family") or ""
 
 
 def cpu_identity() -> dict[str, str]:
     """Model, family and a hash of the feature flags: the CPU part of what a measured decision is valid
-    for (the autotuners' machine descriptions)."""
+    for (the key of the linear backend's decisions)."""
     flags = " ".join(sorted(cpu_flags())).encode()
     return {
         "cpu": cpu_model(),

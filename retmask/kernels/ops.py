@@ -24,7 +24,7 @@ softcap, backend) -> (dq, dk, dv, dsinks)``, contiguous, in the inputs' dtypes (
 dtype, or an empty tensor without sinks): the backend's own backward (Triton), given the forward's
 ``out`` and ``lse``. Backends without one (CPU) get their gradients in the autograd formula
 (``_AttentionAutograd``) rather than inside an operator, on the path ``paths.cpu_backward_path`` names:
-the C++ CPU backward (``cpu_backward.py``) or a differentiated recompute (through PyTorch SDPA, or
+the C++ CPU backward (``cpu/backward.py``) or a differentiated recompute (through PyTorch SDPA, or
 ``chunked.py``'s query-row chunks where SDPA cannot express the call without an [M, N] mask). The
 recompute is done there because an operator body runs below the autograd dispatch key, and
 ``torch.func.vjp`` there breaks under any active TorchDispatchMode. Skipped heads get zero gradient
@@ -43,12 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import cpu_backward, paths
+from . import paths
 from .chunked import chunked_grads
+from .cpu import backward as cpu_backward
 from .reference import allowed_keys
 
 # Backend modules are imported lazily: triton is optional and slow to import.
-BACKEND_MODULES = {"triton": "retmask.kernels.triton_backend", "cpu": "retmask.kernels.cpu"}
+BACKEND_MODULES = {"triton": "retmask.kernels.triton.backend", "cpu": "retmask.kernels.cpu.backend"}
 # Backends with a hand-written backward that needs the forward's log-sum-exp. The fake (meta) forward
 # must know the lse shape without importing the backend, hence a table; ``backend_module`` checks it.
 LSE_BACKENDS = frozenset({"triton"})
@@ -207,7 +208,7 @@ def recompute_grads(
     """(dq, dk, dv, dsinks or None) of a backend without a backward of its own (CPU), on the path
     ``paths.cpu_backward_path`` names: the C++ backward, a query-row-chunked recompute (``chunked.py``)
     or a recompute through SDPA (in the dtype, or on fp32 copies)."""
-    from . import cpu
+    from .cpu import backend as cpu
 
     path = paths.cpu_backward_path(
         q.dtype, built=q.device.type == "cpu" and cpu.cpp_available(), traced=not _plain_eager(q, k),

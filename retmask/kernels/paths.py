@@ -6,9 +6,9 @@ Backends (``attention(backend=...)``, "auto" by default):
   call                       backend
   =========================  =====================================================================
   float64 inputs             "reference" (plain torch, the test oracle)
-  CUDA tensors               "triton": prefill / chunk forward (``triton_fwd``), decode with one
-                             query row (``triton_decode``, keys split across programs), backward
-                             (``triton_bwd``, from the forward's log-sum-exp)
+  CUDA tensors               "triton": prefill / chunk forward (``triton.fwd``), decode with one
+                             query row (``triton.decode``, keys split across programs), backward
+                             (``triton.bwd``, from the forward's log-sum-exp)
   CPU tensors                "cpu": the forward path below; the backward path below
   =========================  =====================================================================
 
@@ -62,7 +62,7 @@ def check_settings() -> None:
     fails before it loads anything."""
     from retmask import cpu_speedups
 
-    from . import cpu
+    from .cpu import backend as cpu
 
     forced_cpu_path()
     if cpu.cpp_available():
@@ -147,7 +147,7 @@ def _gpu() -> str:
 
 
 def _cpu_reason(path: str, forced: str) -> str:
-    from . import cpu
+    from .cpu import backend as cpu
 
     if forced:
         return f"${CPU_PATH_ENV}={forced}"
@@ -164,7 +164,7 @@ def describe() -> dict[str, Any]:
     ``retmask env`` prints and what run records embed."""
     from retmask import cpu_speedups
 
-    from . import cpu
+    from .cpu import backend as cpu
     from .cpuinfo import cpu_family, cpu_flags, cpu_model
 
     simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))

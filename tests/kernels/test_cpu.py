@@ -20,8 +20,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from retmask.kernels import attention, cpu_blocked, reference_attention
-from retmask.kernels import cpu as cpu_backend
+from retmask.kernels import attention, reference_attention
+from retmask.kernels.cpu import backend as cpu_backend
+from retmask.kernels.cpu import blocked as cpu_blocked
 from retmask.kernels.paths import bf16_dot_fits
 
 from .helpers import POISON_FLOAT, POISON_INDEX, assert_argmax_matches, left_padding_mask, make_qkv

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retmask.kernels import cpu, cpu_backward
+from retmask.kernels.cpu import backend as cpu
+from retmask.kernels.cpu import backward as cpu_backward
 from retmask.kernels.reference import reference_attention
 
 from .helpers import POISON_FLOAT, left_padding_mask, make_qkv
-
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}
 

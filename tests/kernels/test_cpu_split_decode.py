@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retmask.kernels import cpu as cpu_backend
 from retmask.kernels import reference_attention
+from retmask.kernels.cpu import backend as cpu_backend
 
 from .helpers import POISON_FLOAT, POISON_INDEX, assert_argmax_matches, left_padding_mask, make_qkv
 

@@ -32,7 +32,7 @@ def _triton_cases(request, monkeypatch):
     params = callspec.params if callspec is not None else {}
     if params.get("backend") != "triton":
         return
-    from retmask.kernels import triton_common
+    from retmask.kernels.triton import common as triton_common
 
     monkeypatch.setattr(triton_common, "POISON_OUTPUTS", True)
 

@@ -298,7 +298,7 @@ def test_compile_inductor_forward_backward_equal_eager():
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 def test_compile_triton_backward_through_operator(monkeypatch):
     # Triton interpreter on CPU: the compiled backward must call the Triton backward with the lse.
-    from retmask.kernels import triton_backend
+    from retmask.kernels.triton import backend as triton_backend
 
     calls = []
     real = triton_backend.backward

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from retmask.kernels import attention
-from retmask.kernels import cpu as cpu_backend
+from retmask.kernels.cpu import backend as cpu_backend
 
 from .helpers import POISON_FLOAT, POISON_INDEX, left_padding_mask, make_qkv
 

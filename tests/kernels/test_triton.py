@@ -22,16 +22,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from retmask.kernels import attention as _attention
-from retmask.kernels import (
-    reference_attention,
-    triton_backend,
-    triton_bwd,
-    triton_common,
-    triton_decode,
-    triton_fwd,
-)
+from retmask.kernels import reference_attention
 from retmask.kernels.reference import reference_logits
-from retmask.kernels.triton_common import POISON_INDEX, active_pairs, sync_free
+from retmask.kernels.triton import backend as triton_backend
+from retmask.kernels.triton import bwd as triton_bwd
+from retmask.kernels.triton import common as triton_common
+from retmask.kernels.triton import decode as triton_decode
+from retmask.kernels.triton import fwd as triton_fwd
+from retmask.kernels.triton.common import POISON_INDEX, active_pairs, sync_free
 
 from ..device import TEST_DEVICE, on_test_device
 from .helpers import assert_argmax_matches, left_padding_mask, make_qkv
@@ -466,7 +464,7 @@ def test_backward_all_heads_skipped_and_tile_shapes(grid_mode):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gpu_tile_tables_cover_head_dims_and_fit_shared_memory(monkeypatch, dtype):
     """Every supported head dim has GPU configs whose pipelined forward tiles fit H100 shared memory."""
-    from retmask.kernels import triton_common as tc
+    from retmask.kernels.triton import common as tc
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     size = torch.finfo(dtype).bits // 8
@@ -505,7 +503,7 @@ def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
     import sys
     from dataclasses import asdict
 
-    from retmask.kernels.triton_aot import record_standard_launches
+    from retmask.kernels.triton.aot import record_standard_launches
 
     variants = [(64, False), (128, False), (64, True), (128, True), (256, True)]
     launches = [launch for d, f in variants for launch in record_standard_launches(torch.float16, d, f)]
@@ -527,7 +525,7 @@ def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run(
-        [sys.executable, "-m", "retmask.kernels.triton_aot", "--compile", str(path)],
+        [sys.executable, "-m", "retmask.kernels.triton.aot", "--compile", str(path)],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -553,7 +551,7 @@ def test_launch_grids_cover_only_enabled_heads():
     enabled (batch, head) pairs; the dK/dV kernel enumerates KV heads with at least one enabled query
     head (a fully disabled GQA group costs nothing). The decode grid is always sync-free: one program per
     KV head and split, a disabled group's getting no keys."""
-    from retmask.kernels.triton_aot import record_launches
+    from retmask.kernels.triton.aot import record_launches
 
     B, Hq, Hkv, M, N, D = 2, 8, 2, 300, 300, 64
     q = torch.zeros(B, Hq, M, D)
@@ -877,7 +875,7 @@ def test_non_finite_rows_in_every_kernel_path(M, features):
 
 
 def test_shrunk_goes_stages_then_key_block_then_query_block():
-    from retmask.kernels.triton_common import TileConfig, shrunk
+    from retmask.kernels.triton.common import TileConfig, shrunk
 
     seen, cfg = [], TileConfig(64, 32, 4, 2)
     while cfg is not None:
@@ -890,7 +888,7 @@ def test_shrunk_goes_stages_then_key_block_then_query_block():
 def test_launch_fitting_retries_smaller_configs_and_remembers_the_fit(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
-    from retmask.kernels import triton_common as tc
+    from retmask.kernels.triton import common as tc
 
     monkeypatch.setattr(tc, "_FITTED", {})
     tried = []
@@ -943,7 +941,7 @@ class _SmallGpu:
 def test_kernels_fall_back_to_tiles_the_gpu_can_run(monkeypatch):
     """Forward, decode and backward shrink their tiles where the GPU refuses them and still give the
     reference's results (the fallback's retry of the backward reruns all three kernels)."""
-    from retmask.kernels import triton_common as tc
+    from retmask.kernels.triton import common as tc
 
     monkeypatch.setattr(tc, "_FITTED", {})
     # Interpreter tiles are already 16 keys wide; start from wider ones, as on a GPU.

@@ -26,7 +26,7 @@ and rows beyond M get ``P = 0``. A row with no valid key has ``lse = +inf``, so 
 gradients are 0 with no NaN. Disabled heads contribute nothing: the dQ and preprocess grids enumerate
 enabled (batch, head) pairs, the dK/dV kernel skips disabled heads of its group, and KV heads whose
 whole group is disabled do no work. Their zero dQ / dK / dV are written with torch (exact grid mode)
-or by programs with empty loops (sync-free mode, see ``triton_fwd``).
+or by programs with empty loops (sync-free mode, see ``triton.fwd``).
 
 Loops start where they can contribute. Keys before a batch row's first valid key are padding: the dQ
 loop starts at that key's block, and dK/dV programs wholly before it only store zeros. Causal: key
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (
+from .common import (
     TileConfig,
     active_pairs,
     block_d,
@@ -57,7 +57,7 @@ from .triton_common import (
     new_float,
     with_blocks,
 )
-from .triton_fwd import _logit_scales, _tanh
+from .fwd import _logit_scales, _tanh
 
 
 @triton.jit

@@ -27,7 +27,8 @@ from types import ModuleType
 
 import torch
 
-from . import cpu_blocked, paths
+from .. import paths
+from . import blocked as cpu_blocked
 
 BLOCK_N = 64  # keys per block (multiple of 32)
 ISA_ENV = "RETMASK_CPU_ISA"

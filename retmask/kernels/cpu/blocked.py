@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .chunked import chunked_attention
-from .sdpa import sdpa_attention
+from ..chunked import chunked_attention
+from ..sdpa import sdpa_attention
 
 ARGMAX_KEY_BLOCK = 2048
 

@@ -8,7 +8,7 @@ that share one KV head (GQA) as the rows of one [BLOCK_G, D] query tile: each K/
 HBM once per split instead of once per query head, and the logits become a small tensor-core ``tl.dot``
 (BLOCK_G = G padded to >= 16 rows; the padding rows cost compute, which decode has to spare).
 
-Math. Program (split s, KV pair) runs the online softmax of ``triton_fwd`` (the same ``_key_loops``)
+Math. Program (split s, KV pair) runs the online softmax of ``triton.fwd`` (the same ``_key_loops``)
 over its key range and writes, for every row, a partial state: ``m_s`` (largest base-2 logit in the
 range, -inf if the range has no valid key), ``i_s`` (its smallest key index), ``l_s = sum 2^(s_j - m_s)``
 and ``a_s = sum 2^(s_j - m_s) v_j``. With ``m = max_s m_s`` the exact result is
@@ -24,7 +24,7 @@ holding key N - window are split over the programs (that block alone gets the wi
 is applied per logit as in the prefill (``_fwd_block``); a sink joins the merge's denominator
 (``m_ref = max(m, sink)``, ``l += 2^(sink - m_ref)``). A split that met a NaN / +inf logit has a NaN
 ``l_s``, which survives the merge's weighting (NaN * 0 = NaN): the row becomes NaN with argmax -1. Head skipping: only KV heads with at least one enabled query head do work. The grid is always
-the sync-free one (``triton_common.sync_free``), with no host sync: a fully disabled group's programs
+the sync-free one (``triton.common.sync_free``), with no host sync: a fully disabled group's programs
 get no keys, never read its K/V and only write their fixed partial states; disabled rows inside a working
 group ride along in the tile for free, and the merge stores 0 / -1 / +inf for every disabled row.
 """
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (
+from .common import (
     TileConfig,
     active_pairs,
     block_d,
@@ -53,7 +53,7 @@ from .triton_common import (
     num_sms,
     with_blocks,
 )
-from .triton_fwd import _key_loops, _logit_scales
+from .fwd import _key_loops, _logit_scales
 
 
 @triton.jit
@@ -166,7 +166,7 @@ def _decode_merge_kernel(
     l_tot = tl.sum(l_s * w, 0)
     if HAS_SINKS:
         l_tot += tl.exp2(sink2 - m_ref)
-    # A split that met a NaN / +inf logit has l_s = NaN (see triton_fwd); NaN survives the weighting
+    # A split that met a NaN / +inf logit has l_s = NaN (see fwd.py); NaN survives the weighting
     # (NaN * 0 = NaN), so the row is poisoned: NaN out, argmax -1.
     poisoned = l_tot != l_tot
     idx = tl.where(empty | poisoned, -1, idx)

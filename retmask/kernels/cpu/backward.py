@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu
+from . import backend as cpu
 
 
 def backward(

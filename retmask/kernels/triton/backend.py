@@ -1,19 +1,19 @@
 """Triton backend of ``retmask.kernels.attention`` (imported lazily as backend "triton").
 
-Dispatch only: ``triton_fwd`` (prefill forward with argmax and head skipping), ``triton_decode``
-(M == 1, split over keys) and ``triton_bwd`` (FA2-style backward), all three with sliding window,
+Dispatch only: ``triton.fwd`` (prefill forward with argmax and head skipping), ``triton.decode``
+(M == 1, split over keys) and ``triton.bwd`` (FA2-style backward), all three with sliding window,
 logit soft-capping and attention sinks (``reference.py`` defines them). Inputs arrive validated and
 normalised by ``attention()`` (see ``validation.py``): masks are contiguous bool, skip_heads is
 [B, Hq] or None, argmax_rows is in [0, M].
 
-Head skipping has two grid modes (``triton_common.sync_free``): by default the prefill and backward
+Head skipping has two grid modes (``triton.common.sync_free``): by default the prefill and backward
 grids hold only the enabled heads, which costs one device->host sync per call to size them; while a CUDA
-graph is being captured, or everywhere with ``triton_common.FORCE_SYNC_FREE`` (tests), there is
+graph is being captured, or everywhere with ``triton.common.FORCE_SYNC_FREE`` (tests), there is
 no host sync and programs for disabled heads only write their fixed outputs. Decode calls always take the
 sync-free grid (their few programs cost less than the sync). So every call, with or without skipped
 heads, can be captured in a CUDA graph (``torch.cuda.graph``) and replayed; at batch 1 a decode call's
 eager time is almost all host time (Python and two Triton launches), which a graph removes. Debugging:
-``triton_common.POISON_OUTPUTS = True`` (tests) fills every output buffer with NaN / -12345 before the kernels run, so an
+``triton.common.POISON_OUTPUTS = True`` (tests) fills every output buffer with NaN / -12345 before the kernels run, so an
 unwritten element cannot pass unnoticed.
 """
 
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from .triton_bwd import attention_backward
-from .triton_common import fp32_sinks
-from .triton_decode import decode_forward
-from .triton_fwd import attention_forward
+from .bwd import attention_backward
+from .common import fp32_sinks
+from .decode import decode_forward
+from .fwd import attention_forward
 
 
 def forward(

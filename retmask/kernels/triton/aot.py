@@ -4,14 +4,14 @@ The interpreter (how the tests run without a GPU) checks the kernels' arithmetic
 generation: a kernel can interpret fine and still fail to compile, or spill registers with a given tile
 config. This module closes part of that gap with Triton's ahead-of-time path and the bundled ``ptxas``:
 
-1. ``record_launches()`` runs the real launchers (``triton_fwd``, ``triton_decode``, ``triton_bwd``)
+1. ``record_launches()`` runs the real launchers (``triton.fwd``, ``triton.decode``, ``triton.bwd``)
    on small CPU tensors with the *GPU* config tables, but replaces each kernel by a recorder: the exact
    signature (pointer dtypes, integer/float scalars) and constexprs of every launch are captured and
    nothing is executed.
 2. ``compile_launch()`` compiles one recorded launch for a CUDA target (default sm_90, H100) in a
    process where ``TRITON_INTERPRET`` is not set, and reads registers / spill stack from the cubin.
 
-Command line: ``python -m retmask.kernels.triton_aot [--dtypes fp16 bf16 fp32] [--head-dims 64 128 256]
+Command line: ``python -m retmask.kernels.triton.aot [--dtypes fp16 bf16 fp32] [--head-dims 64 128 256]
 [--features none|all|both]`` prints one line per kernel launch: registers, spill stack bytes, shared
 memory (``--features``: the launches without, with, or without and with a sliding window, soft-capping
 and sinks). Record in one process
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 KERNELS = {
-    "retmask.kernels.triton_fwd": ("_fwd_kernel",),
-    "retmask.kernels.triton_decode": ("_decode_partial_kernel", "_decode_merge_kernel"),
-    "retmask.kernels.triton_bwd": ("_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"),
+    "retmask.kernels.triton.fwd": ("_fwd_kernel",),
+    "retmask.kernels.triton.decode": ("_decode_partial_kernel", "_decode_merge_kernel"),
+    "retmask.kernels.triton.bwd": ("_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"),
 }
 _PTR_TYPES = {
     torch.float16: "*fp16",
@@ -136,9 +136,9 @@ def record_standard_launches(dtype: torch.dtype, head_dim: int, features: bool =
     """Launches of a causal GQA prefill with padding and skips, with argmax on the last rows and without
     (both forward variants), a decode step and the backward, on tiny CPU tensors (nothing runs). ``features`` adds a
     sliding window (100 of 256 keys), soft-capping and sinks to all of them."""
-    from .triton_bwd import attention_backward
-    from .triton_decode import decode_forward
-    from .triton_fwd import attention_forward
+    from .bwd import attention_backward
+    from .decode import decode_forward
+    from .fwd import attention_forward
 
     B, Hq, Hkv, N = 1, 4, 2, 256
     label = f"{str(dtype).removeprefix('torch.')} D={head_dim}" + (" +w/cap/sink" if features else "")

@@ -48,16 +48,15 @@ has no defined answer).
 Head skipping. Default ("exact") grid: the second axis indexes an int32 list of the enabled (batch,
 head) pairs built from ``skip_heads`` with ``program_id(1)`` (its length, read on the host, sizes the
 grid), so work is proportional to the enabled heads, and the disabled heads' outputs are written with
-torch (0 / -1 / +inf). Sync-free grid (while a CUDA graph is captured, or ``triton_common.FORCE_SYNC_FREE`` in tests):
+torch (0 / -1 / +inf). Sync-free grid (while a CUDA graph is captured, or ``triton.common.FORCE_SYNC_FREE`` in tests):
 one program per pair in natural order, each reading its pair's flag in ``skip_heads``; a disabled pair's
 program runs empty key loops, so its epilogue writes 0 / -1 / +inf, with no host sync and no extra
 kernel.
 
 Argmax rows. Only the last T rows need an argmax. One launch covers every tile; a runtime branch sends
 the tiles that hold none of them through key loops compiled without the argmax bookkeeping, so teacher
-forcing (T ~ 50 of 50K rows) pays almost nothing for it. (Launching those tiles separately, as an
-earlier version did, left the few long argmax tiles of the second launch running alone after the
-first: +50% at 8K keys on an H200.)
+forcing (T ~ 50 of 50K rows) pays almost nothing for it. (Two launches would leave the few long
+argmax tiles of the second one running alone after the first.)
 
 Tile order. Program 0 takes the last row block: under a causal mask it has the most keys, and starting
 with the longest tiles leaves the short ones to fill the tail of the launch.
@@ -74,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (
+from .common import (
     TileConfig,
     active_pairs,
     block_d,
