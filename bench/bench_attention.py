@@ -74,8 +74,9 @@ def _make_fn(method: str, skip_frac: float, q, k, v):
     import torch
     import torch.nn.functional as F
 
-    from retmask.kernels import attention, cpu_blocked
-    from retmask.kernels import cpu as cpu_backend
+    from retmask.kernels import attention
+    from retmask.kernels.cpu import backend as cpu_backend
+    from retmask.kernels.cpu import blocked as cpu_blocked
 
     Hq, M, D = q.shape[1], q.shape[2], q.shape[3]
     N = k.shape[2]
@@ -246,8 +247,8 @@ def path_decisions(models: list[str], dtype: str) -> list[dict[str, Any]]:
     of ``retmask.kernels.paths`` (``$RETMASK_CPU_PATH`` and ``$RETMASK_CPU_ISA`` included)."""
     import torch
 
-    from retmask.kernels import cpu as cpu_backend
     from retmask.kernels import paths
+    from retmask.kernels.cpu import backend as cpu_backend
 
     build = cpu_backend.selected_isa()
     rows = []
@@ -484,7 +485,7 @@ def main() -> None:
             "== CPU path comparison (evidence for the rule): fused C++ vs bf16 dot products vs blocked torch =="
         )
         prefill_ns = [2048, 4096] if not args.quick else [1024]
-        from retmask.kernels import cpu as cpu_backend
+        from retmask.kernels.cpu import backend as cpu_backend
 
         kernel_kinds: tuple[str, ...] = ("cpp",)
         if args.dtype == "bfloat16" and cpu_backend.bf16_dot_native():

@@ -1,4 +1,4 @@
-"""Benchmark: the attention backward on the CPU, the C++ kernel (``retmask.kernels.cpu_backward``, what
+"""Benchmark: the attention backward on the CPU, the C++ kernel (``retmask.kernels.cpu.backward``, what
 eager CPU calls take by the rule of ``retmask.kernels.paths``) against PyTorch SDPA's backward (the
 recompute ``ops._sdpa_grads``: in the inputs' dtype, and for bf16 also on fp32 copies rounded back, the
 paths of traced calls).
@@ -35,8 +35,10 @@ from common import (  # noqa: E402
     write_page,
 )
 
-from retmask.kernels import cpu, cpu_backward, ops  # noqa: E402
+from retmask.kernels import ops  # noqa: E402
 from retmask.kernels.chunked import chunked_grads  # noqa: E402
+from retmask.kernels.cpu import backend as cpu  # noqa: E402
+from retmask.kernels.cpu import backward as cpu_backward  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128), "Gemma-3-270M": (4, 1, 256)}
@@ -154,7 +156,7 @@ def main() -> None:
         "the inputs' dtype (with Gemma-3's sliding window of 512 keys, which SDPA cannot express without an [M, N] "
         "mask: the query-chunked recompute of `retmask.kernels.chunked`), `SDPA fp32` = the same on fp32 copies, "
         "rounded back (bf16 only), `kernel` = "
-        f"`retmask.kernels.cpu_backward` (fp32 inside, rounded once). Median of {args.repeats} interleaved calls. "
+        f"`retmask.kernels.cpu.backward` (fp32 inside, rounded once). Median of {args.repeats} interleaved calls. "
         "`kernel / best` = the kernel's time over the faster SDPA variant's. `Δ` = the kernel's largest gradient "
         "difference from SDPA fp32's (fp32 and windows: the recompute's in the dtype), relative to the gradient's "
         "scale. Eager CPU calls take the kernel (`retmask/kernels/paths.py`); traced bf16 calls SDPA fp32. "

@@ -15,7 +15,7 @@ its key-bias row is a std::vector (16-byte aligned) read with aligned 32-byte lo
 build has that one buffer 64-byte aligned (nothing else changed); say so with --baseline-note.
 
 The "before" side calls that build exactly as that commit's ``cpp_forward`` did (copied below as
-``ctypes_forward``); the "after" side is today's ``retmask.kernels.cpu.cpp_forward`` on the installed
+``ctypes_forward``); the "after" side is today's ``retmask.kernels.cpu.backend.cpp_forward`` on the installed
 build. Cases, SmolLM2-135M heads (Hq = 9, Hkv = 3, D = 64), fp32, B = 1, one query row:
 
   call only        the bare foreign call with its arguments built in advance and B = 0 (the kernel
@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_flags, cpu_model, machine_description, markdown_table  # noqa: E402
 
-from retmask.kernels import cpu  # noqa: E402
+from retmask.kernels.cpu import backend as cpu  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HQ, HKV, D = 9, 3, 64

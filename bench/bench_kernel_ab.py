@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description, markdown_table  # noqa: E402
 
-from retmask.kernels import cpu  # noqa: E402
+from retmask.kernels.cpu import backend as cpu  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128), "Gemma-3-270M": (4, 1, 256)}

@@ -67,7 +67,7 @@ def _eager_fits(hq: int, m: int, n: int) -> bool:
 def sync_free_grid(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` run in the sync-free grid mode (one program per (batch, head) pair, no host sync), the mode
     a CUDA-graph capture uses."""
-    from retmask.kernels import triton_common
+    from retmask.kernels.triton import common as triton_common
 
     def run():
         triton_common.FORCE_SYNC_FREE = True

@@ -43,7 +43,7 @@ def _cases(
     """{case: callable} for one decode call at N keys; the inputs are fixed tensors, so a captured
     graph replays the same call."""
     from retmask.kernels import attention
-    from retmask.kernels.triton_decode import decode_forward
+    from retmask.kernels.triton.decode import decode_forward
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(n)

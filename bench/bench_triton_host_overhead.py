@@ -41,7 +41,7 @@ from common import (  # noqa: E402
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
-STUBBED = {"triton_fwd": ["_fwd_kernel"], "triton_decode": ["_decode_partial_kernel", "_decode_merge_kernel"]}
+STUBBED = {"triton.fwd": ["_fwd_kernel"], "triton.decode": ["_decode_partial_kernel", "_decode_merge_kernel"]}
 
 
 class _NoLaunch:

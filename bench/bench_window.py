@@ -218,7 +218,7 @@ def run_cell(
     """One cell in a fresh worker. ``chunk``: extrapolate from the last CHUNK_ROWS rows (None: when the
     call's work exceeds ``direct_limit``; only for our kernel, never for TARGET_WINDOW).
     ``pair``: (method, window) of a whole call timed alternately with this one (``pair_ratio``)."""
-    from retmask.kernels.cpu import default_block_m
+    from retmask.kernels.cpu.backend import default_block_m
 
     Hq, Hkv, D = MODELS[model]
     rec: dict[str, Any] = {"model": model, "N": N, "method": method, "window": window}

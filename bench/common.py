@@ -63,7 +63,7 @@ def machine_description() -> dict[str, str]:
     whether the CPU speed-ups are on, memory, torch / python versions, threads used by torch."""
     import torch
 
-    from retmask.kernels import cpu as cpu_kernel
+    from retmask.kernels.cpu import backend as cpu_kernel
 
     flags = cpu_flags()
     simd = "avx512f" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")

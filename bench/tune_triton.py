@@ -3,7 +3,7 @@
 Usage:  python bench/tune_triton.py [--dtype bf16|fp32] [--n 8192] [--workers 8] [--kinds fwd bwd]
                                     [--head-dims 64 128 256]
 
-The tile tables in ``retmask/kernels/triton_common.py`` (BLOCK_M, BLOCK_N, num_warps, num_stages per
+The tile tables in ``retmask/kernels/triton/common.py`` (BLOCK_M, BLOCK_N, num_warps, num_stages per
 padded head dim) decide most of the kernels' speed. This script times each candidate config on the
 attention shapes of the models we ship or target (bf16 or --dtype fp32, each with its own tables; batch 1,
 causal, M = N keys):
@@ -84,12 +84,12 @@ TABLES = {
     ("fwd", "bf16"): "_FWD_CONFIGS", ("bwd", "bf16"): "_BWD_CONFIGS",
     ("fwd", "fp32"): "_FWD_CONFIGS_FP32", ("bwd", "fp32"): "_BWD_CONFIGS_FP32",
 }  # fmt: skip
-KERNELS = {"fwd": ("triton_fwd", ["_fwd_kernel"]),
-           "bwd": ("triton_bwd", ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"])}  # fmt: skip
+KERNELS = {"fwd": ("triton.fwd", ["_fwd_kernel"]),
+           "bwd": ("triton.bwd", ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"])}  # fmt: skip
 
 
 def _set_config(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int]) -> None:
-    from retmask.kernels import triton_common as tc
+    from retmask.kernels.triton import common as tc
 
     getattr(tc, TABLES[kind, dtype])[d] = tc.TileConfig(*cfg)
 
@@ -104,8 +104,8 @@ def _inputs(d: int, n: int, dtype: str, *, grad: bool = False):
 
 def _call(kind: str, dtype: str, d: int, n: int, argmax_rows: int = 0):
     """A callable running one ``kind`` call at D = ``d``, N = ``n`` with the current tables."""
-    from retmask.kernels.triton_bwd import attention_backward
-    from retmask.kernels.triton_fwd import attention_forward
+    from retmask.kernels.triton.bwd import attention_backward
+    from retmask.kernels.triton.fwd import attention_forward
 
     scale = d**-0.5
     kw = dict(sm_scale=scale, key_padding_mask=None, skip_heads=None)
@@ -195,7 +195,7 @@ def write_tune_page(rows: list[dict], out: Path, dtype: str, n: int, versions: s
         f"Machine: {versions}. {dtype}, batch 1, causal, "
         f"M = N = {n}; triton.testing.do_bench medians (ms). fwd = prefill forward (argmax columns: "
         "last 50 rows / every row, for the fastest three and the table's config); bwd = the backward alone. "
-        "Config = BLOCK_M x BLOCK_N, warps, stages; 'table' marks the config in triton_common.py when this ran.",
+        "Config = BLOCK_M x BLOCK_N, warps, stages; 'table' marks the config in triton/common.py when this ran.",
         "",
         *([note, ""] if note else []),
         markdown_table(headers, table),
@@ -223,7 +223,7 @@ def main() -> int:
         return 1
     import triton
 
-    from retmask.kernels import triton_common as tc
+    from retmask.kernels.triton import common as tc
 
     # The tables as shipped (each timing below swaps one entry in and restores it).
     dt = args.dtype
