@@ -27,16 +27,16 @@ from typing import Any
 
 
 def cpu_model() -> str:
-    """CPU model name (``retmask.kernels.cpuinfo``; imported here, not at the top, so that a worker that
+    """CPU model name (``retmask.cpuinfo``; imported here, not at the top, so that a worker that
     imports only ``retmask.kernels`` does not load the whole package)."""
-    from retmask.kernels.cpuinfo import cpu_model as model
+    from retmask.cpuinfo import cpu_model as model
 
     return model()
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags (``retmask.kernels.cpuinfo``; imported lazily, see ``cpu_model``)."""
-    from retmask.kernels.cpuinfo import cpu_flags as flags
+    """The CPU's feature flags (``retmask.cpuinfo``; imported lazily, see ``cpu_model``)."""
+    from retmask.cpuinfo import cpu_flags as flags
 
     return flags()
 
@@ -69,8 +69,8 @@ def machine_description() -> dict[str, str]:
     simd = "avx512f" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")
     bf16 = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
     from retmask import cpu_speedups
+    from retmask.cpuinfo import cpu_family
     from retmask.kernels import paths
-    from retmask.kernels.cpuinfo import cpu_family
 
     try:
         build = cpu_kernel.selected_isa() or "not built"

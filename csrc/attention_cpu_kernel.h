@@ -43,7 +43,7 @@ using Args = KernelArgs;
 
 // VL fp32 lanes: 16 (one zmm register) in the AVX-512 build, 8 (one ymm) in the AVX2 and generic builds.
 // A vector type wider than the target's registers is lowered piecewise through the stack by GCC (the
-// 16-lane type on an AVX2-only CPU ran 7-8x slower than SDPA), so each build uses its native width.
+// 16-lane type on an AVX2-only CPU is several times slower), so each build uses its native width.
 constexpr int VL = RETMASK_VL;
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));  // unaligned access

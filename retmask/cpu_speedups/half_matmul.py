@@ -1,9 +1,9 @@
 """Matrix products of bf16 / fp16 operands on CPUs with and without native half-precision GEMMs.
 
 On a CPU with AMX or AVX512-BF16 (bf16), or AMX-FP16 / AVX512-FP16 (fp16), torch runs a half-precision
-``mm`` / ``linear`` on oneDNN's native kernels, 2-4x faster than float32. Elsewhere (an AVX2-only AMD EPYC,
-say) torch emulates them: on a 2-core Zen 3 a [512 x 49,152] x [49,152 x 576] bf16 ``mm`` took 40 s
-against 0.23 s in float32, and a bf16 ``linear`` 5x its float32 time.
+``mm`` / ``linear`` on oneDNN's native kernels, 2-4x faster than float32. Elsewhere (an AVX2-only CPU, say)
+torch emulates them: on 2 such cores a [512 x 49,152] x [49,152 x 576] bf16 ``mm`` took 40 s against 0.23 s
+in float32, and a bf16 ``linear`` 5x its float32 time.
 
 :class:`HalfProducts` computes the same numbers either way. A product of bf16 values is exact in fp32 and
 a half-precision GEMM accumulates in fp32, so upcasting the operands (values already rounded to the half
@@ -21,14 +21,14 @@ from functools import cache
 
 import torch
 
-from retmask.kernels.cpuinfo import cpu_flags
+from retmask.cpuinfo import cpu_flags
 
 from .linear import linear, ordinary_dispatch
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Fewer input rows than this keep torch's own half-precision linear: its emulated matrix-vector products
-# are fast (bf16 halves the bytes read), while converting the weight to fp32 per call is not. On a 2-core
-# Zen 3, SmolLM2's layer shapes: emulated / torch 0.17-0.6 at 32-512 rows (head 0.84 at 32), but 1.5-3x
+# are fast (bf16 halves the bytes read), while converting the weight to fp32 per call is not. On 2 AVX2
+# cores, SmolLM2's layer shapes: emulated / torch 0.17-0.6 at 32-512 rows (head 0.84 at 32), but 1.5-3x
 # at 8 rows and 3-15x at one row.
 EMULATE_MIN_ROWS = 32
 

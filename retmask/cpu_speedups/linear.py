@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from retmask.kernels.cpuinfo import cpu_identity
+from retmask.cpuinfo import cpu_identity
 
 from . import enabled
 from .decisions import DecisionCache, DecisionStore, interleaved_medians

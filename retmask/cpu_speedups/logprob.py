@@ -14,7 +14,7 @@ during ``retmask train``.
 Why another implementation. TRL's kernel is Triton; without Triton it folds each ``[N, chunk]`` tile
 of logits with a dozen torch ops (upcasts, multiplications by a scale of 1.0, masks, ``zeros_like``),
 and its backward upcasts the bf16 tile and the weight chunk to fp32 for the two gradient products,
-which then run on fp32 BLAS. On a 2-core AMD Zen 5 its forward + backward took about 0.3 s in bf16 for
+which then run on fp32 BLAS. On 2 cores with AVX-512 its forward + backward took about 0.3 s in bf16 for
 212 rows of SmolLM2 (49K vocabulary), where the three products need about 0.05 s on oneDNN's bf16 GEMM.
 Here:
 

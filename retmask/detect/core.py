@@ -251,7 +251,7 @@ class FastDetector:
         passes = 0
         # Draft length cap: a rejected draft costs its rows for nothing, so after a rejection at position a
         # the next draft is at most max(min_draft, 2a) long; a fully accepted draft restores the maximum.
-        # On 2 Zen 5 cores a SmolLM2 pass costs about 29-34 ms + 5-7 ms per 1K cached tokens + 1.1-1.6 ms
+        # On 2 CPU cores a SmolLM2 pass costs about 29-34 ms + 5-7 ms per 1K cached tokens + 1.1-1.6 ms
         # per row (fitted on two runs of the default grid's 96 tests, R^2 >= 0.996). min_draft = 2 was
         # measured worse than 8 on the benchmark grid (+12% passes, +25% decode time): after a rejection the
         # model often resumes copying the needle, and a longer draft catches that in the same pass. Replays

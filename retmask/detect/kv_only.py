@@ -15,7 +15,7 @@ caller throws away. :func:`last_layer_kv_only` skips that work for the duration 
 The cache it leaves is bit-identical to a full forward's (the K/V of every layer come from the same
 operations on the same inputs); only the call's returned hidden states and logits differ. For a model of
 L layers this saves about 1/L of the prefill (SmolLM2-135M, 30 layers: 2.9% of a 3,000-token chunked
-prefill on a 2-core EPYC).
+prefill on 2 CPU cores).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ costs:
   arithmetic.
 
 Measured on the embedded SmolLM2-135M-Instruct (30 NIAH tests of 1K-5K tokens, fast side of
-``bench/bench_detect.py``): on 2-core EPYC CPUs chunk 256 is fastest (64-512 tried; 128 and 384 within
-a few percent); on an H100 the fast side's time fell from chunk 256 to 1024, 2048 and 4096 as 1.00 :
-0.77 : 0.70 : 0.64 (prefill 4.0 -> 1.2 s, though 2.5x the tokens were computed). The chunk is a speed
+``bench/bench_detect.py``, pages in bench/RESULTS.md): on 2-core CPUs chunk 256 is fastest (64-512 tried;
+128 and 384 within a few percent); on a GPU the fast side's time falls with the chunk up to 4096 (0.64x
+of chunk 256's on a Hopper GPU, though 2.5x the tokens are computed). The chunk is a speed
 setting: for any chunk the fast path's answers and copy counts equal the step-by-step oracle's (tested
 with 16, 64 and 4096 tokens); in bf16 a chunk's call shapes can move KV values at rounding level.
 """

@@ -88,8 +88,8 @@ class EmulatedBf16Warning(UserWarning):
 EMULATED_BF16 = (
     "--dtype bfloat16 on a CPU without native bf16 (no AMX-BF16 or AVX512-BF16): torch emulates bf16 "
     "matmuls here. retmask's linear layers (32 rows or more) and its CPU LM head multiply the bf16-rounded "
-    "operands in fp32 instead, so a run gives bf16's numbers at about float32's cost (a DPO step 1.02x on "
-    "an AVX2 EPYC), never faster; other bf16 matmuls stay emulated. --dtype auto picks float32 on this CPU."
+    "operands in fp32 instead, so a run gives bf16's numbers at about float32's cost (a DPO step 1.02x "
+    "the float32 step on an AVX2 CPU), never faster; other bf16 matmuls stay emulated. --dtype auto picks float32 on this CPU."
 )
 
 

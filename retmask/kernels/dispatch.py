@@ -116,9 +116,8 @@ def attention(
     leave the argmax alone. Skipped heads stay exactly 0 / -1.
     """
     shape = check_qkv(q, k, v)
-    # Each optional argument is checked only when given. In a decode step this runs once per layer with
-    # cold caches (the layer's weights evict them between two calls), where every distinct function a
-    # call enters costs ~5 us, and reading q.device builds a torch.device object.
+    # Each optional argument is checked only when given: in a decode step this runs once per layer with
+    # cold caches, where every function a call enters costs microseconds.
     if key_padding_mask is not None:
         key_padding_mask = check_key_padding_mask(key_padding_mask, shape, q.device)
     if skip_heads is not None:

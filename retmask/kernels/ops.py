@@ -272,12 +272,8 @@ class _AttentionAutograd(torch.autograd.Function):
     Backward: the ``attention_bwd`` operator (the backend's own backward, one opaque node in a compiled
     graph) when the forward kept an lse, otherwise a recompute (``recompute_grads``) differentiated here,
     at the autograd level (AOTAutograd traces it into the compiled backward as plain torch ops).
-
-    Same role as ``torch.library.register_autograd(backward, setup_context=...)``, whose generated
-    ``autograd.Function`` also rebuilds the argument list from the schema on every call
-    (``torch._library.utils.fill_defaults``: ~11 copies of the argument list, 78 us per call on the
-    2-core dev machine): with it a requires-grad call cost 261 us of wrapper time against 135 us here
-    (stub kernel; the autograd.Function used before the operator existed: 75 us).
+    Same role as ``torch.library.register_autograd``, whose generated ``autograd.Function`` rebuilds the
+    argument list from the schema on every call (about twice this wrapper's time per call).
     """
 
     @staticmethod
@@ -369,9 +365,8 @@ def eager_direct(*tensors: torch.Tensor | None) -> bool:
     autograd graph to record (no_grad, inference_mode, or no input requiring grad) and no tracer,
     dispatch / function mode, functorch transform or forward-AD level that should see the operator.
     The computation is the same function either way; this skips the dispatcher round trip (the Python
-    Autograd kernel, redispatch, boxing ten arguments twice). Wrapper cost per decode call (B=1, Hq=9,
-    Hkv=3, D=64, M=1, N=512, stub kernel, CPU time on the 2-core dev machine): 26 us with the shortcut,
-    76 us through the operator, 60 us for the autograd.Function wrapper before the operator existed.
+    Autograd kernel, redispatch, boxing ten arguments twice), about two thirds of a decode call's wrapper
+    time.
     """
     # dynamo / export fold is_compiling() to a constant while tracing; forward AD must see the operator too
     if not _untraced() or torch.autograd.forward_ad._current_level >= 0:

@@ -163,9 +163,9 @@ def describe() -> dict[str, Any]:
     """The machine and, for each kind of call the project makes, the path it takes here and why: what
     ``retmask env`` prints and what run records embed."""
     from retmask import cpu_speedups
+    from retmask.cpuinfo import cpu_family, cpu_flags, cpu_model
 
     from .cpu import backend as cpu
-    from .cpuinfo import cpu_family, cpu_flags, cpu_model
 
     simd = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
     machine = {

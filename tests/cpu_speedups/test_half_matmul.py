@@ -137,7 +137,7 @@ def test_emulated_linear_runs_no_half_precision_product(emulate):
 
 
 def test_native_half_matmul_follows_the_cpu_flags():
-    from retmask.kernels.cpuinfo import cpu_flags
+    from retmask.cpuinfo import cpu_flags
 
     flags = cpu_flags()
     assert hm.native_half_matmul(torch.bfloat16) == bool({"amx_bf16", "amx_tile", "avx512_bf16"} & flags)
