@@ -185,7 +185,7 @@ def _save_resume(path: Path, model, optimizer, step: int, log: list, seconds: fl
 def _load_resume(path: Path, settings: dict) -> dict:
     """The checkpoint at ``path``; an unreadable file or one of other settings is an error naming it."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # data only: never run its code
     except Exception as err:  # a torn or foreign file: zip / unpickling errors that do not name it
         raise RunFileError(
             f"resume checkpoint {path} cannot be read ({type(err).__name__}: {err}); it is damaged: delete it "

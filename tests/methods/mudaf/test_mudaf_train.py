@@ -4,6 +4,7 @@ CLM, the losses fall and the selected heads' golden-passage attention rises, res
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,6 +160,35 @@ def test_resume_checkpoint_damaged_or_of_other_settings_is_named(tmp_path, mdqa_
     )
     with pytest.raises(RunFileError, match=r"other settings \(learning_rate: 5e-06 -> 0.001\).*--overwrite"):
         train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, resume=True, progress=False)
+
+
+class _Payload:
+    """Unpickling this object runs code (writes a file): what a planted resume.pt could do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "pwned"))
+
+
+def test_resume_checkpoint_that_would_run_code_is_refused(tmp_path, mdqa_examples, bpe_tokenizer):
+    """A resume.pt holding a pickled object whose loading runs code is read as data only: refused with the
+    damaged-checkpoint message, and the code never runs."""
+    from retmask.runfiles import RunFileError
+
+    data = mdqa_examples[:4]
+    cfg = MuDAFConfig(heads=[(1, 2)], learning_rate=1e-3, max_steps=2, batch_size=2, save_every=1)
+    out = tmp_path / "d"
+    out.mkdir()
+    marker = tmp_path / "payload-ran"
+    torch.save(
+        {"model": {}, "optimizer": {}, "step": 1, "log": [_Payload(marker)], "seconds": 0.0},
+        out / "resume.pt",
+    )
+    with pytest.raises(RunFileError, match="cannot be read"):
+        train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, resume=True, progress=False)
+    assert not marker.exists()
 
 
 def test_command_samples_heads_and_errors(tmp_path, mdqa_examples, bpe_tokenizer, capsys):
