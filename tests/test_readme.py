@@ -1,0 +1,126 @@
+"""README.md as a user meets it: its quick starts run as written, its links exist, and it stays a short
+guide (<= 250 lines, <= 15,000 characters, no line over 120 characters, no machine history).
+
+The Python snippets run as they are, on the embedded model. The shell commands are parsed by the CLI
+(flags and choices must exist) and run on the embedded model with a small grid in place of ``--model``
+and the default grid; ``retmask pipeline`` runs end to end on a tiny model in
+tests/methods/retmask/test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from retmask.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SMALL_GRID = [
+    "--min-len",
+    "600",
+    "--max-len",
+    "600",
+    "--num-lengths",
+    "1",
+    "--num-depths",
+    "1",
+    "--no-progress",
+]
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
+
+
+def _quick_start_commands() -> list[list[str]]:
+    """Every ``retmask ...`` line of the README's bash blocks after the set-up, without comments."""
+    text = README.read_text(encoding="utf-8")
+    quick = text[text.index("## Quick starts") : text.index("## Commands")]
+    lines = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)```", quick, re.DOTALL)
+             for line in block.splitlines()]  # fmt: skip
+    return [shlex.split(line) for line in lines if line.startswith("retmask ")]
+
+
+def test_readme_is_a_short_guide():
+    text = README.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert len(lines) <= 250 and len(text) <= 15_000
+    assert max(len(line) for line in lines) <= 120
+    for word in ("EPYC", "DESIGN.md", "2026-"):
+        assert word not in text, word
+    assert _blocks("bash")[:2] == ["make detect\n", "make test\n"]  # the two set-up commands, first
+    for link in re.findall(r"\]\(([^)#]+)\)", text):
+        assert (ROOT / link).exists(), f"README links {link}, which does not exist"
+
+
+def test_quick_start_commands_parse():
+    commands = _quick_start_commands()
+    assert {c[1] for c in commands} >= {"detect", "mask", "niah", "compare", "pipeline"}
+    parser = build_parser()
+    for command in commands:
+        parser.parse_args(command[1:])  # SystemExit for an unknown flag or choice
+
+
+def _runnable(command: list[str], tmp: Path) -> list[str]:
+    """The command on the embedded model with a small grid, its paths under ``tmp``."""
+    args, i = [], 1
+    while i < len(command):
+        if command[i] == "--model":  # the embedded model stands for the user's
+            i += 2
+            continue
+        arg = command[i]
+        args.append(str(tmp / arg) if arg.startswith("runs/") else arg)
+        i += 1
+    if command[1] in ("detect", "niah"):
+        args += SMALL_GRID
+    return args
+
+
+@pytest.mark.embedded
+def test_quick_start_detect_mask_niah_compare_run(tmp_path, capsys):
+    commands = {c[1]: c for c in _quick_start_commands()}
+    for name in ("detect", "mask", "niah"):
+        assert main(_runnable(commands[name], tmp_path)) == 0, capsys.readouterr().err
+    scores = tmp_path / "runs/qwen/scores.json"
+    assert (tmp_path / "runs/qwen/heads.json").is_file() and (tmp_path / "runs/qwen/niah.json").is_file()
+    compare = _runnable(commands["compare"], tmp_path)
+    for path in compare[1:3]:  # the two score files it compares: copies of the one just made
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(scores.read_bytes())
+    assert main(compare) == 0
+    assert "Spearman" in capsys.readouterr().out
+
+
+@pytest.mark.embedded
+def test_readme_model_example_runs():
+    example = next(b for b in _blocks("python") if "retmask.load_model()" in b)
+    scope: dict = {}
+    exec(compile(example, "README.md example", "exec"), scope)  # noqa: S102 (our own README)
+    model = scope["model"]
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    assert scope["cap"].last.shape[:3] == (layers, 1, heads) and scope["cap"].last.shape[3] == 4
+    generated = scope["out"]
+    assert generated.dtype == torch.long and generated.shape[1] > 1
+    # the in-place cache holds the prompt and every generated token but the last
+    assert scope["cache"].get_seq_length() == generated.shape[1] - 1
+
+
+def test_readme_kernel_example_runs_and_matches_the_oracle():
+    from retmask.kernels import reference_attention
+
+    example = next(b for b in _blocks("python") if "from retmask.kernels import attention" in b)
+    scope: dict = {}
+    exec(compile(example, "README.md kernel example", "exec"), scope)  # noqa: S102 (our own README)
+    q, k, v, skip = scope["q"], scope["k"], scope["v"], scope["skip"]
+    out, argmax = scope["out"], scope["argmax"]
+    assert out.shape == q.shape and argmax.shape == (1, 9, 16)
+    ref, ref_argmax = reference_attention(
+        q.double(), k.double(), v.double(), skip_heads=skip[None], argmax_rows=16
+    )
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(argmax, ref_argmax) and (out[:, 4] == 0).all() and (argmax[:, 4] == -1).all()
