@@ -241,8 +241,8 @@ constexpr int ND_PV = 6;  // 6 head dims x 4 row vectors = 24 accumulators
 constexpr int RV_MAX = 4;
 constexpr int MR_PV = 8;  // row-major PV: 8 rows x 2 vectors = 16 accumulators
 #else
-constexpr int NJ_QK = 4;  // 6 keys x 2 row vectors = 12 accumulators + 2 Q vectors + 1 broadcast (16 ymm)
-constexpr int ND_PV = 4;  // 6 head dims x 2 row vectors = 12 accumulators + 2 P vectors + 1 broadcast
+constexpr int NJ_QK = 4;  // 4 keys x 3 row vectors = 12 accumulators + 3 Q vectors + 1 broadcast (16 ymm)
+constexpr int ND_PV = 4;  // 4 head dims x 3 row vectors = 12 accumulators + 3 P vectors + 1 broadcast
 constexpr int RV_MAX = 3;
 constexpr int MR_PV = 6;  // row-major PV: 6 rows x 2 vectors = 12 accumulators + 2 V vectors + 1 broadcast
 #endif
