@@ -2,13 +2,14 @@
 guide (<= 250 lines, <= 15,000 characters, no line over 120 characters, no machine history).
 
 The Python snippets run as they are, on the embedded model. The shell commands are parsed by the CLI
-(flags and choices must exist) and run on the embedded model with a small grid in place of ``--model``
-and the default grid; ``retmask pipeline`` runs end to end on a tiny model in
-tests/methods/retmask/test_pipeline.py.
+(flags and choices must exist) and run with a small grid: detect / mask / niah / compare on the embedded
+model in place of ``--model``, ``retmask pipeline`` on a tiny random model with every stage cut to a few
+steps (its answers count whatever they hold: only the mechanics are checked).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -94,6 +95,30 @@ def test_quick_start_detect_mask_niah_compare_run(tmp_path, capsys):
         Path(path).write_bytes(scores.read_bytes())
     assert main(compare) == 0
     assert "Spearman" in capsys.readouterr().out
+
+
+PIPELINE_TINY = ["--detect-min-len", "300", "--detect-max-len", "300", "--detect-lengths", "1",
+                 "--detect-depths", "2", "--top-k", "2", "--num-instructions", "4", "--gen-max-new-tokens", "8",
+                 "--gen-batch-size", "2", "--max-steps", "2", "--batch-size", "2", "--grad-accum", "1",
+                 "--max-length", "256", "--eval-min-len", "300", "--eval-max-len", "300", "--eval-lengths", "1",
+                 "--eval-depths", "1", "--eval-needles", "1", "--no-progress"]  # fmt: skip
+
+
+def test_quick_start_pipeline_runs(tmp_path, monkeypatch):
+    import transformers
+
+    import retmask
+    from tests.tiny import tiny_llama_for
+
+    tok = transformers.AutoTokenizer.from_pretrained(retmask.default_model_path())
+    model_dir = tmp_path / "tiny"
+    tiny_llama_for(tok, init=0.02).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    monkeypatch.setattr("retmask.detect.run.RECALL_THRESHOLD", -1.0)  # a random model retrieves nothing
+    command = {c[1]: c for c in _quick_start_commands()}["pipeline"]
+    assert main([*_runnable(command, tmp_path), "--model", str(model_dir), *PIPELINE_TINY]) == 0
+    state = json.loads((tmp_path / "runs/pipeline/pipeline.json").read_text())
+    assert all(stage["status"] == "done" for stage in state["stages"].values())
 
 
 @pytest.mark.embedded
