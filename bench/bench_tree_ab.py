@@ -132,7 +132,7 @@ def main() -> None:
             diffs = [abs(a - b) for r in sides["candidate"] for a, b in zip(r["losses"], sides["baseline"][0]["losses"],
                                                                             strict=True)]  # fmt: skip
             same = max(diffs) if diffs else None
-            check = f"largest |Δ loss| per step: {same:.2e}"
+            check = f"largest loss difference per step: {same:.2e}"
         unit = "s of detection" if job == "detect" else "s per DPO step"
         summary[job] = {"baseline_s": base, "candidate_s": cand, "ratio": cand / base, "check": same,
                         "runs": {s: [r["seconds"] for r in rs] for s, rs in sides.items()}}  # fmt: skip
@@ -143,10 +143,12 @@ def main() -> None:
     lines = [
         f"# The same jobs from two checkouts ({cpu_label(machine)})",
         "",
-        f"Baseline: `{trees['baseline']}`; candidate: `{trees['candidate']}`. Order per job: "
-        f"{' '.join(order)} (medians). `detect`: `retmask detect`, default grid, fp32, seconds of detection (the run record's `tests_s`) "
-        f"from the run record; `dpo`: `retmask train`, fp32, {args.steps} steps on {args.instructions} pairs, "
-        "seconds per optimizer step.",
+        (args.label or f"Baseline: `{trees['baseline']}`; candidate: `{trees['candidate']}`.")
+        + " Order per job: "
+        f"{' '.join(order)} (medians). `detect`: `retmask detect`, default grid, fp32, seconds of detection "
+        f"(the run record's `tests_s`); `dpo`: `retmask train`, fp32, {args.steps} steps on {args.instructions} "
+        "pairs, "
+        "seconds per optimizer step (`retmask train`'s defaults otherwise).",
         "",
         table,
         "",
