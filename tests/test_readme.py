@@ -1,7 +1,8 @@
 """README.md as a user meets it: its quick starts run as written, its links exist, and it stays a short
 guide (<= 250 lines, <= 15,000 characters, no line over 120 characters, no machine history).
 
-The Python snippets run as they are, on the embedded model. The shell commands are parsed by the CLI
+The Python snippets are kept, character for character, as modules in tests/readme_examples/ (a test checks
+that README.md holds exactly their text) and run by importing them. The shell commands are parsed by the CLI
 (flags and choices must exist) and run with a small grid: detect / mask / niah / compare on the embedded
 model in place of ``--model``, ``retmask pipeline`` on a tiny random model with every stage cut to a few
 steps (its answers count whatever they hold: only the mechanics are checked).
@@ -9,6 +10,7 @@ steps (its answers count whatever they hold: only the mechanics are checked).
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shlex
@@ -57,6 +59,15 @@ def test_readme_is_a_short_guide():
     assert _blocks("bash")[:2] == ["make detect\n", "make test\n"]  # the two set-up commands, first
     for link in re.findall(r"\]\(([^)#]+)\)", text):
         assert (ROOT / link).exists(), f"README links {link}, which does not exist"
+
+
+def test_readme_python_blocks_are_the_example_modules():
+    """Each Python block of the README is one of tests/readme_examples/*.py, exactly: what the tests below
+    import is what a user copies."""
+    examples = {
+        path.read_text(encoding="utf-8") for path in (ROOT / "tests/readme_examples").glob("*_example.py")
+    }
+    assert _blocks("python") and set(_blocks("python")) == examples
 
 
 def test_quick_start_commands_parse():
@@ -123,9 +134,7 @@ def test_quick_start_pipeline_runs(tmp_path, monkeypatch):
 
 @pytest.mark.embedded
 def test_readme_model_example_runs():
-    example = next(b for b in _blocks("python") if "retmask.load_model()" in b)
-    scope: dict = {}
-    exec(compile(example, "README.md example", "exec"), scope)  # noqa: S102 (our own README)
+    scope = vars(importlib.import_module("tests.readme_examples.model_example"))
     model = scope["model"]
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     assert scope["cap"].last.shape[:3] == (layers, 1, heads) and scope["cap"].last.shape[3] == 4
@@ -138,9 +147,7 @@ def test_readme_model_example_runs():
 def test_readme_kernel_example_runs_and_matches_the_oracle():
     from retmask.kernels import reference_attention
 
-    example = next(b for b in _blocks("python") if "from retmask.kernels import attention" in b)
-    scope: dict = {}
-    exec(compile(example, "README.md kernel example", "exec"), scope)  # noqa: S102 (our own README)
+    scope = vars(importlib.import_module("tests.readme_examples.kernel_example"))
     q, k, v, skip = scope["q"], scope["k"], scope["v"], scope["skip"]
     out, argmax = scope["out"], scope["argmax"]
     assert out.shape == q.shape and argmax.shape == (1, 9, 16)

@@ -45,6 +45,7 @@ from torch.autograd.function import once_differentiable
 
 from . import paths
 from .chunked import chunked_grads
+from .cpu import backend as cpu
 from .cpu import backward as cpu_backward
 from .reference import allowed_keys
 
@@ -208,8 +209,6 @@ def recompute_grads(
     """(dq, dk, dv, dsinks or None) of a backend without a backward of its own (CPU), on the path
     ``paths.cpu_backward_path`` names: the C++ backward, a query-row-chunked recompute (``chunked.py``)
     or a recompute through SDPA (in the dtype, or on fp32 copies)."""
-    from .cpu import backend as cpu
-
     path = paths.cpu_backward_path(
         q.dtype, built=q.device.type == "cpu" and cpu.cpp_available(), traced=not _plain_eager(q, k),
         window=window, softcap=softcap, sinks=sinks,

@@ -53,7 +53,6 @@ import torch
 
 CPU_PATH_ENV = "RETMASK_CPU_PATH"
 CPU_PATHS = ("cpp", "bf16dot", "blocked")
-BACKWARD_PATHS = ("kernel", "chunked", "sdpa_fp32", "sdpa")
 
 
 def check_settings() -> None:
@@ -92,8 +91,8 @@ def cpu_forward_path(dtype: torch.dtype, head_dim: int, rows: int, *, build: str
     """The CPU forward path ("cpp", "bf16dot" or "blocked") of a call of ``dtype`` with ``rows`` query
     rows of ``head_dim`` dims, where ``build`` is the kernel build that runs ("" when ``retmask._C`` is
     not built), by the rule of the module docstring."""
-    if CPU_PATH_ENV in os.environ and os.environ[CPU_PATH_ENV].strip():
-        forced = forced_cpu_path()
+    forced = forced_cpu_path()
+    if forced:
         return "cpp" if forced == "bf16dot" and not bf16_dot_fits(dtype, head_dim) else forced
     if not build:
         return "blocked"

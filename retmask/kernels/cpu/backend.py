@@ -32,9 +32,6 @@ from . import blocked as cpu_blocked
 
 BLOCK_N = 64  # keys per block (multiple of 32)
 ISA_ENV = "RETMASK_CPU_ISA"
-BF16_DOT_BUILD = (
-    paths.BF16_DOT_BUILD
-)  # the build that runs bf16 dot products natively; the others emulate them
 
 
 def default_block_m(N: int, window: int | None = None) -> int:
@@ -156,7 +153,7 @@ def bf16_dot_native(isa: str | None = None) -> bool:
     """Whether the build ``selected_isa(isa)`` runs bf16 dot products on the CPU's own instruction
     (the ``avx512bf16`` build, on CPUs with AVX512-BF16); the other builds emulate it bit for bit, slowly
     (so that the layout is tested on every CPU), and ``paths`` never picks it there."""
-    return cpp_available() and selected_isa(isa) == BF16_DOT_BUILD
+    return cpp_available() and selected_isa(isa) == paths.BF16_DOT_BUILD
 
 
 def tensor_arg(name: str, t: torch.Tensor, codes: dict[torch.dtype, int]) -> tuple:
@@ -259,7 +256,8 @@ def forward(
     ``paths.cpu_forward_path`` names. ``heads_last``: the fused kernel writes out into a [B, M, Hq, D]
     tensor (returned as its [B, Hq, M, D] view), the layout transformers wants, instead of a contiguous
     [B, Hq, M, D] one; the blocked path ignores it."""
-    path = paths.cpu_forward_path(q.dtype, q.shape[-1], q.shape[2], build=selected_isa())
+    build = selected_isa()  # read once: the rule and the kernel call run the same build
+    path = paths.cpu_forward_path(q.dtype, q.shape[-1], q.shape[2], build=build)
     if path == "blocked":
         return cpu_blocked.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
@@ -272,6 +270,6 @@ def forward(
     out, argmax = cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
         skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
-        out=out, bf16_dot=path == "bf16dot",
+        out=out, isa=build, bf16_dot=path == "bf16dot",
     )  # fmt: skip
     return out, argmax, None
