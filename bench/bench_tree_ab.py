@@ -33,6 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_kind, cpu_label, machine_description, markdown_table, save_figure  # noqa: E402
 
+from retmask.commands.argtypes import positive_int  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 SCORES = RESULTS / "smollm2_scores.json"
@@ -95,10 +97,10 @@ def main() -> None:
     ap.add_argument("--candidate", type=Path, default=REPO, help="checkout under test (default: this one)")
     ap.add_argument("--jobs", nargs="+", choices=JOBS, default=list(JOBS))
     ap.add_argument(
-        "--rounds", type=int, default=1, help="A B rounds per job (each round runs B A after A B)"
+        "--rounds", type=positive_int, default=1, help="A B rounds per job (each round runs B A after A B)"
     )
-    ap.add_argument("--steps", type=int, default=8, help="DPO optimizer steps per run")
-    ap.add_argument("--instructions", type=int, default=16, help="instructions for the DPO pairs")
+    ap.add_argument("--steps", type=positive_int, default=8, help="DPO optimizer steps per run")
+    ap.add_argument("--instructions", type=positive_int, default=16, help="instructions for the DPO pairs")
     ap.add_argument("--work", type=Path, default=Path("runs/tree_ab"))
     ap.add_argument("--out", default=None, help="output path without suffix (default: results/tree_ab_<cpu>)")
     args = ap.parse_args()
