@@ -34,7 +34,7 @@ test: install
 ARGS ?=
 
 detect: install
-	retmask detect --out runs/detect/smollm2.json --plot runs/detect/smollm2.png $(ARGS)
+	retmask detect --out runs/detect/smollm2.json $(ARGS)
 
 lint:
 	ruff check retmask tests bench

@@ -27,7 +27,8 @@
 // dV into its own fp32 buffer; a second pass adds the parts of a group in a fixed order and stores the
 // result: no atomics, so a call is deterministic for a given thread count whatever the schedule (the
 // number of parts follows the thread count, so another count may round differently). Skipped heads get dq = 0
-// and add nothing to dk, dv. A row with no allowed key gets dq = 0.
+// and add nothing to dk, dv. A row with no allowed key gets dq = 0; a row whose allowed logits are all NaN
+// (a NaN query) is a NaN row, as in the forward, not a row without a key.
 
 namespace retmask::detail::RETMASK_ISA {
 namespace {
@@ -139,10 +140,21 @@ void softmax_grad_row(float* __restrict S, float* __restrict dP, const int32_t* 
         const vf x = logits(c);
         mx = x > mx ? x : mx;
     }
-    const float row_max = hmax(mx);
-    if (row_max == NEG_INF) {  // no allowed key: the forward gives 0, so every gradient is 0
-        zero(0, width);
-        return;
+    float row_max = hmax(mx);
+    if (row_max == NEG_INF) {  // no allowed key: the forward gives 0, so every gradient is 0 ...
+        // ... unless a NaN logit hid from the max (comparisons drop NaN lanes; a NaN query makes every
+        // logit of its row NaN): the forward made that row NaN, so its gradients are NaN too, as for a
+        // NaN among finite logits (e^{x - NaN} = NaN below), never the zeros of a row without a key.
+        bool nan = false;
+        for (int64_t c = vbegin; c < vend && !nan; c += VL) {
+            const vf x = logits(c);
+            for (int l = 0; l < VL; ++l) nan |= x[l] != x[l];
+        }
+        if (!nan) {
+            zero(0, width);
+            return;
+        }
+        row_max = std::numeric_limits<float>::quiet_NaN();
     }
     zero(0, vbegin);
     vf sum = vf{};

@@ -2,7 +2,8 @@
 sub-command (the parser sets ``func``, called with the parsed arguments). Adding a command = adding a
 module there; this file does not change.
 
-Every sub-command's help shows each option's default once (:class:`HelpFormatter`). Command modules import
+Every sub-command's help shows each option's default once, as ``(default: X)`` at the end of its help, and
+ends with an example command line (:class:`HelpFormatter`). Command modules import
 library code inside their ``run`` function, and ``import retmask`` loads nothing heavy, so ``--help`` and
 argument errors need neither torch nor transformers."""
 
@@ -12,15 +13,20 @@ import argparse
 import copy
 import importlib
 import pkgutil
-import re
 import sys
+import warnings
+from pathlib import Path
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Shows every option's default once: appends ``(default: X)`` unless the help already mentions its
-    default, the default is ``None`` or empty (the help says what happens then), or the option is an on/off
-    flag (``(default: True)`` after ``--no-x`` would read as if the flag were on). Options without a help
-    text get just the default. List defaults print as they are typed (``10 50 90``)."""
+    """Shows every option's default once, in one form: appends ``(default: X)`` unless the help already
+    has a hand-written ``(default: ...)`` (a computed default, or one described in words), the
+    default is ``None`` or empty (the help says what happens then), or the option is an on/off flag
+    (``(default: True)`` after ``--no-x`` would read as if the flag were on). Options without a help text
+    get just the default. List defaults print as they are typed (``10 50 90``).
+
+    Descriptions and epilogs are wrapped as usual, except lines that start with whitespace: those are kept
+    as typed, so an epilog's example command line (``example:`` then an indented line) stays one line."""
 
     @staticmethod
     def _default_text(action: argparse.Action) -> str | None:
@@ -31,11 +37,25 @@ class HelpFormatter(argparse.HelpFormatter):
             or default is None
             or default is argparse.SUPPRESS
             or default in ("", [], ())
-            or re.search(r"\bdefault\b", action.help or "", re.IGNORECASE)
+            or "(default: " in (action.help or "")
         ):
             return None
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         return "(default: " + shown.replace("%", "%%") + ")"  # help strings are %-formatted by argparse
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out: list[str] = []
+        paragraph: list[str] = []  # lines wrapped together
+        for line in [*text.splitlines(), None]:
+            if line is None or not line.strip() or line[0].isspace():
+                if paragraph:
+                    out.append(super()._fill_text(" ".join(paragraph), width, indent))
+                    paragraph = []
+                if line is not None:
+                    out.append(indent + line.rstrip() if line.strip() else "")
+            else:
+                paragraph.append(line)
+        return "\n".join(out)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -76,7 +96,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` for the command line: retmask's own warnings (a class defined in retmask, or
+    raised from its code) print as ``retmask: warning: <message>``, like its errors, without the file:line
+    and source line of Python's format; other libraries' warnings keep that format."""
+    ours = category.__module__.split(".")[0] == "retmask" or Path(filename).resolve().is_relative_to(_PACKAGE)
+    if ours:
+        text = "retmask: warning: " + str(message).removeprefix("retmask: ") + "\n"
+    else:
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+    (file if file is not None else sys.stderr).write(text)
+
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

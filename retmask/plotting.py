@@ -32,12 +32,19 @@ def niah_cmap():
 
 
 def save_figure(fig, path: str | Path, *, dpi: int = 110, tight: bool = False) -> Path:
-    """Write ``fig`` as a PNG to ``path`` (parent folders created) and close it; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight" if tight else None)
-    pyplot().close(fig)
-    return path
+    """Write ``fig`` as a PNG to ``path`` atomically (parent folders created) and close it; returns the path.
+
+    Rendered in memory first, so a full disk leaves the old file (or none), never a torn PNG."""
+    import io
+
+    from retmask.runfiles import atomic_write_bytes
+
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight" if tight else None)
+    finally:
+        pyplot().close(fig)
+    return atomic_write_bytes(path, buffer.getvalue())
 
 
 def short_name(name: str) -> str:

@@ -78,6 +78,16 @@ def test_quick_start_commands_parse():
         parser.parse_args(command[1:])  # SystemExit for an unknown flag or choice
 
 
+def test_every_readme_command_line_parses():
+    """Also the lines outside the quick starts (the Gemma-3 first command, ...)."""
+    lines = [line.split("#")[0].strip() for block in _blocks("bash") for line in block.splitlines()]
+    commands = [shlex.split(line) for line in lines if line.startswith("retmask ")]
+    assert any("gemma3-270m" in c for c in commands)
+    parser = build_parser()
+    for command in commands:
+        parser.parse_args(command[1:])
+
+
 def _runnable(command: list[str], tmp: Path) -> list[str]:
     """The command on the embedded model with a small grid, its paths under ``tmp``."""
     args, i = [], 1

@@ -3,6 +3,7 @@ per output (lock), unreadable files named."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -139,3 +140,72 @@ def test_read_jsonl_names_file_and_line(tmp_path):
     path.write_bytes(b"\xff\xfe{}\n")
     with pytest.raises(RunFileError, match="not UTF-8"):
         list(read_jsonl(path))
+
+
+def _fail_writes(monkeypatch, err: OSError) -> None:
+    """Every ``os.write`` / buffered file write fails with ``err`` (a full disk, seen from Python)."""
+    import builtins
+    import io
+
+    real_open = builtins.open
+
+    class Full(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            raise err
+
+    def failing_open(file, mode="r", *args, **kwargs):
+        if "w" in mode:
+            real_open(file, mode, *args, **kwargs).close()  # the file is created, as on a full disk
+            return io.BufferedWriter(Full())
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", failing_open)
+    monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(err))
+
+
+def test_full_disk_is_a_message_naming_the_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    import errno
+
+    from retmask.runfiles import OutputWriteError, atomic_write_json
+
+    out = tmp_path / "scores.json"
+    atomic_write_json(out, {"old": 1})
+    _fail_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(OutputWriteError, match=f"cannot write {out}: No space left on device"):
+        atomic_write_json(out, {"new": 2})
+    monkeypatch.undo()
+    assert json.loads(out.read_text()) == {"old": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scores.json"]  # no temporary file left
+
+
+def test_lock_on_a_full_disk_leaves_no_empty_lock_file(tmp_path, monkeypatch):
+    import errno
+
+    from retmask.runfiles import OutputWriteError, RunLock
+
+    out = tmp_path / "run" / "scores.json"
+    _fail_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(OutputWriteError, match="cannot write .*scores.json.lock: No space left on device"):
+        RunLock(out).acquire()
+    monkeypatch.undo()
+    assert not (tmp_path / "run").exists()  # neither the lock file nor the folder made for it
+    with RunLock(out):  # and the next run takes the lock
+        pass
+
+
+def test_atomic_folder_failure_leaves_nothing_behind(tmp_path):
+    from retmask.runfiles import OutputWriteError, atomic_folder
+
+    out = tmp_path / "model"
+    (out / "old").mkdir(parents=True)  # a non-empty target: the final rename fails
+    with pytest.raises(OutputWriteError, match=f"cannot write {out}"):
+        with atomic_folder(out) as tmp:
+            (tmp / "weights.bin").write_bytes(b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert sorted(p.name for p in out.iterdir()) == ["old"]
+    with atomic_folder(tmp_path / "fresh") as tmp:
+        (tmp / "weights.bin").write_bytes(b"x")
+    assert (tmp_path / "fresh" / "weights.bin").read_bytes() == b"x"

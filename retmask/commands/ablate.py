@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.commands.argtypes import nonneg_int, positive_int, unit_float
+from retmask.commands.argtypes import draw_count, positive_int, seed_int, unit_float
 from retmask.commands.common import (
     add_grid_args,
     add_model_args,
+    example,
     grid_from_args,
     load_from_args,
     needles_from_args,
@@ -43,6 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "heads masked (--seeds draws; mean ± std); K = 0 runs once. Prints and writes a markdown table, "
             "a line plot PNG and a JSON with every configuration's grid and answers. Resumable."
         ),
+        epilog=example("retmask ablate --scores runs/detect/scores.json --k 0,5,10,20 --seeds 3"),
     )
     p.add_argument(
         "--scores",
@@ -58,24 +60,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     # None = not given: --each refuses the K curve's flags instead of ignoring them
     p.add_argument(
-        "--k", default=None, help=f"comma-separated numbers of heads to mask (default {CURVE_DEFAULTS['k']})"
+        "--k", default=None, help=f"comma-separated numbers of heads to mask (default: {CURVE_DEFAULTS['k']})"
     )
     p.add_argument(
         "--seeds",
-        type=positive_int,
+        type=draw_count,
         default=None,
-        help=f"random-head draws per K (default {CURVE_DEFAULTS['seeds']})",
+        help=f"random-head draws per K (default: {CURVE_DEFAULTS['seeds']})",
     )
-    p.add_argument("--seed", type=nonneg_int, default=0, help="first seed (draws use seed, seed+1, ...)")
+    p.add_argument("--seed", type=seed_int, default=0, help="first seed (draws use seed, seed+1, ...)")
     p.add_argument(
         "--random-from",
         default=None,
         choices=["all", "non-retrieval"],
-        help="draw random heads from all heads (default; Wu et al. Fig. 7) or only heads scoring below --tau",
+        help="draw random heads from all heads (Wu et al. Fig. 7) or only heads scoring below --tau "
+        f"(default: {CURVE_DEFAULTS['random_from']})",
     )
     p.add_argument("--tau", type=unit_float, default=None,
-                   help="with --random-from non-retrieval: heads scoring below this form the pool (default 0.1; "
-                        "RetMask uses 0.05 for Qwen3 and OLMo-3)")  # fmt: skip
+                   help="with --random-from non-retrieval: heads scoring below this form the pool; RetMask uses "
+                        "0.05 for Qwen3 and OLMo-3 (default: 0.1)")  # fmt: skip
     add_model_args(p)
     add_grid_args(p, num_needles=DEFAULT_NEEDLES, grid=DEFAULT_GRID)
     p.add_argument("--out-dir", type=Path, default=Path("runs/ablate"), help="folder for the outputs")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _describe(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
@@ -34,9 +35,19 @@ def _check(x: float, text: str, lo, hi, lo_open: bool, hi_open: bool) -> None:
 
 
 def int_range(
-    lo: int | None = None, hi: int | None = None, *, also: tuple[int, ...] = ()
+    lo: int | None = None,
+    hi: int | None = None,
+    *,
+    also: tuple[int, ...] = (),
+    cap: int | None = None,
+    why: str = "",
 ) -> Callable[[str], int]:
-    """An integer in ``[lo, hi]`` (either bound may be None = unbounded), or one of ``also``."""
+    """An integer in ``[lo, hi]`` (either bound may be None = unbounded), or one of ``also``.
+
+    ``cap``: a sanity ceiling on a size-like flag (a count or a number of tokens), where a huge value would
+    allocate memory or run for ever before any other check could fail; ``why`` says where it comes from.
+    Either violation reads ``N is out of range: must be >= lo and <= cap (why)``.
+    """
 
     def parse(text: str) -> int:
         try:
@@ -45,6 +56,11 @@ def int_range(
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value in also:
             return value
+        if cap is not None and (value > cap or (lo is not None and value < lo)):
+            low = f">= {lo} and " if lo is not None else ""
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range: must be {low}<= {cap}" + (f" ({why})" if why else "")
+            )
         try:
             _check(value, text, lo, hi, False, False)
         except argparse.ArgumentTypeError as err:
@@ -84,3 +100,43 @@ unit_float = float_range(0.0, 1.0)  # thresholds, ratios, probabilities in [0, 1
 open_unit_float = float_range(0.0, 1.0, lo_open=True)  # top-p in (0, 1]
 percent_int = int_range(0, 100)  # depths in percent
 steps_or_off = int_range(1, also=(-1,))  # max steps: N >= 1, or -1 = by epochs
+
+# Ceilings of size-like flags (see ``int_range(cap=...)``): values past them can only be typos, and would
+# otherwise allocate gigabytes (a grid of a billion lengths, a KV cache reserved for a billion tokens) or
+# run for ever before any error.
+MAX_TOKENS = 1 << 24  # 16,777,216 tokens: above the longest context of any model (10M)
+MAX_DEPTHS = 101  # depths are whole percentages 0..100 (= retmask.niah.grid.MAX_DEPTHS; kept import-free)
+MAX_SEED = (1 << 32) - 1  # numpy's legacy seeding takes no more (torch takes 64 bits)
+MAX_DRAWS = 1000  # random draws per K of an ablation (each draw is a whole NIAH grid)
+MAX_HEADS = 1 << 16  # heads of a model, or its layers (the largest have ~16,000 heads)
+MAX_NEEDLES = 1000  # generated needles per multi-needle context (each a ~12-token sentence)
+
+# contexts, max new tokens, prefill chunks, token limits
+token_count = int_range(1, cap=MAX_TOKENS, why="more tokens than any model's context")
+# number of grid lengths: the exact bound is the number of distinct lengths in [min, max] (checked with
+# the grid, retmask.niah.grid.check_grid_counts)
+length_count = int_range(1, cap=MAX_TOKENS, why="more lengths than any context has tokens")
+depth_count = int_range(1, cap=MAX_DEPTHS, why="depths are whole percentages 0..100")
+seed_int = int_range(0, cap=MAX_SEED, why="seeds are 32-bit")
+draw_count = int_range(1, cap=MAX_DRAWS, why="each draw is a whole NIAH grid")
+head_count = int_range(1, cap=MAX_HEADS, why="no model has that many")
+needle_count = int_range(1, cap=MAX_NEEDLES, why="each needle is a sentence of the context")
+
+
+def png_path(text: str) -> Path:
+    """A ``--plot`` file: plots are always rendered as PNG (``retmask.plotting.save_figure``), so a name with
+    another suffix (``plot.pdf``, ``plot``) is refused at parse time rather than after the computation, or
+    written as a PNG under a misleading name."""
+    path = Path(text)
+    if not path.name.lower().endswith(".png"):
+        if not path.name:  # a folder such as "/" or "."
+            fix = f"e.g. {path / 'plot.png'}"
+        else:
+            fix = f"e.g. {path.with_suffix('.png')}" if path.suffix else f"e.g. {path}.png"
+        raise argparse.ArgumentTypeError(
+            f"{text!r} does not end in .png: plots are written as PNG images; give a .png file name ({fix})"
+        )
+    return path
+
+
+png_path.__name__ = "PNG path"  # argparse's fallback message says "invalid PNG path value"

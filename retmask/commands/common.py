@@ -11,14 +11,28 @@ import functools
 import sys
 from collections.abc import Callable
 
-from retmask.commands.argtypes import positive_int
+from retmask.commands.argtypes import depth_count, length_count, positive_int, token_count
 from retmask.errors import UsageError
+from retmask.model_names import NAMED_MODELS
+
+# What --model accepts, in every command's help; the short names are the loader's own table.
+MODEL_SPEC = "hub id (owner/name), local HF folder, .gguf file, or a short name: " + ", ".join(NAMED_MODELS)
+MODEL_DEFAULT = "(default: smollm2, the embedded SmolLM2-135M-Instruct)"
+
+
+def model_help(what: str) -> str:
+    """Help of a ``--model`` flag: ``what`` it is, what it accepts (the short names too), its default."""
+    return f"{what}: {MODEL_SPEC} {MODEL_DEFAULT}"
+
+
+def example(command_line: str) -> str:
+    """A command's ``epilog``: one realistic command line, printed as typed at the end of its ``--help``
+    (tests parse it with the real parser, so it stays valid for the current flags)."""
+    return "example:\n  " + command_line
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="hub id, HF folder or .gguf file (default: embedded SmolLM2)"
-    )
+    p.add_argument("--model", default=None, help=model_help("the model"))
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model (or a path)")
     add_dtype_arg(p)
     add_device_arg(p)
@@ -27,13 +41,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_device_arg(
     p: argparse.ArgumentParser | argparse._ActionsContainer, *, help: str | None = None
 ) -> None:
-    """``--device``: where the model runs (default cpu; on a GPU the fused attention runs as Triton kernels)."""
+    """``--device``: where the model runs (cpu unless given; on a GPU the fused attention runs as Triton
+    kernels)."""
     p.add_argument(
         "--device",
         default="cpu",
         help=help
-        or "where the model runs: cpu (default), cuda, cuda:1, ... (on a GPU the attention runs as "
-        "Triton kernels)",
+        or "where the model runs: cpu, cuda, cuda:1, ... (on a GPU the attention runs as Triton kernels)",
     )
 
 
@@ -103,22 +117,27 @@ def add_grid_args(
         )
     p.add_argument("--protocol", default="default", choices=sorted(PROTOCOLS), help=protocol_help)
     p.add_argument(
-        "--min-len", type=positive_int, default=None, help="shortest context (tokens); overrides the protocol"
+        "--min-len", type=token_count, default=None, help="shortest context (tokens); overrides the protocol"
     )
     p.add_argument(
-        "--max-len", type=positive_int, default=None, help="longest context (tokens); overrides the protocol"
+        "--max-len", type=token_count, default=None, help="longest context (tokens); overrides the protocol"
     )
-    for flag, what in (("num_lengths", "number of lengths"), ("num_depths", "number of depths in [0, 100]")):
+    for flag, what, count in (
+        ("num_lengths", "number of lengths", length_count),  # <= distinct lengths: checked with the grid
+        ("num_depths", "number of depths in [0, 100]", depth_count),
+    ):
         own = grid.get(flag)
         p.add_argument(
             "--" + flag.replace("_", "-"),
-            type=positive_int,
+            type=count,
             default=own,
             help=f"{what}; overrides the protocol"
-            + ("" if own is None else f" (default {own} here, not the protocol's)"),
+            + ("" if own is None else f" (default: {own} here, not the protocol's)"),
         )
     p.add_argument(
-        "--needles", default=None, help="needles JSONL {needle, question, real_needle} (default: shipped)"
+        "--needles",
+        default=None,
+        help="needles JSONL {needle, question, real_needle} (default: the needles shipped with retmask)",
     )
     if needle_subset:
         p.add_argument(
@@ -126,14 +145,15 @@ def add_grid_args(
             type=positive_int,
             default=num_needles,
             help="use only the first N needles of the file"
-            + (" (default: all)" if num_needles is None else f" (default {num_needles})"),
+            + (" (default: all)" if num_needles is None else ""),  # else the formatter shows the default
         )
     p.add_argument(
         "--haystack",
         default=None,
-        help="haystack text file or directory of *.txt (default: the essays shipped with retmask; 'pydoc': the default before 2026-11-26, which depends on the Python version)",
+        help="haystack text file or directory of *.txt; 'pydoc' = the haystack used before 2026-11-26, which "
+        "depends on the Python version (default: the essays shipped with retmask)",
     )
-    p.add_argument("--max-new-tokens", type=positive_int, default=50, help="answer tokens per test at most")
+    p.add_argument("--max-new-tokens", type=token_count, default=50, help="answer tokens per test at most")
     p.add_argument(
         "--prompt-style",
         choices=["auto", "base", "chat"],
@@ -144,6 +164,9 @@ def add_grid_args(
 
 
 def grid_from_args(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """(lengths, depths) of the grid flags; a ``GridError`` (exit 2) naming the flag when the grid is empty
+    or holds more than it can (distinct lengths in [min, max], 101 depths, prompt memory), before any model
+    loads."""
     from retmask.niah.grid import resolve_grid
 
     return resolve_grid(
@@ -180,7 +203,7 @@ RESUME_HINT = "continue with the same command plus --resume"
 def reports_errors(interrupt_hint: str | None = RESUME_HINT) -> Callable:
     """Decorator for a command's ``run(args)``: Ctrl-C prints ``retmask <command>: interrupted; <hint>``
     (no traceback) and exits 130; a :class:`~retmask.errors.UsageError` (bad input or output path, an
-    earlier run in the way, a model that cannot be loaded) prints ``retmask <command>: error: <message>``
+    earlier run in the way, a model that cannot be loaded) and an ``OSError`` naming a file print ``retmask <command>: error: <message>``
     and exits 2. ``interrupt_hint=None``: nothing to resume (the message says nothing was written)."""
 
     def wrap(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -195,6 +218,13 @@ def reports_errors(interrupt_hint: str | None = RESUME_HINT) -> Callable:
                 return 130
             except UsageError as err:
                 print(f"{name}: error: {err}", file=sys.stderr)
+                return 2
+            except OSError as err:
+                # A file the machine refused (full disk, over-long name, permissions) that no writer above
+                # named itself: still one line naming the file, not a traceback.
+                if err.filename is None:
+                    raise
+                print(f"{name}: error: cannot use {err.filename}: {err.strerror or err}", file=sys.stderr)
                 return 2
 
         return wrapped

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.commands.argtypes import positive_int, unit_float
-from retmask.commands.common import reports_errors
+from retmask.commands.argtypes import png_path, positive_int, unit_float
+from retmask.commands.common import example, reports_errors
 from retmask.heads.keys import RETRIEVAL_TAU
 
 
@@ -27,6 +27,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "({'<layer>-<head>': [per-test scores]}), as `retmask detect` and `retmask mdqa-score` write them: "
             "float32 against bfloat16, CPU against GPU, before against after training, ours against a "
             "published file. Reads only the files (no model, no torch)."
+        ),
+        epilog=example(
+            "retmask compare runs/f32/scores.json runs/bf16/scores.json --labels float32,bfloat16 "
+            "--plot runs/compare.png"
         ),
     )
     p.add_argument("base", type=Path, help="scores file everything else is compared with")
@@ -45,7 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the comparisons as JSON here")
     p.add_argument(
         "--plot",
-        type=Path,
+        type=png_path,
         metavar="FILE",
         help="also write a PNG: score scatter and difference heatmap per OTHER",
     )

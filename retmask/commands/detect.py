@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
-from retmask.commands.argtypes import nonneg_int, positive_int
-from retmask.commands.common import add_grid_args, add_model_args, reports_errors
+from retmask.commands.argtypes import png_path, positive_int, seed_int, token_count
+from retmask.commands.common import add_grid_args, add_model_args, example, reports_errors
 from retmask.errors import UsageError
 
 
@@ -21,13 +22,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "fast: fused-kernel argmax, prompt-lookup verification, KV-prefix reuse. Writes "
             "{'<layer>-<head>': [per-test scores]} (the published head_score format) and a run record."
         ),
+        epilog=example("retmask detect --model smollm2 --out runs/detect/scores.json --until-stable"),
     )
     add_model_args(p)
     add_grid_args(p, needle_subset=False)
     p.add_argument(
         "--out", default="runs/detect/scores.json", help="scores JSON (run record: <stem>.run.json)"
     )
-    p.add_argument("--plot", default=None, help="write a layers x heads heatmap PNG here")
+    p.add_argument(
+        "--plot",
+        type=png_path,
+        default=None,
+        help="the layers x heads heatmap of the mean scores, a PNG (default: <stem>.png next to --out)",
+    )
+    p.add_argument("--no-plot", action="store_true", help="write no heatmap")
     p.add_argument(
         "--resume",
         action="store_true",
@@ -45,14 +53,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--patience",
         type=positive_int,
         default=None,
-        help="consecutive counted tests for --until-stable (default 20)",
+        help="consecutive counted tests for --until-stable (default: 20)",
     )
     p.add_argument(
         "--chunk",
-        type=positive_int,
+        type=token_count,
         default=None,
-        help="prefill chunk (tokens) = granularity of KV-prefix reuse (default: 256 on a CPU, 4096 on a GPU, "
-        "where each forward pass costs host time; the answers do not depend on it)",
+        help="prefill chunk (tokens) = granularity of KV-prefix reuse; the answers do not depend on it "
+        "(default: 256 on a CPU, 4096 on a GPU, where each forward pass costs host time)",
     )
     p.add_argument(
         "--prefill-impl",
@@ -81,11 +89,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--span-miss",
         default="zeros",
         choices=["zeros", "skip"],
-        help="a test whose needle answer the span rule does not find in the prompt: zeros (default, as the "
+        help="a test whose needle answer the span rule does not find in the prompt: zeros (as the "
         "published script) = it runs and, when its answer passes the ROUGE-1 filter, scores 0 for every head; "
         "skip = it is left out of the means (listed in the run record either way)",
     )
-    p.add_argument("--seed", type=nonneg_int, default=0, help="torch seed (answers are greedy; default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="torch seed (answers are greedy)")
     p.add_argument(
         "--no-progress",
         action="store_true",
@@ -99,10 +107,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 @reports_errors()
 def run(args: argparse.Namespace) -> int:
-    from retmask.detect.run import DetectConfig, run_detect
+    from retmask.detect.run import DetectConfig, record_path, run_detect
     from retmask.hf.loading import resolve_dtype_name
+    from retmask.niah.grid import check_grid_tests
     from retmask.niah.haystack import HaystackError
-    from retmask.niah.needles import NeedleFileError
+    from retmask.niah.needles import NeedleFileError, load_needles
 
     if args.patience is not None and not args.until_stable:
         raise UsageError("--patience only applies with --until-stable; add --until-stable or drop --patience")
@@ -129,13 +138,29 @@ def run(args: argparse.Namespace) -> int:
         span_rule=args.span_rule,
         span_miss=args.span_miss,
     )
+    if args.no_plot and args.plot is not None:
+        raise UsageError("--plot and --no-plot exclude each other; drop one")
+    plot = None if args.no_plot else Path(args.plot) if args.plot is not None else default_plot_path(args.out)
     try:
+        # the grid's bounds and the size of its prompts, before any file is touched or the model loads
+        lengths, depths = cfg.grid()
+        check_grid_tests(len(load_needles(cfg.needles)), lengths, depths)
         run_detect(
-            cfg, args.out, plot=args.plot, resume=args.resume, overwrite=args.overwrite,
+            cfg, args.out, plot=plot, resume=args.resume, overwrite=args.overwrite,
             progress_bar=not args.no_progress,
         )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError) as err:
         print(f"retmask detect: error: {err}", file=sys.stderr)
         return 2
     print(f"scores -> {args.out}", file=sys.stderr)
+    print(f"run record (settings, every answer, timings) -> {record_path(Path(args.out))}", file=sys.stderr)
+    if plot is not None:
+        print(f"heatmap -> {plot}", file=sys.stderr)
     return 0
+
+
+def default_plot_path(out: str | Path) -> Path:
+    """``<stem>.png`` next to the scores file (``<name>.heatmap.png`` if the scores file is itself a .png)."""
+    out = Path(out)
+    plot = out.with_name(out.stem + ".png")
+    return plot if plot != out else out.with_name(out.name + ".heatmap.png")

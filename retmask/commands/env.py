@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any
 
-from retmask.commands.common import reports_errors
+from retmask.commands.common import example, reports_errors
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -26,6 +26,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "speed-ups (linears, LM head) are on. Run records of detect and training embed the same "
             "description. Include its output when you report a bug or a speed."
         ),
+        epilog=example("retmask env --json"),
     )
     p.add_argument("--json", action="store_true", help="print it as JSON")
     p.set_defaults(func=run)

@@ -11,8 +11,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.commands.argtypes import nonneg_float, nonneg_int, open_unit_float, positive_int
-from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
+from retmask.commands.argtypes import (
+    nonneg_float,
+    open_unit_float,
+    positive_int,
+    seed_int,
+    token_count,
+)
+from retmask.commands.common import (
+    MODEL_SPEC,
+    add_device_arg,
+    add_dtype_arg,
+    check_device_arg,
+    example,
+    model_help,
+    reports_errors,
+)
 from retmask.methods.retmask.instructions import BUILTIN
 
 
@@ -26,33 +40,42 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "masks on one model copy); or, with --rejected-model, from a second model (the Smaller-Model "
             "baseline). Writes TRL's conversational preference format (JSONL) and <out>.stats.json."
         ),
+        epilog=example(
+            "retmask generate --model smollm2 --heads runs/heads.json --out runs/pairs.jsonl --limit 64"
+        ),
     )
     p.add_argument("--instructions", default=BUILTIN,
-                   help="'builtin' (default), a .json/.jsonl/.parquet file, a save_to_disk folder or a datasets name")  # fmt: skip
+                   help="'builtin' (the instructions shipped with retmask), a .json/.jsonl/.parquet file, a "
+                        "save_to_disk folder or a datasets name")  # fmt: skip
     p.add_argument("--column", help="column holding the instruction or chat (default: auto-detected)")
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--heads", type=Path, help="heads JSON from `retmask mask`: masked in the rejected rows")
-    who.add_argument("--rejected-model", help="model giving the rejected responses instead (no masks)")
+    who.add_argument(
+        "--rejected-model", help=f"model giving the rejected responses instead (no masks): {MODEL_SPEC}"
+    )
     p.add_argument("--out", type=Path, required=True, help="pairs JSONL to write")
-    p.add_argument("--model", help="policy model: hub id, folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--model", help=model_help("policy model"))
     add_dtype_arg(p)
     add_device_arg(p)
     p.add_argument(
-        "--temperature", type=nonneg_float, default=0.6, help="0 = greedy (default 0.6, as the paper)"
+        "--temperature",
+        type=nonneg_float,
+        default=0.6,
+        help="sampling temperature (0 = greedy; the paper uses 0.6)",
     )
-    p.add_argument("--top-p", type=open_unit_float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=512, help="per response (default 512)")
-    p.add_argument("--max-prompt-tokens", type=positive_int, default=512,
-                   help="an instruction longer than this (tokens) is an error (default 512)")  # fmt: skip
+    p.add_argument("--top-p", type=open_unit_float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--max-new-tokens", type=token_count, default=512, help="tokens per response at most")
+    p.add_argument("--max-prompt-tokens", type=token_count, default=512,
+                   help="an instruction longer than this (tokens) is an error")  # fmt: skip
     p.add_argument(
         "--batch-size",
         type=positive_int,
         default=8,
-        help="instructions per batch (2x rows; default 8); larger batches are faster where memory allows",
+        help="instructions per batch (2x rows); larger batches are faster where memory allows",
     )
     p.add_argument("--limit", type=positive_int, help="use only the first N instructions")
     p.add_argument(
-        "--seed", type=nonneg_int, default=0, help="run seed; each response has its own derived seed"
+        "--seed", type=seed_int, default=0, help="run seed; each response has its own derived seed"
     )
     p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same settings")
     p.add_argument(
@@ -82,6 +105,23 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
 
 
+def check_generation_budget(args: argparse.Namespace, model: Any, which: str = "the model") -> None:
+    """Refuse, right after ``model`` loads, a prompt + answer budget longer than its context: the KV cache
+    of every batch is reserved for ``--max-prompt-tokens + --max-new-tokens`` positions up front, so an
+    absurd --max-new-tokens would allocate gigabytes before the first token."""
+    from retmask.hf.loading import max_context
+    from retmask.methods.retmask.generate import GenerateError
+
+    limit = max_context(model)
+    total = args.max_prompt_tokens + args.max_new_tokens
+    if limit is not None and total > limit:
+        raise GenerateError(
+            f"--max-prompt-tokens {args.max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} = {total} "
+            f"tokens exceed the context of {which} ({limit} tokens, max_position_embeddings); lower them to "
+            f"{limit} tokens together"
+        )
+
+
 def _run(args: argparse.Namespace) -> int:
     import retmask
     from retmask.heads import SelectionError, model_shape, read_heads
@@ -98,6 +138,7 @@ def _run(args: argparse.Namespace) -> int:
         dtype = resolve_dtype_name(args.dtype, args.device)
         check_model_spec(args.rejected_model)  # a typo fails before the policy model is loaded
         model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype), device=args.device)
+        check_generation_budget(args, model)
         heads = rejected_model = rejected_tokenizer = None
         if args.heads is not None:
             heads = read_heads(args.heads, model_shape=model_shape(model)).heads
@@ -105,6 +146,7 @@ def _run(args: argparse.Namespace) -> int:
             rejected_model, rejected_tokenizer = retmask.load_model(
                 args.rejected_model, dtype=parse_dtype(dtype), device=args.device
             )
+            check_generation_budget(args, rejected_model, "--rejected-model")
         instructions = load_instructions(
             args.instructions, args.limit, column=args.column, tokenizer=tokenizer,
             max_tokens=args.max_prompt_tokens,

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.commands.argtypes import nonneg_int, positive_int, unit_float
-from retmask.commands.common import reports_errors
+from retmask.commands.argtypes import MAX_HEADS, head_count, seed_int, unit_float
+from retmask.commands.common import example, model_help, reports_errors
 from retmask.heads import model_shape
 from retmask.heads.selection import BASELINES, SelectionError, load_scores, select_heads, write_heads
 
@@ -26,32 +26,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "select the retrieval heads by threshold or top-k, or a baseline of the same size, and write a "
             "heads JSON. With --export, also write an HF checkpoint with those heads' o_proj columns zeroed."
         ),
+        epilog=example("retmask mask --scores runs/detect/scores.json --threshold 0.1 --out runs/heads.json"),
     )
     p.add_argument("--scores", required=True, type=Path, help="retrieval-scores JSON file")
     sel = p.add_mutually_exclusive_group(required=True)
     sel.add_argument("--threshold", type=unit_float, help="retrieval heads = heads with mean score >= τ")
-    sel.add_argument("--top-k", type=positive_int, help="retrieval heads = the K best heads")
+    sel.add_argument("--top-k", type=head_count, help="retrieval heads = the K best heads")
     p.add_argument(
         "--baseline",
         choices=BASELINES,
         help="mask as many random heads instead: none of them retrieval heads (non-retrieval) or any (random)",
     )
-    p.add_argument(
-        "--seed", type=nonneg_int, default=0, help="seed of the baseline's random draw (default 0)"
-    )
-    p.add_argument(
-        "--out", type=Path, default=Path("heads.json"), help="heads JSON to write (default heads.json)"
-    )
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the baseline's random draw")
+    p.add_argument("--out", type=Path, default=Path("heads.json"), help="heads JSON to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (else refused)")
     p.add_argument(
         "--model-shape",
-        type=positive_int,
+        type=head_count,
         nargs=2,
         metavar=("L", "HQ"),
         help="validate heads against [layers, query heads]; heads absent from the scores file count as 0",
     )
     p.add_argument("--export", type=Path, metavar="DIR", help="write a masked HF checkpoint here")
-    p.add_argument("--model", help="model to export (hub id, folder, GGUF; default: the embedded model)")
+    p.add_argument("--model", help=model_help("with --export: the model to export"))
     p.add_argument("--gguf-file", help="with --export: GGUF file name inside --model (or a path)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="with --export: the dtype of the saved weights (bfloat16 / float16 halve the size)")  # fmt: skip
@@ -69,6 +66,24 @@ def load_for_export(
     loaded = retmask.load_model(model_spec, gguf_file=gguf_file, dtype=DTYPES[dtype])
     model, tokenizer = (loaded[0], loaded[1]) if isinstance(loaded, tuple) else (loaded, None)
     return model, tokenizer, model_shape(model)
+
+
+def check_export_target(folder: Path) -> None:
+    """Refuse, before the model loads, an ``--export`` folder the export would refuse after it (a symlink,
+    an existing non-empty folder, a file) or could not write. ``retmask.hf.export`` checks again."""
+    from retmask.runfiles import check_writable
+
+    if folder.is_symlink():
+        raise SelectionError(
+            f"--export {folder} is a symbolic link; give a real folder path (the checkpoint is written in "
+            "place of the folder, which a link would redirect)"
+        )
+    check_writable(folder, what="--export", directory=True)
+    if folder.is_dir() and any(folder.iterdir()):
+        raise SelectionError(
+            f"--export {folder} is a folder that is not empty; give a new or empty folder (an export never "
+            "mixes its files with others)"
+        )
 
 
 @reports_errors(interrupt_hint=None)
@@ -92,8 +107,15 @@ def run(args: argparse.Namespace) -> int:
         scores = load_scores(args.scores)
         check_writable(args.out, what="--out")
         check_not_replacing([args.out], overwrite=args.overwrite)
+        if args.model_shape is not None and args.model_shape[0] * args.model_shape[1] > MAX_HEADS:
+            # a baseline draws from every head: a list of L x HQ pairs
+            raise SelectionError(
+                f"--model-shape {args.model_shape[0]} {args.model_shape[1]} is out of range: "
+                f"{args.model_shape[0] * args.model_shape[1]} heads; L x HQ must be <= {MAX_HEADS} (no model "
+                "has that many)"
+            )
         if args.export is not None:  # before the model is loaded: a wrong folder fails in a second
-            check_writable(args.export, what="--export", directory=True)
+            check_export_target(args.export)
         shape = list(args.model_shape) if args.model_shape is not None else None
         model = tokenizer = None
         if args.export is not None:

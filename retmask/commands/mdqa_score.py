@@ -7,8 +7,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.commands.argtypes import positive_int, unit_float
-from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
+from retmask.commands.argtypes import png_path, positive_int, token_count, unit_float
+from retmask.commands.common import (
+    add_device_arg,
+    add_dtype_arg,
+    check_device_arg,
+    example,
+    model_help,
+    reports_errors,
+)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -24,6 +31,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "(the detection scores format, usable by `retmask mask` and `retmask mudaf-train --scores`), a "
             "<out>.run.json record with per-head mean F1 / EM / golden mass, and optionally a heatmap."
         ),
+        epilog=example(
+            "retmask mdqa-score --model smollm2 --data mdqa_eval.jsonl --out runs/mdqa/scores.json "
+            "--epsilon 0.05"
+        ),
     )
     p.add_argument(
         "--data",
@@ -31,28 +42,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         required=True,
         help="MDQA JSONL (python -m retmask.methods.mudaf.mdqa writes one)",
     )
-    p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--model", help=model_help("the model"))
     add_dtype_arg(p)
     add_device_arg(p)
     p.add_argument("--out", type=Path, required=True, help="scores JSON to write")
-    p.add_argument("--plot", type=Path, help="heatmap PNG of the mean F1 per head")
+    p.add_argument("--plot", type=png_path, help="heatmap PNG of the mean F1 per head")
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing --out and its run record (else refused)"
     )
     p.add_argument("--epsilon", type=unit_float, default=DEFAULT_EPSILON,
-                   help=f"attended = mass > ε (default {DEFAULT_EPSILON}, the MuDAF reference code's value; small models "
-                        "spread their mass thinner: SmolLM2-135M with 8 passages needs ~0.05, see "
-                        "bench/results/mudaf_smollm2.md)")  # fmt: skip
+                   help="attended = mass > ε; small models spread their mass thinner: SmolLM2-135M with 8 "
+                        "passages needs ~0.05, see bench/results/mudaf_smollm2.md "
+                        f"(default: {DEFAULT_EPSILON}, the MuDAF reference code's value)")  # fmt: skip
     p.add_argument("--limit", type=positive_int, help="score only the first N examples")
-    p.add_argument("--batch-size", type=positive_int, default=1, help="examples per forward call (default 1)")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="examples per forward call")
     p.add_argument(
-        "--max-length", type=positive_int, help="token limit per prompt (default: the model's context)"
+        "--max-length", type=token_count, help="token limit per prompt (default: the model's context)"
     )
     p.add_argument("--answers", action="store_true",
                    help="also generate greedy answers and report answer accuracy (in the record)")  # fmt: skip
     p.add_argument("--masses", action="store_true",
                    help="also write <out stem>.masses.npz: per-example, per-head passage masses (re-score at any ε)")  # fmt: skip
-    p.add_argument("--top", type=positive_int, default=10, help="print the N best heads (default 10)")
+    p.add_argument("--top", type=positive_int, default=10, help="print the N best heads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
     return p

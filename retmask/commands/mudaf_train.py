@@ -7,8 +7,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.commands.argtypes import nonneg_float, nonneg_int, positive_float, positive_int, unit_float
-from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
+from retmask.commands.argtypes import (
+    head_count,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    seed_int,
+    token_count,
+    unit_float,
+)
+from retmask.commands.common import (
+    add_device_arg,
+    add_dtype_arg,
+    check_device_arg,
+    example,
+    model_help,
+    reports_errors,
+)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -26,67 +42,55 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "paper's template. Heads from --heads, or sampled from MDQA scores with P(h) ∝ exp(R_h/τ_h). "
             "AdamW, constant lr after optional warm-up, fp32 or bf16 autocast (--dtype); saves an HF checkpoint and mudaf_train.json."
         ),
+        epilog=example(
+            "retmask mudaf-train --model smollm2 --data mdqa_train.jsonl --scores runs/mdqa/scores.json "
+            "--out runs/mudaf --steps 200"
+        ),
     )
     p.add_argument("--data", type=Path, required=True, help="MDQA training JSONL")
-    p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--model", help=model_help("the model to train"))
     p.add_argument("--out", type=Path, required=True, help="folder for the trained model")
     add_dtype_arg(p, training=True)
     add_device_arg(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--heads", type=Path, help="heads JSON (retmask mask / a list of [layer, head])")
     src.add_argument("--scores", type=Path, help="MDQA scores JSON (retmask mdqa-score): sample the heads")
-    p.add_argument(
-        "--num-heads", type=positive_int, default=8, help="heads to sample with --scores (default 8)"
-    )
+    p.add_argument("--num-heads", type=head_count, default=8, help="heads to sample with --scores")
     p.add_argument(
         "--head-temperature",
         type=positive_float,
         default=0.05,
-        help="sampling τ with --scores (default 0.05)",
+        help="sampling τ with --scores",
     )
     p.add_argument(
         "--vanilla-sft", action="store_true", help="λ = 0: CLM only (L_CON still logged if heads given)"
     )
     weight = p.add_mutually_exclusive_group()  # two ways to weight L_CON: one at a time
     weight.add_argument("--lambda", dest="lambda_con", type=nonneg_float, default=d.lambda_con,
-                   help=f"λ in L_CLM + λ·L_CON (paper Eq. 8; default {d.lambda_con:g})")  # fmt: skip
+                   help="λ in L_CLM + λ·L_CON (paper Eq. 8)")  # fmt: skip
     weight.add_argument("--alpha", type=unit_float,
                    help="use (1-α)·L_CLM + α·L_CON instead (the reference code's form; it used α = 0.3)")  # fmt: skip
-    p.add_argument(
-        "--temperature", type=positive_float, default=d.temperature, help="L_CON temperature (default 0.05)"
-    )
+    p.add_argument("--temperature", type=positive_float, default=d.temperature, help="L_CON temperature")
     p.add_argument("--similarity", choices=SIMILARITIES, default=d.similarity,
                    help="concat: one cosine over all heads' vectors (the paper's choice); per-head: Eq. 7 summed")  # fmt: skip
     p.add_argument(
         "--lr",
         type=positive_float,
         default=d.learning_rate,
-        help=f"learning rate (default {d.learning_rate:g})",
+        help="learning rate",
     )
+    p.add_argument("--steps", type=positive_int, default=d.max_steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="examples per micro-batch")
+    p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum, help="micro-batches per step")
+    p.add_argument("--warmup-steps", type=nonneg_int, default=d.warmup_steps, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=nonneg_float, default=d.weight_decay, help="AdamW weight decay")
     p.add_argument(
-        "--steps", type=positive_int, default=d.max_steps, help=f"optimizer steps (default {d.max_steps})"
-    )
-    p.add_argument(
-        "--batch-size", type=positive_int, default=d.batch_size, help="examples per micro-batch (default 1)"
-    )
-    p.add_argument(
-        "--grad-accum", type=positive_int, default=d.grad_accum, help="micro-batches per step (default 1)"
-    )
-    p.add_argument(
-        "--warmup-steps", type=nonneg_int, default=d.warmup_steps, help="linear warm-up steps (default 0)"
-    )
-    p.add_argument(
-        "--weight-decay", type=nonneg_float, default=d.weight_decay, help="AdamW weight decay (default 0)"
-    )
-    p.add_argument(
-        "--max-length", type=positive_int, help="token limit per example (default: the model's context)"
+        "--max-length", type=token_count, help="token limit per example (default: the model's context)"
     )
     p.add_argument("--limit", type=positive_int, help="train on the first N examples only")
+    p.add_argument("--seed", type=seed_int, default=d.seed, help="data order and head sampling seed")
     p.add_argument(
-        "--seed", type=nonneg_int, default=d.seed, help="data order and head sampling seed (default 0)"
-    )
-    p.add_argument(
-        "--save-every", type=nonneg_int, default=0, help="write <out>/resume.pt every N steps (default off)"
+        "--save-every", type=nonneg_int, default=0, help="write <out>/resume.pt every N steps (0 = never)"
     )
     p.add_argument("--resume", action="store_true", help="continue from <out>/resume.pt")
     p.add_argument(

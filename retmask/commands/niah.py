@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retmask.commands.argtypes import nonneg_int, positive_int
+from retmask.commands.argtypes import head_count, png_path, seed_int, token_count
 from retmask.commands.common import (
     add_grid_args,
     add_model_args,
+    example,
     grid_from_args,
     load_from_args,
     needles_from_args,
@@ -32,26 +33,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "ROUGE-1 recall of the needle. Optionally mask heads: the top K by retrieval score, K random "
             "heads, or a heads JSON from `retmask mask`. Prints the grid and the mean; with --out / --plot, writes the result JSON / a heatmap PNG."
         ),
+        epilog=example(
+            "retmask niah --model smollm2 --mask-top 10 --scores runs/detect/scores.json "
+            "--plot runs/niah-top10.png"
+        ),
     )
     add_model_args(p)
     mask = p.add_mutually_exclusive_group()
-    mask.add_argument("--mask-top", type=positive_int, metavar="K", help="mask the K best heads of --scores")
+    mask.add_argument("--mask-top", type=head_count, metavar="K", help="mask the K best heads of --scores")
     mask.add_argument(
-        "--mask-random", type=positive_int, metavar="K", help="mask K random heads (seeded by --seed)"
+        "--mask-random", type=head_count, metavar="K", help="mask K random heads (seeded by --seed)"
     )
     mask.add_argument("--mask-file", type=Path, help="mask the heads of a heads JSON (`retmask mask --out`)")
     p.add_argument("--scores", type=Path, help="retrieval-scores JSON (`retmask detect`), for --mask-top")
-    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of --mask-random")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of --mask-random")
     add_grid_args(p)
     p.add_argument(
         "--chunk",
-        type=positive_int,
+        type=token_count,
         default=None,
-        help="prefill chunk (tokens) = granularity of KV-prefix reuse (default: 256 on a CPU, 4096 on a GPU, "
-        "where each forward pass costs host time; the answers do not depend on it)",
+        help="prefill chunk (tokens) = granularity of KV-prefix reuse; the answers do not depend on it "
+        "(default: 256 on a CPU, 4096 on a GPU, where each forward pass costs host time)",
     )
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
-    p.add_argument("--plot", type=Path, default=None, help="write the NIAH heatmap PNG here")
+    p.add_argument("--plot", type=png_path, default=None, help="write the NIAH heatmap PNG here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (else refused)")
     p.add_argument("--title", default=None, help="plot title (default: model and mask)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -142,6 +147,7 @@ def _run(args: argparse.Namespace) -> int:
     from retmask.heads import model_shape
     from retmask.heads.selection import SelectionError
     from retmask.niah import load_haystack
+    from retmask.niah.grid import check_grid_tests
     from retmask.niah.haystack import HaystackError
     from retmask.niah.needles import NeedleFileError
 
@@ -149,6 +155,7 @@ def _run(args: argparse.Namespace) -> int:
         check_mask_args(args)
         lengths, depths = grid_from_args(args)
         needles = needles_from_args(args)
+        check_grid_tests(len(needles), lengths, depths)  # the prompts' memory, before the model loads
         haystack = load_haystack(args.haystack)
         model, tok, name = load_from_args(args)
         heads, what = select_mask(args, model_shape(model))
@@ -167,10 +174,15 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{name}: {what}")
     print(format_grid(res))
     print(f"{len(res.entries)} tests in {res.meta['timings']['run_s']:.1f} s")
+    # the grid and mean are on stdout before any file is written: a full disk or a refused name (a one-line
+    # OutputWriteError, exit 2) loses the files, not the results
     if args.out is not None:
-        from retmask.runfiles import atomic_write_json
+        from retmask.runfiles import OutputWriteError, atomic_write_json
 
-        atomic_write_json(args.out, res.to_json())
+        try:
+            atomic_write_json(args.out, res.to_json())
+        except OutputWriteError as err:
+            raise OutputWriteError(f"{err} (the grid and mean are printed above)") from None
         print(f"result -> {args.out}", file=sys.stderr)
     if args.plot is not None:
         from retmask.plotting import short_name

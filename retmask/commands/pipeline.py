@@ -8,14 +8,26 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import (
+    depth_count,
+    length_count,
     nonneg_float,
     nonneg_int,
     positive_float,
     positive_int,
+    seed_int,
     steps_or_off,
+    token_count,
     unit_float,
 )
-from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
+from retmask.commands.common import (
+    MODEL_SPEC,
+    add_device_arg,
+    add_dtype_arg,
+    check_device_arg,
+    example,
+    model_help,
+    reports_errors,
+)
 from retmask.methods.retmask.pipeline_config import STAGES, VARIANTS, PipelineConfig
 from retmask.niah.grid import PROTOCOLS
 
@@ -30,25 +42,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "same settings and inputs; an interrupted stage resumes (detect, generate, eval) or restarts (train). "
             "Defaults: the embedded SmolLM2 takes about 17 minutes on 2 CPU cores (detection about 5)."
         ),
+        epilog=example(
+            "retmask pipeline --model smollm2 --run-dir runs/pipeline --top-k 10 --num-instructions 64"
+        ),
     )
-    p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--model", help=model_help("the model"))
     add_dtype_arg(p, training=True, help=(
-        "float32 (default) or bfloat16: the weights of detect, generate and eval, and bf16 autocast over float32 "
+        "float32 or bfloat16: the weights of detect, generate and eval, and bf16 autocast over float32 "
         "master weights in train; auto = bfloat16 on CUDA and on CPUs that compute bf16 natively (AMX or "
         "AVX512-BF16), float32 elsewhere (recorded resolved)"
     ))  # fmt: skip
-    add_device_arg(p, help="where every stage runs: cpu (default) or cuda (training: the Trainer's first visible "
+    add_device_arg(p, help="where every stage runs: cpu or cuda (training: the Trainer's first visible "
                            "GPU; pick one with CUDA_VISIBLE_DEVICES)")  # fmt: skip
-    p.add_argument("--run-dir", type=Path, default=Path("runs/pipeline"), help="default runs/pipeline")
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path("runs/pipeline"),
+        help="folder for every stage's outputs and pipeline.json",
+    )
     p.add_argument("--baseline", choices=VARIANTS, default=d.baseline,
-                   help="what makes the rejected responses: the retrieval heads masked (retmask, default), as many "
+                   help="what makes the rejected responses: the retrieval heads masked (retmask), as many "
                         "random or non-retrieval heads masked, or win-lose (the paper's Win-Lose-Pair: the worse "
                         "of two samples of the unmasked model, judged by ROUGE-L F1 against the instructions' "
                         "reference answers; it draws further instructions until it has --num-instructions pairs, "
                         "since that judge ties often), or smaller-model (the paper's Smaller-Model: the rejected "
                         "responses from --rejected-model, nothing masked)")  # fmt: skip
     p.add_argument("--rejected-model", help="with --baseline smaller-model: the smaller model whose responses are "
-                   "rejected (hub id, local folder or GGUF; its own tokenizer and chat template)")  # fmt: skip
+                   f"rejected (its own tokenizer and chat template): {MODEL_SPEC}")  # fmt: skip
     p.add_argument("--scores", help="reuse this retrieval-scores JSON (skips the detection)")
     p.add_argument("--stop-after", choices=STAGES, help="stop after this stage (run again to continue)")
     g = p.add_argument_group("detect")
@@ -56,48 +76,51 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="detection grid preset: " + "; ".join(f"{k}: {v.description}" for k, v in PROTOCOLS.items())
                    + " (default: default, 96 tests with the 6 shipped needles)")  # fmt: skip
     g.add_argument(
-        "--detect-min-len", type=positive_int, help="shortest context, tokens (default: the protocol's)"
+        "--detect-min-len", type=token_count, help="shortest context, tokens (default: the protocol's)"
     )
     g.add_argument(
-        "--detect-max-len", type=positive_int, help="longest context, tokens (default: the protocol's)"
+        "--detect-max-len", type=token_count, help="longest context, tokens (default: the protocol's)"
     )
     g.add_argument(
-        "--detect-lengths", type=positive_int, help="number of context lengths (default: the protocol's)"
+        "--detect-lengths", type=length_count, help="number of context lengths (default: the protocol's)"
     )
     g.add_argument(
-        "--detect-depths", type=positive_int, help="number of needle depths (default: the protocol's)"
+        "--detect-depths", type=depth_count, help="number of needle depths (default: the protocol's)"
     )
     g = p.add_argument_group("mask")
     sel = g.add_mutually_exclusive_group()
-    sel.add_argument("--threshold", type=unit_float, help="retrieval heads: score >= τ (default 0.1)")
+    sel.add_argument("--threshold", type=unit_float, help="retrieval heads: score >= τ (default: 0.1)")
     sel.add_argument("--top-k", type=positive_int, help="retrieval heads: the K best")
-    g.add_argument("--mask-seed", type=nonneg_int, default=d.mask_seed, help="seed of the baselines' draw")
+    g.add_argument("--mask-seed", type=seed_int, default=d.mask_seed, help="seed of the baselines' draw")
     g = p.add_argument_group("generate")
-    g.add_argument("--instructions", default=d.instructions, help="'builtin' or a file / datasets name")
+    g.add_argument(
+        "--instructions",
+        default=d.instructions,
+        help="'builtin' (shipped with retmask) or a file / datasets name",
+    )
     g.add_argument("--num-instructions", type=positive_int, default=d.num_instructions,
-                   help=f"stratified subset size (default {d.num_instructions}); win-lose: the number of pairs "
-                        "to make")  # fmt: skip
+                   help="stratified subset size; win-lose: the number of pairs to make")  # fmt: skip
     g.add_argument("--temperature", type=nonneg_float, default=d.temperature,
                    help="sampling temperature of the chosen and rejected responses (0 = greedy)")  # fmt: skip
-    g.add_argument("--gen-max-new-tokens", type=positive_int, default=d.gen_max_new_tokens,
+    g.add_argument("--gen-max-new-tokens", type=token_count, default=d.gen_max_new_tokens,
                    help="tokens per response (longer ones are cut and counted as truncated)")  # fmt: skip
     g.add_argument("--gen-batch-size", type=positive_int, default=d.gen_batch_size,
                    help="instructions per generation batch (2x rows: chosen and rejected)")  # fmt: skip
-    g.add_argument("--gen-seed", type=nonneg_int, default=d.gen_seed, help="seed of the sampled responses")
+    g.add_argument("--gen-seed", type=seed_int, default=d.gen_seed, help="seed of the sampled responses")
     g = p.add_argument_group("train")
-    g.add_argument("--lr", type=positive_float, default=d.lr, help=f"peak lr (default {d.lr:g}, the paper's)")
+    g.add_argument("--lr", type=positive_float, default=d.lr, help="peak learning rate (the paper's)")
     g.add_argument("--epochs", type=positive_float, default=d.epochs, help="passes over the pairs")
     g.add_argument("--max-steps", type=steps_or_off, default=d.max_steps,
-                   help="stop DPO after N optimizer steps (default -1: --epochs decides)")  # fmt: skip
+                   help="stop DPO after N optimizer steps; -1: --epochs decides")  # fmt: skip
     g.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="pairs per device and step")
     g.add_argument("--grad-accum", type=positive_int, default=d.grad_accum,
                    help="gradient accumulation steps (global batch = batch size x this; the paper's is 512)")  # fmt: skip
-    g.add_argument("--max-length", type=positive_int, default=d.max_length,
+    g.add_argument("--max-length", type=token_count, default=d.max_length,
                    help="prompt + response tokens; longer responses are cut")  # fmt: skip
     g.add_argument("--beta", type=positive_float, default=d.beta, help="DPO beta")
     g.add_argument(
         "--train-seed",
-        type=nonneg_int,
+        type=seed_int,
         default=d.train_seed,
         help="seed of DPO's data order and initialisation",
     )
@@ -114,17 +137,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "trained on as if complete)",
     )
     g.add_argument(
-        "--telemetry-every", type=nonneg_int, default=d.telemetry_every, help="0 = no retrieval telemetry"
+        "--telemetry-every",
+        type=nonneg_int,
+        default=d.telemetry_every,
+        help="probe the retrieval score of the masked heads every N optimizer steps (0 = no telemetry)",
     )
     g = p.add_argument_group("eval")
     g.add_argument(
-        "--eval-min-len", type=positive_int, default=d.eval_min_len, help="shortest context, tokens"
+        "--eval-min-len", type=token_count, default=d.eval_min_len, help="shortest context, tokens"
     )
-    g.add_argument("--eval-max-len", type=positive_int, help="default min(4000, the model's maximum)")
     g.add_argument(
-        "--eval-lengths", type=positive_int, default=d.eval_lengths, help="number of context lengths"
+        "--eval-max-len",
+        type=token_count,
+        help="longest context, tokens (default: min(4000, the model's maximum))",
     )
-    g.add_argument("--eval-depths", type=positive_int, default=d.eval_depths, help="NIAH needle depths")
+    g.add_argument(
+        "--eval-lengths", type=length_count, default=d.eval_lengths, help="number of context lengths"
+    )
+    g.add_argument("--eval-depths", type=depth_count, default=d.eval_depths, help="NIAH needle depths")
     g.add_argument(
         "--eval-needles", type=positive_int, default=d.eval_needles, help="the first N shipped needles"
     )
@@ -139,6 +169,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars (the stage log lines remain)")
     p.set_defaults(func=run)
     return p
+
+
+def check_pipeline_grids(args: argparse.Namespace) -> None:
+    """The detection and evaluation grids' bounds (distinct lengths and depths, prompt memory), before the
+    run dir is set up or a model loads; a GridError names the pipeline's flags."""
+    from retmask.evaluate.config import DEFAULT_MAX_LEN
+    from retmask.niah.grid import check_grid_counts, resolve_grid
+
+    if args.scores is None:  # the pipeline detects the heads itself
+        resolve_grid(
+            args.protocol, min_len=args.detect_min_len, max_len=args.detect_max_len,
+            num_lengths=args.detect_lengths, num_depths=args.detect_depths,
+            flags={"min_len": "--detect-min-len", "max_len": "--detect-max-len",
+                   "num_lengths": "--detect-lengths", "num_depths": "--detect-depths"},
+        )  # fmt: skip
+    # with no --eval-max-len the longest evaluation context is at most the cap
+    check_grid_counts(
+        args.eval_min_len, args.eval_max_len or DEFAULT_MAX_LEN, args.eval_lengths, args.eval_depths,
+        flags={"min_len": "--eval-min-len", "max_len": "--eval-max-len",
+               "num_lengths": "--eval-lengths", "num_depths": "--eval-depths"},
+        defaults=set() if args.eval_max_len is not None else {"max_len"}, default_note=" (the default cap)",
+    )  # fmt: skip
 
 
 @reports_errors(interrupt_hint="run the same command again to resume")
@@ -159,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         except (SelectionError, OSError) as e:
             print(f"retmask pipeline: error: --scores: {e}", file=sys.stderr)
             return 2
+    check_pipeline_grids(args)
     threshold = args.threshold if args.threshold is not None else (None if args.top_k is not None else 0.1)
     cfg = PipelineConfig(
         model=args.model, dtype=resolve_training_dtype(args.dtype, args.device), device=args.device, baseline=args.baseline, rejected_model=args.rejected_model,

@@ -10,13 +10,21 @@ from typing import Any
 from retmask.commands.argtypes import (
     float_range,
     nonneg_float,
-    nonneg_int,
     positive_float,
     positive_int,
+    seed_int,
     steps_or_off,
+    token_count,
     unit_float,
 )
-from retmask.commands.common import add_device_arg, add_dtype_arg, check_device_arg, reports_errors
+from retmask.commands.common import (
+    add_device_arg,
+    add_dtype_arg,
+    check_device_arg,
+    example,
+    model_help,
+    reports_errors,
+)
 from retmask.heads.selection import SelectionError
 from retmask.methods.retmask.fused_head import LM_HEAD_POSITIONS
 from retmask.methods.retmask.pairs import PairsError
@@ -34,61 +42,56 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "decay 0.1, lr 5e-7 with 10% linear warm-up then cosine to 5e-8, beta 0.1, 2 epochs. Prompts that "
             "alone reach --max-length are an error (TRL 1.16 would drop them silently)."
         ),
+        epilog=example(
+            "retmask train --model smollm2 --pairs runs/pairs.jsonl --out runs/dpo --telemetry-every 10"
+        ),
     )
     p.add_argument("--pairs", type=Path, required=True, help="pairs JSONL from `retmask generate`")
-    p.add_argument("--model", help="hub id, folder or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--model", help=model_help("the policy model (the frozen reference is a copy of it)"))
     p.add_argument("--out", type=Path, required=True,
                    help="folder for the trained model (HF checkpoint), retmask_train.json (settings, losses, "
                         "timings) and, with telemetry, telemetry.json / .png")  # fmt: skip
-    p.add_argument("--beta", type=positive_float, default=d.beta, help=f"DPO beta (default {d.beta})")
+    p.add_argument("--beta", type=positive_float, default=d.beta, help="DPO beta")
     p.add_argument(
         "--lr",
         type=positive_float,
         default=d.learning_rate,
-        help=f"peak learning rate (default {d.learning_rate})",
+        help="peak learning rate",
     )
-    p.add_argument(
-        "--min-lr-rate", type=unit_float, default=d.min_lr_rate, help="final lr / peak lr (default 0.1)"
-    )
+    p.add_argument("--min-lr-rate", type=unit_float, default=d.min_lr_rate, help="final lr / peak lr")
     p.add_argument(
         "--warmup-ratio",
         type=float_range(0.0, 1.0, hi_open=True),
         default=d.warmup_ratio,
-        help="share of the steps with a linear lr warm-up (default 0.1)",
+        help="share of the steps with a linear lr warm-up",
     )
-    p.add_argument(
-        "--weight-decay", type=nonneg_float, default=d.weight_decay, help="AdamW weight decay (default 0.1)"
-    )
+    p.add_argument("--weight-decay", type=nonneg_float, default=d.weight_decay, help="AdamW weight decay")
     p.add_argument(
         "--epochs",
         type=positive_float,
         default=d.epochs,
-        help=f"passes over the pairs (default {d.epochs:g})",
+        help="passes over the pairs",
     )
     p.add_argument("--max-steps", type=steps_or_off, default=d.max_steps,
-                   help="stop after N optimizer steps (default -1: --epochs decides)")  # fmt: skip
-    p.add_argument(
-        "--batch-size", type=positive_int, default=d.batch_size, help=f"per device (default {d.batch_size})"
-    )
+                   help="stop after N optimizer steps; -1: --epochs decides")  # fmt: skip
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="pairs per device and step")
     p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum,
-                   help=f"gradient accumulation steps (global batch = batch size x this; default {d.grad_accum})")  # fmt: skip
-    p.add_argument("--max-length", type=positive_int, default=d.max_length,
-                   help=f"prompt + response tokens (default {d.max_length}); longer responses are truncated")  # fmt: skip
-    p.add_argument(
-        "--seed", type=nonneg_int, default=d.seed, help="seed of the data order and initialisation"
-    )
+                   help="gradient accumulation steps (global batch = batch size x this)")  # fmt: skip
+    p.add_argument("--max-length", type=token_count, default=d.max_length,
+                   help="prompt + response tokens; longer responses are truncated")  # fmt: skip
+    p.add_argument("--seed", type=seed_int, default=d.seed, help="seed of the data order and initialisation")
     p.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for memory")
     precision = p.add_mutually_exclusive_group()  # --bf16 --dtype float32 would be a contradiction
     add_dtype_arg(precision, training=True)
     precision.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
-    add_device_arg(p, help="where to train: cpu (default) or cuda (the Trainer's first visible GPU; pick one "
+    add_device_arg(p, help="where to train: cpu or cuda (the Trainer's first visible GPU; pick one "
                            "with CUDA_VISIBLE_DEVICES)")  # fmt: skip
     p.add_argument(
         "--sft", action="store_true", help="SFT on the chosen responses only (the paper's baseline)"
     )
     p.add_argument("--lm-head-positions", choices=LM_HEAD_POSITIONS, default=d.lm_head_positions,
                    help="DPO on a CPU: project only the completion positions through TRL's fused LM head "
-                        "(labelled, default; what TRL does on CUDA) or every position (all; TRL's CPU default, "
+                        "(labelled: what TRL does on CUDA) or every position (all: what TRL does on a CPU, "
                         "slower)")  # fmt: skip
     p.add_argument("--telemetry-every", type=positive_int, metavar="N",
                    help="every N optimizer steps (and at step 0 and the end) probe the retrieval score of the masked "

@@ -5,8 +5,9 @@ The fp32 linear backend (``linear``) times its candidates once per case and keep
 instead of measuring again. The file holds ``{"format": F, "machines": {key: {"machine": {...}, "cases":
 {case name: decision}}}}``; the key hashes what the decision is valid for (CPU model and flags, torch
 version, ...), so a cache folder shared between machines (a network home) keeps each machine's own
-decisions. A file of another format, torn or unreadable, counts as empty and is rewritten; a folder that
-cannot be written keeps the decisions in memory for the process. Deleting the file is safe.
+decisions. A file of another format, torn, unreadable or of the wrong shape (edited by hand, another tool's
+file) counts as empty and is rewritten (one warning names it); a folder that cannot be written keeps the
+decisions in memory for the process. Deleting the file is safe.
 """
 
 from __future__ import annotations
@@ -38,29 +39,60 @@ class DecisionCache:
         self.file_format = file_format
         self.valid = valid
         self.what = what
+        self._warned: set[Path] = set()  # files already reported as ignored (one warning per file)
 
     def path(self) -> Path:
         from retmask.cache_dir import cache_root
 
         return cache_root() / self.file_name
 
+    def _ignore(self, path: Path, why: object) -> dict[str, Any]:
+        """Treat the file as empty, with one warning per file and process naming it."""
+        if path not in self._warned:
+            self._warned.add(path)
+            log.warning("ignoring %s %s (%s); it will be rewritten", self.what, path, why)
+        return {}
+
     def _read(self, path: Path) -> dict[str, Any]:
+        """The file's content when it has this format and the shape ``{"format", "machines": {key:
+        {"machine": {...}, "cases": {name: {...}}}}}``; else ``{}``.
+
+        A cache, not a result: a wrong file costs one measurement per case, so it is measured again and
+        rewritten (a warning names it) rather than refused; the commands that use it never stop for it.
+        """
+        from retmask.runfiles import loads_strict
+
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = loads_strict(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as exc:  # a torn or foreign file: measure again, say so once
-            log.warning("ignoring %s %s (%s); it will be rewritten", self.what, path, exc)
-            return {}
-        if not isinstance(data, dict) or data.get("format") != self.file_format:
-            return {}
+        except (OSError, ValueError) as exc:  # a torn or foreign file (a duplicated key too): measure again
+            return self._ignore(path, exc)
+        if isinstance(data, dict) and "format" in data and data["format"] != self.file_format:
+            return {}  # another version's file: replaced without a warning (nothing is wrong with it)
+        if not isinstance(data, dict) or not isinstance(data.get("machines"), dict):
+            return self._ignore(path, 'not {"format": ..., "machines": {...}}')
+        for key, entry in data["machines"].items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("cases"), dict):
+                return self._ignore(path, f'machines[{key!r}] is not {{"machine": ..., "cases": {{...}}}}')
+            bad = [name for name, d in entry["cases"].items() if not isinstance(d, dict)]
+            if bad:
+                return self._ignore(path, f"decision {bad[0]!r} is not an object")
         return data
+
+    def _usable(self, decision: dict[str, Any]) -> bool:
+        """``valid(decision)``; a check that fails on an edited decision (a list where a string was) means
+        the decision is not usable, not a crash."""
+        try:
+            return bool(self.valid(decision))
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return False
 
     def load(self, machine_key: str, case_name: str) -> dict[str, Any] | None:
         """The stored decision for ``case_name`` on the machine ``machine_key``, or None."""
         entry = self._read(self.path()).get("machines", {}).get(machine_key, {})
-        found = entry.get("cases", {}).get(case_name) if isinstance(entry, dict) else None
-        return found if isinstance(found, dict) and self.valid(found) else None
+        found = entry.get("cases", {}).get(case_name)
+        return found if isinstance(found, dict) and self._usable(found) else None
 
     def save(
         self, machine_key: str, machine: dict[str, str], case_name: str, decision: dict[str, Any]

@@ -35,12 +35,12 @@ from retmask.niah import (
 )
 from retmask.plotting import head_heatmap
 from retmask.runfiles import (
+    JsonFile,
     RunLock,
     atomic_write_json,
     check_fresh_or_resume,
     check_same_settings,
     check_writable,
-    read_json,
 )
 
 RECALL_THRESHOLD = 0.5  # a test counts when ROUGE-1 recall > 50% (reference: score * 100 > 50)
@@ -243,18 +243,76 @@ def run_tests(
     return done
 
 
-def _resumed_results(out: Path, fingerprint: dict) -> dict[int, dict]:
+def _progress_entry(
+    f: JsonFile, key: str, entry: object, test: NiahTest, shape: tuple[int, int], max_new_tokens: int
+) -> dict:
+    """One finished test of a progress file, checked against the test it claims to be: what the scores,
+    the run record, the drafts and ``--until-stable`` read from it must be there and consistent, so an
+    edited entry is refused here instead of resuming to wrong scores."""
+    at = f"results[{key!r}]"
+    e = f.expect(entry, dict, at)
+    if f.key(e, "index", int, at) != test.index or f.key(e, "key", str, at) != test.key:
+        f.fail(f"{at} is test {e['index']} ({e['key']!r}), not test {test.index} ({test.key!r})")
+    if f.key(e, "answer_tokens", int, at) != len(test.answer_ids):
+        f.fail(
+            f"{at}.answer_tokens is {e['answer_tokens']}, but the test's answer has {len(test.answer_ids)} tokens"
+        )
+    f.number(f.key(e, "order", int, at), f"{at}.order", integer=True, lo=0)
+    f.key(e, "response", str, at)
+    recall = f.number(f.key(e, "rouge1_recall", float, at), f"{at}.rouge1_recall", lo=0, hi=1)
+    if f.key(e, "counted", bool, at) != (recall > RECALL_THRESHOLD):
+        f.fail(f"{at}.counted is {e['counted']} but its recall {recall} says otherwise")
+    tokens = f.key(e, "tokens", list, at)
+    if not 1 <= len(tokens) <= max_new_tokens:
+        f.fail(
+            f"{at}.tokens holds {len(tokens)} tokens; an answer has 1 to {max_new_tokens} (--max-new-tokens)"
+        )
+    for i, t in enumerate(tokens):
+        f.number(t, f"{at}.tokens[{i}]", integer=True, lo=0)
+    # copies: one count per [layer][head], at most one per answer token (the per-head score's numerator)
+    rows = f.key(e, "copies", list, at)
+    if len(rows) != shape[0] or any(not isinstance(r, list) or len(r) != shape[1] for r in rows):
+        f.fail(
+            f"{at}.copies must be {shape[0]} lists (layers) of {shape[1]} counts (query heads) for this model"
+        )
+    for layer, row in enumerate(rows):
+        for h, c in enumerate(row):
+            f.number(c, f"{at}.copies[{layer}][{h}]", integer=True, lo=0, hi=len(tokens))
+    return e
+
+
+def _resumed_results(
+    out: Path, fingerprint: dict, runnable: list[NiahTest], shape: tuple[int, int], max_new_tokens: int
+) -> dict[int, dict]:
     """Finished tests of earlier runs on ``out``, single- or multi-process (one progress file per rank);
-    refuses progress written with other settings."""
+    refuses progress written with other settings, and progress that does not fit this grid and model
+    (keys that are not runnable tests, entries of the wrong shape: :func:`_progress_entry`)."""
     done: dict[int, dict] = {}
+    source: dict[int, Path] = {}
+    by_index = {t.index: t for t in runnable}
     for path in sorted(out.parent.glob(out.name + ".progress*.json")):
-        state = read_json(path, what="detect progress file", fix="delete it to start over")
+        f = JsonFile(path, "detect progress file", "delete it to start over, or pass --overwrite")
+        state = f.expect(f.read(), dict, "the file")
+        saved = f.expect(state.get("fingerprint"), (dict, type(None)), "'fingerprint'")
         check_same_settings(
-            {"version": state.get("version"), **(state.get("fingerprint") or {})},
+            {"version": state.get("version"), **(saved or {})},
             {"version": PROGRESS_VERSION, **fingerprint},
             path=path,
         )
-        done.update({int(k): v for k, v in state["results"].items()})
+        results = f.key(state, "results", dict)
+        if len(results) > len(by_index):
+            f.fail(f"it holds {len(results)} finished tests, but the grid has {len(by_index)} runnable tests")
+        for key, entry in results.items():
+            index = f.index_key(key, "results")
+            if index not in by_index:
+                f.fail(
+                    f"results holds test {index}, which is not a runnable test of this grid (indices "
+                    f"{min(by_index, default=0)}..{max(by_index, default=-1)}, skipped tests excluded)"
+                )
+            e = _progress_entry(f, key, entry, by_index[index], shape, max_new_tokens)
+            if index in done and done[index] != e:  # one test in two ranks' files, differently
+                f.fail(f"test {index} is also in {source[index]}, with other results")
+            done[index], source[index] = e, path
     return done
 
 
@@ -506,7 +564,11 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
             file=sys.stderr,
         )
 
-    done = _resumed_results(out, fingerprint) if (resume and out is not None) else {}
+    done = (
+        _resumed_results(out, fingerprint, runnable, shape, cfg.max_new_tokens)
+        if (resume and out is not None)
+        else {}
+    )
     if done:
         log(f"resuming: {len(done)} of {len(runnable)} tests already done", file=sys.stderr)
     tracker = _stability_tracker(cfg, shape, runnable, done)

@@ -29,7 +29,7 @@ from retmask.heads.selection import (
 )
 from retmask.niah import load_haystack, load_needles, resolve_prompt_style
 from retmask.plotting import pyplot, save_figure
-from retmask.runfiles import atomic_write_json, check_same_settings, read_json
+from retmask.runfiles import JsonFile, atomic_write_json, check_same_settings
 
 RANDOM_POOLS = ("all", "non-retrieval")
 # random-from "non-retrieval": heads with a mean retrieval score below this (Wu et al.'s and RetMask's τ for
@@ -306,8 +306,9 @@ def run_ablation(
                 "run, --overwrite to start over, or another --out-dir"
             )
         for path in existing if resume else []:
-            saved = read_json(path, what="ablation result", fix="delete it to recompute that configuration")
-            name = saved.get("name")
+            f = JsonFile(path, "ablation result", "delete it to recompute that configuration", AblationError)
+            saved = f.expect(f.read(), dict, "the file")
+            name = f.key(saved, "name", str)
             fix = "rerun with the same flags, or --overwrite"
             check_same_settings(
                 saved.get("fingerprint"), fingerprint, path=path, fix=fix, error=AblationError
@@ -317,7 +318,7 @@ def run_ablation(
                     f"--resume: {path} was written by a run with other settings (its masked heads differ: "
                     f"random pool or seeds changed); {fix}"
                 )
-            results[name] = NiahResult.from_json(saved["result"])
+            results[name] = _saved_result(f, f.key(saved, "result", dict))
         if results:
             log(f"resuming: {len(results)} of {len(configs)} configurations already done")
 
@@ -370,6 +371,22 @@ def run_ablation(
             out.table() + "\n\n" + out.kinds_table() + "\n", encoding="utf-8"
         )
     return out
+
+
+def _saved_result(f: JsonFile, data: dict) -> NiahResult:
+    """The NIAH result of a configuration file, with what the curve reads checked (each test's recall, its
+    cell of the grid): an edited file is an error naming it, not a wrong point or a ``TypeError``."""
+    try:
+        res = NiahResult.from_json(data)
+    except (ValueError, TypeError) as err:  # NiahResult's messages name no file
+        f.fail(f"'result' is not a NIAH result ({err})")
+    for i, e in enumerate(res.entries):
+        at = f"result.entries[{i}]"
+        f.expect(e, dict, at)
+        f.number(e["rouge1_recall"], f"{at}.rouge1_recall", lo=0, hi=1)
+        if e["length"] not in res.lengths or e["depth"] not in res.depths:
+            f.fail(f"{at} is at length {e['length']!r} / depth {e['depth']!r}, outside the grid")
+    return res
 
 
 def plot_ablation(result: AblationResult, path: str | Path, title: str = "") -> None:

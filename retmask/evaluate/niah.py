@@ -27,6 +27,7 @@ from retmask.detect.answers import answer_tests, earlier_answers, prefix_order
 from retmask.detect.core import FastDetector
 from retmask.detect.run import check_context_limit
 from retmask.detect.stopping import stop_token_ids
+from retmask.errors import UsageError
 from retmask.heads import model_shape, normalize_head_mask
 from retmask.hf.heads import head_mask
 from retmask.hf.layers import head_layout
@@ -36,6 +37,10 @@ from retmask.plotting import niah_cmap, pyplot, save_figure
 
 RESULT_VERSION = 1
 ENTRY_KEYS = ("index", "key", "needle_index", "length", "depth", "response", "rouge1_recall")
+
+
+class NiahError(UsageError):
+    """An evaluation that cannot give a score (every test skipped), with the counts and what to change."""
 
 
 @dataclass
@@ -210,8 +215,9 @@ def evaluate_niah(
             in ``meta["prompt_style"]``).
 
     Tests whose context cannot be built (length too short for the buffer) are listed in
-    ``meta["skipped"]``; a needle answer the span rule cannot locate does not matter here (the span only
-    seeds the drafts), so those tests run.
+    ``meta["skipped"]``; when that is every test, :class:`NiahError` is raised before anything runs. A
+    needle answer the span rule cannot locate does not matter here (the span only seeds the drafts), so
+    those tests run.
     """
     from tqdm import tqdm
 
@@ -232,6 +238,13 @@ def evaluate_niah(
     tests = build_tests(tokenizer, needle_list, text, lengths, depths, chat=style == "chat")
     build_s = time.perf_counter() - t0
     runnable = [t for t in tests if t.insertion >= 0]
+    if not runnable:
+        # a result with no entry has no mean ("mean": null) and an all-grey grid: an error, not a score
+        short = tests[-1].skip_reason  # the longest length's reason: the nearest to running
+        raise NiahError(
+            f"no test could run: all {len(tests)} tests were skipped: every context is too short for the "
+            f"needle and its buffer (e.g. {short}); raise --min-len/--max-len or check --needles"
+        )
     skipped = [
         {
             "key": t.key,

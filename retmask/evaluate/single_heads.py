@@ -15,7 +15,7 @@ from retmask.evaluate.niah import NiahResult, evaluate_niah, grid_fingerprint
 from retmask.heads.selection import Head
 from retmask.niah import resolve_prompt_style
 from retmask.niah.answer_kind import ANSWER_KINDS
-from retmask.runfiles import atomic_write_json, check_same_settings, read_json
+from retmask.runfiles import JsonFile, atomic_write_json, check_same_settings
 
 SWEEP_VERSION = 1
 
@@ -57,7 +57,7 @@ def sweep_single_heads(
     if out is not None and out.exists():
         if not resume:
             raise ValueError(f"{out} exists; pass --resume to continue that sweep or choose another --out")
-        saved = read_json(out, what="single-head sweep", fix="choose another --out")
+        saved = _read_sweep(out)
         check_same_settings(
             {"version": saved.get("version"), **(saved.get("meta") or {})},
             {"version": SWEEP_VERSION, **fingerprint},
@@ -106,6 +106,38 @@ def sweep_single_heads(
         }
         save()
     return _summary(state, heads)
+
+
+def _read_sweep(out: Path) -> dict:
+    """A sweep file to resume, checked for what the sweep and its table read: an edited file is an error
+    naming it, not a ``KeyError`` / ``TypeError`` (or a wrong drop) after the model has run."""
+    f = JsonFile(out, "single-head sweep", "choose another --out, or delete it to start over")
+    saved = f.expect(f.read(), dict, "the file")
+
+    def kinds(r: dict, at: str) -> None:  # the table's answer kinds: {kind: tests}
+        for k, n in f.expect(r.get("kinds", {}), dict, f"{at}.kinds").items():
+            f.number(n, f"{at}.kinds[{k!r}]", integer=True, lo=0)
+        if "kinds" in r and set(r["kinds"]) != set(ANSWER_KINDS):
+            f.fail(f"{at}.kinds must count {', '.join(ANSWER_KINDS)}")
+
+    f.expect(saved.get("meta"), (dict, type(None)), "'meta'")
+    base = f.key(saved, "baseline", (dict, type(None)))
+    if base is not None:
+        f.number(f.key(base, "mean", float, "baseline"), "baseline.mean", lo=0, hi=1)
+        f.number(f.key(base, "exact", int, "baseline"), "baseline.exact", integer=True, lo=0)
+        f.number(f.key(base, "tests", int, "baseline"), "baseline.tests", integer=True, lo=0)
+        kinds(base, "baseline")
+    for i, r in enumerate(f.key(saved, "heads", list)):
+        at = f"heads[{i}]"
+        f.expect(r, dict, at)
+        f.key(r, "name", str, at)
+        f.key(r, "head", list, at)
+        f.expect(r.get("score"), (float, type(None)), f"{at}.score")
+        f.number(f.key(r, "mean", float, at), f"{at}.mean", lo=0, hi=1)
+        f.number(f.key(r, "drop", float, at), f"{at}.drop", lo=-1, hi=1)
+        f.number(f.key(r, "exact", int, at), f"{at}.exact", integer=True, lo=0)
+        kinds(r, at)
+    return saved
 
 
 def _summary(state: dict, heads: Sequence[Head]) -> dict:

@@ -41,7 +41,7 @@ from retmask.heads import model_shape
 from retmask.heads.selection import read_heads
 from retmask.hf.loading import DTYPES, check_model_spec, default_model_path, load_model
 from retmask.niah import depth_grid, load_haystack, load_needles
-from retmask.runfiles import atomic_write_json, digest, read_json, without_default_dtype
+from retmask.runfiles import JsonFile, RunFileError, atomic_write_json, digest, without_default_dtype
 
 RESULT_VERSION = 1
 # besides the weights, what decides a model's prompts and context length
@@ -186,12 +186,8 @@ def run_suite(
         identity = model_identity(spec)
         fp = _fingerprint(cfg, identity, device)
         path = cache / f"{fp[:16]}.json"
-        cached = (
-            read_json(path, what="eval cache entry", fix="delete it to evaluate again")
-            if path.is_file()
-            else None
-        )
-        if isinstance(cached, dict) and cached.get("fingerprint") == fp:
+        cached = _cached_result(path, fp, cfg, log) if path.exists() else None
+        if cached is not None:
             res = cached
             log(f"[eval] {label}: cached ({path})")
         else:
@@ -217,6 +213,56 @@ def run_suite(
     (out_dir / "report.md").write_text(render_report(data), encoding="utf-8")
     log(f"[eval] report -> {out_dir / 'report.md'}")
     return data
+
+
+def _cached_result(path: Path, fp: str, cfg: EvalConfig, log) -> dict | None:
+    """The cached results of one model at ``path`` when they are this model's (same fingerprint) and hold
+    what the report reads; else None: the model is evaluated again and the entry rewritten.
+
+    A cache, not a user's result: an unreadable or wrong-shaped entry (torn, edited, a folder, another
+    tool's file) is reproduced by evaluating again, so it is skipped with one line naming the file rather
+    than refused (an error would only make the user delete it by hand). An entry of other settings is
+    skipped silently, as before (its name is a 16-hex prefix of the fingerprint)."""
+    f = JsonFile(path, "eval cache entry")
+    try:
+        data = f.expect(f.read(), dict, "the file")
+        if data.get("fingerprint") != fp:
+            return None
+        _check_result(f, data, cfg)
+    except RunFileError as err:
+        log(f"[eval] ignoring {err}; evaluating the model again (the entry is rewritten)")
+        return None
+    return data
+
+
+def _check_result(f: JsonFile, r: dict, cfg: EvalConfig) -> None:
+    """What the report, the plots and the score shift read from one model's results (evaluate_model)."""
+    tasks = f.key(r, "tasks", dict)
+    for task in cfg.tasks:
+        f.key(tasks, task, (float, type(None)), "tasks")
+    f.expect(r.get("seconds"), (float, type(None)), "'seconds'")
+    if "niah" in cfg.tasks:
+        try:
+            NiahResult.from_json(f.key(r, "niah", dict))
+        except (ValueError, TypeError) as err:  # NiahResult's messages name no file
+            f.fail(f"'niah' is not a NIAH result ({err})")
+        scores = f.key(r, "scores", dict)
+        shape = f.key(r, "shape", list)
+        if len(shape) != 2:
+            f.fail(f"'shape' must be [layers, query heads], not {shape!r}")
+        for i, n in enumerate(shape):
+            f.number(n, f"shape[{i}]", integer=True, lo=1)
+        mean = f.key(scores, "mean", list, "scores")
+        if len(mean) != shape[0] or any(not isinstance(row, list) or len(row) != shape[1] for row in mean):
+            f.fail(f"scores.mean must be {shape[0]} lists of {shape[1]} numbers ('shape')")
+        for layer, row in enumerate(mean):
+            for h, v in enumerate(row):
+                f.number(v, f"scores.mean[{layer}][{h}]", lo=0)
+        f.number(f.key(scores, "counted", int, "scores"), "scores.counted", integer=True, lo=0)
+        f.number(f.key(scores, "tests", int, "scores"), "scores.tests", integer=True, lo=0)
+    for task in ("multi_needle", "kv"):
+        if task in cfg.tasks:
+            f.key(f.key(r, task, dict), "by_length", dict, task)
 
 
 def _heads_name(sel: Any, path: str | Path) -> str:

@@ -28,7 +28,8 @@ def head_key(layer: int, head: int) -> str:
 def parse_head_key(key: str, *, source: str = "scores") -> Head:
     """Parse ``"<layer>-<head>"`` into ``(layer, head)``; anything else is an error naming the key."""
     parts = key.split("-") if isinstance(key, str) else []
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+    # ASCII digits only: str.isdigit also accepts '１', '٣' and '²', which int() reads differently or not at all
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
         raise SelectionError(
             f"{source}: key {key!r} is not '<layer>-<head>' with two non-negative integers (e.g. '15-30')"
         )

@@ -1,8 +1,8 @@
 """Choosing which attention heads to mask (RetMask) or to train (MuDAF) from per-head retrieval scores.
 
 Input is the published ``head_score`` format, ``{"<layer>-<head>": [score of each counted test, ...]}``
-(what ``retmask detect`` writes). A head's retrieval score is the mean of its list; an empty list means
-the head never copied in a counted test, so its score is 0.
+(what ``retmask detect`` writes). A head's retrieval score is the mean of its list; a detection gives every
+head one score per counted test, so an empty list among full ones is a damaged file (an error).
 
 Selections:
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 
 from retmask.heads.keys import Head, SelectionError, parse_head_key, parse_head_pair
 from retmask.heads.layout import check_heads, check_shape
+from retmask.runfiles import MAX_INDEX, atomic_write_text, loads_strict, read_json
 
 HEADS_FILE_VERSION = 1
 METHODS = ("threshold", "top-k", "explicit", "mudaf-sample")
@@ -39,13 +41,43 @@ BASELINES = ("non-retrieval", "random")
 # Reading scores
 # --------------------------------------------------------------------------------------------------
 
+SCORE_ROUNDING = 1e-6
+"""How far above 1 a score may be without a warning: adding 1/n n times in floating point can end just
+above 1 (the published ``llama-2-7b-80k`` file holds 269 values of 1.0000000000000002)."""
+
+
+class ScoreAboveOneWarning(UserWarning):
+    """A scores file with values above 1 (beyond float rounding): used as it is, but worth a look."""
+
+
+def _check_key_form(key: Any, source: str) -> None:
+    """Refuse what :func:`parse_head_key` would read wrongly: digits other than 0-9 (``str.isdigit``
+    accepts ``"１"``, ``"٣"`` and ``"²"``; ``int()`` reads the first two and fails on the third) and indices
+    too large for any model (``"10000000000000000-0"``). Other malformed keys are parse_head_key's to name."""
+    if not isinstance(key, str):
+        return
+    if not key.isascii():
+        raise SelectionError(
+            f"{source}: key {key!r} is not '<layer>-<head>' written with the digits 0-9 (e.g. '15-30'); the "
+            "file was edited or converted by a tool that changed its characters"
+        )
+    parts = key.split("-")
+    for part in parts if len(parts) == 2 and all(p.isdigit() for p in parts) else []:
+        if len(part.lstrip("0")) > len(str(MAX_INDEX)) or int(part) >= MAX_INDEX:
+            raise SelectionError(
+                f"{source}: key {key!r} names layer or head {part}, beyond any model (at most "
+                f"{MAX_INDEX - 1}); the file is damaged"
+            )
+
 
 def mean_scores(raw: Mapping[str, Any], *, source: str = "scores") -> dict[Head, float]:
     """Validate a ``{"<layer>-<head>": [scores]}`` mapping and return the mean score of every head.
 
-    Values must be lists of finite numbers (empty lists mean 0; all empty = no counted test, an error). A
-    bare number is also rejected: the published format always stores per-test lists, and silently
-    accepting means would hide a wrong file.
+    Values must be lists of finite numbers >= 0; an empty list is an error (all empty: no counted test).
+    A bare number is also rejected: the published format always stores per-test lists, and silently
+    accepting means would hide a wrong file. Keys are ASCII ``layer-head`` pairs below ``MAX_INDEX``.
+    Scores above 1 + ``SCORE_ROUNDING`` are possible (a head that copied more tokens than the answer has)
+    but unusual: one :class:`ScoreAboveOneWarning` names the heads.
     """
     if not isinstance(raw, Mapping):
         raise SelectionError(
@@ -54,7 +86,9 @@ def mean_scores(raw: Mapping[str, Any], *, source: str = "scores") -> dict[Head,
     if not raw:
         raise SelectionError(f"{source}: the scores object is empty; run `retmask detect` to produce scores")
     out: dict[Head, float] = {}
+    above: list[tuple[float, str]] = []  # (score, key) above 1 beyond rounding
     for key, values in raw.items():
+        _check_key_form(key, source)
         head = parse_head_key(key, source=source)
         if head in out:  # "01-2" and "1-2" name the same head
             raise SelectionError(f"{source}: head {key!r} appears twice (as layer {head[0]}, head {head[1]})")
@@ -68,27 +102,56 @@ def mean_scores(raw: Mapping[str, Any], *, source: str = "scores") -> dict[Head,
                 raise SelectionError(
                     f"{source}: value {i} of {key!r} is {v!r}; scores must be finite numbers"
                 )
+            if v < 0:
+                raise SelectionError(
+                    f"{source}: value {i} of {key!r} is {v!r}; retrieval scores are >= 0 (copies / answer "
+                    "tokens), so the file is damaged or not a scores file"
+                )
+            if v > 1 + SCORE_ROUNDING:
+                above.append((v, key))
         out[head] = math.fsum(values) / len(values) if values else 0.0
-    if all(not v for v in raw.values()):
+    empty = [key for key, values in raw.items() if not values]
+    if len(empty) == len(raw):
         raise SelectionError(
             f"{source}: every head has an empty score list, i.e. the run counted no test (no answer passed "
             "the filter), so there is nothing to rank; run the detection again with other lengths or model"
+        )
+    if empty:
+        # A detection scores every head on every counted test: one empty list among full ones is an edited
+        # or damaged file, and reading it as 0 would rank that head silently.
+        raise SelectionError(
+            f"{source}: {len(empty)} head(s) have an empty score list (e.g. {empty[0]!r}) while others have "
+            "scores; a detection gives every head one score per counted test, so the file is damaged or "
+            "edited: run `retmask detect` again or fix the file"
+        )
+    if above:
+        worst: dict[str, float] = {}
+        for v, k in above:
+            worst[k] = max(v, worst.get(k, v))
+        heads = sorted(worst, key=lambda k: -worst[k])
+        top = max(above)
+        warnings.warn(
+            f"{source}: {len(above)} score(s) above 1 in {len(heads)} head(s) (largest {top[0]!r} for head "
+            f"{top[1]!r}; heads: {', '.join(heads[:5])}{', ...' if len(heads) > 5 else ''}); a score is "
+            "copies / answer tokens, so a head copied more tokens than the answer has (an answer repeating "
+            "the needle) or the file was edited; it is used as it is",
+            ScoreAboveOneWarning,
+            stacklevel=2,
         )
     return out
 
 
 def load_scores(path: str | Path) -> dict[Head, float]:
     """Read a scores JSON file and return ``{(layer, head): mean score}``."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SelectionError(f"scores file {path} does not exist; run `retmask detect` first") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SelectionError(f"scores file {path} is not valid JSON: {e}") from None
-    return mean_scores(raw, source=str(path))
+    # read_json: duplicated keys (json.loads keeps the last silently), folders, non-UTF-8 bytes, absurd
+    # nesting are errors naming the file, of the type every command reports for a scores file
+    raw = read_json(
+        path,
+        what="scores file",
+        fix="pass the scores JSON written by `retmask detect` (run it first)",
+        error=SelectionError,
+    )
+    return mean_scores(raw, source=f"scores file {path}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,13 +380,11 @@ def mudaf_selection(
 
 
 def write_heads(selection: HeadSelection, path: str | Path) -> Path:
-    """Write the heads JSON (parent folders created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the heads JSON atomically (parent folders created): a full disk or a refused name leaves the
+    old file (or none), never a torn or empty one, and raises ``OutputWriteError`` naming ``path``."""
     # One key per line with compact values: a 40-head list stays readable and diffs cleanly.
     body = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in selection.to_json().items())
-    path.write_text("{\n" + body + "\n}\n", encoding="utf-8")
-    return path
+    return atomic_write_text(path, "{\n" + body + "\n}\n")
 
 
 def heads_from_json(
@@ -347,9 +408,19 @@ def heads_from_json(
             raise SelectionError(f"{source}: head [{hd[0]}, {hd[1]}] is listed twice")
         seen.add(hd)
     scores = data.get("scores") or [None] * len(heads)
+    if not isinstance(scores, list) or not all(
+        s is None or (isinstance(s, (int, float)) and not isinstance(s, bool)) for s in scores
+    ):
+        raise SelectionError(f"{source}: 'scores' must be a list of numbers (or null), one per head")
     if len(scores) != len(heads):
         raise SelectionError(f"{source}: {len(scores)} scores for {len(heads)} heads")
     file_shape = data.get("model_shape")
+    if file_shape is not None and not isinstance(file_shape, list):
+        raise SelectionError(
+            f"{source}: 'model_shape' must be [num_layers, num_query_heads], got {file_shape!r}"
+        )
+    if not isinstance(data.get("retrieval_heads") or [], list):
+        raise SelectionError(f"{source}: 'retrieval_heads' must be a list of [layer, head]")
     if model_shape is not None:
         check_heads(heads, model_shape, source=source)
     elif file_shape is not None:
@@ -372,13 +443,7 @@ def heads_from_json(
 
 def read_heads(path: str | Path, model_shape: Sequence[int] | None = None) -> HeadSelection:
     """Read a heads JSON; with ``model_shape`` = ``[L, Hq]`` every head must exist in that model."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SelectionError(f"heads file {path} does not exist; write one with `retmask mask`") from None
-    except json.JSONDecodeError as e:
-        raise SelectionError(f"heads file {path} is not valid JSON: {e}") from None
+    data = read_json(path, what="heads file", fix="write one with `retmask mask`", error=SelectionError)
     return heads_from_json(data, source=str(path), model_shape=model_shape)
 
 
@@ -387,8 +452,8 @@ def parse_heads_arg(text: str) -> list[Head]:
     text = text.strip()
     if text.startswith("["):
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
+            data = loads_strict(text)  # a key given twice is an error, as in files
+        except ValueError as e:
             raise SelectionError(f"head list {text!r} is not valid JSON: {e}") from None
         return heads_from_json(data, source="head list").heads
     heads = [parse_head_key(part.strip(), source="head list") for part in text.split(",") if part.strip()]

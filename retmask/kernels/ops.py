@@ -174,9 +174,16 @@ def recompute_attention(
 ) -> torch.Tensor:
     """Differentiable attention through PyTorch SDPA for the backward of backends without their own:
     ``sdpa.sdpa_attention`` without its data-dependent shortcut (``if not has_key.all()``), which
-    AOTAutograd cannot trace; rows without a valid key are zeroed by a multiply instead."""
+    AOTAutograd cannot trace; rows without a valid key are zeroed by a masked_fill instead."""
     M, N = q.shape[2], k.shape[2]
     gqa = bool(q.shape[1] != k.shape[1])  # a SymBool under dynamic shapes
+    # Queries whose output is fixed (skipped heads, rows without a valid key) are zeroed before SDPA
+    # (masked_fill hands them an exact 0 gradient) and their outputs masked after it: a NaN in such a
+    # query reaches no gradient, as reference.py's contract says (unzeroed, it made their recomputed
+    # softmax NaN, and SDPA's backward multiplies that by the zero output gradient: NaN).
+    if skip_heads is not None:
+        skipped = skip_heads[:, :, None, None]
+        q = q.masked_fill(skipped, 0)
     if key_padding_mask is None and (not causal or M == N):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=gqa)
     else:
@@ -184,11 +191,11 @@ def recompute_attention(
         has_key = allowed.any(dim=-1, keepdim=True)
         # A row with no valid key would be NaN in SDPA; let it attend everywhere, then zero it.
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed | ~has_key, scale=sm_scale, enable_gqa=gqa
+            q.masked_fill(~has_key, 0), k, v, attn_mask=allowed | ~has_key, scale=sm_scale, enable_gqa=gqa
         )
-        out = out * has_key.to(out.dtype)
+        out = out.masked_fill(~has_key, 0)
     if skip_heads is not None:
-        out = out * (~skip_heads)[:, :, None, None].to(out.dtype)
+        out = out.masked_fill(skipped, 0)
     return out
 
 

@@ -19,6 +19,24 @@ The contract every backend follows (and this file defines):
   or in a key it sees) gives output NaN and argmax -1. A NaN / inf in ``v`` makes the output of the rows
   that see that key NaN (other rows may be NaN too: a zero weight times NaN is NaN, as in eager
   attention) and leaves the argmax alone.
+* Gradients of non-finite inputs (this file's autograd, the C++ CPU backward, the chunked and SDPA
+  recomputes, Triton; ``tests/kernels/test_extremes.py``). A *group* is one batch row's KV head with its
+  query heads: its dq, dk, dv are computed from its own inputs only.
+
+  - Isolation: a group without a non-finite input (a skipped head's query aside) gets dk, dv exactly as
+    if no input anywhere were non-finite, bit for bit; so does dq of a row whose query is finite in a
+    group whose k and v are finite (a query reaches no other row's dq).
+  - Poisoning: a row whose output is NaN by the rules above has dq NaN in every element, and so has dk
+    of every key it sees; when a logit caused it (a non-finite query or key), dv of those keys too.
+  - Fixed rows: a skipped head gets dq = 0 and its query reaches no gradient; a row without an allowed
+    key gets dq = 0 while its group's k and v are finite (its own query may be NaN).
+  - Everything else in a group holding a non-finite input is unspecified: NaN on one backend, finite on
+    another, where blocking decides whether a zero weight meets a NaN (0 * NaN = NaN). E.g. a NaN key
+    that no row may see changes no output, but can make its group's dq NaN. ``dsinks`` sums over the
+    batch: isolation does not cover it.
+
+``sm_scale`` and ``softcap`` are bounded (``validation.SM_SCALE_RANGE`` / ``SOFTCAP_RANGE``), so that
+only inputs, never parameters, overflow the float32 logits.
 """
 
 from __future__ import annotations
@@ -59,18 +77,28 @@ def reference_logits(
     key_padding_mask: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    skip_heads: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled (and soft-capped) logits ``float [B, Hq, M, N]`` with disallowed keys at -inf (compute dtype:
-    fp64 for fp64 inputs, else fp32)."""
+    fp64 for fp64 inputs, else fp32). ``skip_heads`` (bool [B, Hq], True = skipped): every key of a skipped
+    head is disallowed, and its q and (repeated) k are zeroed first, so that neither a NaN in them nor
+    the zero gradient that masking hands back (0 * NaN = NaN in the matmul's backward) reaches any
+    gradient: skipped heads contribute exactly nothing, as in the kernels, which never load them."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     scale = D**-0.5 if sm_scale is None else sm_scale
+    q_c = q.to(compute)
     k_rep = k.to(compute).repeat_interleave(Hq // Hkv, dim=1)
-    logits = torch.matmul(q.to(compute), k_rep.transpose(-1, -2)) * scale
+    allowed = allowed_keys(M, N, causal, key_padding_mask, q.device, window)
+    if skip_heads is not None:
+        skipped = skip_heads[:, :, None, None]
+        q_c = q_c.masked_fill(skipped, 0.0)
+        k_rep = k_rep.masked_fill(skipped, 0.0)
+        allowed = allowed & ~skipped
+    logits = torch.matmul(q_c, k_rep.transpose(-1, -2)) * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    allowed = allowed_keys(M, N, causal, key_padding_mask, q.device, window)
     return logits.masked_fill(~allowed, float("-inf"))
 
 
@@ -99,7 +127,7 @@ def reference_attention(
     Hq, Hkv = q.shape[1], k.shape[1]
     logits = reference_logits(
         q, k, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask, window=window,
-        softcap=softcap,
+        softcap=softcap, skip_heads=skip_heads,
     )  # fmt: skip
     neg_inf = float("-inf")
     has_key = (logits != neg_inf).any(dim=-1, keepdim=True)  # [B, Hq, M, 1]; NaN counts as a key
@@ -113,9 +141,9 @@ def reference_attention(
         probs = torch.softmax(safe_logits, dim=-1)
     probs = probs * has_key
     v_rep = v.to(compute).repeat_interleave(Hq // Hkv, dim=1)
+    if skip_heads is not None:  # zero weights times a NaN value would still be NaN (see reference_logits)
+        v_rep = v_rep.masked_fill(skip_heads[:, :, None, None], 0.0)
     out = torch.matmul(probs, v_rep)
-    if skip_heads is not None:
-        out = torch.where(skip_heads[:, :, None, None], 0.0, out)
     argmax = None
     if argmax_rows:
         tail = logits[:, :, -argmax_rows:]

@@ -152,23 +152,61 @@ def check_argmax_rows(argmax_rows: int | None, return_argmax: bool, shape: Atten
         return 0
     if argmax_rows is None:
         return shape.q_len
-    if not isinstance(argmax_rows, int) or not 1 <= argmax_rows <= shape.q_len:
+    # bool is an int subclass: True would silently mean 1 row; refused as everywhere else (window, ...)
+    if (
+        isinstance(argmax_rows, bool)
+        or not isinstance(argmax_rows, int)
+        or not 1 <= argmax_rows <= shape.q_len
+    ):
         raise ValueError(
             f"argmax_rows must be an int in [1, M] = [1, {shape.q_len}] (the last rows of q), got {argmax_rows!r}"
         )
     return argmax_rows
 
 
+# Parameter ranges (issue 47: backends disagreed on extreme finite parameters). Every backend computes
+# the logits in float32, but folds the parameters in at different points: the reference multiplies
+# q.k by sm_scale and then divides by softcap; the Triton kernels multiply q.k once by sm_scale * log2(e)
+# or by sm_scale / softcap and softcap * log2(e); the C++ kernel keeps its own order. Near the ends of the
+# float32 range those orders decide between finite, inf and 0 (sm_scale = 1e300 is inf in float32: NaN on
+# one backend, partly NaN on another, finite on a third), and GPUs flush subnormal results to zero where
+# CPUs keep them. Inside these ranges every such product of parameters is a normal float32 number
+# (sm_scale * log2(e), sm_scale / softcap in [1e-16, 1e10], softcap * log2(e)), so the backends see the
+# same logits and the non-finite contract (reference.py) is decided by the inputs alone.
+#
+# sm_scale: models use 1 / sqrt(D) (at most 1; 0.0625 at D = 256) or 1 ("no scaling"); [1e-6, 1e4] leaves
+# four orders of magnitude of temperature on either side. fp16 inputs give |q.k| <= 256 * 65504^2 ~ 1.1e12,
+# so no fp16 call can overflow a logit; fp32 / bf16 inputs can overflow q.k itself whatever the scale --
+# an inf logit, which the non-finite contract covers the same way on every backend.
+SM_SCALE_RANGE = (1e-6, 1e4)
+# softcap: models use 30-50 (Gemma 2, Grok). Above 1e10 the cap changes no logit that matters: for
+# |s| <= 1e3 (larger logit gaps already give a one-hot softmax) c * tanh(s / c) differs from s by
+# s^3 / (3 c^2), a relative 3e-15, far below float32's 6e-8 -- pass None instead; and s / softcap stays a
+# normal float32 number (no flush to zero on a GPU) for |s| >= 1e-28. Below 1e-6 every capped logit lies
+# within +-1e-6, whose softmax weights e^s float32 resolves to only ~25 levels around 1.
+SOFTCAP_RANGE = (1e-6, 1e10)
+
+
+def _range_text(bounds: tuple[float, float]) -> str:
+    return f"[{bounds[0]:g}, {bounds[1]:g}]"
+
+
 def check_sm_scale(sm_scale: float | None, head_dim: int) -> float:
-    """The logit scale as a finite float (default ``head_dim ** -0.5``)."""
+    """The logit scale as a float in ``SM_SCALE_RANGE`` (default ``head_dim ** -0.5``); ValueError naming
+    the value and the range otherwise (see the comment above ``SM_SCALE_RANGE`` for why it is bounded)."""
     if sm_scale is None:
         return float(head_dim**-0.5)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise ValueError(f"sm_scale must be a finite float, got {type(sm_scale).__name__} {sm_scale!r}")
+    default = f"leave it None for the default 1/sqrt(head_dim) = {head_dim**-0.5:.6g}"
     if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}; {default}")
+    lo, hi = SM_SCALE_RANGE
+    if not lo <= sm_scale <= hi:
         raise ValueError(
-            f"sm_scale must be finite, got {sm_scale}; leave it None for the default 1/sqrt(head_dim) = "
-            f"{head_dim**-0.5:.6g}"
+            f"sm_scale must be in {_range_text(SM_SCALE_RANGE)}, got {sm_scale:g}: outside it the float32 "
+            f"logits (sm_scale * q.k, sm_scale * log2(e)) of different backends overflow or flush to zero "
+            f"differently; {default}"
         )
     return float(sm_scale)
 
@@ -207,7 +245,7 @@ def check_window(window: int | None, causal: bool) -> int | None:
 
 
 def check_softcap(softcap: float | None) -> float | None:
-    """A logit soft cap (logits <- softcap * tanh(logits / softcap)), or None."""
+    """A logit soft cap (logits <- softcap * tanh(logits / softcap)) in ``SOFTCAP_RANGE``, or None."""
     if softcap is None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
@@ -217,6 +255,14 @@ def check_softcap(softcap: float | None) -> float | None:
             f"softcap must be a finite float > 0 (logits <- softcap * tanh(logits / softcap)), got {softcap}; "
             "pass softcap=None for no capping"
         )
+    lo, hi = SOFTCAP_RANGE
+    if not lo <= softcap <= hi:
+        hint = (
+            "a larger cap changes no logit in float32: pass softcap=None"
+            if softcap > hi
+            else "a smaller cap leaves logits float32 cannot tell apart in the softmax"
+        )
+        raise ValueError(f"softcap must be in {_range_text(SOFTCAP_RANGE)}, got {softcap:g}; {hint}")
     return float(softcap)
 
 

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from retmask.errors import UsageError
 from retmask.niah.context import DEFAULT_BUFFER, build_context_ids, period_token_ids
-from retmask.niah.haystack import haystack_token_ids
+from retmask.niah.haystack import HaystackError, haystack_name, haystack_token_ids
 from retmask.niah.needles import Needle
 from retmask.niah.prompt import build_prompt_ids
 from retmask.niah.span import answer_forms, locate_answer
@@ -16,6 +17,26 @@ if TYPE_CHECKING:
     import numpy as np
 
 # numpy is imported inside the functions: the command line reads PROTOCOLS for its help text.
+
+# Bounds of a grid, checked before anything is built (``check_grid_counts``, ``check_grid_size``): beyond
+# them a typo (``--num-lengths 1000000000``) would allocate gigabytes or build prompts for hours before
+# any other error. Depths are whole percentages, so 101 distinct ones at most; lengths are whole tokens.
+MAX_DEPTHS = 101
+MAX_GRID_CELLS = 1_000_000  # lengths x depths: 5,000 times Wu et al.'s 20 x 10
+# token ids of all prompts together (int64: 2 GiB), about 17 times Wu et al.'s 3 needles x 200 cells x 25K
+MAX_GRID_TOKENS = 1 << 28
+
+GRID_FLAGS = {
+    "min_len": "--min-len",
+    "max_len": "--max-len",
+    "num_lengths": "--num-lengths",
+    "num_depths": "--num-depths",
+}
+
+
+class GridError(UsageError):
+    """A grid that is empty or larger than it can be (duplicate lengths or depths, too many prompt tokens);
+    the message names the flag, its value and the allowed range."""
 
 
 @dataclass(frozen=True)
@@ -48,26 +69,104 @@ def resolve_grid(
     max_len: int | None = None,
     num_lengths: int | None = None,
     num_depths: int | None = None,
+    flags: dict[str, str] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """(lengths, depths) of ``protocol`` with any of its four numbers overridden."""
+    """(lengths, depths) of ``protocol`` with any of its four numbers overridden; a :class:`GridError` naming
+    the flag when the grid is empty or holds more points than it can (:func:`check_grid_counts`). The
+    protocol's number of lengths is capped at the distinct lengths of an overridden range. ``flags``: how
+    the command spells the four numbers in messages (see :func:`check_grid_counts`)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; choose one of {sorted(PROTOCOLS)}")
     p = PROTOCOLS[protocol]
     lo = p.min_len if min_len is None else min_len
     hi = p.max_len if max_len is None else max_len
-    nl = p.num_lengths if num_lengths is None else num_lengths
+    # the protocol's count of lengths shrinks to the lengths a narrower range holds (--min-len 2000
+    # --max-len 2000 is one length, not four copies of it); a count given explicitly is checked instead
+    nl = min(p.num_lengths, max(1, hi - lo + 1)) if num_lengths is None else num_lengths
     nd = p.num_depths if num_depths is None else num_depths
+    given = {"min_len": min_len, "max_len": max_len, "num_lengths": num_lengths, "num_depths": num_depths}
+    check_grid_counts(
+        lo, hi, nl, nd, flags=flags,
+        defaults={k for k, v in given.items() if v is None}, default_note=f" (the {protocol} protocol's)",
+    )  # fmt: skip
+    return length_grid(lo, hi, nl), depth_grid(nd)
+
+
+def check_grid_counts(
+    min_len: int,
+    max_len: int,
+    num_lengths: int,
+    num_depths: int,
+    *,
+    flags: dict[str, str] | None = None,
+    defaults: set[str] | frozenset[str] = frozenset(),
+    default_note: str = " (the default)",
+) -> None:
+    """Refuse, before the grid is built, an empty grid or one with more points than it can hold.
+
+    ``num_lengths`` evenly spaced whole-token lengths in ``[min_len, max_len]`` are distinct only up to
+    ``max_len - min_len + 1`` of them, and depths (whole percentages) up to 101: more would repeat tests
+    (and a typo would allocate gigabytes). The grid's cells and its prompt tokens (at least ``cells x mean
+    length``) are bounded too (``MAX_GRID_CELLS``, ``MAX_GRID_TOKENS``). ``flags`` names the four numbers
+    as the command spells them (default ``--min-len`` ...); ``defaults``: the names of those not given on
+    the command line, marked ``default_note`` in messages. Raises :class:`GridError`.
+    """
+    names = {**GRID_FLAGS, **(flags or {})}
+
+    lo, hi, nl, nd = min_len, max_len, num_lengths, num_depths
+    values = {"min_len": lo, "max_len": hi, "num_lengths": nl, "num_depths": nd}
+
+    def flag(key: str) -> str:  # "--max-len 300", "--num-lengths 4 (the default protocol's)"
+        return f"{names[key]} {values[key]}" + (default_note if key in defaults else "")
+
     if hi < lo:
-        default = f" (the {protocol} protocol's)"
-        raise ValueError(
-            f"empty grid: --max-len {hi}{'' if max_len is not None else default} is below --min-len {lo}"
-            f"{'' if min_len is not None else default}; raise --max-len or lower --min-len"
+        raise GridError(
+            f"empty grid: {flag('max_len')} is below {flag('min_len')}; raise {names['max_len']} or "
+            f"lower {names['min_len']}"
         )
     if nl < 1 or nd < 1:
-        raise ValueError(
-            f"empty grid: {nl} lengths x {nd} depths; --num-lengths and --num-depths must be >= 1"
+        raise GridError(
+            f"empty grid: {nl} lengths x {nd} depths; {names['num_lengths']} and {names['num_depths']} must "
+            "be >= 1"
         )
-    return length_grid(lo, hi, nl), depth_grid(nd)
+    distinct = hi - lo + 1
+    if nl > distinct:
+        raise GridError(
+            f"{flag('num_lengths')} is out of range: [{lo}, {hi}] holds only {distinct} distinct "
+            f"whole-token length{'s' if distinct != 1 else ''}; must be >= 1 and <= {distinct} (or widen "
+            f"{names['min_len']} / {names['max_len']})"
+        )
+    if nd > MAX_DEPTHS:
+        raise GridError(
+            f"{flag('num_depths')} is out of range: depths are whole percentages 0..100; must be >= 1 "
+            f"and <= {MAX_DEPTHS}"
+        )
+    if nl * nd > MAX_GRID_CELLS:
+        raise GridError(
+            f"{names['num_lengths']} {nl} x {names['num_depths']} {nd} = {nl * nd:,} grid cells, more than "
+            f"the {MAX_GRID_CELLS:,} a run can hold; use fewer lengths or depths"
+        )
+    check_grid_size(nl * nd * (lo + hi) // 2, f"{nl} lengths in [{lo}, {hi}] x {nd} depths")
+
+
+def check_grid_size(prompt_tokens: int, what: str) -> None:
+    """Refuse a grid whose prompts would hold more than ``MAX_GRID_TOKENS`` token ids together (they are
+    all built in memory before the first test runs). ``what`` describes the grid for the message."""
+    if prompt_tokens > MAX_GRID_TOKENS:
+        raise GridError(
+            f"the grid ({what}) holds about {prompt_tokens:,} prompt tokens, more than the {MAX_GRID_TOKENS:,} "
+            f"({MAX_GRID_TOKENS * 8 >> 30} GiB of token ids) a run builds in memory; use fewer or shorter "
+            "lengths, fewer depths or fewer needles"
+        )
+
+
+def check_grid_tests(num_needles: int, lengths: Sequence[int], depths: Sequence[int]) -> None:
+    """Refuse, before any prompt is built, tests whose prompts cannot fit in memory together (every prompt
+    of the grid is built before the first test runs): ``MAX_GRID_TOKENS``. Raises :class:`GridError`."""
+    check_grid_size(
+        num_needles * len(depths) * sum(lengths),
+        f"{num_needles} needles x {len(lengths)} lengths x {len(depths)} depths",
+    )
 
 
 def length_grid(min_len: int, max_len: int, num: int) -> list[int]:
@@ -145,11 +244,24 @@ def build_tests(
 ) -> list[NiahTest]:
     """All tests in the canonical order: for each needle, each length, each depth (the reference's loops).
     ``span_rule``: ``"reference"`` or ``"tolerant"`` (see :mod:`retmask.niah.span`); a test located through
-    the mid-sentence answer form has ``meta["answer_form"] == "mid-sentence"``."""
+    the mid-sentence answer form has ``meta["answer_form"] == "mid-sentence"``.
+
+    Before any prompt is built: :class:`GridError` when the prompts would not fit in memory together
+    (:func:`check_grid_tests`), :class:`~retmask.niah.haystack.HaystackError` naming the haystack when it
+    cannot fill ``max(lengths)`` or has no sentence end for the depths strictly between 0 and 100."""
     import numpy as np
 
+    check_grid_tests(len(needles), lengths, depths)
     hay = haystack_token_ids(tokenizer, haystack_text, max(lengths))
     periods = period_token_ids(tokenizer)
+    if any(0 < d < 100 for d in depths) and periods.isdisjoint(hay):
+        # the needle goes after the sentence end at or before its depth: with none, every needle would sit
+        # at the very start of the context whatever the depth, a grid that silently measures one depth
+        raise HaystackError(
+            f"{haystack_name(haystack_text)} has no sentence end (no '.' token in its "
+            f"{len(hay)} tokens), so every needle would be placed at the start of the context whatever the "
+            "depth; use prose made of sentences ending in '.'"
+        )
     tests: list[NiahTest] = []
     for ni, nd in enumerate(needles):
         needle_ids = tokenizer(nd.needle, add_special_tokens=False)["input_ids"]

@@ -3,9 +3,12 @@ assembled from the interpreter's ``pydoc_data.topics`` (``"pydoc"``), or user te
 
 from __future__ import annotations
 
+import math
 import re
 from functools import lru_cache
 from pathlib import Path
+
+from retmask.errors import UsageError
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "data" / "haystack"
 # ``--haystack pydoc``: the default of retmask runs before 2026-11-26. Its text depends on the Python
@@ -14,8 +17,36 @@ DEFAULT_DIR = Path(__file__).resolve().parent.parent / "data" / "haystack"
 PYDOC = "pydoc"
 
 
-class HaystackError(ValueError):
+# A repeated haystack never grows beyond this many characters per token it must give: ordinary text takes
+# about 4 characters per token, so only a text whose copies merge into ever fewer tokens (e.g. "a" -> "aaaa")
+# comes near it; such a text fails with an error instead of being repeated without end.
+MAX_CHARS_PER_TOKEN = 64
+
+
+class HaystackError(UsageError):
     """A haystack file or directory that cannot be used; the message names the file (and line)."""
+
+
+class HaystackText(str):
+    """The haystack text with where it came from (``source``: a path, ``"(the default essays)"``...), so
+    errors found only once it is tokenised (:func:`haystack_token_ids`) can name it. Equal to, and usable
+    as, the plain ``str``."""
+
+    source: str
+
+    def __new__(cls, text: str, source: str) -> HaystackText:
+        obj = super().__new__(cls, text)
+        obj.source = source
+        return obj
+
+    def __reduce__(self):  # pickles (multiprocessing) as the same text with the same source
+        return (HaystackText, (str(self), self.source))
+
+
+def haystack_name(text: str) -> str:
+    """How errors name a haystack: its source when known (:class:`HaystackText`), else ``"the haystack"``."""
+    source = getattr(text, "source", None)
+    return f"haystack {source}" if source else "the haystack"
 
 
 @lru_cache(maxsize=1)
@@ -65,14 +96,15 @@ def pydoc_haystack_text() -> str:
 
 
 @lru_cache(maxsize=4)
-def load_haystack(path: str | Path | None = None) -> str:
+def load_haystack(path: str | Path | None = None) -> HaystackText:
     """The haystack text: ``None`` -> :func:`default_haystack_text`; ``"pydoc"`` -> :func:`pydoc_haystack_text`;
     a file -> its text; a directory -> all ``*.txt`` files in it (sorted by name, recursively)
-    concatenated. Errors name the file and line."""
+    concatenated. Errors name the file and line; the text carries its source (:class:`HaystackText`) so
+    later errors (:func:`haystack_token_ids`) can name it too."""
     if path is None:
-        return default_haystack_text()
+        return HaystackText(default_haystack_text(), "(the default essays)")
     if str(path) == PYDOC and not Path(path).exists():
-        return pydoc_haystack_text()
+        return HaystackText(pydoc_haystack_text(), f"'{PYDOC}'")
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
@@ -100,20 +132,33 @@ def load_haystack(path: str | Path | None = None) -> str:
     text = "".join(parts)
     if not text.strip():
         raise HaystackError(f"haystack {path} is empty; it must contain prose")
-    return text
+    return HaystackText(text, str(path))
 
 
 def haystack_token_ids(tokenizer, text: str, min_tokens: int) -> list[int]:
     """Token ids of ``text`` (no special tokens), repeated until at least ``min_tokens`` long.
 
     The text is repeated before tokenising (like the reference, which concatenates the files again) so
-    the seams tokenise naturally.
+    the seams tokenise naturally. Copies may merge at the seams ("a" * 8 is two tokens, not eight), so each
+    try sizes the repetition from the tokens per copy measured so far and at least doubles it; the repeated
+    text never exceeds ``MAX_CHARS_PER_TOKEN`` characters per wanted token. A text that cannot fill
+    ``min_tokens`` within that raises :class:`HaystackError` naming it, after a few tokenisations, instead
+    of looping.
     """
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
-        raise HaystackError("haystack tokenises to zero tokens; it must contain prose")
-    reps = 1
+        raise HaystackError(f"{haystack_name(text)} tokenises to zero tokens; it must contain prose")
+    single, reps = len(ids), 1
+    max_reps = max(1, math.ceil(min_tokens * MAX_CHARS_PER_TOKEN / len(text)))
     while len(ids) < min_tokens:
-        reps = -(-min_tokens // max(1, len(ids) // reps)) + 1
+        if reps >= max_reps:
+            raise HaystackError(
+                f"{haystack_name(text)} cannot fill a {min_tokens}-token context: its text ({len(text)} "
+                f"characters, {single} token{'s' if single != 1 else ''}) repeated {reps} times gives only {len(ids)} tokens (its "
+                "copies merge into fewer tokens); use a longer prose text (the default essays give about "
+                "12,000 tokens)"
+            )
+        per_copy = len(ids) / reps  # > 0: ids is never empty
+        reps = min(max_reps, max(2 * reps, math.ceil(min_tokens / per_copy) + 1))
         ids = tokenizer(text * reps, add_special_tokens=False)["input_ids"]
     return ids

@@ -1,9 +1,13 @@
-"""Every command's ``--help``: rendered through the real parser, each option's default shown once, no stray
-``%%``, and no heavy import (torch, transformers) for building the parsers."""
+"""Every command's ``--help``: rendered through the real parser, each option's default shown once and in one
+form (``(default: X)`` at the end of its help), every option described, an example command line that the
+real parser accepts, the short model names under ``--model``, no stray ``%%``, and no heavy import (torch,
+transformers) for building the parsers."""
 
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 import subprocess
 import sys
 
@@ -51,11 +55,162 @@ def test_help_renders_without_doubled_defaults_or_stray_percent(name):
             )
 
 
+# Ways of writing a default other than "(default: X)": "(default)", "cpu (default)", "(labelled, default;",
+# "(default; ...)", "(default 0)", "default 0", "default runs/eval", "defaults to".
+_OTHER_DEFAULT_STYLES = [
+    re.compile(r"[(,]\s*default\s*[,;)]", re.IGNORECASE),
+    re.compile(r"\bdefault\s+(?!:)", re.IGNORECASE),
+    re.compile(r"\bdefaults\s+to\b", re.IGNORECASE),
+]
+
+
+def _help_text(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """An option's help as printed (the formatter's appended default included), on one line, %% undone."""
+    return " ".join(parser._get_formatter()._expand_help(action).split())
+
+
+def _without_default(text: str) -> str:
+    """``text`` less its ``(default: ...)``, which must be the last thing in it (a balanced group)."""
+    start = text.find("(default: ")
+    if start < 0:
+        return text
+    depth, end = 0, start
+    while end < len(text):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            break
+        end += 1
+    assert end == len(text) - 1, f"(default: ...) is not at the end: {text!r}"
+    return text[:start].rstrip()
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def test_default_style_checks_catch_the_old_styles():
+    for old in [
+        "cpu (default), cuda",
+        "(default 0)",
+        "default runs/eval",
+        "(default; Wu et al.)",
+        "(labelled, default; what TRL does)",
+        "zeros (default, as the script)",
+        "defaults to 3",
+    ]:
+        assert any(r.search(old) for r in _OTHER_DEFAULT_STYLES), old
+    for ok in [
+        "first seed (default: 0)",
+        "grid preset: default: retmask default: 4 lengths (default: default)",
+        "(refused by default)",
+        "Defaults follow the paper",
+    ]:
+        assert not any(r.search(ok) for r in _OTHER_DEFAULT_STYLES), ok
+    with pytest.raises(AssertionError):
+        _without_default("(default: 0) and more")
+    assert (
+        _without_default("chunk (tokens) (default: 256 on a CPU (fast), 4096 on a GPU)") == "chunk (tokens)"
+    )
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_defaults_are_written_one_way_at_the_end(name):
+    parser = _commands()[name]
+    for r in _OTHER_DEFAULT_STYLES:
+        assert not r.search(" ".join((parser.description or "").split())), (name, r.pattern)
+    for action in _options(parser):
+        flag = "/".join(action.option_strings)
+        text = _help_text(parser, action)
+        assert text.count("(default") <= 1, f"{name} {flag}: {text!r}"
+        rest = _without_default(text)
+        for r in _OTHER_DEFAULT_STYLES:
+            match = r.search(rest)
+            assert match is None, f"{name} {flag}: write the default as (default: X) at the end: {text!r}"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_says_what_it_does(name):
+    """Not only its default: an option without help (or with just "default X") prints "(default: X)" alone."""
+    parser = _commands()[name]
+    for action in _options(parser):
+        flag = "/".join(action.option_strings)
+        assert action.help not in (None, argparse.SUPPRESS), f"{name} {flag} has no help text"
+        rest = _without_default(_help_text(parser, action))
+        assert len(re.findall(r"[^\W\d_]{2,}", rest)) >= 2, (
+            f"{name} {flag}: help is only its default: {rest!r}"
+        )
+
+
+def _example(parser: argparse.ArgumentParser) -> str:
+    """The command line under ``example:`` at the end of the epilog (indented lines, ``\\`` continuations)."""
+    lines = (parser.epilog or "").rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == "example:"]
+    assert starts, f"no 'example:' in the epilog: {parser.epilog!r}"
+    body = lines[starts[-1] + 1 :]
+    assert body and all(line[:1].isspace() for line in body), body
+    return " ".join(line.strip().removesuffix("\\") for line in body)
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_ends_with_an_example_the_parser_accepts(name, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")  # narrow: the example line must still print unwrapped, at the end
+    parser = _commands()[name]
+    example = _example(parser)
+    assert parser.format_help().rstrip().endswith("example:\n  " + example), parser.format_help()[-400:]
+    argv = shlex.split(example)
+    assert argv[:2] == ["retmask", name], example
+    args = build_parser().parse_args(argv[1:])  # SystemExit (exit 2) if a flag or value is wrong
+    assert args.command == name and callable(args.func)
+
+
+def test_example_check_rejects_a_stale_flag():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["detect", "--no-such-flag"])
+
+
+def test_epilog_lines_keep_their_breaks_and_descriptions_still_wrap():
+    formatter = HelpFormatter("retmask x", width=40)
+    text = formatter._fill_text(
+        "a long sentence " * 6 + "\n\nexample:\n  retmask x --a 1 --b 2 --c 3 --d 4 --e 5", 40, ""
+    )
+    lines = text.splitlines()
+    assert max(len(line) for line in lines[:-3]) <= 40 and len(lines) > 4
+    assert lines[-3:] == ["", "example:", "  retmask x --a 1 --b 2 --c 3 --d 4 --e 5"]
+
+
+def test_model_help_lists_the_short_names():
+    """The names the loader knows (its own table, so the help cannot drift from it) in every --model."""
+    from retmask.hf.loading import NAMED_MODELS
+
+    assert "smollm2" in NAMED_MODELS and "gemma3-270m" in NAMED_MODELS
+    seen = []
+    for name, parser in _commands().items():
+        for action in _options(parser):
+            if {"--model", "--rejected-model"} & set(action.option_strings):
+                text = _help_text(parser, action)
+                seen.append((name, action.option_strings[0]))
+                for short in NAMED_MODELS:
+                    assert re.search(rf"(?<![\w-]){re.escape(short)}(?![\w-])", text), (name, short, text)
+    assert {n for n, _ in seen} >= {
+        "ablate",
+        "detect",
+        "eval",
+        "generate",
+        "mask",
+        "mdqa-score",
+        "mudaf-train",
+        "niah",
+        "pipeline",
+        "train",
+    }, seen
+    assert ("generate", "--rejected-model") in seen and ("pipeline", "--rejected-model") in seen
+
+
 def test_ablate_help_states_its_own_grid():
     ablate = _commands()["ablate"]
     text = " ".join(ablate.format_help().split())
     assert "runs 3 lengths x 3 depths" in text
-    assert "(default 3 here, not the protocol's)" in text
+    assert "(default: 3 here, not the protocol's)" in text
     args = ablate.parse_args([])
     assert (args.num_lengths, args.num_depths, args.num_needles) == (3, 3, 2)
 

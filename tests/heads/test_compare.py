@@ -108,7 +108,7 @@ def test_different_models_refused():
 def test_command_report_json_and_plot(tmp_path, capsys):
     rng = np.random.default_rng(11)
     base = rng.random((6, 3)) * 0.3
-    other = base + rng.normal(0, 0.02, base.shape)
+    other = np.abs(base + rng.normal(0, 0.02, base.shape))  # scores are >= 0: a negative one is refused
     third = rng.random((6, 3)) * 0.3
     files = [_write(tmp_path / n, m) for n, m in (("a.json", base), ("b.json", other), ("c.json", third))]
     out_json, out_png = tmp_path / "o" / "cmp.json", tmp_path / "o" / "cmp.png"

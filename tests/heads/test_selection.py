@@ -31,13 +31,13 @@ L, H = 4, 8  # fixture model shape: 32 heads
 
 
 def fixture_scores() -> dict[str, list[float]]:
-    """A published-format scores object: sparse retrieval heads, many zeros, a few empty lists."""
+    """A published-format scores object: sparse retrieval heads, many zeros, lists of several lengths."""
     raw: dict[str, list[float]] = {}
     for layer in range(L):
         for head in range(H):
             key = f"{layer}-{head}"
             if (layer * H + head) % 7 == 0:
-                raw[key] = []  # head never counted: score 0
+                raw[key] = [0.0, 0.0, 0.0]  # never copied
             else:
                 base = ((layer * 5 + head * 3) % 11) / 100  # 0.00 .. 0.10
                 raw[key] = [base, base + 0.02, base - 0.02 if base >= 0.02 else 0.0]
@@ -55,13 +55,22 @@ def scores_file(tmp_path):
     return path
 
 
-def test_mean_scores_and_empty_lists(scores_file):
+def test_mean_scores(scores_file):
     s = load_scores(scores_file)
     assert len(s) == L * H
     assert s[(2, 3)] == pytest.approx(0.85)
     assert s[(1, 5)] == pytest.approx(0.55)
-    assert s[(0, 0)] == 0.0  # empty list
+    assert s[(0, 0)] == 0.0
     assert all(0.0 <= v <= 1.0 for v in s.values())
+
+
+def test_one_empty_list_among_full_ones_is_refused(tmp_path):
+    raw = fixture_scores()
+    raw["1-1"] = []
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SelectionError, match=r"empty score list \(e\.g\. '1-1'\).*damaged or edited"):
+        load_scores(path)
 
 
 @pytest.mark.parametrize("key", ["a-b", "1-2-3", "1_2", "-1-2", "3", " 1-2", "1.0-2"])
@@ -273,3 +282,9 @@ def test_mudaf_selection_record_and_explicit_heads(tmp_path, scores_file):
         parse_heads_arg(" , ")
     with pytest.raises(SelectionError, match=r"\[2, 0\] does not exist"):
         heads_from_json({"heads": [[2, 0]], "model_shape": [2, 4]})
+
+
+@pytest.mark.parametrize("text", ["１-２", "٣-4", "²-1"])
+def test_head_list_with_non_ascii_digits_is_refused(text):
+    with pytest.raises(SelectionError, match="two non-negative integers"):
+        parse_heads_arg(text)

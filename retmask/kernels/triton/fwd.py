@@ -31,12 +31,13 @@ keys ``p - window < j <= p``: the key loop starts at the block holding the tile'
 loop has three parts: blocks that straddle some row's lower window edge (masked), blocks inside every
 row's window and below the first row's position (unmasked), the causal diagonal (masked). ``softcap``
 caps the natural-scale logit before anything else sees it: ``s = softcap * tanh(sm_scale q.k / softcap)``,
-computed as ``tanh(q.k * (sm_scale / softcap)) * (softcap * log2 e)`` (one exp2 and one division per
-logit; ``_tanh`` is exact at +-inf and keeps NaN). A ``sink`` logit joins only the denominator, in the
-epilogue: the reference point moves to ``m' = max(m, sink)``, ``l' = l 2^(m - m') + 2^(sink - m')``,
-``acc' = acc 2^(m - m')``; the argmax never sees it; the saved lse is ``log(sum_j e^{s_j} + e^{sink})``,
-so the backward's ``P_j = exp(s_j - lse)`` is the probability of the sink-extended softmax. A row with no
-valid key still gives 0 / -1 / +inf (the sink is not a key).
+computed as ``tanh(q.k * (sm_scale / softcap)) * (softcap * log2 e)`` (one exp2, one division and a
+5-FMA polynomial per logit; ``_tanh`` is accurate in relative terms, so a huge cap, where every
+``s / softcap`` is tiny, keeps every logit's order and the argmax; exact at +-inf, keeps NaN). A ``sink``
+logit joins only the denominator, in the epilogue: the reference point moves to ``m' = max(m, sink)``,
+``l' = l 2^(m - m') + 2^(sink - m')``, ``acc' = acc 2^(m - m')``; the argmax never sees it; the saved lse
+is ``log(sum_j e^{s_j} + e^{sink})``, so the backward's ``P_j = exp(s_j - lse)`` is the probability of
+the sink-extended softmax. A row with no valid key still gives 0 / -1 / +inf (the sink is not a key).
 
 Non-finite logits. ``l`` is a sum of terms in [0, 1], so it is NaN exactly when a NaN or +inf logit
 reached the row among its allowed keys (``2^NaN``, or ``2^(inf - inf)`` once the running max is +inf;
@@ -93,13 +94,25 @@ from .common import (
 
 @triton.jit
 def _tanh(x):
-    """tanh in fp32 from one exp2: ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` in [0, 1], sign restored.
+    """tanh in fp32 with a relative error of ~2 ulps everywhere (NaN in -> NaN out, +-inf -> +-1).
 
-    Exact at the ends (+-inf -> +-1, no inf / inf), NaN in -> NaN out; the absolute error is a few fp32
-    ulps of 1 (it only ever scales a soft cap, so absolute accuracy is what counts)."""
-    e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2|x|) = 2^(-2 log2(e) |x|)
+    ``|x| >= 0.625``: ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` from one exp2, sign restored; no
+    inf / inf. Below, ``1 - e`` cancels: its absolute error of an ulp of 1 is a large relative error of a
+    small tanh (at ``|x| = 1e-6``, 2 % -- a soft cap of 1e6 turned logits of ~1 into steps of 0.03 and lost
+    their argmax), so there the odd minimax polynomial of Cephes' ``tanhf``
+    (``x + x^3 P(x^2)``, 5 FMAs, < 1 ulp on ``|x| < 0.625``) is used instead. Both branches are computed
+    (no divergence); a NaN fails the ``< 0.625`` test and takes the exp branch, which keeps it."""
+    ax = tl.abs(x)
+    e = tl.exp2(ax * -2.8853900817779268)  # exp(-2|x|) = 2^(-2 log2(e) |x|)
     t = tl.fdiv(1.0 - e, 1.0 + e)
-    return tl.where(x < 0, -t, t)
+    big = tl.where(x < 0, -t, t)
+    z = tl.minimum(x * x, 0.390625)  # 0.625^2: the unused branch stays finite for huge |x| (no inf * 0)
+    p = -5.70498872745e-3 * z + 2.06390887954e-2
+    p = p * z - 5.37397155531e-2
+    p = p * z + 1.33314422036e-1
+    p = p * z - 3.33332819422e-1
+    small = p * z * x + x
+    return tl.where(ax < 0.625, small, big)
 
 
 @triton.jit

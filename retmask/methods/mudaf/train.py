@@ -13,10 +13,14 @@
   parameters instead of a loop over them: 7x faster per step on a 2-core CPU), constant learning rate after an optional linear
   warm-up; batches of right-padded examples, gradient accumulation, seeded shuffling per epoch.
 * Output: an HF checkpoint (``save_pretrained`` + tokenizer) and ``mudaf_train.json`` (settings, heads,
-  per-step losses, timings). ``save_every`` writes ``<out>/resume.pt`` (weights, optimiser, step, log)
-  atomically; ``resume=True`` continues from it. No RNG state is needed: the data order is rebuilt from
-  the seed and the step (retmask attention takes no dropout; a model with other dropout layers resumes
-  with fresh dropout draws).
+  per-step losses, timings), moved into ``out`` whole or not at all (``staged_model_save``, the record
+  last); a full disk is ``cannot write OUT: ...`` and leaves ``out`` as it was. ``save_every`` writes
+  ``<out>/resume.pt`` (weights, optimiser, step, log) atomically; ``resume=True`` continues from it. No
+  RNG state is needed: the data order is rebuilt from the seed and the step (retmask attention takes no
+  dropout; a model with other dropout layers resumes with fresh dropout draws).
+* Every step's loss and gradient norm are checked before ``optimizer.step()``: the first NaN / inf stops
+  training (``NonFiniteTrainingError``, naming the step and the likely cause); nothing is saved and the
+  last ``resume.pt`` stays.
 """
 
 from __future__ import annotations
@@ -40,7 +44,20 @@ from retmask.hf.taps import tap_qk
 from retmask.methods.mudaf.config import MuDAFConfig
 from retmask.methods.mudaf.loss import Head, combine, contrastive_loss
 from retmask.methods.mudaf.mdqa import MDQAError, MDQAExample, build_prompt, example_from_json
-from retmask.runfiles import RunFileError, atomic_write_json, check_same_settings, without_default_dtype
+from retmask.methods.training_guards import (
+    NonFiniteTrainingError,
+    check_finite,
+    gradient_norm,
+    staged_model_save,
+)
+from retmask.runfiles import (
+    RunFileError,
+    atomic_write_json,
+    check_same_settings,
+    io_failure,
+    output_error,
+    without_default_dtype,
+)
 
 
 @dataclass
@@ -172,11 +189,22 @@ def _resume_settings(cfg: MuDAFConfig, examples: int) -> dict[str, Any]:
 
 
 def _save_resume(path: Path, model, optimizer, step: int, log: list, seconds: float, settings: dict) -> None:
+    """Write the resume checkpoint atomically; a full disk is ``cannot write PATH: REASON`` (the previous
+    checkpoint stays)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log,
+             "seconds": seconds, "settings": settings}  # fmt: skip
     try:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log,
-                    "seconds": seconds, "settings": settings}, tmp)  # fmt: skip
+        # through a Python file object: a failed write then leaves its OSError in the zip writer's
+        # RuntimeError (``io_failure`` finds it), instead of a bare "unexpected pos"
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
         os.replace(tmp, path)  # a crash leaves the previous checkpoint intact
+    except Exception as err:
+        cause = io_failure(err)
+        if cause is None:
+            raise
+        raise output_error(path, cause) from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -216,7 +244,10 @@ def train_mudaf(
     cfg.check()
     _check_heads(model, cfg.heads)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise output_error(out, err) from None
     limit = cfg.max_length if cfg.max_length is not None else max_context(model)
     items = encode(examples, tokenizer, limit)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -268,6 +299,14 @@ def train_mudaf(
             if con is not None:
                 has_con = True
                 sums["con"] += float(con.detach()) / cfg.grad_accum
+        try:  # before the update: a NaN / inf here would turn every weight into NaN
+            check_finite(
+                step + 1, loss=sums["loss"], grad_norm=gradient_norm(model.parameters()),
+                learning_rate=cfg.learning_rate, updates=step, kept=resume_path if resume_path.is_file() else None,
+            )  # fmt: skip
+        except NonFiniteTrainingError:
+            bar.close()  # the error message on its own line, not after the progress bar
+            raise
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -282,8 +321,6 @@ def train_mudaf(
     bar.close()
     seconds = spent + time.perf_counter() - t0
     model.eval()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     record = {
         "mode": "vanilla-sft" if cfg.vanilla_sft else "mudaf",
         "loss": "L_CLM" if cfg.con_weight == 0 else (
@@ -299,7 +336,10 @@ def train_mudaf(
         "kernels": kernels.describe(),  # the machine, and the path each kind of call took on it
         **(extra_record or {}),
     }  # fmt: skip
-    atomic_write_json(out / "mudaf_train.json", record)
+    with staged_model_save(out, last=("mudaf_train.json",)) as staged:
+        model.save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
+        atomic_write_json(staged / "mudaf_train.json", record)
     if resume_path.is_file():
         resume_path.unlink()  # finished: the HF checkpoint is the result
     return MuDAFResult(out, step, seconds, log)

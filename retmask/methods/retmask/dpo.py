@@ -5,12 +5,16 @@ weights, same retmask attention), passed to ``DPOTrainer`` explicitly so TRL nev
 ``config._name_or_path``, which fails for GGUF-loaded models. The policy itself is loaded with
 ``retmask.load_model``, which converts GGUF files once to a cached plain HF folder
 (``retmask.default_model_path()`` for the embedded model).
+
+Every micro-batch's loss and every step's gradient norm are checked before the optimizer step
+(``training_guards.FiniteTrainingGuard``): the first NaN / inf stops training with an error naming the
+step and the likely cause, and nothing is saved. The trained model is moved into ``out`` whole or not at
+all (``training_guards.staged_model_save``), ``retmask_train.json`` last.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +29,8 @@ from retmask.methods.retmask.fused_head import (
 )
 from retmask.methods.retmask.pairs import Pairs, drop_unfinished, read_pairs_file
 from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
+from retmask.methods.training_guards import FiniteTrainingGuard, staged_model_save
+from retmask.runfiles import atomic_write_json, check_writable
 
 
 @dataclass
@@ -74,9 +80,10 @@ def _bind(trainer: Any, callbacks: list | None) -> None:
 
 def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pairs, lengths: LengthReport,
             seconds: float, mode: str, lm_head: str | None = None, dropped: int = 0) -> TrainResult:  # fmt: skip
-    """Save the trained model + tokenizer and a ``retmask_train.json`` summary in ``out``."""
-    trainer.save_model(str(out))
-    tokenizer.save_pretrained(str(out))
+    """Save the trained model + tokenizer and a ``retmask_train.json`` summary in ``out``, whole or not at
+    all: staged in a hidden folder and renamed in, the summary last (``staged_model_save``); files the run
+    wrote during training (telemetry) stay. A full disk is ``cannot write OUT: ...`` and leaves ``out`` as
+    it was."""
     steps = int(trainer.state.global_step)
     losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
     result = TrainResult(out, steps, seconds, seconds / max(steps, 1), losses, lengths)
@@ -89,8 +96,16 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
     if lm_head is not None:
         summary["lm_head"] = lm_head  # who computed the fused LM head's log-probabilities on the CPU
     summary["kernels"] = kernels.describe()  # the machine, and the path each kind of call took on it
-    (out / "retmask_train.json").write_text(json.dumps(summary, indent=1))
+    with staged_model_save(out, last=("retmask_train.json",)) as staged:
+        trainer.save_model(str(staged))
+        tokenizer.save_pretrained(str(staged))
+        atomic_write_json(staged / "retmask_train.json", summary, indent=1)
     return result
+
+
+def _watch(trainer: Any, cfg: TrainConfig) -> None:
+    """Stop at the first non-finite loss or gradient norm, before the optimizer applies it."""
+    FiniteTrainingGuard(cfg.learning_rate).watch(trainer)
 
 
 def train_dpo(
@@ -113,6 +128,7 @@ def train_dpo(
     check_positions(cfg.lm_head_positions)  # before loading anything, like the pairs file
     kernels.check_settings()  # a bad $RETMASK_* setting fails here, not at the first step
     pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen", "rejected"))  # before loading: fails fast
+    check_writable(out, what="output folder", directory=True)  # likewise: not after minutes of loading
     if model is None:
         model, tokenizer = load_model(model_spec)
     if ref_model is None:
@@ -129,6 +145,7 @@ def train_dpo(
         processing_class=tokenizer, callbacks=callbacks,
     )  # fmt: skip
     _bind(trainer, callbacks)
+    _watch(trainer, cfg)
     start = time.perf_counter()
     with labelled_positions_only(cfg.lm_head_positions), cpu_lm_head() as head:
         trainer.train()
@@ -154,6 +171,7 @@ def train_sft(
     cfg = cfg or TrainConfig()
     kernels.check_settings()  # a bad $RETMASK_* setting fails before any loading
     pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen",))
+    check_writable(out, what="output folder", directory=True)  # before loading: fails fast
     if model is None:
         model, tokenizer = load_model(model_spec)
     lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen",), pairs.source)
@@ -167,6 +185,7 @@ def train_sft(
         callbacks=callbacks,
     )  # fmt: skip
     _bind(trainer, callbacks)
+    _watch(trainer, cfg)
     start = time.perf_counter()
     trainer.train()
     return _finish(

@@ -16,7 +16,7 @@ from typing import Any
 
 from retmask.methods.retmask.instructions import Instruction
 from retmask.methods.retmask.sampling import Completion, GenerateError
-from retmask.runfiles import atomic_write_json, read_json, read_jsonl, settings_diff
+from retmask.runfiles import JsonFile, atomic_write_json, read_jsonl, settings_diff
 
 # --------------------------------------------------------------------------------------------------
 # Pairs and statistics
@@ -142,6 +142,29 @@ class Progress:
     complete: bool = False  # True once every instruction of the run is handled and the stats are written
 
 
+def read_progress(path: Path, fix: str) -> dict[str, Any]:
+    """The fields of a progress file (:class:`Progress`), checked: an edited or foreign file is an error
+    naming it and ``fix`` instead of a ``TypeError`` in ``Progress(**state)`` or a wrong resume offset."""
+    f = JsonFile(path, "generation progress file", fix)
+    state = f.expect(f.read(), dict, "the file")
+    known = set(Progress.__dataclass_fields__)
+    unknown = sorted(set(state) - known)
+    if unknown:
+        f.fail(f"it holds entries a progress file has not ({', '.join(map(repr, unknown))})")
+    f.key(state, "fingerprint", dict)
+    for name in ("offset", "generated_tokens"):
+        if name in state:
+            f.number(state[name], repr(name), integer=True, lo=0)
+    if "seconds" in state:
+        f.number(state["seconds"], "'seconds'", lo=0)
+    for i, d in enumerate(f.expect(state.get("done", []), list, "'done'")):
+        f.expect(d, str, f"done[{i}]")
+    for k, v in f.expect(state.get("dropped", {}), dict, "'dropped'").items():
+        f.number(v, f"dropped[{k!r}]", integer=True, lo=0)
+    f.expect(state.get("complete", False), bool, "'complete'")
+    return state
+
+
 class PairWriter:
     """Appends pair records to ``out`` and records progress atomically in ``out.progress.json``."""
 
@@ -149,7 +172,7 @@ class PairWriter:
         self.out = Path(out)
         self.progress_file = progress_path(self.out)
         if resume and self.progress_file.exists():
-            state = read_json(self.progress_file, what="generation progress file", fix="start a new --out")
+            state = read_progress(self.progress_file, fix="start a new --out, or pass --overwrite")
             self.progress = Progress(**state)
             diff = settings_diff(self.progress.fingerprint, fingerprint)
             if diff:
@@ -225,7 +248,7 @@ def unfinished_generation(out: str | os.PathLike) -> str | None:
     prog, stats = progress_path(out), stats_path(out)
     if not prog.exists():
         return None
-    state = read_json(prog, what="generation progress file", fix="finish the run with generate --resume")
+    state = read_progress(prog, fix="finish the run with generate --resume")
     if state.get("complete") is True or ("complete" not in state and stats.exists()):
         return None
     rows = sum(1 for line in out.open(encoding="utf-8") if line.strip()) if out.exists() else 0

@@ -45,12 +45,12 @@ from retmask.methods.retmask.pipeline_config import STAGES, UNMASKED_VARIANTS, P
 from retmask.methods.retmask.telemetry import RetrievalTelemetry
 from retmask.methods.retmask.train_config import TrainConfig
 from retmask.runfiles import (
+    JsonFile,
     RunLock,
     atomic_write_json,
     check_writable,
     digest,
     file_digest,
-    read_json,
     without_default_dtype,
 )
 
@@ -70,6 +70,23 @@ def stratified(instructions: list, n: int) -> list:
             if q and len(out) < n:
                 out.append(q.pop(0))
     return out
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """``pipeline.json``, checked for what the driver reads (each stage's status and fingerprint): an edited
+    file is an error naming it and ``--overwrite``, not a ``KeyError`` or ``AttributeError`` mid-run."""
+    f = JsonFile(path, "pipeline state", "pass --overwrite to start over")
+    state = f.expect(f.read(), dict, "the file")
+    stages = f.key(state, "stages", dict)
+    for name, rec in stages.items():
+        if name not in STAGES:
+            f.fail(f"stages holds {name!r}, which is not a stage ({', '.join(STAGES)})")
+        f.expect(rec, dict, f"stages.{name}")
+        f.key(rec, "status", str, f"stages.{name}")
+        f.key(rec, "fingerprint", str, f"stages.{name}")
+        if "seconds" in rec:  # printed at the end of every run
+            f.number(rec["seconds"], f"stages.{name}.seconds", lo=0)
+    return state
 
 
 class Pipeline:
@@ -92,9 +109,7 @@ class Pipeline:
         self.state_path = self.dir / "pipeline.json"
         self.state: dict[str, Any] = {"version": VERSION, "stages": {}}
         if self.state_path.is_file() and not overwrite:  # --overwrite: no stage is up to date or resumable
-            self.state = read_json(
-                self.state_path, what="pipeline state", fix="pass --overwrite to start over"
-            )
+            self.state = read_state(self.state_path)
         self.state["config"] = asdict(cfg)
         self.fingerprints: dict[str, str] = {}
 
@@ -339,7 +354,7 @@ def _shape(spec: str | None) -> list[int]:
 
     path = spec if spec is not None else str(default_model_path())
     try:
-        cfg = AutoConfig.from_pretrained(path)
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError):  # a GGUF file or similar: load the model once
         return model_shape(load_model(spec)[0])
     return list(model_shape(cfg))
