@@ -53,7 +53,7 @@ if [ -n "${SMOLLM2_GGUF_XZ:-}" ] && ls $SMOLLM2_GGUF_XZ >/dev/null 2>&1; then
     export PYTHONPATH="$emb:$PYTHONPATH"
 fi
 gpu_tests=(
-    tests/kernels/test_triton.py
+    tests/kernels/test_triton.py tests/kernels/test_sink_window.py
     tests/hf/test_equivalence.py tests/hf/test_heads.py tests/hf/test_capture.py tests/hf/test_kv_cache.py
     tests/hf/test_attention_features.py tests/hf/test_shared_prefill.py
     tests/detect/test_fast_equals_oracle.py tests/detect/test_kv_only.py

@@ -21,6 +21,10 @@
 // A (P^T, dS^T) costs nothing: (1) and (2) take B = K^T / V^T (transposed once per work item), (3)-(5) B = dO, Q, K.
 // Causal attention skips what the triangle hides: (1)-(2) start each key tile at the first row that
 // sees it, (3)-(4) start each key tile's sum at that row, (5) stops each row tile's sum at its last key.
+// Sink tokens (keys < sink that every row at or past them sees besides its window) get columns of their
+// own before the window's when they lie below the block's first window key, and each of the five products
+// runs once more over them; otherwise the window's columns start at key 0 and include them. Either way a
+// block's work stays O(rows x (window + rows + sink)).
 //
 // Work items are (batch, kv head, part): the active query heads of a kv group are split into `parts`
 // interleaved subsets when there are too few groups to keep every thread busy. Each item sums its dK,
@@ -111,22 +115,40 @@ void zero_rows(typename E::T* base, const int64_t* st, int64_t n, int64_t D) {
         for (int64_t d = 0; d < D; ++d) E::store(base + r * st[2] + d * st[3], 0.f);
 }
 
-// Row i of the block: P_i = softmax over its allowed keys lo <= j < lim of scale * S_i (S row of width
-// floats, column c holding key kbase + c; key_ok[key] != 0 for a valid key), written over S;
-// Di = P_i . dP_i; dS_i = scale * P_i (dP_i - Di) written over dP. Every other column gets P = dS = 0
-// (columns of keys the row does not see may never have been computed); so does the whole row when no key
-// is allowed.
+// Row i of the block: P_i = softmax over its allowed keys j < lim with lo <= j (or, SINK, j < sink) of
+// scale * S_i (S row of width floats; key_ok[key] != 0 for a valid key), written over S; Di = P_i . dP_i;
+// dS_i = scale * P_i (dP_i - Di) written over dP. Column c holds key kbase + c - sc, except the sink
+// columns c < sc (SINK only: sink tokens in columns of their own), which hold key c. The row reads the
+// columns of its window, [sc + vbegin, sc + vend), and SINK those of the sink tokens, [0, send); every
+// other column gets P = dS = 0 (columns of keys the row does not see may never have been computed); so
+// does the whole row when no key is allowed.
+template <bool SINK>
 void softmax_grad_row(float* __restrict S, float* __restrict dP, const int32_t* __restrict key_ok, int64_t kbase,
-                      int64_t lo, int64_t lim, int64_t width, float scale) {
+                      int64_t sc, int64_t lo, int64_t lim, int64_t sink, int64_t width, float scale) {
     const vf ninf = vbroadcast(NEG_INF);
     vi lane;
     for (int l = 0; l < VL; ++l) lane[l] = l;
-    const int64_t vbegin = std::max<int64_t>(0, (lo - kbase) / VL * VL), vend = round_up(lim - kbase, VL);
+    const int64_t vbegin = sc + std::max<int64_t>(0, (lo - kbase) / VL * VL), vend = sc + round_up(lim - kbase, VL);
+    // Sink columns [0, send): their own segment (sc), or, when the sink tokens share the window's columns
+    // (sc = 0, kbase = 0), the vectors holding keys < sink the row has in its past.
+    int64_t send = 0;
+    if constexpr (SINK) send = sc ? sc : std::min<int64_t>(round_up(sink, VL), vend);
+    const int64_t wbegin = std::max(send, vbegin);
+    // f(c) for every vector of columns the row reads: [0, send), then [wbegin, vend).
+    auto each = [&](auto&& f) RETMASK_LAMBDA_INLINE {
+        if constexpr (SINK)
+            for (int64_t c = 0; c < send; c += VL) f(c);
+        for (int64_t c = wbegin; c < vend; c += VL) f(c);
+    };
     // Masking is a select, never an add: a NaN logit of a key the row may not see cannot reach it.
     auto logits = [&](int64_t c) RETMASK_LAMBDA_INLINE {
-        const vi key = lane + static_cast<int32_t>(kbase + c);
-        const vi ok = (viload(key_ok + kbase + c) != 0) & (key < static_cast<int32_t>(lim)) &
-                      (key >= static_cast<int32_t>(lo));
+        const int64_t k0 = SINK && c < sc ? c : kbase + c - sc;  // key of column c
+        const vi key = lane + static_cast<int32_t>(k0);
+        vi ok = (viload(key_ok + k0) != 0) & (key < static_cast<int32_t>(lim));
+        if constexpr (SINK)
+            ok = ok & ((key >= static_cast<int32_t>(lo)) | (key < static_cast<int32_t>(sink)));
+        else
+            ok = ok & (key >= static_cast<int32_t>(lo));
         return ok ? vload(S + c) * scale : ninf;
     };
     auto zero = [&](int64_t c0, int64_t c1) {
@@ -136,45 +158,45 @@ void softmax_grad_row(float* __restrict S, float* __restrict dP, const int32_t* 
         }
     };
     vf mx = ninf;
-    for (int64_t c = vbegin; c < vend; c += VL) {
+    each([&](int64_t c) RETMASK_LAMBDA_INLINE {
         const vf x = logits(c);
         mx = x > mx ? x : mx;
-    }
+    });
     float row_max = hmax(mx);
     if (row_max == NEG_INF) {  // no allowed key: the forward gives 0, so every gradient is 0 ...
         // ... unless a NaN logit hid from the max (comparisons drop NaN lanes; a NaN query makes every
         // logit of its row NaN): the forward made that row NaN, so its gradients are NaN too, as for a
         // NaN among finite logits (e^{x - NaN} = NaN below), never the zeros of a row without a key.
         bool nan = false;
-        for (int64_t c = vbegin; c < vend && !nan; c += VL) {
+        each([&](int64_t c) RETMASK_LAMBDA_INLINE {
             const vf x = logits(c);
             for (int l = 0; l < VL; ++l) nan |= x[l] != x[l];
-        }
+        });
         if (!nan) {
             zero(0, width);
             return;
         }
         row_max = std::numeric_limits<float>::quiet_NaN();
     }
-    zero(0, vbegin);
+    zero(send, wbegin);
     vf sum = vf{};
-    for (int64_t c = vbegin; c < vend; c += VL) {
+    each([&](int64_t c) RETMASK_LAMBDA_INLINE {
         const vf p = vexp(logits(c) - row_max);
         vstore(S + c, p);
         sum += p;
-    }
+    });
     const float inv = 1.f / hsum(sum);
     vf dsum = vf{};
-    for (int64_t c = vbegin; c < vend; c += VL) {
+    each([&](int64_t c) RETMASK_LAMBDA_INLINE {
         const vf p = vload(S + c) * inv;
         vstore(S + c, p);
         dsum += p * vload(dP + c);
-    }
+    });
     const float di = hsum(dsum);
-    for (int64_t c = vbegin; c < vend; c += VL) {
+    each([&](int64_t c) RETMASK_LAMBDA_INLINE {
         const vf p = vload(S + c);
         vstore(dP + c, p * (vload(dP + c) - di) * scale);
-    }
+    });
     zero(vend, width);
 }
 
@@ -182,6 +204,7 @@ struct BwdShape {
     int64_t DP;      // head dim rounded up to VL: the row length of every [.., D] scratch array
     int64_t NP;      // keys rounded up to VL
     int64_t SW;      // columns of the S and dP blocks: NP, or what a block of m rows sees through the window
+                     // (and the sink tokens, rounded up to a vector)
     int64_t m;       // query rows per block
     int64_t parts;   // items per (batch, kv head)
     int64_t group;   // query heads per kv head
@@ -193,11 +216,12 @@ BwdShape bwd_shape(const BwdKernelArgs& a, int threads) {
     s.NP = round_up(a.N, VL);
     // S and dP of a block: 2 * m * SW floats; about 512 KB (half of a 1 MB L2) unless the
     // caller asked for a block size. Through a window, m rows see at most m + window - 1 keys.
-    const int64_t seen = a.window ? std::min<int64_t>(s.NP, a.window + 128) : s.NP;
+    const int64_t seen = a.window ? std::min<int64_t>(s.NP, a.window + 128 + a.sink) : s.NP;
     s.m = a.block_m > 0 ? a.block_m : std::max<int64_t>(16, std::min<int64_t>(256, (int64_t(1) << 16) / seen));
     s.m = std::min<int64_t>(s.m, std::max<int64_t>(a.M, 1));
     // + 2 VL: the block's first key rounded down and its last rounded up to a vector
-    s.SW = a.window ? std::min<int64_t>(s.NP, round_up(s.m + a.window, VL) + 2 * VL) : s.NP;
+    // + the sink tokens' columns (a segment of their own, or the keys below the window's that they add)
+    s.SW = a.window ? std::min<int64_t>(s.NP, round_up(s.m + a.window, VL) + 2 * VL + round_up(a.sink, VL)) : s.NP;
     s.group = a.Hq / a.Hkv;
     const int64_t groups = a.B * a.Hkv;
     s.parts = 1;
@@ -284,8 +308,19 @@ void run_bwd(const BwdKernelArgs& a, int threads) {
                         zero_rows<E>(dqh + i0 * a.dqs[2], a.dqs, mb, D);
                         continue;
                     }
-                    // S and dP column c holds key kbase + c (kbase aligned to a vector), up to key npad
-                    const int64_t kbase = klo / VL * VL, npad = round_up(nb, VL), SW = sh.SW;
+                    // S and dP column sc + c holds key kbase + c (kbase aligned to a vector), up to key npad.
+                    // Sink tokens (keys < sink, seen by every row at or past them): below the window's first
+                    // vector they get the sc columns [0, sc) of their own (column c: key c), which every row
+                    // of the block reads (they all lie in its past: sink <= kbase <= klo < lim(0)); else they
+                    // join the window's columns, which then start at key 0 (kbase = 0, sc = 0).
+                    const int64_t sink = a.sink, npad = round_up(nb, VL), SW = sh.SW;
+                    int64_t kbase = klo / VL * VL, sc = 0, kfirst = klo;  // kfirst: first key a row sees
+                    if (sink) {
+                        if (round_up(sink, VL) <= kbase)
+                            sc = round_up(sink, VL);
+                        else
+                            kbase = kfirst = 0;
+                    }
                     load_rows<E>(qh, a.qs, i0, mb, D, buf.Qb, DP);
                     load_rows<E>(doh, a.dos, i0, mb, D, buf.dOb, DP);
                     // The rows that see key j: [first_row(j), last_row(j)] (clamped to the block).
@@ -295,37 +330,59 @@ void run_bwd(const BwdKernelArgs& a, int threads) {
                     auto rows_end = [&](int64_t j) -> int64_t {  // last_row(j) + 1
                         return a.window ? std::max<int64_t>(0, std::min<int64_t>(mb, j + a.window - off - i0)) : mb;
                     };
+                    // ... of the keys [j, j_last]: up to the last row when a sink token is among them
+                    auto rows_range = [&](int64_t j, int64_t j_last) {
+                        return std::pair<int64_t, int64_t>(first_row(j), j < sink ? mb : rows_end(j_last));
+                    };
+                    auto all_rows = [&](int64_t) { return std::pair<int64_t, int64_t>(0, mb); };
+                    auto all_d = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, D); };
                     // (1) S = Q K^T and (2) dP = dO V^T: in the panel of keys [j, j + w), the rows that see one
                     const int64_t panel = BW_CV * VL;
                     auto panel_rows = [&](int64_t c) {
                         const int64_t j = kbase + c;
-                        return std::pair<int64_t, int64_t>(first_row(j), rows_end(std::min<int64_t>(j + panel, npad) - 1));
+                        return rows_range(j, std::min<int64_t>(j + panel, npad) - 1);
                     };
-                    auto all_d = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, D); };
-                    bw_gemm<false>(npad - kbase, buf.Qb, DP, 1, buf.Kt + kbase, NP, buf.S, SW, panel_rows, all_d);
-                    bw_gemm<false>(npad - kbase, buf.dOb, DP, 1, buf.Vt + kbase, NP, buf.dP, SW, panel_rows, all_d);
-                    for (int64_t i = 0; i < mb; ++i)
-                        softmax_grad_row(buf.S + i * SW, buf.dP + i * SW, buf.key_ok, kbase, lo(i), lim(i),
-                                         npad - kbase, a.scale);
-                    // (3) dV += P^T dO and (4) dK += dS^T Q over the keys [klo, nb) (C rows relative to kbase):
-                    // key tile [j, j + n) sums the rows that see one of its keys
+                    float *const Sw = buf.S + sc, *const dPw = buf.dP + sc;  // the window's columns
+                    bw_gemm<false>(npad - kbase, buf.Qb, DP, 1, buf.Kt + kbase, NP, Sw, SW, panel_rows, all_d);
+                    bw_gemm<false>(npad - kbase, buf.dOb, DP, 1, buf.Vt + kbase, NP, dPw, SW, panel_rows, all_d);
+                    if (sc) {
+                        bw_gemm<false>(sc, buf.Qb, DP, 1, buf.Kt, NP, buf.S, SW, all_rows, all_d);
+                        bw_gemm<false>(sc, buf.dOb, DP, 1, buf.Vt, NP, buf.dP, SW, all_rows, all_d);
+                    }
+                    if (sink) {
+                        for (int64_t i = 0; i < mb; ++i)
+                            softmax_grad_row<true>(buf.S + i * SW, buf.dP + i * SW, buf.key_ok, kbase, sc, lo(i),
+                                                   lim(i), sink, sc + npad - kbase, a.scale);
+                    } else {
+                        for (int64_t i = 0; i < mb; ++i)
+                            softmax_grad_row<false>(buf.S + i * SW, buf.dP + i * SW, buf.key_ok, kbase, 0, lo(i),
+                                                    lim(i), 0, npad - kbase, a.scale);
+                    }
+                    // (3) dV += P^T dO and (4) dK += dS^T Q over the keys [kfirst, nb) (C rows relative to
+                    // kbase): key tile [j, j + n) sums the rows that see one of its keys
                     auto key_rows = [&](int64_t) {
-                        return std::pair<int64_t, int64_t>(klo - kbase, nb - kbase);
+                        return std::pair<int64_t, int64_t>(kfirst - kbase, nb - kbase);
                     };
-                    auto seeing_rows = [&](int64_t r, int64_t n) {
-                        const int64_t j = kbase + r;
-                        return std::pair<int64_t, int64_t>(first_row(j), rows_end(j + n - 1));
-                    };
+                    auto seeing_rows = [&](int64_t r, int64_t n) { return rows_range(kbase + r, kbase + r + n - 1); };
                     float* dVb = dVacc + kbase * DP;
                     float* dKb = dKacc + kbase * DP;
-                    bw_gemm<true>(DP, buf.S, 1, SW, buf.dOb, DP, dVb, DP, key_rows, seeing_rows);
-                    bw_gemm<true>(DP, buf.dP, 1, SW, buf.Qb, DP, dKb, DP, key_rows, seeing_rows);
-                    // (5) dQ = dS K: row tile [i, i + n) sums the keys from its first row's lo to its last row's lim
-                    auto block_rows = [&](int64_t) { return std::pair<int64_t, int64_t>(0, mb); };
+                    bw_gemm<true>(DP, Sw, 1, SW, buf.dOb, DP, dVb, DP, key_rows, seeing_rows);
+                    bw_gemm<true>(DP, dPw, 1, SW, buf.Qb, DP, dKb, DP, key_rows, seeing_rows);
+                    if (sc) {  // the sink tokens' own columns: every row of the block sees them
+                        auto sink_rows = [&](int64_t) { return std::pair<int64_t, int64_t>(0, sink); };
+                        auto block_rows = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, mb); };
+                        bw_gemm<true>(DP, buf.S, 1, SW, buf.dOb, DP, dVacc, DP, sink_rows, block_rows);
+                        bw_gemm<true>(DP, buf.dP, 1, SW, buf.Qb, DP, dKacc, DP, sink_rows, block_rows);
+                    }
+                    // (5) dQ = dS K: row tile [i, i + n) sums the keys from its first row's lo (from key 0 when
+                    // the sink tokens share the window's columns) to its last row's lim, then the sinks' own
+                    const bool shared = sink && !sc;
                     auto seen_keys = [&](int64_t i, int64_t n) {
-                        return std::pair<int64_t, int64_t>(lo(i) - kbase, lim(i + n - 1) - kbase);
+                        return std::pair<int64_t, int64_t>((shared ? 0 : lo(i)) - kbase, lim(i + n - 1) - kbase);
                     };
-                    bw_gemm<false>(DP, buf.dP, SW, 1, buf.Kf + kbase * DP, DP, buf.dQb, DP, block_rows, seen_keys);
+                    auto sink_keys = [&](int64_t, int64_t) { return std::pair<int64_t, int64_t>(0, sink); };
+                    bw_gemm<false>(DP, dPw, SW, 1, buf.Kf + kbase * DP, DP, buf.dQb, DP, all_rows, seen_keys);
+                    if (sc) bw_gemm<true>(DP, buf.dP, SW, 1, buf.Kf, DP, buf.dQb, DP, all_rows, sink_keys);
                     store_rows<E>(buf.dQb, DP, dqh, a.dqs, i0, mb, D);
                 }
             }

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -55,6 +56,26 @@ void check_sizes(const Args& p) {
     if (p.D <= 0) bad("D", "head dim " + str(p.D) + ", need at least 1");
 }
 
+// Sink tokens extend a sliding window (keys j < sink_tokens stay visible): they need one.
+template <class Args>
+void check_sink_tokens(const Args& p) {
+    if (p.sink_tokens < 0) bad("sink_tokens", str(p.sink_tokens) + " keys, need >= 1 (or 0: none)");
+    if (p.sink_tokens > 0 && p.window <= 0)
+        bad("sink_tokens", str(p.sink_tokens) + " sink tokens need a sliding window (window >= 1): without one "
+                           "every past key is visible already");
+}
+
+// (window, sink) as the kernels take them. A window of N or more keys hides nothing, nor does one whose sink
+// tokens reach every row's window start: with sink + window >= N, row p <= N - 1 has p - window < sink, so
+// its window (keys > p - window) and its sinks (keys < sink) cover all of [0, p]. Both are plain causal
+// attention: (0, 0).
+template <class Args>
+std::pair<int64_t, int64_t> effective_pattern(const Args& p) {
+    if (p.window <= 0 || p.window >= p.N) return {0, 0};
+    if (p.sink_tokens > 0 && p.sink_tokens + p.window >= p.N) return {0, 0};
+    return {p.window, p.sink_tokens};
+}
+
 void check(const retmask::AttentionFwdArgs& p) {
     using retmask::DType;
     check_sizes(p);
@@ -65,6 +86,7 @@ void check(const retmask::AttentionFwdArgs& p) {
     if (p.window < 0) bad("window", str(p.window) + " keys, need >= 1 (or 0: no window)");
     if (p.window > 0 && !p.causal)
         bad("window", "a sliding window (" + str(p.window) + " keys) needs causal attention");
+    check_sink_tokens(p);
     if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap))
         bad("softcap", fstr(p.softcap) + " is not a finite value > 0 (or 0: no capping)");
     if (p.bf16_dot) {
@@ -88,6 +110,7 @@ void check(const retmask::AttentionBwdArgs& p) {
     if (p.window < 0) bad("window", str(p.window) + " keys, need >= 1 (or 0: no window)");
     if (p.window > 0 && !p.causal)
         bad("window", "a sliding window (" + str(p.window) + " keys) needs causal attention");
+    check_sink_tokens(p);
     if (!std::isfinite(p.sm_scale)) bad("sm_scale", fstr(p.sm_scale) + " is not finite");
     if (p.B > 0 && p.N > 0) {  // pointers the kernel reads or writes (q, dout, dq only with query rows)
         if (p.M > 0 && !p.q) bad("q", "null data pointer");
@@ -162,6 +185,7 @@ std::vector<std::pair<std::string, int>> cpu_builds() {
 void attention_fwd_cpu(const AttentionFwdArgs& p) {
     check(p);
     const Build& build = pick(p.isa);  // an unknown name is an error even for empty inputs
+    if (p.visited_logits) *p.visited_logits = 0;
     if (p.B == 0 || p.M == 0) return;
     // s / c as (s * cap_inv) * cap_post: one multiply (cap_post = 1, exact) unless 1 / c overflows.
     float cap_inv = p.softcap > 0.f ? 1.f / p.softcap : 0.f, cap_post = 1.f;
@@ -169,11 +193,11 @@ void attention_fwd_cpu(const AttentionFwdArgs& p) {
         cap_inv = 1.f / (p.softcap * 0x1p64f);
         cap_post = 0x1p64f;
     }
+    const auto [window, sink] = effective_pattern(p);
     const KernelArgs a{p.q,   p.k,  p.v,  p.q_strides.data(), p.k_strides.data(), p.v_strides.data(), p.out_strides.data(),
                  p.out, p.argmax, p.key_padding_mask, p.skip_heads, p.B, p.Hq, p.Hkv, p.M, p.N, p.D, p.argmax_rows,
-                 p.causal, p.sm_scale, p.block_m, p.block_n,
-                 p.window < p.N ? p.window : 0,  // a window of N or more keys hides nothing: none
-                 p.softcap, cap_inv, cap_post, p.sinks, p.bf16_dot};
+                 p.causal, p.sm_scale, p.block_m, p.block_n, window, sink,
+                 p.softcap, cap_inv, cap_post, p.sinks, p.bf16_dot, p.visited_logits};
     int threads = resolve_threads(p.num_threads);
     build.run(a, p.dtype, threads);
 }
@@ -185,12 +209,12 @@ void attention_bwd_cpu(const AttentionBwdArgs& p) {
     check(p);
     const Build& build = pick(p.isa);
     if (p.B == 0 || p.N == 0) return;
+    const auto [window, sink] = effective_pattern(p);
     const detail::BwdKernelArgs a{p.q, p.k, p.v, p.dout, p.dq, p.dk, p.dv,
                                   p.q_strides.data(), p.k_strides.data(), p.v_strides.data(), p.dout_strides.data(),
                                   p.dq_strides.data(), p.dk_strides.data(), p.dv_strides.data(),
                                   p.key_padding_mask, p.skip_heads, p.B, p.Hq, p.Hkv, p.M, p.N, p.D,
-                                  p.causal, p.sm_scale, p.block_m,
-                                  p.window < p.N ? p.window : 0};  // a window of N or more keys hides nothing
+                                  p.causal, p.sm_scale, p.block_m, window, sink};
     int threads = resolve_threads(p.num_threads);
     // five products of 2 * M * N * D flops per query head (half of them when causal)
     if (10 * p.B * p.Hq * p.M * p.N * p.D < BWD_SERIAL_FLOPS) threads = 1;

@@ -31,6 +31,11 @@ struct AttentionFwdArgs {
     // Sliding window: the row at position p sees only keys p - window < j <= p (and only the key blocks
     // meeting that range are visited). 0 = no window; > 0 needs causal; window >= N is no window.
     int64_t window = 0;
+    // Sink tokens (StreamingLLM's attention sinks: kept KEYS, not the learned logits of `sinks` below): with
+    // a window, the row at position p also sees keys j < sink_tokens (j <= p), i.e. keys j <= p with
+    // p - window < j or j < sink_tokens; the key blocks holding them are visited besides the window's.
+    // 0 = none; > 0 needs window > 0. sink_tokens + window >= N hides nothing: plain causal.
+    int64_t sink_tokens = 0;
     // Logit soft-capping: scaled logits s <- softcap * tanh(s / softcap) before max, softmax and argmax.
     // 0 = none; else finite and > 0.
     float softcap = 0.f;
@@ -46,6 +51,9 @@ struct AttentionFwdArgs {
     int num_threads = 0;      // OpenMP threads for calls large enough to split; <= 0: the OpenMP default
     // Which build of the kernel runs: "" = the widest this CPU has, else a name from cpu_builds().
     std::string isa;
+    // If not null, receives the number of (query row, key) logits the kernel computed: key-block visits
+    // times the real rows of their tiles (tests check that a window visits O(M * (window + sink_tokens))).
+    int64_t* visited_logits = nullptr;
 };
 
 // The builds of the kernel this CPU can run, widest first, as (name, fp32 vector lanes): ("avx512bf16", 16)
@@ -61,7 +69,7 @@ std::vector<std::pair<std::string, int>> cpu_builds();
 void attention_fwd_cpu(const AttentionFwdArgs& args);
 
 // The backward of attention_fwd_cpu without soft-capping or sinks (causal or not, key padding, skipped
-// heads, GQA, a sliding window): the gradients of out with respect to q, k and v given the gradient
+// heads, GQA, a sliding window with or without sink tokens): the gradients of out with respect to q, k and v given the gradient
 // dout of out, computed in fp32 whatever the dtype (fp16 / bf16 converted exactly on load, each gradient
 // rounded once when stored). The logits are recomputed; the forward's output is not needed.
 struct AttentionBwdArgs {
@@ -81,6 +89,7 @@ struct AttentionBwdArgs {
     bool causal = true;  // query row i sits at key position N - M + i
     float sm_scale = 1.f;
     int64_t window = 0;   // as in AttentionFwdArgs: > 0 needs causal; >= N is no window
+    int64_t sink_tokens = 0;  // as in AttentionFwdArgs: > 0 needs window > 0
     int64_t block_m = 0;  // query rows per block (whole rows: all their keys); 0 = sized for the cache
     int num_threads = 0;  // OpenMP threads; <= 0: the OpenMP default
     std::string isa;      // as in AttentionFwdArgs

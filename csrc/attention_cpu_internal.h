@@ -20,11 +20,15 @@ struct KernelArgs {
     float scale;
     int block_m, block_n;
     int64_t window;  // 1 <= window < N, or 0: no window (window >= N is normalised to 0)
+    // Sink tokens: keys j < sink are seen by every row at p >= j besides its window; 1 <= sink < N - window
+    // (with a window), or 0: none (sink + window >= N is normalised to no window and no sink).
+    int64_t sink;
     // Soft cap c (0: none) and the factors of s / c = (s * cap_inv) * cap_post: cap_post = 1 unless 1 / c
     // overflows (subnormal c), where both are rescaled by 2^64.
     float softcap, cap_inv, cap_post;
     const float* sinks;  // [Hq] fp32, or null
     bool bf16_dot;  // bfloat16, even D: the lanes layout's products as bf16 dot products
+    int64_t* visited;  // if not null: += the (row, key) logits computed (AttentionFwdArgs::visited_logits)
 };
 
 // The backward (attention_bwd_cpu_kernel.h), normalised: strides in elements, [4] each.
@@ -39,6 +43,7 @@ struct BwdKernelArgs {
     float scale;
     int64_t block_m;  // query rows per block; 0: sized for the cache
     int64_t window;   // 1 <= window < N (needs causal), or 0: no window
+    int64_t sink;     // sink tokens, as in KernelArgs: 1 <= sink < N - window (needs a window), or 0
 };
 
 // One build of the kernel per instruction set; attention_cpu.cpp calls the one the CPU runs (x86: the

@@ -19,7 +19,8 @@
 //
 // Features (the contract of retmask/kernels/reference.py): a sliding window visits only the key blocks
 // meeting the window of some tile row (O(M * window) work, not O(M * N)) and masks per row in the blocks
-// on its lower edge; soft-capping maps each logit block through c * tanh(s / c) (vtanh) right after
+// on its lower edge; sink tokens (keys < sink, seen besides the window) add the blocks holding them, cut at
+// the last sink token, and are exempt from the window mask (O(M * (window + sink))); soft-capping maps each logit block through c * tanh(s / c) (vtanh) right after
 // QK^T, before masking, max, argmax and exp; sinks join the denominator when a row is normalised
 // (store_row). Masking is always a select to -inf, never an add, so a NaN / inf logit of a key a row
 // may not see cannot reach that row.
@@ -600,6 +601,13 @@ inline int64_t first_block_key(const Args& a, int64_t min_pos) {
     return std::max<int64_t>(0, min_pos - a.window + 1) / a.block_n * a.block_n;
 }
 
+// Sink tokens: the keys [0, sink_end) a tile whose first row sits at min_pos visits in blocks of their own,
+// before the window's blocks (which start at first_block_key and include any sink token from there on):
+// the sink tokens below that block, 0 without sink tokens. So a tile visits O(window + rows + sink) keys.
+inline int64_t sink_end(const Args& a, int64_t min_pos) {
+    return a.sink ? std::min<int64_t>(a.sink, first_block_key(a, min_pos)) : 0;
+}
+
 struct Plan {
     int64_t g, nblk;
     int64_t max_rows = 0;  // most tile rows of any item (scratch size)
@@ -667,7 +675,7 @@ Plan make_plan(const Args& a) {
             for (int64_t i0 = 0; i0 < M; i0 += bm) {
                 int64_t i1 = std::min(M, i0 + bm);
                 // Keys of the visited blocks: from the block holding the first row's window start.
-                int64_t keys = (a.causal ? N - M + i1 : N) - first_block_key(a, N - M + i0);
+                int64_t keys = (a.causal ? N - M + i1 : N) - first_block_key(a, N - M + i0) + sink_end(a, N - M + i0);
                 items.push_back({b, hk, i0, i1, keys * active * (i1 - i0)});
             }
         }
@@ -681,13 +689,16 @@ Plan make_plan(const Args& a) {
 // One work item as its tile sees it: rows r < R are query row row_i[r] of head row_h[r] (the active heads
 // of the kv group, each with the item's query rows) at positions min_pos..max_pos; keys [key_begin,
 // key_end) can be valid for some row, keys up to min_pos are in the past of every row, and (window)
-// keys from win_edge on are inside the window of every row.
+// keys from win_edge on are inside the window of every row. Sink tokens: keys [0, sink_end) are visited
+// too, in blocks of their own before key_begin's (sink_end <= key_begin's block).
 struct Tile {
     int64_t b, hk;
     int R;
     const int64_t *row_h, *row_i;
     int64_t min_pos, max_pos, key_begin, key_end, win_edge;
     int64_t part;  // >= 0: a piece of a split decode item, whose rows leave partial states in this slot
+    int64_t sink_end;
+    int64_t* visited;  // the thread's count of computed logits (key-block visits x R)
 };
 
 // Runs body(bufs, tile) over the work items on `threads` OpenMP threads (dynamic schedule, largest items
@@ -708,6 +719,7 @@ RETMASK_INLINE void for_each_item(const Args& a, const Plan& plan, int threads, 
         const auto bufs = carve(c);
         int64_t* row_h = c.take<int64_t>(rows);
         int64_t* row_i = c.take<int64_t>(rows);
+        int64_t visited = 0;  // this thread's logits, added to a.visited once at the end
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < n_items; ++it) {
             const Item& w = plan.items[it];
@@ -722,27 +734,50 @@ RETMASK_INLINE void for_each_item(const Args& a, const Plan& plan, int threads, 
             const int64_t min_pos = a.N - a.M + w.i0, max_pos = a.N - a.M + w.i1 - 1;
             int64_t key_begin = a.window ? std::max<int64_t>(0, min_pos - a.window + 1) : 0;
             int64_t key_end = a.causal ? max_pos + 1 : a.N;
+            int64_t sinks_end = sink_end(a, min_pos);
             if (w.part >= 0) {
+                // Only a split row's first piece (which starts at the window) visits its sink tokens.
+                if (w.k0 != key_begin) sinks_end = 0;
                 key_begin = w.k0;
                 key_end = w.k1;
             }
             const int64_t win_edge = a.window ? max_pos - a.window + 1 : 0;
-            body(bufs, Tile{w.b, w.hkv, R, row_h, row_i, min_pos, max_pos, key_begin, key_end, win_edge, w.part});
+            body(bufs, Tile{w.b, w.hkv, R, row_h, row_i, min_pos, max_pos, key_begin, key_end, win_edge, w.part,
+                            sinks_end, &visited});
+        }
+        if (a.visited) {
+#pragma omp atomic
+            *a.visited += visited;
         }
     }
 }
 
-// f(j0, nj, state) for the key blocks [j0, j0 + nj) meeting [key_begin, key_end) that hold a valid key of
-// batch b (blocks aligned to block_n); state: 1 = some keys valid, 2 = all (no key padding mask: 2).
+// f(j0, nj, state) for the key blocks [j0, j0 + nj) of tile t that hold a valid key of its batch row, in
+// increasing key order (so ties keep the smallest key index): the sink tokens' blocks, cut at t.sink_end,
+// then the blocks meeting [t.key_begin, t.key_end) (aligned to block_n). state: 1 = some keys valid,
+// 2 = all (no key padding mask: 2). Adds the logits it hands out (nj x t.R) to *t.visited.
 template <class F>
-RETMASK_INLINE void for_each_key_block(const Args& a, const Plan& plan, int64_t b, int64_t key_begin,
-                                       int64_t key_end, F&& f) {
+RETMASK_INLINE void for_each_key_block(const Args& a, const Plan& plan, const Tile& t, F&& f) {
     const int BN = a.block_n;
-    for (int64_t j0 = key_begin / BN * BN; j0 < key_end; j0 += BN) {
+    const int64_t b = t.b;
+    int64_t keys = 0;
+    // Sink tokens below the window's first block: every key of these cut blocks is a sink token, which
+    // every row of the tile sees (all lie below its first row's window, hence in its past).
+    for (int64_t j0 = 0; j0 < t.sink_end; j0 += BN) {
+        const uint8_t st = a.kpm ? plan.blk_state[b * plan.nblk + j0 / BN] : 2;
+        if (st == 0) continue;
+        const int nj = static_cast<int>(std::min<int64_t>(BN, t.sink_end - j0));
+        keys += nj;
+        f(j0, nj, st);
+    }
+    for (int64_t j0 = t.key_begin / BN * BN; j0 < t.key_end; j0 += BN) {
         const uint8_t st = a.kpm ? plan.blk_state[b * plan.nblk + j0 / BN] : 2;
         if (st == 0) continue;  // no valid key in this block (e.g. left padding)
-        f(j0, static_cast<int>(std::min<int64_t>(BN, key_end - j0)), st);
+        const int nj = static_cast<int>(std::min<int64_t>(BN, t.key_end - j0));
+        keys += nj;
+        f(j0, nj, st);
     }
+    *t.visited += keys * t.R;
 }
 
 // dst[d * step] = scale * q[b, h, i, d] in fp32.
@@ -816,9 +851,9 @@ RETMASK_INLINE void softmax_rows(const Args& a, const Tile& t, int64_t j0, int n
             const int64_t lim = pos[r] - j0;  // keys j > lim are in the future
             for (int64_t j = std::max<int64_t>(0, lim + 1); j < BN; ++j) s[j] = NEG_INF;
         }
-        if (edge) {  // keys j < lo are before this row's window
+        if (edge) {  // keys j < lo are before this row's window; sink tokens (j0 + j < sink) stay
             const int64_t lo = std::min<int64_t>(BN, pos[r] - a.window + 1 - j0);
-            for (int64_t j = 0; j < lo; ++j) s[j] = NEG_INF;
+            for (int64_t j = std::max<int64_t>(0, a.sink - j0); j < lo; ++j) s[j] = NEG_INF;
         }
         vf mx = vload(s);
         for (int j = VL; j < BN; j += VL) {
@@ -881,7 +916,8 @@ inline void split_keys(const Args& a, Plan& plan) {
     const int64_t first_cut = (key_begin / C + 1) * C;
     if (first_cut >= key_end) return;
     const int64_t pieces = plan.pieces = 2 + (key_end - first_cut - 1) / C;
-    const int64_t keys = key_end - first_block_key(a, a.N - 1);  // the keys make_plan costed an item by
+    const int64_t sinks = sink_end(a, a.N - 1);  // visited by the first piece only (for_each_item)
+    const int64_t keys = key_end - first_block_key(a, a.N - 1) + sinks;  // the keys make_plan costed an item by
     plan.whole = std::move(plan.items);
     plan.items.clear();
     plan.items.reserve(plan.whole.size() * pieces);
@@ -891,7 +927,7 @@ inline void split_keys(const Args& a, Plan& plan) {
         for (int64_t p = 0; p < pieces; ++p) {
             const int64_t k0 = p == 0 ? key_begin : first_cut + (p - 1) * C;
             const int64_t k1 = std::min(key_end, first_cut + p * C);
-            plan.items.push_back({it.b, it.hkv, it.i0, it.i1, (k1 - k0) * active, k0, k1,
+            plan.items.push_back({it.b, it.hkv, it.i0, it.i1, (k1 - k0 + (p == 0 ? sinks : 0)) * active, k0, k1,
                                   static_cast<int64_t>(w) * pieces + p});
         }
     }
@@ -984,7 +1020,7 @@ void run_rows(const Args& a, const Plan& plan, int threads) {
         const T* kb = k + b * a.ks[0] + t.hk * a.ks[1];
         const T* vb = v + b * a.vs[0] + t.hk * a.vs[1];
 
-        for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
+        for_each_key_block(a, plan, t, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
             // K rows in fp32 (in place when possible); V packed [BN][Dp], rows past nj zero.
             int64_t ldk;
             const float* Kr = rows_fp32<E>(kb, a.ks, j0, nj, D, buf.Kbuf, &ldk);
@@ -1102,7 +1138,7 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
         const int NV = RP / VL;
         const int64_t min_pos = t.min_pos;
 
-        for_each_key_block(a, plan, b, t.key_begin, t.key_end, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
+        for_each_key_block(a, plan, t, [&](int64_t j0, int nj, uint8_t st) RETMASK_LAMBDA_INLINE {
             int64_t ldk = 0, ldv = 0;
             const float *Kr = nullptr, *Vr = nullptr;
             if constexpr (Dot) {
@@ -1141,7 +1177,8 @@ void run_lanes(const Args& a, const Plan& plan, int threads) {
             if (a.window && j0 < t.win_edge) {  // key j is outside row r's window when pos[r] - j >= window
                 const int jend = static_cast<int>(std::min<int64_t>(nj, t.win_edge - j0));
                 const vi w = vi{} + static_cast<int32_t>(a.window);
-                for (int j = 0; j < jend; ++j) {
+                // sink tokens (keys < a.sink) stay visible outside the window
+                for (int j = static_cast<int>(std::clamp<int64_t>(a.sink - j0, 0, jend)); j < jend; ++j) {
                     const vi key = vi{} + static_cast<int32_t>(j0 + j);
                     for (int c = 0; c < NV; ++c) {
                         const vi p = *reinterpret_cast<const vi*>(pos + c * VL);

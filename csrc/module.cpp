@@ -5,8 +5,8 @@
 // kernel relies on and raises ValueError naming the bad argument (wrong dtype code, mismatched shapes,
 // non-contiguous argmax / masks; the kernel adds its own checks on sizes and tile settings), MemoryError if
 // the kernel's scratch cannot be allocated, TypeError (from pybind11) for arguments of the wrong type or
-// number. The compute runs without the GIL. The optional features (window, softcap, sinks, bf16_dot) are
-// trailing keyword arguments with "off" defaults.
+// number. The compute runs without the GIL. The optional features (window, softcap, sinks, bf16_dot,
+// sink_tokens) are trailing keyword arguments with "off" defaults.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -143,11 +143,11 @@ void set_shared(Args& a, const std::array<int64_t, 6>& shape, const std::optiona
     a.sm_scale = sm_scale;
 }
 
-void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorArg& v_arg, const TensorArg& out_arg,
-                   const std::optional<TensorArg>& argmax_arg, const std::optional<TensorArg>& kpm_arg,
-                   const std::optional<TensorArg>& skip_arg, bool causal, float sm_scale, int block_m, int block_n,
-                   int num_threads, int64_t window, double softcap, const std::optional<TensorArg>& sinks_arg,
-                   const std::string& isa, bool bf16_dot) {
+int64_t attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorArg& v_arg, const TensorArg& out_arg,
+                      const std::optional<TensorArg>& argmax_arg, const std::optional<TensorArg>& kpm_arg,
+                      const std::optional<TensorArg>& skip_arg, bool causal, float sm_scale, int block_m, int block_n,
+                      int num_threads, int64_t window, double softcap, const std::optional<TensorArg>& sinks_arg,
+                      const std::string& isa, bool bf16_dot, int64_t sink_tokens) {
     const Tensor q = unpack("q", q_arg, 4, -1);
     const Tensor k = unpack("k", k_arg, 4, -1);
     const Tensor v = unpack("v", v_arg, 4, -1);
@@ -180,6 +180,7 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
     a.block_n = block_n;
     a.num_threads = num_threads;
     a.window = window;  // the kernel checks window >= 0 and causal
+    a.sink_tokens = sink_tokens;  // the kernel checks sink_tokens >= 0 and a window
     if (!(softcap >= 0.0) || !std::isfinite(softcap))
         bad("softcap", num_str(softcap) + " is not a finite value > 0 (or 0: no capping)");
     a.softcap = static_cast<float>(softcap);
@@ -195,14 +196,18 @@ void attention_fwd(const TensorArg& q_arg, const TensorArg& k_arg, const TensorA
 
     a.isa = isa;  // the kernel checks the name against the builds this CPU runs
     a.bf16_dot = bf16_dot;  // the kernel checks bfloat16 and an even D
+    int64_t visited = 0;
+    a.visited_logits = &visited;
     py::gil_scoped_release no_gil;
     retmask::attention_fwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
+    return visited;
 }
 
 void attention_bwd(const TensorArg& dout_arg, const TensorArg& q_arg, const TensorArg& k_arg, const TensorArg& v_arg,
                    const TensorArg& dq_arg, const TensorArg& dk_arg, const TensorArg& dv_arg,
                    const std::optional<TensorArg>& kpm_arg, const std::optional<TensorArg>& skip_arg, bool causal,
-                   float sm_scale, int64_t block_m, int num_threads, const std::string& isa, int64_t window) {
+                   float sm_scale, int64_t block_m, int num_threads, const std::string& isa, int64_t window,
+                   int64_t sink_tokens) {
     const Tensor q = unpack("q", q_arg, 4, -1);
     const Tensor k = unpack("k", k_arg, 4, -1);
     const Tensor v = unpack("v", v_arg, 4, -1);
@@ -237,6 +242,7 @@ void attention_bwd(const TensorArg& dout_arg, const TensorArg& q_arg, const Tens
     a.num_threads = num_threads;
     a.isa = isa;
     a.window = window;  // the kernel checks window >= 0 and causal
+    a.sink_tokens = sink_tokens;  // the kernel checks sink_tokens >= 0 and a window
     py::gil_scoped_release no_gil;
     retmask::attention_bwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
 }
@@ -252,9 +258,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("argmax").none(true), py::arg("key_padding_mask").none(true), py::arg("skip_heads").none(true),
           py::arg("causal"), py::arg("sm_scale"), py::arg("block_m"), py::arg("block_n"), py::arg("num_threads"),
           py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks").none(true) = py::none(),
-          py::arg("isa") = "", py::arg("bf16_dot") = false,
-          R"doc(Fused attention forward with per-row argmax of the logits, head skipping, sliding window,
-logit soft-capping and attention sinks.
+          py::arg("isa") = "", py::arg("bf16_dot") = false, py::arg("sink_tokens") = 0,
+          R"doc(Fused attention forward with per-row argmax of the logits, head skipping, sliding window (with
+sink tokens), logit soft-capping and attention sinks.
 
 Tensors are (data_ptr, dtype code, shape, strides) tuples (codes: DTYPE_CODES; strides in elements):
 q [B, Hq, M, D] and out (same shape) of float32 / float16 / bfloat16, any strides; k, v [B, Hkv, N, D]
@@ -265,7 +271,9 @@ of out and argmax. block_m: tile rows per work item; block_n: keys per block (mu
 num_threads: OpenMP threads for calls large enough to split (<= 0: the OpenMP default).
 Optional features (the contract of retmask/kernels/reference.py; row i sits at position p = N - M + i):
 window: int >= 1, the row sees keys p - window < j <= p (needs causal; only the key blocks inside the
-window are visited), 0 = none; softcap: float > 0, logits s <- softcap * tanh(s / softcap) before the
+window are visited), 0 = none; sink_tokens: int >= 1 (needs window), the row also sees the keys
+j < sink_tokens (j <= p): StreamingLLM's kept first keys, not the sink logits below (only their key
+blocks are visited besides the window's), 0 = none; softcap: float > 0, logits s <- softcap * tanh(s / softcap) before the
 softmax and the argmax, 0 = none; sinks: float32 [Hq] contiguous or None, one logit per query head in
 the softmax denominator only (never an argmax).
 isa: which build of the kernel runs, a name from BUILDS ("" = the widest this CPU has).
@@ -274,11 +282,12 @@ pairs of keys for P V, P rounded to bf16 first) in the lanes layout, tiles of fe
 vector: vdpbf16ps in the avx512bf16 build, emulated bit for bit by the others.
 Rows without an allowed key give 0 and -1; rows with a NaN or +inf logit among their allowed keys give
 NaN and -1.
+Returns the number of (query row, key) logits computed (key-block visits times their tiles' rows).
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
     m.def("attention_bwd", &attention_bwd, py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dq"),
           py::arg("dk"), py::arg("dv"), py::arg("key_padding_mask").none(true), py::arg("skip_heads").none(true),
           py::arg("causal"), py::arg("sm_scale"), py::arg("block_m") = 0, py::arg("num_threads") = 0,
-          py::arg("isa") = "", py::arg("window") = 0,
+          py::arg("isa") = "", py::arg("window") = 0, py::arg("sink_tokens") = 0,
           R"doc(Backward of attention_fwd without soft-capping or sinks: writes
 dq, dk, dv, the gradients of out = softmax(sm_scale * q k^T + mask) v for the output gradient dout.
 
@@ -289,7 +298,7 @@ are recomputed, so the forward's output is not needed. Skipped heads get dq = 0 
 rows without an allowed key get dq = 0. block_m: query rows per block (0: sized for the cache);
 num_threads: OpenMP threads (<= 0: the OpenMP default; small calls run on one); isa: as in attention_fwd;
 window: int >= 1, the sliding window of attention_fwd (needs causal; only the keys a block of rows sees
-are visited), 0 = none.
+are visited), 0 = none; sink_tokens: the sink tokens of attention_fwd (needs window), 0 = none.
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
     // The kernel's builds this CPU runs, widest first: ((name, fp32 lanes), ...); the first is the default.
     py::list builds;

@@ -29,6 +29,7 @@ _LAZY = {
     "export_masked": "retmask.hf.export",
     "generate_copies": "retmask.hf.generation",
     "growing_cache": "retmask.hf.kv_cache",
+    "head_sparse_cache": "retmask.hf.sparse_kv.cache",
     "default_model_path": "retmask.hf.loading",
     "load_model": "retmask.hf.loading",
     "tap_qk": "retmask.hf.taps",
@@ -44,6 +45,7 @@ __all__ = [
     "generate_copies",
     "growing_cache",
     "head_mask",
+    "head_sparse_cache",
     "kernels",
     "load_model",
     "patch",
@@ -60,6 +62,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects
     from retmask.hf.kv_cache import growing_cache
     from retmask.hf.linears import patch_linears
     from retmask.hf.loading import default_model_path, load_model
+    from retmask.hf.sparse_kv.cache import head_sparse_cache
     from retmask.hf.taps import tap_qk
 
 

@@ -166,3 +166,16 @@ def test_readme_kernel_example_runs_and_matches_the_oracle():
     )
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
     assert torch.equal(argmax, ref_argmax) and (out[:, 4] == 0).all() and (argmax[:, 4] == -1).all()
+
+
+@pytest.mark.embedded
+def test_readme_sparse_cache_example_runs(tmp_path, monkeypatch):
+    import shutil
+
+    scores = tmp_path / "runs/detect/smollm2.json"
+    scores.parent.mkdir(parents=True)
+    shutil.copy(ROOT / "bench/results/smollm2_scores.json", scores)  # what `make detect` writes
+    monkeypatch.chdir(tmp_path)
+    scope = vars(importlib.import_module("tests.readme_examples.sparse_cache_example"))
+    assert 0 < scope["held"] < 0.3
+    assert scope["out"].shape[1] > scope["ids"].shape[1] and scope["answer"].strip()

@@ -12,6 +12,7 @@ taps.py       post-RoPE q/k taps with autograd (``tap_qk``)
 loading.py    ``load_model``: hub id, local folder, GGUF (converted once and cached), embedded default
 linears.py    ``patch_linears``: float32 CPU linears on torch's BLAS or oneDNN, whichever is measured faster
 export.py     ``export_masked``: a checkpoint with the masked heads' o_proj columns zeroed
+sparse_kv/    ``head_sparse_cache``: every key for retrieval KV heads, sink + window keys for the others
 
     model, tok = retmask.load_model()                       # embedded SmolLM2, attn "retmask"
     with retmask.capture_argmax(model, rows=1) as cap:      # argmax of the last row of every call

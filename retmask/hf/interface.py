@@ -15,6 +15,17 @@ leaves causality and sliding windows to the kernel: a 4D mask would cost O(Q*K) 
 layer-specific parts of the attention come from the keyword arguments the model's attention modules pass
 (transformers 5.x): ``sliding_window`` (Mistral, Qwen2, Gemma 2/3, Cohere 2, OLMo 3, gpt-oss local
 layers), ``softcap`` (Gemma 2's ``attn_logit_softcapping``) and ``s_aux`` (gpt-oss attention sinks).
+One more comes from the caller: ``model(..., sink_tokens=S)`` (transformers hands a model call's keyword
+arguments down to every attention call) keeps the first S keys visible on the layers with a sliding window
+(StreamingLLM's attention-sink tokens; a model without one takes ``sliding_window=W`` the same way); layers
+without a window see every key already. S counts from the first key of the layer's cache, so a cache that
+dropped its oldest keys (transformers' sliding-window cache layers) is refused: ``retmask.growing_cache``
+keeps every key.
+
+A layer of a head-sparse KV cache (``retmask.head_sparse_cache``) hands over only its full KV heads as
+``key`` / ``value`` and the rest on the side (``key._retmask_sparse``, a ``retmask.hf.sparse_kv.layer.SparseKV``):
+such a call goes to ``_head_sparse_attention``, which computes the full and the windowed KV heads in
+separate calls (``retmask/hf/sparse_kv/attention.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +43,8 @@ from transformers.masking_utils import (
     flash_attention_mask,
 )
 
+from retmask.hf.sparse_kv.attention import sparse_attention
+from retmask.hf.sparse_kv.layer import SparseKV
 from retmask.kernels import attention as kernel_attention
 
 NAME = "retmask"
@@ -63,7 +76,7 @@ KNOWN_TENSOR_ARGS = frozenset({"position_ids", "cache_position", "s_aux", "cu_se
 # uses or that do not change attention, and the plain values transformers passes to every call. A call
 # with only these (every decode step of most models) skips the scan below.
 ROUTINE_ARGS = (KNOWN_TENSOR_ARGS - {"cu_seq_lens_q", "cu_seq_lens_k"}) | {
-    "use_cache", "sliding_window", "softcap", "is_causal",
+    "use_cache", "sliding_window", "softcap", "is_causal", "sink_tokens",
 }  # fmt: skip
 
 
@@ -219,10 +232,16 @@ def retmask_attention(
     call does not need is skipped (each branch on None) rather than run as a no-op.
     """
     _check_features(module, dropout, kwargs)
+    sparse = getattr(key, "_retmask_sparse", None)
+    if sparse is not None and sparse.q_win.numel():  # a layer of a head-sparse KV cache with windowed heads
+        return _head_sparse_attention(module, query, sparse, attention_mask, scaling, kwargs), None
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     # Per-layer attention features: None on layers (and models) without them.
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    # StreamingLLM sink tokens (a model call's keyword argument) extend a window; a layer without one sees
+    # every past key, the sink tokens included, so they change nothing there.
+    sink_tokens = kwargs.get("sink_tokens") if window is not None else None
     compiling = torch.compiler.is_compiling()
     skip, rows, tap, recorder = _layer_state(module, compiling)
     query, key, value = _autocast_inputs(query, key, value, compiling)
@@ -230,17 +249,24 @@ def retmask_attention(
     kpm = None
     if attention_mask is not None:
         _check_window(attention_mask, window, module)
+        if sink_tokens is not None:
+            _check_first_keys_kept(attention_mask, module)
         kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
     if skip is not None or rows is not None:
         skip = _skip_heads(module, skip, rows, B, query.device)
     if tap is not None:  # the exact kernel inputs, not detached (MuDAF's loss trains through them)
+        if sink_tokens is not None:
+            raise ValueError(
+                f"model '{_model_name(module)}': retmask.tap_qk records a layer's window, soft cap and sinks, "
+                "not sink_tokens; tap a forward without sink_tokens"
+            )
         tap.record(module.layer_idx, query, key, scaling, window=window, softcap=softcap, sinks=sinks)
     if recorder is not None and recorder.active:
         argmax_rows, select = recorder.rows_for_call(S, query.device)
         out, argmax = kernel_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
             return_argmax=True, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
-            out_layout="bmhd",
+            sink_tokens=sink_tokens, out_layout="bmhd",
         )  # fmt: skip
         if select is not None:
             argmax = argmax.index_select(2, select)
@@ -248,10 +274,70 @@ def retmask_attention(
     else:
         out = kernel_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
-            window=window, softcap=softcap, sinks=sinks, out_layout="bmhd",
+            window=window, softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, out_layout="bmhd",
         )  # fmt: skip
     # out is a view of a contiguous [B, S, Hq, D] tensor ("bmhd"): contiguous() copies nothing
     return out.transpose(1, 2).contiguous(), None
+
+
+def _head_sparse_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    sparse: SparseKV,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """A layer of ``retmask.head_sparse_cache`` (``retmask/hf/sparse_kv``): the full KV heads' query heads
+    over every key, the windowed ones over their sink + window keys, in separate calls (``sparse_attention``).
+    query: [B, Hq, M, D]; attention_mask: bool [B, N] padding mask over every position, or None.
+    Returns out [B, M, Hq, D] contiguous. Head masks and argmax capture work as on any layer."""
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if not causal or kwargs.get("sliding_window") is not None:
+        raise ValueError(
+            f"model '{_model_name(module)}': layer {module.layer_idx} got a head-sparse KV cache layer but its "
+            "attention is " + ("bidirectional" if not causal else "a sliding window") + "; the head-sparse "
+            "cache prunes causal global layers only: build it with retmask.head_sparse_cache(model, ...)"
+        )
+    compiling = torch.compiler.is_compiling()
+    skip, rows, tap, recorder = _layer_state(module, compiling)
+    if tap is not None:
+        raise ValueError(
+            f"model '{_model_name(module)}': retmask.tap_qk records every key of a layer, and a head-sparse KV "
+            "cache has freed most of them; tap a forward without the head-sparse cache"
+        )
+    B, _, M, _ = query.shape
+    kpm = None
+    if attention_mask is not None:
+        _check_window(attention_mask, None, module)
+        kpm = _key_padding_mask(attention_mask, module, B, sparse.length, query.device)
+    if skip is not None or rows is not None:
+        skip = _skip_heads(module, skip, rows, B, query.device)
+    argmax_rows, select = 0, None
+    if recorder is not None and recorder.active:
+        argmax_rows, select = recorder.rows_for_call(M, query.device)
+    out, argmax = sparse_attention(
+        query, sparse, key_padding_mask=kpm, sm_scale=scaling, softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"), skip_heads=skip, argmax_rows=argmax_rows,
+    )  # fmt: skip
+    if argmax is not None:
+        if select is not None:
+            argmax = argmax.index_select(2, select)
+        recorder.record(module.layer_idx, argmax, kv_len=sparse.length)  # absolute positions already
+    return out
+
+
+def _check_first_keys_kept(attention_mask: torch.Tensor, module: torch.nn.Module) -> None:
+    """Refuse sink tokens on a layer whose cache dropped its oldest keys (``retmask_mask`` marks the mask
+    with the number dropped): the kernel would take the oldest keys kept for the sequence's first ones."""
+    dropped = getattr(attention_mask, "_retmask_kv_offset", 0)
+    if dropped:
+        raise ValueError(
+            f"model '{_model_name(module)}': layer {module.layer_idx}'s KV cache has dropped its first {dropped} "
+            "keys (a sliding-window cache layer), so sink_tokens cannot keep them; use a cache that keeps every "
+            "key (retmask.growing_cache(model, ...))"
+        )
 
 
 def _sliding_window_of(mask_function: Any) -> int | None:
@@ -336,6 +422,7 @@ def retmask_mask(
             mask = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
             mask._retmask_all_valid = True
         mask._retmask_window = sliding
+        mask._retmask_kv_offset = kv_offset  # keys this layer's cache dropped (sink tokens need them)
     return mask
 
 

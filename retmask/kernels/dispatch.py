@@ -31,6 +31,7 @@ from .validation import (
     check_key_padding_mask,
     check_out_layout,
     check_qkv,
+    check_sink_tokens,
     check_sinks,
     check_skip_heads,
     check_sm_scale,
@@ -78,6 +79,7 @@ def attention(
     return_argmax: bool = False,
     argmax_rows: int | None = None,
     window: int | None = None,
+    sink_tokens: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     backend: Backend = "auto",
@@ -97,10 +99,16 @@ def attention(
             int in [1, M] (a bool is refused).
         window: sliding window (needs ``causal``): the row at position p sees keys p - window < j <= p,
             as transformers' ``sliding_window``; only key blocks inside the window are visited.
+        sink_tokens: with ``window``, S >= 1 keys at the start that every row keeps seeing (StreamingLLM's
+            attention-sink tokens): the row at position p sees keys j <= p with p - window < j or j < S,
+            "first S + last window" keys; the key blocks holding them are visited besides the window's, so
+            the work stays O(M * (window + S)). Refused without a window; S + window >= N is plain causal
+            attention. These are kept *keys* (their values count, and one can be the argmax), unlike
+            ``sinks``.
         softcap: logits <- softcap * tanh(logits / softcap) before the softmax (and the argmax); in
             [1e-6, 1e10] (``validation.SOFTCAP_RANGE``: a larger cap changes no float32 logit).
-        sinks: float [Hq], one logit per query head added to the softmax denominator only (it has no
-            value and is never an argmax); differentiable.
+        sinks: float [Hq], one learned logit per query head added to the softmax denominator only (it has
+            no value and is never an argmax; gpt-oss's ``s_aux``); differentiable. Not ``sink_tokens``.
         backend: "auto" | "triton" | "cpu" | "reference".
         out_layout: the memory layout of ``out`` (its shape is [B, Hq, M, D] either way): "bhmd", contiguous;
             or "bmhd", a view of a contiguous [B, M, Hq, D] tensor (``out.transpose(1, 2)`` is contiguous),
@@ -133,6 +141,8 @@ def attention(
     scale = check_sm_scale(sm_scale, shape.head_dim)
     if window is not None:
         window = check_window(window, causal)
+    if sink_tokens is not None:
+        sink_tokens = check_sink_tokens(sink_tokens, window)
     if softcap is not None:
         softcap = check_softcap(softcap)
     if sinks is not None:
@@ -148,19 +158,21 @@ def attention(
         out, argmax = reference_attention(
             q, k, v, causal=causal, sm_scale=scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, argmax_rows=rows, window=window, softcap=softcap, sinks=sinks,
+            sink_tokens=sink_tokens,
         )  # fmt: skip
     elif eager_direct(q, k, v, key_padding_mask, skip_heads, sinks):
         out, argmax, _ = forward_impl(
             q, k, v, key_padding_mask, skip_heads, sinks, causal, scale, rows, window, softcap, name, False,
-            heads_last=heads_last,
+            sink_tokens, heads_last=heads_last,
         )  # fmt: skip
     else:
         # The log-sum-exp is only kept for a backend's own backward, and only when a gradient is wanted.
         wants_grad = any(t is not None and t.requires_grad for t in (q, k, v, sinks))
         need_lse = name in LSE_BACKENDS and torch.is_grad_enabled() and wants_grad
         out, argmax, _ = attention_fwd(
-            q, k, v, key_padding_mask, skip_heads, sinks, causal, scale, rows, window, softcap, name, need_lse
-        )
+            q, k, v, key_padding_mask, skip_heads, sinks, causal, scale, rows, window, softcap, name, need_lse,
+            sink_tokens,
+        )  # fmt: skip
     if heads_last and not out.transpose(1, 2).is_contiguous():  # a path that wrote [B, Hq, M, D]
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
     return (out, argmax) if return_argmax else out

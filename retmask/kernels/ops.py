@@ -9,10 +9,11 @@ operators, and plain eager calls that record no autograd graph run the operator'
 (``eager_direct``).
 
 ``attention_fwd(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window,
-softcap, backend, need_lse) -> (out, argmax, lse)``; inputs as normalised by ``validation.py`` (masks
-contiguous bool, skip_heads [B, Hq] or None, sinks float [Hq] or None, argmax_rows in [0, M], window >= 1
-or None, softcap > 0 or None), backend "cpu" or "triton". Operators cannot return None, so absent outputs
-are empty tensors:
+softcap, backend, need_lse, sink_tokens=None) -> (out, argmax, lse)``; inputs as normalised by
+``validation.py`` (masks contiguous bool, skip_heads [B, Hq] or None, sinks float [Hq] or None, argmax_rows
+in [0, M], window >= 1 or None, softcap > 0 or None, sink_tokens >= 1 (with a window) or None), backend
+"cpu" or "triton". ``sink_tokens`` comes last, with a default, so that calls written before it keep their
+positions. Operators cannot return None, so absent outputs are empty tensors:
 
   out:    [B, Hq, M, D] in q's dtype, contiguous.
   argmax: int64 [B, Hq, argmax_rows] ([B, Hq, 0] when no argmax is requested); not differentiable.
@@ -20,7 +21,7 @@ are empty tensors:
           else fp32 [0]; saved for the backward only, not differentiable.
 
 ``attention_bwd(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
-softcap, backend) -> (dq, dk, dv, dsinks)``, contiguous, in the inputs' dtypes (dsinks: [Hq] in sinks'
+softcap, backend, sink_tokens=None) -> (dq, dk, dv, dsinks)``, contiguous, in the inputs' dtypes (dsinks: [Hq] in sinks'
 dtype, or an empty tensor without sinks): the backend's own backward (Triton), given the forward's
 ``out`` and ``lse``. Backends without one (CPU) get their gradients in the autograd formula
 (``_AttentionAutograd``) rather than inside an operator, on the path ``paths.cpu_backward_path`` names:
@@ -82,13 +83,13 @@ def backend_module(name: str) -> ModuleType:
 
 FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, Tensor? skip_heads, Tensor? sinks, bool causal, "
-    "float sm_scale, SymInt argmax_rows, SymInt? window, float? softcap, str backend, bool need_lse) "
-    "-> (Tensor, Tensor, Tensor)"
+    "float sm_scale, SymInt argmax_rows, SymInt? window, float? softcap, str backend, bool need_lse, "
+    "SymInt? sink_tokens=None) -> (Tensor, Tensor, Tensor)"
 )
 BWD_SCHEMA = (
     "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_padding_mask, "
     "Tensor? skip_heads, Tensor? sinks, bool causal, float sm_scale, SymInt? window, float? softcap, "
-    "str backend) -> (Tensor, Tensor, Tensor, Tensor)"
+    "str backend, SymInt? sink_tokens=None) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -106,6 +107,7 @@ def forward_impl(
     softcap: float | None,
     backend: str,
     need_lse: bool,
+    sink_tokens: int | None = None,
     heads_last: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The body of ``attention_fwd``: (out contiguous, argmax or None, lse or None). ``heads_last`` (from
@@ -114,17 +116,17 @@ def forward_impl(
     out, argmax, lse = backend_module(backend).forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
         skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
-        return_lse=need_lse and backend in LSE_BACKENDS, heads_last=heads_last,
+        return_lse=need_lse and backend in LSE_BACKENDS, heads_last=heads_last, sink_tokens=sink_tokens,
     )  # fmt: skip
     return (out if heads_last else out.contiguous()), argmax, lse
 
 
 def _fwd_kernel(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,
-                backend, need_lse):  # fmt: skip
+                backend, need_lse, sink_tokens=None):  # fmt: skip
     """``attention_fwd`` on real tensors (every device: CompositeExplicitAutograd)."""
     out, argmax, lse = forward_impl(
         q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap, backend,
-        need_lse,
+        need_lse, sink_tokens,
     )  # fmt: skip
     if argmax is None:
         argmax = torch.empty((q.shape[0], q.shape[1], 0), dtype=torch.int64, device=q.device)
@@ -134,7 +136,7 @@ def _fwd_kernel(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, 
 
 
 def _fwd_fake(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,
-              backend, need_lse):  # fmt: skip
+              backend, need_lse, sink_tokens=None):  # fmt: skip
     B, Hq, M, D = q.shape
     out = q.new_empty((B, Hq, M, D))
     argmax = q.new_empty((B, Hq, argmax_rows), dtype=torch.int64)
@@ -147,7 +149,7 @@ def _empty_dsinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 
 
 def _bwd_kernel(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
-                softcap, backend):  # fmt: skip
+                softcap, backend, sink_tokens=None):  # fmt: skip
     """``attention_bwd`` on real tensors: the backend's own backward."""
     if backend not in LSE_BACKENDS:
         raise ValueError(
@@ -155,7 +157,7 @@ def _bwd_kernel(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks
         )
     dq, dk, dv, dsinks = backend_module(backend).backward(
         grad_out, q, k, v, out, lse, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        skip_heads=skip_heads, window=window, softcap=softcap, sinks=sinks,
+        skip_heads=skip_heads, window=window, softcap=softcap, sinks=sinks, sink_tokens=sink_tokens,
     )  # fmt: skip
     if dsinks is None:
         dsinks = _empty_dsinks(None, q)
@@ -171,10 +173,14 @@ def recompute_attention(
     sm_scale: float,
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
+    window: int | None = None,
+    sink_tokens: int | None = None,
 ) -> torch.Tensor:
     """Differentiable attention through PyTorch SDPA for the backward of backends without their own:
     ``sdpa.sdpa_attention`` without its data-dependent shortcut (``if not has_key.all()``), which
-    AOTAutograd cannot trace; rows without a valid key are zeroed by a masked_fill instead."""
+    AOTAutograd cannot trace; rows without a valid key are zeroed by a masked_fill instead. A window (and
+    sink tokens) become part of the boolean [M, N] mask; ``paths.cpu_backward_path`` sends windowed calls
+    elsewhere (O(M * N) memory here), so only direct callers and tests pass one."""
     M, N = q.shape[2], k.shape[2]
     gqa = bool(q.shape[1] != k.shape[1])  # a SymBool under dynamic shapes
     # Queries whose output is fixed (skipped heads, rows without a valid key) are zeroed before SDPA
@@ -184,10 +190,11 @@ def recompute_attention(
     if skip_heads is not None:
         skipped = skip_heads[:, :, None, None]
         q = q.masked_fill(skipped, 0)
-    if key_padding_mask is None and (not causal or M == N):
+    if key_padding_mask is None and window is None and (not causal or M == N):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=gqa)
     else:
-        allowed = allowed_keys(M, N, causal, key_padding_mask, q.device)  # [B|1, 1, M, N]
+        # [B|1, 1, M, N]
+        allowed = allowed_keys(M, N, causal, key_padding_mask, q.device, window, sink_tokens)
         has_key = allowed.any(dim=-1, keepdim=True)
         # A row with no valid key would be NaN in SDPA; let it attend everywhere, then zero it.
         out = F.scaled_dot_product_attention(
@@ -212,10 +219,12 @@ def recompute_grads(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    sink_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dq, dk, dv, dsinks or None) of a backend without a backward of its own (CPU), on the path
     ``paths.cpu_backward_path`` names: the C++ backward, a query-row-chunked recompute (``chunked.py``)
-    or a recompute through SDPA (in the dtype, or on fp32 copies)."""
+    or a recompute through SDPA (in the dtype, or on fp32 copies). Sink tokens come with a window, which
+    the rule never sends to SDPA."""
     path = paths.cpu_backward_path(
         q.dtype, built=q.device.type == "cpu" and cpu.cpp_available(), traced=not _plain_eager(q, k),
         window=window, softcap=softcap, sinks=sinks,
@@ -227,9 +236,12 @@ def recompute_grads(
         "skip_heads": skip_heads,
     }
     if path == "kernel":
-        return (*cpu_backward.backward(grad_out, q, k, v, window=window, **kwargs), None)
+        grads = cpu_backward.backward(grad_out, q, k, v, window=window, sink_tokens=sink_tokens, **kwargs)
+        return (*grads, None)
     if path == "chunked":
-        return chunked_grads(grad_out, q, k, v, window=window, softcap=softcap, sinks=sinks, **kwargs)
+        return chunked_grads(
+            grad_out, q, k, v, window=window, softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, **kwargs
+        )
     return (*_sdpa_grads(grad_out, q, k, v, fp32=path == "sdpa_fp32", **kwargs), None)
 
 
@@ -268,7 +280,7 @@ def _plain_eager(*tensors: torch.Tensor) -> bool:
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
-              softcap, backend):  # fmt: skip
+              softcap, backend, sink_tokens=None):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _empty_dsinks(sinks, q)
 
 
@@ -284,18 +296,18 @@ class _AttentionAutograd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window,
-                softcap, backend, need_lse):  # fmt: skip
+                softcap, backend, need_lse, sink_tokens=None):  # fmt: skip
         with torch._C._AutoDispatchBelowAutograd():
             out, argmax, lse = attention_fwd(
                 q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,
-                backend, need_lse,
+                backend, need_lse, sink_tokens,
             )  # fmt: skip
         ctx.mark_non_differentiable(argmax, lse)
         ctx.use_lse = need_lse and backend in LSE_BACKENDS
         saved_out, saved_lse = (out, lse) if ctx.use_lse else (None, None)
         ctx.save_for_backward(q, k, v, saved_out, saved_lse, key_padding_mask, skip_heads, sinks)
         ctx.causal, ctx.sm_scale, ctx.backend = causal, sm_scale, backend
-        ctx.window, ctx.softcap = window, softcap
+        ctx.window, ctx.softcap, ctx.sink_tokens = window, softcap, sink_tokens
         return out, argmax, lse
 
     @staticmethod
@@ -305,7 +317,7 @@ class _AttentionAutograd(torch.autograd.Function):
         if ctx.use_lse:
             dq, dk, dv, dsinks = attention_bwd(
                 grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, ctx.causal, ctx.sm_scale,
-                ctx.window, ctx.softcap, ctx.backend,
+                ctx.window, ctx.softcap, ctx.backend, ctx.sink_tokens,
             )  # fmt: skip
             if sinks is None:
                 dsinks = None
@@ -313,10 +325,11 @@ class _AttentionAutograd(torch.autograd.Function):
             dq, dk, dv, dsinks = recompute_grads(
                 grad_out, q, k, v, causal=ctx.causal, sm_scale=ctx.sm_scale, key_padding_mask=key_padding_mask,
                 skip_heads=skip_heads, window=ctx.window, softcap=ctx.softcap, sinks=sinks,
+                sink_tokens=ctx.sink_tokens,
             )  # fmt: skip
         if sinks is None or not ctx.needs_input_grad[5]:
             dsinks = None
-        return dq, dk, dv, None, None, dsinks, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, dsinks, None, None, None, None, None, None, None, None
 
 
 def _wants_grad(*tensors: torch.Tensor | None) -> bool:
@@ -324,10 +337,10 @@ def _wants_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def _fwd_autograd(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,
-                  backend, need_lse):  # fmt: skip
+                  backend, need_lse, sink_tokens=None):  # fmt: skip
     """Autograd kernel of ``attention_fwd``: record the formula only when a gradient is wanted."""
     args = (q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap, backend,
-            need_lse)  # fmt: skip
+            need_lse, sink_tokens)  # fmt: skip
     if _wants_grad(q, k, v, sinks):
         return _AttentionAutograd.apply(*args)
     with torch._C._AutoDispatchBelowAutograd():
@@ -335,7 +348,7 @@ def _fwd_autograd(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale
 
 
 def _bwd_autograd(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
-                  softcap, backend):  # fmt: skip
+                  softcap, backend, sink_tokens=None):  # fmt: skip
     """Autograd kernel of ``attention_bwd``: not differentiable (no double backward)."""
     if _wants_grad(grad_out, q, k, v, sinks):
         raise RuntimeError(
@@ -345,7 +358,7 @@ def _bwd_autograd(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sin
     with torch._C._AutoDispatchBelowAutograd():
         return attention_bwd(
             grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window, softcap,
-            backend,
+            backend, sink_tokens,
         )  # fmt: skip
 
 

@@ -29,10 +29,11 @@ CPU backward (``cpu_backward_path``): the CPU kernel keeps no log-sum-exp, so it
 computed after the fact by one of
 
   "kernel"     the C++ backward (fp32 throughout, no [M, N] tensor): eager calls without soft-capping
-               or sinks (0.15-0.94x the time of SDPA's backward wherever it was measured);
+               or sinks (0.15-0.94x the time of SDPA's backward wherever it was measured), a sliding
+               window with or without sink tokens included;
   "chunked"    a recompute over query-row chunks against the keys they see (``chunked.py``), for
                soft-capping and sinks, which neither the C++ backward nor SDPA express, and for a window
-               in traced graphs;
+               (with or without sink tokens) in traced graphs;
   "sdpa_fp32"  PyTorch SDPA's backward on fp32 copies, for bf16 / fp16 calls traced by
                ``torch.compile`` / AOTAutograd (which cannot run the C++ kernel on fake tensors): the
                C++ backward's numerics, so compiled and eager gradients agree to rounding;
@@ -105,7 +106,9 @@ def cpu_backward_path(dtype: torch.dtype, *, built: bool, traced: bool, window: 
                       softcap: float | None, sinks: torch.Tensor | None) -> str:  # fmt: skip
     """The CPU backward path ("kernel", "chunked", "sdpa_fp32" or "sdpa") of a call of ``dtype``, by the
     rule of the module docstring. ``built``: ``retmask._C`` is built; ``traced``: the call is seen by a
-    tracer (fake tensors, ``torch.compile``, a dispatch mode), where the C++ kernel cannot read the data."""
+    tracer (fake tensors, ``torch.compile``, a dispatch mode), where the C++ kernel cannot read the data.
+    Sink tokens need no argument of their own: they come with a window, which takes the window's path
+    ("kernel" eager, "chunked" traced); both compute them."""
     if softcap is not None or sinks is not None:
         return "chunked"
     if built and not traced:

@@ -8,7 +8,8 @@ The contract every backend follows (and this file defines):
 
 * Row ``i`` of ``q`` sits at absolute position ``p = N - M + i``. It may attend to key ``j`` when the key
   is valid in ``key_padding_mask``, ``j <= p`` (causal) and ``j > p - window`` (sliding window, the
-  semantics of transformers' ``sliding_window``).
+  semantics of transformers' ``sliding_window``) or, with ``sink_tokens`` S, ``j < S``: "first S + last
+  window" keys, StreamingLLM's attention sinks (kept keys; not the ``sinks`` logits below).
 * Logits are ``s_j = sm_scale * q . k_j``, then ``softcap * tanh(s_j / softcap)`` when ``softcap`` is set.
 * ``sinks`` ([Hq], one logit per query head) joins the softmax denominator only:
   ``out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink})``; it has no value and is never an argmax.
@@ -51,17 +52,21 @@ def allowed_keys(
     key_padding_mask: torch.Tensor | None,
     device: torch.device,
     window: int | None = None,
+    sink_tokens: int | None = None,
 ) -> torch.Tensor:
     """Which keys each query row may attend to: ``bool [B or 1, 1, M, N]``.
 
     Query row ``i`` sits at absolute position ``p = N - M + i``; causal rows see keys ``j <= p``; with a
-    sliding ``window`` only keys ``j > p - window`` as well.
+    sliding ``window`` only keys ``j > p - window`` as well, or with ``sink_tokens`` S also ``j < S``.
     """
     rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
     cols = torch.arange(kv_len, device=device).unsqueeze(0)
     allowed = cols <= rows if causal else torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
     if window is not None:
-        allowed = allowed & (cols > rows - window)
+        in_window = cols > rows - window
+        if sink_tokens is not None:
+            in_window = in_window | (cols < sink_tokens)
+        allowed = allowed & in_window
     allowed = allowed[None, None]
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, None, :]
@@ -78,6 +83,7 @@ def reference_logits(
     window: int | None = None,
     softcap: float | None = None,
     skip_heads: torch.Tensor | None = None,
+    sink_tokens: int | None = None,
 ) -> torch.Tensor:
     """Scaled (and soft-capped) logits ``float [B, Hq, M, N]`` with disallowed keys at -inf (compute dtype:
     fp64 for fp64 inputs, else fp32). ``skip_heads`` (bool [B, Hq], True = skipped): every key of a skipped
@@ -90,7 +96,7 @@ def reference_logits(
     scale = D**-0.5 if sm_scale is None else sm_scale
     q_c = q.to(compute)
     k_rep = k.to(compute).repeat_interleave(Hq // Hkv, dim=1)
-    allowed = allowed_keys(M, N, causal, key_padding_mask, q.device, window)
+    allowed = allowed_keys(M, N, causal, key_padding_mask, q.device, window, sink_tokens)
     if skip_heads is not None:
         skipped = skip_heads[:, :, None, None]
         q_c = q_c.masked_fill(skipped, 0.0)
@@ -115,19 +121,21 @@ def reference_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    sink_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Materialised attention.
 
     q: [B, Hq, M, D]; k, v: [B, Hkv, N, D]; key_padding_mask: bool [B, N] (True = valid);
     skip_heads: bool [B, Hq] (True = disabled); argmax_rows: last rows that get an argmax (0 = none);
-    window: sliding-window size or None; softcap: logit cap or None; sinks: float [Hq] or None.
+    window: sliding-window size or None; softcap: logit cap or None; sinks: float [Hq] or None;
+    sink_tokens: with a window, the first keys every row also sees (kept keys), or None.
     Returns out [B, Hq, M, D] (q.dtype) and argmax int64 [B, Hq, argmax_rows] or None.
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     Hq, Hkv = q.shape[1], k.shape[1]
     logits = reference_logits(
         q, k, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask, window=window,
-        softcap=softcap, skip_heads=skip_heads,
+        softcap=softcap, skip_heads=skip_heads, sink_tokens=sink_tokens,
     )  # fmt: skip
     neg_inf = float("-inf")
     has_key = (logits != neg_inf).any(dim=-1, keepdim=True)  # [B, Hq, M, 1]; NaN counts as a key

@@ -244,6 +244,33 @@ def check_window(window: int | None, causal: bool) -> int | None:
     return window
 
 
+def check_sink_tokens(sink_tokens: int | None, window: int | None) -> int | None:
+    """Sink tokens S (StreamingLLM's attention sinks): with a sliding window, the row at position p also
+    sees the first S keys, i.e. keys j <= p with p - window < j or j < S. None = none.
+
+    These are kept *keys*, unlike ``sinks`` (learned per-head logits that join only the softmax
+    denominator). ``window`` must be the checked window (so causal is already required)."""
+    if sink_tokens is None:
+        return None
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int):
+        raise ValueError(
+            f"sink_tokens must be a positive int (the first keys every row keeps seeing besides its sliding "
+            f"window) or None, got {sink_tokens!r}"
+        )
+    if sink_tokens <= 0:
+        raise ValueError(
+            f"sink_tokens must be >= 1 (the row at position p sees keys j <= p with p - window < j or "
+            f"j < sink_tokens), got {sink_tokens}; pass sink_tokens=None for a plain sliding window"
+        )
+    if window is None:
+        raise ValueError(
+            f"sink_tokens={sink_tokens} needs a sliding window (window=W): the sink tokens are the first keys "
+            "kept visible beyond the window (StreamingLLM); without a window every past key is visible already. "
+            "(Learned per-head sink logits, as gpt-oss uses, are the separate argument sinks=.)"
+        )
+    return sink_tokens
+
+
 def check_softcap(softcap: float | None) -> float | None:
     """A logit soft cap (logits <- softcap * tanh(logits / softcap)) in ``SOFTCAP_RANGE``, or None."""
     if softcap is None:

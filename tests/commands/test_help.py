@@ -256,7 +256,7 @@ def test_niah_checks_mask_flags_before_loading_the_model(tmp_path, capsys):
     assert rc == 2 and "--mask-top K needs --scores" in err
 
 
-MODEL_COMMANDS = ["ablate", "detect", "eval", "generate", "mdqa-score", "niah"]
+MODEL_COMMANDS = ["ablate", "detect", "eval", "generate", "kv", "mdqa-score", "niah"]
 TRAINING_COMMANDS = ["mudaf-train", "pipeline", "train"]  # float32 or bf16 autocast only
 
 

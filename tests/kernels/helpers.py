@@ -54,6 +54,7 @@ def assert_argmax_matches(
     atol: float,
     window: int | None = None,
     softcap: float | None = None,
+    sink_tokens: int | None = None,
 ) -> None:
     """Check a kernel's argmax [B, Hq, T] against float64 logits of the last T rows.
 
@@ -64,7 +65,7 @@ def assert_argmax_matches(
     T = argmax.shape[-1]
     logits = reference_logits(
         q.double(), k.double(), causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, sink_tokens=sink_tokens,
     )[:, :, -T:]  # fmt: skip
     has_key = torch.isfinite(logits).any(-1)
     expected_invalid = ~has_key

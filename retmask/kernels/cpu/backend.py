@@ -183,13 +183,17 @@ def cpp_forward(
     sinks: torch.Tensor | None = None,
     isa: str | None = None,
     bf16_dot: bool = False,
+    sink_tokens: int | None = None,
+    stats: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the fused C++ kernel.
 
     q: [B, Hq, M, D] (any strides); k, v: [B, Hkv, N, D] (any strides); key_padding_mask: bool [B, N];
     skip_heads: bool [B, Hq]; all CPU tensors of one dtype (fp32/fp16/bf16). ``window`` (int >= 1,
-    needs causal), ``softcap`` (float > 0) and ``sinks`` (float [Hq], any float dtype: passed as fp32)
-    follow the contract of ``reference.py``; None = off.
+    needs causal), ``sink_tokens`` (int >= 1, needs a window), ``softcap`` (float > 0) and ``sinks``
+    (float [Hq], any float dtype: passed as fp32) follow the contract of ``reference.py``; None = off.
+    ``stats`` (a dict, or None): receives ``"logits"``, the (query row, key) logits the kernel computed
+    (key-block visits times their tiles' rows; tests bound the work of a window with it).
     ``out`` ([B, Hq, M, D], q.dtype, any strides) and ``argmax`` (int64 [B, Hq, argmax_rows],
     contiguous) may be given by the caller; the kernel writes every element of both (tests pre-fill
     them with NaN / sentinels to prove it). ``block_m``: tile rows per work item (default
@@ -219,11 +223,13 @@ def cpp_forward(
     features: dict[str, object] = {"isa": selected_isa(isa), "bf16_dot": bool(bf16_dot)}
     if window is not None:  # a window of N or more keys is no window (the kernel's own rule): cap at N
         features["window"] = min(int(window), max(1, k.shape[2]))
+    if sink_tokens is not None:  # likewise (sink + window >= N: plain causal); without a window: refused
+        features["sink_tokens"] = min(int(sink_tokens), max(1, k.shape[2]))
     if softcap is not None:
         features["softcap"] = float(softcap)
     if sinks is not None:
         features["sinks"] = tensor_arg("sinks", sinks.detach().to(torch.float32).contiguous(), codes)
-    lib.module.attention_fwd(
+    logits = lib.module.attention_fwd(
         tensor_arg("q", q, codes), tensor_arg("k", k, codes), tensor_arg("v", v, codes),
         tensor_arg("out", out, codes),
         tensor_arg("argmax", argmax, codes) if argmax is not None else None,
@@ -232,6 +238,8 @@ def cpp_forward(
         bool(causal), float(sm_scale), block_m or default_block_m(k.shape[2], window), block_n,
         torch.get_num_threads(), **features,
     )  # fmt: skip
+    if stats is not None:
+        stats["logits"] = int(logits)
     return out, argmax
 
 
@@ -250,6 +258,7 @@ def forward(
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     heads_last: bool = False,
+    sink_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """Backend interface: q [B, Hq, M, D], k/v [B, Hkv, N, D] ->
     (out [B, Hq, M, D] q.dtype, argmax int64 [B, Hq, argmax_rows] | None, None), on the path
@@ -262,6 +271,7 @@ def forward(
         return cpu_blocked.forward(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
+            sink_tokens=sink_tokens,
         )  # fmt: skip
     out = None
     if heads_last and q.shape[2] > 1:  # with one query row (decode) both layouts are the same memory
@@ -270,6 +280,6 @@ def forward(
     out, argmax = cpp_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
         skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
-        out=out, isa=build, bf16_dot=path == "bf16dot",
+        out=out, isa=build, bf16_dot=path == "bf16dot", sink_tokens=sink_tokens,
     )  # fmt: skip
     return out, argmax, None

@@ -1,7 +1,7 @@
 """The C++ CPU attention backward: ``attention_bwd`` of ``retmask._C`` (csrc/attention_bwd_cpu_kernel.h).
 
 The gradients of attention without soft-capping or sinks (causal or not, key padding, skipped heads,
-GQA, a sliding window: O(M x window) work) in one pass per block of whole query rows: the logits are recomputed and the five
+GQA, a sliding window with or without sink tokens: O(M x (window + sink tokens)) work) in one pass per block of whole query rows: the logits are recomputed and the five
 products of the backward (Q K^T, dO V^T, P^T dO, dS^T Q, dS K) run on the kernel's FMA micro-kernels with
 the causal triangle skipped, everything in fp32. fp16 / bf16 inputs are converted exactly on load and
 each gradient is rounded once when stored, as autocast's own fp32 backward would; no [B, H, M, N] tensor
@@ -19,6 +19,19 @@ import torch
 from . import backend as cpu
 
 
+def _pattern(window: int | None, sink_tokens: int | None, kv_len: int) -> dict[str, int]:
+    """The binding's window / sink_tokens keyword arguments, capped at N keys (the kernel's own rule:
+    a window of N or more keys, or sink_tokens + window >= N, is plain causal attention; sink tokens
+    without a window are refused there)."""
+    cap = max(1, kv_len)
+    pattern = {}
+    if window is not None:
+        pattern["window"] = min(int(window), cap)
+    if sink_tokens is not None:
+        pattern["sink_tokens"] = min(int(sink_tokens), cap)
+    return pattern
+
+
 def backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -30,6 +43,7 @@ def backward(
     key_padding_mask: torch.Tensor | None,
     skip_heads: torch.Tensor | None,
     window: int | None = None,
+    sink_tokens: int | None = None,
     block_m: int = 0,
     isa: str | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -39,7 +53,8 @@ def backward(
     grad_out, q: [B, Hq, M, D]; k, v: [B, Hkv, N, D]; one float dtype, any strides, M <= N (the queries
     are the last M positions when causal); key_padding_mask: bool [B, N] (True = valid key) or None;
     skip_heads: bool [B, Hq] (True = skipped) or None; window: int >= 1 (needs causal: row i at position
-    p = N - M + i sees keys p - window < j <= p) or None. Returns contiguous gradients in the inputs' dtype:
+    p = N - M + i sees keys p - window < j <= p) or None; sink_tokens: int >= 1 (needs a window: the row
+    also sees keys j < sink_tokens) or None. Returns contiguous gradients in the inputs' dtype:
     dq [B, Hq, M, D] (0 for skipped heads and rows without a valid key), dk, dv [B, Hkv, N, D].
     ``out`` = (dq, dk, dv) to write into (any strides; tests pre-fill them to prove every element is
     written); ``block_m``: query rows per block (0: sized for the cache); ``isa``: the build to run (see
@@ -66,6 +81,6 @@ def backward(
         arg("key_padding_mask", kpm, codes) if kpm is not None else None,
         arg("skip_heads", skip, codes) if skip is not None else None,
         bool(causal), float(sm_scale), int(block_m), torch.get_num_threads(), cpu.selected_isa(isa),
-        **({"window": min(int(window), max(1, k.shape[2]))} if window is not None else {}),
+        **_pattern(window, sink_tokens, k.shape[2]),
     )  # fmt: skip
     return dq, dk, dv

@@ -72,16 +72,19 @@ def forward(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    sink_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
     """q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] -> (out [B, Hq, M, D], argmax [B, Hq, T] | None, None).
 
-    A sliding window, soft-capping or sinks (which SDPA cannot express without an [M, N] mask) go to
-    ``chunked.chunked_attention``: query-row chunks against the keys they see.
+    A sliding window (with or without sink tokens, which need one), soft-capping or sinks (which SDPA
+    cannot express without an [M, N] mask) go to ``chunked.chunked_attention``: query-row chunks against
+    the keys they see.
     """
     if window is not None or softcap is not None or sinks is not None:
         out, argmax = chunked_attention(
             q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,
             skip_heads=skip_heads, argmax_rows=argmax_rows, window=window, softcap=softcap, sinks=sinks,
+            sink_tokens=sink_tokens,
         )  # fmt: skip
         return out, argmax, None
     B, Hq, M, D = q.shape

@@ -13,8 +13,8 @@ config. This module closes part of that gap with Triton's ahead-of-time path and
 
 Command line: ``python -m retmask.kernels.triton.aot [--dtypes fp16 bf16 fp32] [--head-dims 64 128 256]
 [--features none|all|both]`` prints one line per kernel launch: registers, spill stack bytes, shared
-memory (``--features``: the launches without, with, or without and with a sliding window, soft-capping
-and sinks). Record in one process
+memory (``--features``: the launches without, with, or without and with a sliding window (and sink
+tokens), soft-capping and sinks). Record in one process
 (``--record-only FILE``, under TRITON_INTERPRET=1) and compile in another (``--compile FILE``) when the
 kernel modules are already imported in interpreter mode.
 """
@@ -135,7 +135,7 @@ def record_launches(label: str = "") -> Iterator[list[Launch]]:
 def record_standard_launches(dtype: torch.dtype, head_dim: int, features: bool = False) -> list[Launch]:
     """Launches of a causal GQA prefill with padding and skips, with argmax on the last rows and without
     (both forward variants), a decode step and the backward, on tiny CPU tensors (nothing runs). ``features`` adds a
-    sliding window (100 of 256 keys), soft-capping and sinks to all of them."""
+    sliding window (100 of 256 keys) with 4 sink tokens, soft-capping and sinks to all of them."""
     from .bwd import attention_backward
     from .decode import decode_forward
     from .fwd import attention_forward
@@ -148,7 +148,7 @@ def record_standard_launches(dtype: torch.dtype, head_dim: int, features: bool =
     skip = torch.tensor([[False, True, False, False]])
     common: dict[str, Any] = dict(sm_scale=0.125, key_padding_mask=pad, skip_heads=skip)
     if features:
-        common.update(window=100, softcap=30.0, sinks=torch.zeros(Hq))
+        common.update(window=100, sink_tokens=4, softcap=30.0, sinks=torch.zeros(Hq))
     with record_launches(label) as launches:
         out, _, lse = attention_forward(q, k, k, causal=True, argmax_rows=50, return_lse=True, **common)
         attention_forward(q, k, k, causal=True, argmax_rows=0, return_lse=False, **common)
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "--features",
         choices=["none", "all", "both"],
         default="both",
-        help="without / with sliding window + soft-capping + sinks, or both variants (default)",
+        help="without / with sliding window + sink tokens + soft-capping + sinks, or both variants (default)",
     )
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--record-only", metavar="FILE", help="write the recorded launches as JSON and stop")

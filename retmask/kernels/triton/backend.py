@@ -1,8 +1,8 @@
 """Triton backend of ``retmask.kernels.attention`` (imported lazily as backend "triton").
 
 Dispatch only: ``triton.fwd`` (prefill forward with argmax and head skipping), ``triton.decode``
-(M == 1, split over keys) and ``triton.bwd`` (FA2-style backward), all three with sliding window,
-logit soft-capping and attention sinks (``reference.py`` defines them). Inputs arrive validated and
+(M == 1, split over keys) and ``triton.bwd`` (FA2-style backward), all three with sliding window (and
+sink tokens), logit soft-capping and attention sinks (``reference.py`` defines them). Inputs arrive validated and
 normalised by ``attention()`` (see ``validation.py``): masks are contiguous bool, skip_heads is
 [B, Hq] or None, argmax_rows is in [0, M].
 
@@ -42,6 +42,7 @@ def forward(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     heads_last: bool = False,
+    sink_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """q: [B, Hq, M, D]; k, v: [B, Hkv, N, D] -> (out [B, Hq, M, D] q.dtype,
     argmax int64 [B, Hq, argmax_rows] | None, lse fp32 [B, Hq, M] | None).
@@ -50,11 +51,12 @@ def forward(
     these kernels write a contiguous [B, Hq, M, D] out and ``attention`` copies it (on a GPU the copy
     is small next to the attention).
 
-    window (causal only), softcap and sinks ([Hq], any float dtype) follow ``reference.py``; the lse
+    window (causal only), sink_tokens (with a window), softcap and sinks ([Hq], any float dtype) follow
+    ``reference.py``; the lse
     includes the sink (``log(sum_j e^{s_j} + e^{sink})``), as the backward expects. One query row
     (decode) takes the split-key kernel; everything else the prefill kernel.
     """
-    feats = dict(window=window, softcap=softcap, sinks=fp32_sinks(sinks))
+    feats = dict(window=window, softcap=softcap, sinks=fp32_sinks(sinks), sink_tokens=sink_tokens)
     if q.shape[2] == 1:
         return decode_forward(
             q, k, v, key_padding_mask=key_padding_mask, skip_heads=skip_heads, sm_scale=sm_scale,
@@ -81,14 +83,15 @@ def backward(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    sink_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """grad_out, q, out: [B, Hq, M, D]; k, v: [B, Hkv, N, D]; lse: fp32 [B, Hq, M] from ``forward``
-    (with the same window / softcap / sinks) -> (dq [B, Hq, M, D], dk [B, Hkv, N, D], dv [B, Hkv, N, D])
+    (with the same window / sink_tokens / softcap / sinks) -> (dq [B, Hq, M, D], dk [B, Hkv, N, D], dv [B, Hkv, N, D])
     in the inputs' dtypes, and dsinks [Hq] in sinks' dtype (None without sinks)."""
     dq, dk, dv, dsinks = attention_backward(
         grad_out, q, k, v, out, lse, causal=causal, sm_scale=sm_scale,
         key_padding_mask=key_padding_mask, skip_heads=skip_heads, window=window, softcap=softcap,
-        sinks=fp32_sinks(sinks),
+        sinks=fp32_sinks(sinks), sink_tokens=sink_tokens,
     )  # fmt: skip
     if dsinks is not None:
         dsinks = dsinks.to(sinks.dtype)

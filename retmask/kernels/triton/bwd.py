@@ -34,7 +34,10 @@ block ``[n0, n0 + BLOCK_N)`` is seen only by rows with ``N - M + i >= n0``, and 
 ``[m0, m0 + BLOCK_M)`` sees keys up to ``N - M + m0 + BLOCK_M - 1``. Sliding window: key block
 ``[n0, n0 + BLOCK_N)`` is seen only by rows at positions ``<= n0 + BLOCK_N - 2 + window`` (the dK/dV row
 loop stops there), and the dQ loop of a row block starts at the block of ``N - M + m0 - window + 1``:
-both cost O(window) per block.
+both cost O(window) per block. Sink tokens (``sink_tokens`` S, with a window: row p also sees keys
+``j < S``): a key block holding one is seen by every row from its causal start on (the dK/dV row loop
+runs to M), and the dQ kernel first loops over the sink tokens' blocks below its window's first block;
+window masks keep keys ``j < S``. O(window + S) per block.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from .common import (
     cdiv,
     device_guard,
     dot_precision,
-    effective_window,
+    effective_pattern,
     first_valid_keys,
     launch_fitting,
     new_float,
@@ -113,10 +116,11 @@ def _bwd_dkdv_kernel(
     stride_db, stride_dh, stride_dm, stride_dd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H_Q, H_KV, GROUP, M, N, sm_scale, window, softcap,
+    H_Q, H_KV, GROUP, M, N, sm_scale, window, softcap, sink_tokens,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_PAIRS: tl.constexpr,
     FLAGGED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINK: tl.constexpr,
 ):  # fmt: skip
     """Program (key block, enabled KV pair): dK, dV of BLOCK_N keys, summed over the group's heads."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -155,6 +159,8 @@ def _bwd_dkdv_kernel(
     m_hi = M
     if WINDOW:  # the last row that sees key j sits at position j + window - 1
         m_hi = tl.minimum(M, start_n + BLOCK_N - 1 + window - (N - M))
+        if SINK:  # ... unless j is a sink token: every later row sees it
+            m_hi = tl.where(start_n < sink_tokens, M, m_hi)
     if HAS_PAD:  # a block wholly before the first valid key holds only padding: dK = dV = 0
         m_lo = tl.where(start_n + BLOCK_N > tl.load(KeyStart + b), m_lo, M)
     if FLAGGED:  # sync-free grid: a fully disabled group's programs visit no rows: dK = dV = 0
@@ -191,7 +197,10 @@ def _bwd_dkdv_kernel(
                 if CAUSAL:
                     valid = valid & (cols[:, None] <= (rows + (N - M))[None, :])
                 if WINDOW:
-                    valid = valid & (cols[:, None] > (rows + (N - M - window))[None, :])
+                    in_window = cols[:, None] > (rows + (N - M - window))[None, :]
+                    if SINK:
+                        in_window = in_window | (cols[:, None] < sink_tokens)
+                    valid = valid & in_window
                 p_t = tl.where(valid, tl.exp2(s_t - lse2[None, :]), 0.0)
                 dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
                 dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, BM]
@@ -213,6 +222,44 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_block(
+    dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, pos, m_ok, N, qk_scale, cap2, window,
+    sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINK: tl.constexpr,
+):  # fmt: skip
+    """dq [BM, BD] plus the keys [start_n, start_n + BLOCK_N)'s share of dS K (unscaled)."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = cols < N
+    kv_mask = n_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
+    if SOFTCAP:
+        t = _tanh(s)
+        s = t * cap2
+    valid = m_ok[:, None] & n_ok[None, :]
+    if CAUSAL:
+        valid = valid & (cols[None, :] <= pos[:, None])
+    if WINDOW:
+        in_window = cols[None, :] > (pos - window)[:, None]
+        if SINK:
+            in_window = in_window | (cols[None, :] < sink_tokens)
+        valid = valid & in_window
+    if HAS_PAD:
+        key_ok = tl.load(pad_base + cols, mask=n_ok, other=0) != 0
+        valid = valid & key_ok[None, :]
+    p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, PadMask, KeyStart, Pairs, Disabled,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -220,10 +267,10 @@ def _bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_db, stride_dh, stride_dm, stride_dd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H_Q, GROUP, M, N, sm_scale, window, softcap,
+    H_Q, GROUP, M, N, sm_scale, window, softcap, sink_tokens,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, FLAGGED: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, enabled pair): dQ of BLOCK_M rows, looping over the visible keys."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -264,34 +311,31 @@ def _bwd_dq_kernel(
     lo = 0
     if HAS_PAD:  # blocks before the first valid key hold only padding
         lo = (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N
+    sink_lo = lo
     if WINDOW:  # the block's first row sees keys from its position - window + 1 on
         lo = tl.maximum(lo, (tl.maximum(start_m + (N - M) - window + 1, 0) // BLOCK_N) * BLOCK_N)
+    sink_hi = 0
+    if SINK:  # the sink tokens' blocks below the window's first block
+        sink_hi = tl.minimum(sink_tokens, lo)
     if FLAGGED:  # sync-free grid: a disabled head's programs visit no keys: dQ = 0
-        hi = tl.where(tl.load(Disabled + pair32) == 0, hi, 0)
+        head_on = tl.load(Disabled + pair32) == 0
+        hi = tl.where(head_on, hi, 0)
+        if SINK:
+            sink_hi = tl.where(head_on, sink_hi, 0)
+    pad_base = PadMask + b * N
+    if SINK:
+        for start_n in range(sink_lo, sink_hi, BLOCK_N):
+            dq = _dq_block(
+                dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, pos, m_ok, N, qk_scale, cap2, window,
+                sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+                BLOCK_N, BLOCK_D, HEAD_DIM, CAUSAL, HAS_PAD, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
+            )  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        n_ok = cols < N
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
-        if SOFTCAP:
-            t = _tanh(s)
-            s = t * cap2
-        valid = m_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= pos[:, None])
-        if WINDOW:
-            valid = valid & (cols[None, :] > (pos - window)[:, None])
-        if HAS_PAD:
-            key_ok = tl.load(PadMask + b * N + cols, mask=n_ok, other=0) != 0
-            valid = valid & key_ok[None, :]
-        p = tl.where(valid, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BM, BN]
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+        dq = _dq_block(
+            dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, pos, m_ok, N, qk_scale, cap2, window,
+            sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+            BLOCK_N, BLOCK_D, HEAD_DIM, CAUSAL, HAS_PAD, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
+        )  # fmt: skip
     dq = dq * sm_scale
     tl.store(
         DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -317,13 +361,14 @@ def attention_backward(
     sinks: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    sink_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of the fused forward.
 
     grad_out, q, out: [B, Hq, M, D] (any strides); k, v: [B, Hkv, N, D] (any strides); lse: fp32
     [B, Hq, M] contiguous from the forward (+inf for keyless rows; with sinks it includes the sink);
     key_padding_mask: bool [B, N] contiguous or None; skip_heads: bool [B, Hq] contiguous or None;
-    window / softcap as in the forward; sinks: fp32 [Hq] contiguous or None. block_m / block_n
+    window / sink_tokens / softcap as in the forward; sinks: fp32 [Hq] contiguous or None. block_m / block_n
     override the tile table (tests). Returns dq [B, Hq, M, D], dk, dv [B, Hkv, N, D], contiguous, in
     the inputs' dtypes (disabled heads give dq = 0 and no contribution to dk, dv), and dsinks fp32 [Hq]
     (None without sinks).
@@ -347,15 +392,15 @@ def attention_backward(
     if plist.grid == 0:
         return dq, dk, dv, None if sinks is None else torch.zeros(Hq, dtype=torch.float32, device=device)
 
-    window = effective_window(window, N)
+    window, sink_tokens = effective_pattern(window, sink_tokens, N)
     delta = torch.empty((B, Hq, M), dtype=torch.float32, device=device)  # only enabled rows are read
     dummy = dq
     pad_arg = key_padding_mask if key_padding_mask is not None else dummy
     key_start = first_valid_keys(key_padding_mask)
     start_arg = key_start if key_start is not None else dummy
     precision = dot_precision(q.dtype)
-    feats = dict(WINDOW=window is not None, SOFTCAP=softcap is not None)
-    feat_args = (window or 0, float(softcap or 1.0))
+    feats = dict(WINDOW=window is not None, SOFTCAP=softcap is not None, SINK=sink_tokens is not None)
+    feat_args = (window or 0, float(softcap or 1.0), sink_tokens or 0)
     pairs = plist.pairs if plist.pairs is not None else dummy
     disabled = plist.disabled if plist.disabled is not None else dummy
     kv_pairs = kv_plist.pairs if kv_plist.pairs is not None else dummy
@@ -398,7 +443,16 @@ def attention_backward(
         return dsink_part
 
     # A retry after a refused launch reruns every kernel: each writes (not adds to) its outputs.
-    key = ("bwd", D, q.dtype, device, window is not None, softcap is not None, sinks is not None)
+    key = (
+        "bwd",
+        D,
+        q.dtype,
+        device,
+        window is not None,
+        softcap is not None,
+        sinks is not None,
+        sink_tokens is not None,
+    )
     dsink_part = launch_fitting(key, cfg, launch)
     dsinks = None if dsink_part is None else dsink_part.view(B, Hq, -1).sum((0, 2))
     return dq, dk, dv, dsinks

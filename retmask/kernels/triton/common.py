@@ -284,6 +284,21 @@ def effective_window(window: int | None, kv_len: int) -> int | None:
     return None if window is None or window >= kv_len else int(window)
 
 
+def effective_pattern(
+    window: int | None, sink_tokens: int | None, kv_len: int
+) -> tuple[int | None, int | None]:
+    """(window, sink_tokens) as the kernels must apply them: ``effective_window``, and no sink tokens
+    without a window or where they reach every row's window start (sink_tokens + window >= N: row
+    p <= N - 1 has p - window < sink_tokens, so its window and its sink tokens cover all of [0, p]; plain
+    causal attention, which compiles both masks out)."""
+    window = effective_window(window, kv_len)
+    if window is None or sink_tokens is None:
+        return window, None
+    if sink_tokens + window >= kv_len:
+        return None, None
+    return window, int(sink_tokens)
+
+
 def fp32_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
     """Sink logits as the kernels read them: fp32 [Hq], contiguous, outside autograd."""
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()

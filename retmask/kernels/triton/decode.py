@@ -20,7 +20,10 @@ empty the row is empty: out 0, argmax -1, lse +inf.
 
 Causality is trivially satisfied (the single row sits at position N - 1 and sees every key); padding
 still applies. A sliding window limits the row to keys N - window .. N - 1: only the blocks from the one
-holding key N - window are split over the programs (that block alone gets the window mask). Soft-capping
+holding key N - window are split over the programs (that block alone gets the window mask). Sink tokens
+(``sink_tokens`` S, with a window: the row also sees keys ``j < S``) below that block are visited by split 0
+alone, in a key loop of its own before its window keys; the merge's smallest-index rule keeps the argmax
+independent of which split holds them. Soft-capping
 is applied per logit as in the prefill (``_fwd_block``); a sink joins the merge's denominator
 (``m_ref = max(m, sink)``, ``l += 2^(sink - m_ref)``). A split that met a NaN / +inf logit has a NaN
 ``l_s``, which survives the merge's weighting (NaN * 0 = NaN): the row becomes NaN with argmax -1. Head skipping: only KV heads with at least one enabled query head do work. The grid is always
@@ -43,7 +46,7 @@ from .common import (
     decode_config,
     device_guard,
     dot_precision,
-    effective_window,
+    effective_pattern,
     first_valid_keys,
     interpreting,
     launch_fitting,
@@ -62,14 +65,15 @@ def _decode_partial_kernel(
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    H_KV, GROUP, N, key_lo, keys_per_split, num_splits, sm_scale, window, softcap,
+    H_KV, GROUP, N, key_lo, keys_per_split, num_splits, sm_scale, window, softcap, sink_tokens,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, FLAGGED: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
 ):  # fmt: skip
     """Program (split, KV slot): partial (m, idx, l, acc) of the group's rows over keys
     [key_lo + split * kps, min(key_lo + (split + 1) * kps, N)); key_lo and kps are multiples of BLOCK_N
-    (key_lo: the block holding the window's first key, else 0)."""
+    (key_lo: the block holding the window's first key, else 0). SINK: split 0 also takes the sink tokens
+    below key_lo."""
     split = tl.program_id(0)
     slot = tl.program_id(1)
     if HAS_PAIRS:
@@ -97,10 +101,18 @@ def _decode_partial_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     lo = key_lo + split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, N)
+    sink_lo = 0
     if HAS_PAD:  # blocks before the first valid key hold only padding (splits there do no work)
-        lo = tl.maximum(lo, (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N)
+        sink_lo = (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N
+        lo = tl.maximum(lo, sink_lo)
+    sink_hi = 0
+    if SINK:  # split 0: the sink tokens' blocks below the window's first block
+        sink_hi = tl.where(split == 0, tl.minimum(sink_tokens, key_lo), 0)
     if FLAGGED:  # sync-free grid: a fully disabled group's programs get no keys
-        hi = tl.where(tl.load(KvDisabled + kv_pair) == 0, hi, lo)
+        group_on = tl.load(KvDisabled + kv_pair) == 0
+        hi = tl.where(group_on, hi, lo)
+        if SINK:
+            sink_hi = tl.where(group_on, sink_hi, 0)
     mid_lo = lo
     if WINDOW:
         # Only the block holding the window's first key N - window straddles its edge: masked.
@@ -108,9 +120,9 @@ def _decode_partial_kernel(
     full_hi = tl.maximum(mid_lo, (hi // BLOCK_N) * BLOCK_N)  # whole blocks need no bounds mask
     # The prefill's key loops with one query row per head: no causal mask, argmax always tracked.
     acc, l_i, m_i, idx_i = _key_loops(
-        acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, lo, mid_lo, full_hi, hi, pos, N, qk_scale, cap2,
-        window, stride_kn, stride_kd, stride_vn, stride_vd,
-        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION,
+        acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos, N,
+        qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
     )  # fmt: skip
 
     part = (slot * num_splits + split) * BLOCK_G + offs_g  # [BLOCK_G] partial-state rows
@@ -213,12 +225,14 @@ def decode_forward(
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    sink_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the split-key decode forward.
 
     q: [B, Hq, 1, D] (any strides); k, v: [B, Hkv, N, D] (any strides); key_padding_mask: bool [B, N]
     contiguous or None; skip_heads: bool [B, Hq] contiguous or None; argmax_rows: 0 or 1; window:
     sliding window or None (only the keys N - window .. N - 1 are distributed over the splits);
+    sink_tokens: with a window, the first keys the row also sees (split 0 takes them), or None;
     softcap: logit cap or None; sinks: fp32 [Hq] contiguous or None.
     num_splits / block_n override the heuristics (tests). ``causal`` has no effect (accepted so every
     launcher takes the same arguments): the single row sits at position N - 1 and sees every key.
@@ -241,7 +255,7 @@ def decode_forward(
     plist = active_pairs(kv_skip, B, Hkv, always_sync_free=True)  # one program per KV head, never host_fill
     n_kv = plist.grid
 
-    window = effective_window(window, N)
+    window, sink_tokens = effective_pattern(window, sink_tokens, N)
     bd, bg = block_d(D), max(16, next_power_of_2(group))
     key_start = first_valid_keys(key_padding_mask)
     dummy = out
@@ -271,11 +285,12 @@ def decode_forward(
                 part_m, part_idx, part_l, part_acc,
                 *q2.stride(), *k.stride(), *v.stride(),
                 Hkv, group, N, key_lo, keys_per_split, splits, float(sm_scale), window or 0,
-                float(softcap or 1.0),
+                float(softcap or 1.0), sink_tokens or 0,
                 HEAD_DIM=D, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd,
                 HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
                 FLAGGED=plist.disabled is not None, WINDOW=window is not None, SOFTCAP=softcap is not None,
-                DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                DOT_PRECISION=dot_precision(q.dtype), SINK=sink_tokens is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
             _decode_merge_kernel[(n_kv, group)](
                 pairs_arg, skip_heads if skip_heads is not None else dummy,
@@ -289,7 +304,7 @@ def decode_forward(
                 num_warps=4,
             )  # fmt: skip
 
-    key = ("decode", D, q.dtype, device, window is not None, softcap is not None)
+    key = ("decode", D, q.dtype, device, window is not None, softcap is not None, sink_tokens is not None)
     launch_fitting(key, cfg, launch)
     return out, argmax, lse
 

@@ -39,6 +39,12 @@ logit joins only the denominator, in the epilogue: the reference point moves to 
 is ``log(sum_j e^{s_j} + e^{sink})``, so the backward's ``P_j = exp(s_j - lse)`` is the probability of
 the sink-extended softmax. A row with no valid key still gives 0 / -1 / +inf (the sink is not a key).
 
+Sink tokens (``sink_tokens`` S, with a window; StreamingLLM's kept first keys, unlike the sink *logits*
+above): row ``p`` also sees keys ``j < S``. The blocks holding sink tokens below the window's first block
+get a key loop of their own before the window's (``_key_loops``, masked: keys ``>= S`` there lie below
+every row's window), so the argmax still meets keys in increasing order; window-edge blocks keep a key
+``j < S`` whatever the row's window. A tile visits O(BLOCK_M + window + S) keys.
+
 Non-finite logits. ``l`` is a sum of terms in [0, 1], so it is NaN exactly when a NaN or +inf logit
 reached the row among its allowed keys (``2^NaN``, or ``2^(inf - inf)`` once the running max is +inf;
 every later rescale keeps the NaN) -- whatever ``max`` does with NaN on the GPU or in the interpreter.
@@ -81,7 +87,7 @@ from .common import (
     cdiv,
     device_guard,
     dot_precision,
-    effective_window,
+    effective_pattern,
     fill_skipped,
     first_valid_keys,
     fwd_config,
@@ -143,16 +149,17 @@ def _scaled_logits(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, DOT_PRECISION: t
 
 @triton.jit
 def _fwd_block(
-    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window, sink_tokens,
     stride_kn, stride_kd, stride_vn, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
 ):  # fmt: skip
     """Fold keys [start_n, start_n + BLOCK_N) into (acc [BM, BD], l_i [BM], m_i [BM], idx_i [BM]).
 
-    MASKED blocks apply the bounds, causal (CAUSAL) and sliding-window lower-edge (WINDOW) masks; the
-    caller passes unmasked only blocks that are in range and inside every row's window."""
+    MASKED blocks apply the bounds, causal (CAUSAL) and sliding-window lower-edge (WINDOW; SINK: keys
+    below ``sink_tokens`` pass it) masks; the caller passes unmasked only blocks that are in range and
+    inside every row's window."""
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -168,7 +175,10 @@ def _fwd_block(
         if MASKED and CAUSAL:
             valid = valid & (cols[None, :] <= pos[:, None])
         if MASKED and WINDOW:
-            valid = valid & (cols[None, :] > (pos - window)[:, None])
+            in_window = cols[None, :] > (pos - window)[:, None]
+            if SINK:
+                in_window = in_window | (cols[None, :] < sink_tokens)
+            valid = valid & in_window
         if HAS_PAD:
             key_ok = tl.load(pad_base + cols, mask=cols < N, other=0) != 0
             valid = valid & key_ok[None, :]
@@ -195,33 +205,44 @@ def _fwd_block(
 
 @triton.jit
 def _key_loops(
-    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, lo, mid_lo, full_hi, hi, pos, N, qk_scale, cap2,
-    window, stride_kn, stride_kd, stride_vn, stride_vd,
+    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos, N,
+    qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, TRACK_ARGMAX: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
 ):  # fmt: skip
-    """All key blocks of one query tile in three runs: window-edge blocks [lo, mid_lo) (masked, WINDOW
-    only), blocks every row sees in full [mid_lo, full_hi) (unmasked), the rest up to ``hi`` (masked)."""
+    """All key blocks of one query tile in four runs: the sink tokens' blocks [sink_lo, sink_hi) below the
+    window (masked, SINK only; sink_hi <= lo), window-edge blocks [lo, mid_lo) (masked, WINDOW only),
+    blocks every row sees in full [mid_lo, full_hi) (unmasked), the rest up to ``hi`` (masked)."""
+    if SINK:
+        for start_n in range(sink_lo, sink_hi, BLOCK_N):
+            acc, l_i, m_i, idx_i = _fwd_block(
+                acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+                sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+                HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP,
+                DOT_PRECISION, SINK,
+            )  # fmt: skip
     if WINDOW:
         for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
             acc, l_i, m_i, idx_i = _fwd_block(
                 acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
-                stride_kn, stride_kd, stride_vn, stride_vd,
+                sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
                 HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP,
-                DOT_PRECISION,
+                DOT_PRECISION, SINK,
             )  # fmt: skip
     for start_n in range(mid_lo, full_hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
             acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
-            stride_kn, stride_kd, stride_vn, stride_vd,
+            sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
+            SINK,
         )  # fmt: skip
     for start_n in range(tl.maximum(mid_lo, full_hi), hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
             acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
-            stride_kn, stride_kd, stride_vn, stride_vd,
+            sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
             HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
+            SINK,
         )  # fmt: skip
     return acc, l_i, m_i, idx_i
 
@@ -244,11 +265,11 @@ def _fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    H_Q, GROUP, M, N, sm_scale, argmax_first_row, argmax_rows, last_m_block, window, softcap,
+    H_Q, GROUP, M, N, sm_scale, argmax_first_row, argmax_rows, last_m_block, window, softcap, sink_tokens,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, FLAGGED: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one enabled (batch, head) pair, all their keys."""
     # Longest tiles first: under a causal mask the last row block has the most keys; starting with it
@@ -291,6 +312,7 @@ def _fwd_kernel(
     lo = 0
     if HAS_PAD:  # blocks before the first valid key hold only padding
         lo = (tl.load(KeyStart + b) // BLOCK_N) * BLOCK_N
+    sink_lo = lo
     mid_lo = lo
     if WINDOW:
         # The tile's first row sees keys from first_pos - window + 1 on: earlier blocks are never loaded
@@ -299,23 +321,28 @@ def _fwd_kernel(
         lo = tl.maximum(lo, (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N)
         inside = tl.maximum(first_pos + BLOCK_M - window, 0)
         mid_lo = tl.maximum(lo, tl.cdiv(inside, BLOCK_N) * BLOCK_N)
+    sink_hi = 0
+    if SINK:  # the sink tokens' blocks below the window's first block (from the first valid key's)
+        sink_hi = tl.minimum(sink_tokens, lo)
     if FLAGGED:
         # Sync-free grids also hold programs for disabled pairs: empty key loops, so the epilogue writes
         # exactly a disabled head's outputs (0, argmax -1, lse +inf).
         enabled = tl.load(Disabled + pair32) == 0
         hi = tl.where(enabled, hi, 0)
         full_hi = tl.where(enabled, full_hi, 0)
+        if SINK:
+            sink_hi = tl.where(enabled, sink_hi, 0)
     if TRACK_ARGMAX and start_m * BLOCK_M + BLOCK_M > argmax_first_row:  # the tile holds argmax rows
         acc, l_i, m_i, idx_i = _key_loops(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, lo, mid_lo, full_hi, hi, pos, N, qk_scale,
-            cap2, window, stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos,
+            N, qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
         )  # fmt: skip
     else:
         acc, l_i, m_i, idx_i = _key_loops(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, lo, mid_lo, full_hi, hi, pos, N, qk_scale,
-            cap2, window, stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, False, WINDOW, SOFTCAP, DOT_PRECISION,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos,
+            N, qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, False, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
         )  # fmt: skip
 
     # l is a sum of terms in [0, 1]: it is NaN exactly when a NaN or +inf logit reached the row (its term
@@ -355,12 +382,14 @@ def attention_forward(
     sinks: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    sink_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the prefill forward.
 
     q: [B, Hq, M, D] (any strides); k, v: [B, Hkv, N, D] (any strides); key_padding_mask: bool [B, N]
     contiguous or None; skip_heads: bool [B, Hq] contiguous or None; argmax_rows: T in [0, M];
-    window: sliding window (causal only) or None; softcap: logit cap or None; sinks: fp32 [Hq]
+    window: sliding window (causal only) or None; sink_tokens: with a window, the first keys every row
+    also sees, or None; softcap: logit cap or None; sinks: fp32 [Hq]
     contiguous or None (the lse then includes the sink). block_m / block_n override the tile table
     (tests). Returns out [B, Hq, M, D] (q.dtype, contiguous),
     argmax int64 [B, Hq, T] or None, lse fp32 [B, Hq, M] or None.
@@ -380,7 +409,7 @@ def attention_forward(
 
     key_start = first_valid_keys(key_padding_mask)
     dummy = out  # stands in for pointers whose use is compiled out
-    window = effective_window(window, N)
+    window, sink_tokens = effective_pattern(window, sink_tokens, N)
 
     def launch(cfg: TileConfig) -> None:
         n_blocks = cdiv(M, cfg.block_m)
@@ -394,12 +423,12 @@ def attention_forward(
                 sinks if sinks is not None else dummy,
                 *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 Hq, Hq // Hkv, M, N, float(sm_scale), M - argmax_rows, argmax_rows, n_blocks - 1,
-                window or 0, float(softcap or 1.0),
+                window or 0, float(softcap or 1.0), sink_tokens or 0,
                 HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d(D),
                 CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
                 FLAGGED=plist.disabled is not None, TRACK_ARGMAX=argmax is not None, WRITE_LSE=return_lse, WINDOW=window is not None,
                 SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                SINK=sink_tokens is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
 
     key = (
@@ -411,6 +440,7 @@ def attention_forward(
         window is not None,
         softcap is not None,
         sinks is not None,
+        sink_tokens is not None,
     )
     launch_fitting(key, cfg, launch)
     return out, argmax, lse

@@ -1,0 +1,253 @@
+"""``retmask kv``: accuracy against KV memory with head-sparse caches: are retrieval heads the ones to keep?
+
+Writes ``<out-dir>/<prefix>.json`` (every configuration: policy, budget, seed, full KV heads, bytes held
+and the full cache's, each test's answer and score), ``<prefix>.md`` (table) and ``<prefix>.png``
+(accuracy vs memory ratio); each configuration is saved atomically under ``<prefix>.configs/`` as it
+completes, so ``--resume`` continues an interrupted run. The work is ``retmask.evaluate.kv_budget``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from retmask.commands.argtypes import (
+    MAX_TOKENS,
+    draw_count,
+    int_range,
+    positive_int,
+    seed_int,
+    token_count,
+)
+from retmask.commands.common import (
+    add_grid_args,
+    add_model_args,
+    check_device_arg,
+    example,
+    grid_from_args,
+    load_from_args,
+    needles_from_args,
+    reports_errors,
+)
+from retmask.errors import UsageError
+
+# A small default grid: every configuration runs every test (17 configurations with the defaults).
+DEFAULT_GRID = {"num_lengths": 3, "num_depths": 3}
+DEFAULT_NEEDLES = 2
+DEFAULT_POLICIES = "retrieval,random,non-retrieval,streaming,full"
+DEFAULT_BUDGETS = "0.1,0.2,0.3"
+
+sink_count = int_range(0, cap=MAX_TOKENS, why="more tokens than any model's context")
+
+
+def _list_type(parse_name: str, *extra: Any):
+    """An argparse ``type`` calling ``retmask.evaluate.kv_budget.<parse_name>`` (imported on use: the
+    module is light, but building the parsers imports nothing of it), its error as argparse's."""
+
+    def parse(text: str):
+        from retmask.evaluate import kv_budget
+
+        try:
+            return getattr(kv_budget, parse_name)(text, *extra)
+        except UsageError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = "list"
+    return parse
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "kv",
+        help="accuracy vs KV memory: keep the retrieval heads' keys (head-sparse cache) vs random heads",
+        description=(
+            "The causal test of retrieval heads as the KV heads to keep. Answers the NIAH grid (and with "
+            "--tasks niah,kv the key-value retrieval task of `retmask eval`) with model.generate under each "
+            "KV-cache policy at each budget: retrieval = the KV heads with the best retrieval scores keep "
+            "every key; random = as many random KV heads (--seeds draws); non-retrieval = the lowest-scoring "
+            "ones; streaming = none (budget 0); full = the normal cache. Every other KV head keeps its first "
+            "--sink-tokens keys and the last --window. BUDGET is the fraction of KV heads (of the global "
+            "layers) kept full, not of query heads: with GQA, g query heads share one KV head, a KV head "
+            "ranks by its best query head and keeps every key for all g of them, so budget 0.1 of SmolLM2's "
+            "90 KV heads (270 query heads) keeps 9 KV heads (27 query heads) whole; fractions round up to "
+            "whole KV heads. The memory ratio follows, measured from the cache after each generation. "
+            "Writes a table, a plot PNG and a JSON with every configuration. Resumable."
+        ),
+        epilog=example(
+            "retmask kv --scores runs/detect/scores.json --budgets 0.1,0.2,0.3 --window 256 "
+            "--sink-tokens 4 --seeds 3 --out-dir runs/kv"
+        ),
+    )
+    p.add_argument(
+        "--scores",
+        type=Path,
+        default=None,
+        help="retrieval-scores JSON of this model (`retmask detect`); needed by the retrieval and "
+        "non-retrieval policies",
+    )
+    p.add_argument(
+        "--budgets",
+        type=_list_type("parse_budgets"),
+        default=DEFAULT_BUDGETS,
+        help="comma-separated fractions in (0, 1] of the KV heads (not query heads) kept full",
+    )
+    p.add_argument(
+        "--policies",
+        type=_list_type(
+            "parse_names", ("retrieval", "random", "non-retrieval", "streaming", "full"), "policy"
+        ),
+        default=DEFAULT_POLICIES,
+        help="comma-separated policies to run",
+    )
+    p.add_argument(
+        "--window",
+        type=token_count,
+        default=256,
+        help="recent tokens every non-full KV head keeps (must be shorter than the shortest context)",
+    )
+    p.add_argument(
+        "--sink-tokens", type=sink_count, default=4, help="first tokens (attention sinks) every KV head keeps"
+    )
+    p.add_argument("--seeds", type=draw_count, default=3, help="random-policy draws per budget")
+    p.add_argument("--seed", type=seed_int, default=0, help="first seed of the draws (then seed+1, ...)")
+    p.add_argument(
+        "--tasks",
+        type=_list_type("parse_names", ("niah", "kv"), "task"),
+        default="niah",
+        help="comma-separated tasks: niah = the NIAH grid (ROUGE-1 recall); kv = key-value retrieval of "
+        "`retmask eval` at the grid's lengths, asked at its depths (exact match)",
+    )
+    add_model_args(p)
+    add_grid_args(p, num_needles=DEFAULT_NEEDLES, grid=DEFAULT_GRID)
+    p.add_argument("--out-dir", type=Path, default=Path("runs/kv"), help="folder for the outputs")
+    p.add_argument("--prefix", default="kv", help="file name stem of the outputs")
+    p.add_argument(
+        "--resume", action="store_true", help="skip configurations already saved by the same settings"
+    )
+    p.add_argument("--overwrite", action="store_true", help="discard earlier results in --out-dir")
+    p.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        help="run at most N new configurations, then stop (use with --resume)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+    return p
+
+
+def _as_list(value: Any, parse: Any) -> Any:
+    """A flag's value: argparse applies ``type`` to a string default too, but not to one set in code."""
+    return parse(value) if isinstance(value, str) else value
+
+
+@reports_errors()
+def run(args: argparse.Namespace) -> int:
+    from retmask.runfiles import RunLock, check_fresh_or_resume, check_writable
+
+    check_writable(args.out_dir, what="--out-dir", directory=True)
+    check_fresh_or_resume([], resume=args.resume, overwrite=args.overwrite)  # not both
+    with RunLock(args.out_dir / args.prefix, flag="--out-dir or --prefix"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import time
+
+    from retmask.evaluate.kv_budget import (
+        BUDGET_POLICIES,
+        POLICIES,
+        SCORED_POLICIES,
+        TASKS,
+        KVBudgetError,
+        check_window,
+        parse_budgets,
+        parse_names,
+        plan,
+        plot_kv_budget,
+        run_kv_budget,
+    )
+    from retmask.heads.selection import SelectionError, load_scores
+    from retmask.niah import load_haystack
+    from retmask.niah.grid import check_grid_tests
+    from retmask.niah.haystack import HaystackError
+    from retmask.niah.needles import NeedleFileError
+    from retmask.plotting import short_name
+    from retmask.runfiles import check_fresh_or_resume
+
+    t0 = time.perf_counter()
+    policies = _as_list(args.policies, lambda s: parse_names(s, POLICIES, "policy"))
+    budgets = _as_list(args.budgets, parse_budgets)
+    tasks = _as_list(args.tasks, lambda s: parse_names(s, TASKS, "task"))
+    configs = args.out_dir / f"{args.prefix}.configs"  # checked again (with the settings) by run_kv_budget
+    earlier = [configs] if configs.is_dir() and any(configs.glob("*.json")) else []
+    earlier += [p for p in [args.out_dir / f"{args.prefix}.json"] if p.exists()]
+    check_fresh_or_resume(earlier, resume=args.resume, overwrite=args.overwrite, remove=False,
+                          what="an earlier KV-budget run")  # fmt: skip
+    try:
+        # everything that can be checked without the model, before it loads
+        if args.scores is None and any(p in SCORED_POLICIES for p in policies):
+            raise KVBudgetError(
+                "--scores is required by the retrieval and non-retrieval policies (the scores JSON "
+                "`retmask detect` wrote for this model); pass it, or --policies without them"
+            )
+        if args.scores is not None:
+            load_scores(args.scores)  # readable and well-formed now; its shape is checked with the model
+        if not any(p in BUDGET_POLICIES for p in policies):
+            budgets = []
+        total = len(plan(policies, budgets, args.seeds, args.seed))
+        lengths, depths = grid_from_args(args)
+        check_window(args.window, args.sink_tokens, lengths)
+        needles = needles_from_args(args)
+        if "niah" in tasks:
+            check_grid_tests(len(needles), lengths, depths)
+        haystack = load_haystack(args.haystack)
+        check_device_arg(args.device, "kv")
+        per_config = len(needles) * len(lengths) * len(depths) * ("niah" in tasks)
+        per_config += len(lengths) * len(depths) * ("kv" in tasks)
+        print(
+            f"grid: {len(lengths)} lengths {lengths} x {len(depths)} depths {depths}"
+            + (f" x {len(needles)} needles" if "niah" in tasks else "")
+            + f"; tasks {','.join(tasks)}: up to {per_config} tests per configuration x {total} configurations",
+            file=sys.stderr,
+        )
+        model, tok, name = load_from_args(args)
+        res = run_kv_budget(
+            model, tok, scores=args.scores, policies=policies, budgets=budgets, seeds=args.seeds,
+            base_seed=args.seed, window=args.window, sink_tokens=args.sink_tokens, tasks=tasks,
+            lengths=lengths, depths=depths, needles=needles, haystack_text=haystack,
+            max_new_tokens=args.max_new_tokens, prompt_style=args.prompt_style, out_dir=args.out_dir,
+            prefix=args.prefix, resume=args.resume, overwrite=args.overwrite, limit=args.limit,
+            model_name=name, progress=not args.no_progress, log=lambda msg: print(msg, file=sys.stderr),
+        )  # fmt: skip
+    except (ValueError, NeedleFileError, HaystackError, SelectionError) as err:
+        print(f"retmask kv: error: {err}", file=sys.stderr)
+        return 2
+    png = args.out_dir / f"{args.prefix}.png"
+    if res.results:
+        plot_kv_budget(
+            res,
+            png,
+            f"Accuracy vs KV memory: {short_name(name)}, window {args.window} + {args.sink_tokens} sinks\n"
+            + (
+                f"{len(lengths)} lengths ({min(lengths)}-{max(lengths)})"
+                if len(lengths) > 1
+                else f"length {lengths[0]}"
+            )
+            + f" x {len(depths)} depth{'s' * (len(depths) > 1)}"
+            + (f" x {len(needles)} needles" if "niah" in tasks else "")
+            + (f"; scores: {args.scores.name}" if args.scores is not None else ""),
+        )
+    print(
+        f"{name}: window {args.window}, {args.sink_tokens} sink tokens; grid lengths {lengths} x depths {depths}"
+    )
+    print(res.table())
+    left = res.meta["configs_total"] - res.meta["configs_done"]
+    if left:
+        print(f"{left} configurations left: run the same command with --resume to continue")
+    print(
+        f"done in {time.perf_counter() - t0:.0f} s; outputs -> {args.out_dir}/{args.prefix}.{{json,md,png}}"
+    )
+    return 0
