@@ -151,7 +151,7 @@ def test_load_model_can_keep_torch_linears(monkeypatch):
         return copy.deepcopy(model)
 
     monkeypatch.setattr(retmask.hf.loading, "_resolve", lambda spec, gguf: "folder")
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda source: _Tok())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda source, **kw: _Tok())
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
     patched, _ = retmask.hf.loading.load_model("folder")
     kept, _ = retmask.hf.loading.load_model("folder", cpu_linears=False)
