@@ -174,7 +174,7 @@ def test_readme_sparse_cache_example_runs(tmp_path, monkeypatch):
 
     scores = tmp_path / "runs/detect/smollm2.json"
     scores.parent.mkdir(parents=True)
-    shutil.copy(ROOT / "bench/results/smollm2_scores.json", scores)  # what `make detect` writes
+    shutil.copy(ROOT / "bench/results/smollm2_scores_shipped-haystack.json", scores)  # as `make detect` writes
     monkeypatch.chdir(tmp_path)
     scope = vars(importlib.import_module("tests.readme_examples.sparse_cache_example"))
     assert 0 < scope["held"] < 0.3

@@ -771,4 +771,4 @@ def plot_kv_budget(result: KVBudgetResult, path: str | Path, title: str = "") ->
     if title:
         fig.suptitle(title, fontsize=9, wrap=True)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    save_figure(fig, path)
+    save_figure(fig, path, tight=True)  # the legend sits below the axes
