@@ -174,7 +174,8 @@ def test_readme_sparse_cache_example_runs(tmp_path, monkeypatch):
 
     scores = tmp_path / "runs/detect/smollm2.json"
     scores.parent.mkdir(parents=True)
-    shutil.copy(ROOT / "bench/results/smollm2_scores_shipped-haystack.json", scores)  # as `make detect` writes
+    # what `make detect` writes (a detection on the shipped haystack)
+    shutil.copy(ROOT / "bench/results/smollm2_scores_shipped-haystack.json", scores)
     monkeypatch.chdir(tmp_path)
     scope = vars(importlib.import_module("tests.readme_examples.sparse_cache_example"))
     assert 0 < scope["held"] < 0.3
