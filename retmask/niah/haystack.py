@@ -39,9 +39,6 @@ class HaystackText(str):
         obj.source = source
         return obj
 
-    def __reduce__(self):  # pickles (multiprocessing) as the same text with the same source
-        return (HaystackText, (str(self), self.source))
-
 
 def haystack_name(text: str) -> str:
     """How errors name a haystack: its source when known (:class:`HaystackText`), else ``"the haystack"``."""
