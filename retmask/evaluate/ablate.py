@@ -2,9 +2,10 @@
 random heads masked (several seeds; mean ± std).
 
 Every mask configuration is one :func:`retmask.evaluate.niah.evaluate_niah` run on the same grid. Its
-result is written atomically to ``<out_dir>/<prefix>.configs/<name>.json`` as soon as it completes, with a
-fingerprint of everything that determines it (model, scores, grid, needles, haystack, decoding, heads);
-``resume=True`` loads the finished ones and refuses files written with other settings.
+result is written atomically to ``<out_dir>/<prefix>.configs/<name>.json`` as soon as it completes
+(``retmask.evaluate.config_runs``), with a fingerprint of everything that determines it (model, scores, grid,
+needles, haystack, decoding, heads); ``resume=True`` loads the finished ones and refuses files written with
+other settings.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retmask.evaluate.config_runs import ConfigFolder, remaining
 from retmask.evaluate.niah import NiahResult, evaluate_niah, grid_fingerprint
 from retmask.heads import model_shape
 from retmask.heads.selection import (
@@ -268,8 +270,6 @@ def run_ablation(
     scores: ``{(layer, head): mean retrieval score}`` (``retmask.heads.selection.load_scores``); heads the
     model does not have -> error; heads absent from it count as 0.
     """
-    from tqdm import tqdm
-
     shape = model_shape(model)
     try:
         full = complete_scores(scores, shape)
@@ -296,60 +296,40 @@ def run_ablation(
         **({"tau": tau} if random_from == "non-retrieval" and tau != NON_RETRIEVAL_TAU else {}),
     }
 
-    cdir = Path(out_dir) / f"{prefix}.configs" if out_dir is not None else None
+    folder = ConfigFolder(out_dir, prefix, AblationError)
     results: dict[str, NiahResult] = {}
-    if cdir is not None and cdir.is_dir():
-        existing = sorted(cdir.glob("*.json"))
-        if existing and not (resume or overwrite):
+    for path in folder.saved(resume=resume, overwrite=overwrite):
+        f = JsonFile(path, "ablation result", "delete it to recompute that configuration", AblationError)
+        saved = f.expect(f.read(), dict, "the file")
+        name = f.key(saved, "name", str)
+        fix = "rerun with the same flags, or --overwrite"
+        check_same_settings(saved.get("fingerprint"), fingerprint, path=path, fix=fix, error=AblationError)
+        if name not in heads or saved.get("heads") != [list(h) for h in heads[name]]:
             raise AblationError(
-                f"{cdir} already holds {len(existing)} configuration results; pass --resume to continue that "
-                "run, --overwrite to start over, or another --out-dir"
+                f"--resume: {path} was written by a run with other settings (its masked heads differ: "
+                f"random pool or seeds changed); {fix}"
             )
-        for path in existing if resume else []:
-            f = JsonFile(path, "ablation result", "delete it to recompute that configuration", AblationError)
-            saved = f.expect(f.read(), dict, "the file")
-            name = f.key(saved, "name", str)
-            fix = "rerun with the same flags, or --overwrite"
-            check_same_settings(
-                saved.get("fingerprint"), fingerprint, path=path, fix=fix, error=AblationError
-            )
-            if name not in heads or saved.get("heads") != [list(h) for h in heads[name]]:
-                raise AblationError(
-                    f"--resume: {path} was written by a run with other settings (its masked heads differ: "
-                    f"random pool or seeds changed); {fix}"
-                )
-            results[name] = _saved_result(f, f.key(saved, "result", dict))
-        if results:
-            log(f"resuming: {len(results)} of {len(configs)} configurations already done")
+        results[name] = _saved_result(f, f.key(saved, "result", dict))
+    if results:
+        log(f"resuming: {len(results)} of {len(configs)} configurations already done")
 
     t0 = time.perf_counter()
-    bar = tqdm(total=len(configs), initial=len(results), desc="ablate", unit="config", disable=not progress)
-    ran = 0
-    for c in configs:
-        if c.name in results:
-            continue
-        if limit is not None and ran >= limit:
-            break
-        ran += 1
-        bar.set_postfix_str(c.name)
+    for c in remaining(configs, results, limit=limit, desc="ablate", progress=progress):
         res = evaluate_niah(
             model, tokenizer, lengths=lengths, depths=depths, needles=needle_list, haystack_text=text,
             heads=heads[c.name], max_new_tokens=max_new_tokens, progress=progress, desc=c.name,
             prompt_style=style,
         )  # fmt: skip
         results[c.name] = res
-        if cdir is not None:
-            atomic_write_json(
-                cdir / f"{c.name}.json",
-                {
-                    "name": c.name,
-                    "fingerprint": fingerprint,
-                    "heads": [list(h) for h in heads[c.name]],
-                    "result": res.to_json(),
-                },
-            )
-        bar.update(1)
-    bar.close()
+        folder.save(
+            c.name,
+            {
+                "name": c.name,
+                "fingerprint": fingerprint,
+                "heads": [list(h) for h in heads[c.name]],
+                "result": res.to_json(),
+            },
+        )
     meta = {
         **{k: v for k, v in fingerprint.items() if k != "needles"},
         "needles": len(needle_list),

@@ -208,8 +208,8 @@ def test_resume_skips_done_configurations_and_refuses_other_settings(
     assert "pass --resume to continue or --overwrite" in capsys.readouterr().err
 
     ran: list[object] = []
-    real = kvb.run_config
-    monkeypatch.setattr(kvb, "run_config", lambda *a, **k: ran.append(a[3]) or real(*a, **k))
+    real = kvb.run.run_config
+    monkeypatch.setattr(kvb.run, "run_config", lambda *a, **k: ran.append(a[3]) or real(*a, **k))
     assert main([*argv, "--resume"]) == 0
     assert ran == [[(0, 0), (1, 0)]]  # only retrieval-b0.5 ran (its full KV heads)
     assert "resuming: 2 of 3 configurations already done" in capsys.readouterr().err
