@@ -110,6 +110,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--sink-tokens", type=sink_count, default=4, help="first tokens (attention sinks) every KV head keeps"
     )
+    p.add_argument(
+        "--prefill",
+        choices=("windowed", "full"),
+        default="windowed",
+        help="windowed: the windowed KV heads see only their sink + window keys from the prompt on (memory and "
+        "work bounded from the first token); full: the prompt is computed with every key in every head and "
+        "the cache is pruned after it, so only the answer's tokens see the pruned cache",
+    )
     p.add_argument("--seeds", type=draw_count, default=3, help="random-policy draws per budget")
     p.add_argument("--seed", type=seed_int, default=0, help="first seed of the draws (then seed+1, ...)")
     p.add_argument(
@@ -216,7 +224,7 @@ def _run(args: argparse.Namespace) -> int:
         model, tok, name = load_from_args(args)
         res = run_kv_budget(
             model, tok, scores=args.scores, policies=policies, budgets=budgets, seeds=args.seeds,
-            base_seed=args.seed, window=args.window, sink_tokens=args.sink_tokens, tasks=tasks,
+            base_seed=args.seed, window=args.window, sink_tokens=args.sink_tokens, prefill=args.prefill, tasks=tasks,
             lengths=lengths, depths=depths, needles=needles, haystack_text=haystack,
             max_new_tokens=args.max_new_tokens, prompt_style=args.prompt_style, out_dir=args.out_dir,
             prefix=args.prefix, resume=args.resume, overwrite=args.overwrite, limit=args.limit,
@@ -230,7 +238,9 @@ def _run(args: argparse.Namespace) -> int:
         plot_kv_budget(
             res,
             png,
-            f"Accuracy vs KV memory: {short_name(name)}, window {args.window} + {args.sink_tokens} sinks\n"
+            f"Accuracy vs KV memory: {short_name(name)}, window {args.window} + {args.sink_tokens} sinks"
+            + (", full prefill" if args.prefill == "full" else "")
+            + "\n"
             + (
                 f"{len(lengths)} lengths ({min(lengths)}-{max(lengths)})"
                 if len(lengths) > 1
@@ -241,7 +251,7 @@ def _run(args: argparse.Namespace) -> int:
             + (f"; scores: {args.scores.name}" if args.scores is not None else ""),
         )
     print(
-        f"{name}: window {args.window}, {args.sink_tokens} sink tokens; grid lengths {lengths} x depths {depths}"
+        f"{name}: window {args.window}, {args.sink_tokens} sink tokens, {args.prefill} prefill; grid lengths {lengths} x depths {depths}"
     )
     print(res.table())
     left = res.meta["configs_total"] - res.meta["configs_done"]

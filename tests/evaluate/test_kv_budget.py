@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import retmask
 import retmask.evaluate.kv_budget as kvb
 from retmask.cli import main
 from retmask.evaluate.kv_budget import (
@@ -220,6 +221,8 @@ def test_resume_skips_done_configurations_and_refuses_other_settings(
     capsys.readouterr()
     assert main([*argv[:4], "48", *argv[5:], "--resume"]) == 2  # another --window
     assert "was written by a run with other settings (window: 32 -> 48" in capsys.readouterr().err
+    assert main([*argv, "--prefill", "full", "--resume"]) == 2  # another prefill
+    assert "was written by a run with other settings (prefill: None -> 'full'" in capsys.readouterr().err
 
     saved = out / "kv.configs" / "streaming.json"
     data = json.loads(saved.read_text())
@@ -232,6 +235,16 @@ def test_resume_skips_done_configurations_and_refuses_other_settings(
 
     assert main([*argv, "--overwrite"]) == 0  # starts over: every configuration runs again
     assert len(ran) == 3
+
+    prefills: list[str] = []
+    real_cache = retmask.head_sparse_cache
+    monkeypatch.setattr(
+        retmask, "head_sparse_cache", lambda *a, **k: prefills.append(k.get("prefill")) or real_cache(*a, **k)
+    )
+    assert main([*argv, "--prefill", "full", "--overwrite"]) == 0
+    # kv_layout's probe (no prefill given), then streaming's and retrieval's caches (full: a DynamicCache)
+    assert prefills == [None, "full", "full"]
+    assert json.loads((out / "kv.json").read_text())["meta"]["prefill"] == "full"
 
 
 # -- errors ----------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class Pattern:
     full: set[tuple[int, int]] = set()
     layers: set[int] = set()
     sinks, window = S, W
+    full_prefill = False  # the first call (M == N keys) unmasked: head_sparse_cache(prefill="full")
     argmax: dict[int, torch.Tensor] = {}  # layer -> [B, Hq] argmax of the last row (absolute positions)
 
 
@@ -70,7 +71,7 @@ def reference_attention(module, query, key, value, attention_mask, dropout=0.0, 
     if kwargs.get("sliding_window") is not None:
         allowed &= kpos[None] > qpos[:, None] - kwargs["sliding_window"]
     allowed = allowed[None, None].expand(B, Hq, M, N).clone()
-    if layer in Pattern.layers:
+    if layer in Pattern.layers and not (Pattern.full_prefill and M == N):
         windowed = (kpos[None] < Pattern.sinks) | (kpos[None] > qpos[:, None] - Pattern.window)
         for h in range(Hq):
             if (layer, h // g) not in Pattern.full:
@@ -109,6 +110,7 @@ def reference_of(model, full: list[tuple[int, int]], sinks: int = S) -> transfor
     other.set_attn_implementation(REF)
     config = model.config.get_text_config(decoder=True)
     Pattern.full, Pattern.sinks, Pattern.window = set(full), sinks, W
+    Pattern.full_prefill = False
     Pattern.layers = {
         i
         for i, kind in enumerate(getattr(config, "layer_types", None) or ["full_attention"] * 2)
@@ -167,6 +169,37 @@ def test_logits_equal_masked_eager(arch, blocked, monkeypatch):
     # the pattern matters: a full cache gives other logits once keys leave the window
     full = run_steps(model, DynamicCache(config=model.config), ids, mask, [20], decode=4)
     assert (full[-1] - got[-1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_full_prefill_sees_every_key_then_decodes_the_pattern(arch):
+    """prefill="full": the first call is the full cache's attention (every head, every key); the cache then
+    holds what the windowed prefill would, so decode steps (and a second prefill chunk) see the pattern."""
+    model = tiny(arch)
+    ref = reference_of(model, MIXED[arch])
+    Pattern.full_prefill = True
+    ids, mask = random_batch(2, 20, left_pad=[0, 3])
+    valid = mask.bool()
+    for chunks in ([20], [12, 8]):
+        cache = retmask.head_sparse_cache(
+            model, full_heads=MIXED[arch], window=W, sink_tokens=S, prefill="full"
+        )
+        got = run_steps(model, cache, ids, mask, chunks, decode=4)
+        want = run_steps(ref, DynamicCache(config=ref.config), ids, mask, chunks, decode=4)
+        assert_logits_equal([torch.cat(got[: len(chunks)], 1), *got[len(chunks) :]],
+                            [torch.cat(want[: len(chunks)], 1), *want[len(chunks) :]], valid)  # fmt: skip
+        windowed = retmask.head_sparse_cache(model, full_heads=MIXED[arch], window=W, sink_tokens=S)
+        run_steps(model, windowed, ids, mask, chunks, decode=4)
+        assert cache.memory_bytes() == windowed.memory_bytes()
+    full = run_steps(model, DynamicCache(config=model.config), ids, mask, [20], decode=4)
+    got = run_steps(
+        model, retmask.head_sparse_cache(model, full_heads=MIXED[arch], window=W, sink_tokens=S, prefill="full"),
+        ids, mask, [20], decode=4,
+    )  # fmt: skip
+    torch.testing.assert_close(got[0][valid], full[0][valid], atol=1e-5, rtol=1e-5)  # the prompt: unpruned
+    assert (full[-1] - got[-1]).abs().max() > 1e-2  # decode: pruned
+    with pytest.raises(ValueError, match="prefill='all': pass one of 'windowed', 'full'"):
+        retmask.head_sparse_cache(model, full_heads=[], window=W, prefill="all")
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -96,6 +96,7 @@ def run_config(
     *,
     window: int,
     sink_tokens: int,
+    prefill: str = "windowed",
     max_new_tokens: int,
     stop_ids: Iterable[int],
     progress: bool = False,
@@ -134,7 +135,7 @@ def run_config(
                 # reserved at prompt + new tokens: the full heads' buffers are allocated once, at most
                 # max_new_tokens positions more than they end up holding (not grown by 1/8 past the prompt)
                 cache = retmask.head_sparse_cache(
-                    model, full_heads=full_heads, window=window, sink_tokens=sink_tokens,
+                    model, full_heads=full_heads, window=window, sink_tokens=sink_tokens, prefill=prefill,
                     max_length=ids.shape[1] + max_new_tokens,
                 )  # fmt: skip
             t0 = time.perf_counter()

@@ -37,6 +37,7 @@ def run_kv_budget(
     base_seed: int = 0,
     window: int = 256,
     sink_tokens: int = 4,
+    prefill: str = "windowed",
     tasks: Sequence[str] = ("niah",),
     lengths: Sequence[int],
     depths: Sequence[int],
@@ -129,6 +130,8 @@ def run_kv_budget(
             "global_layers": list(layout.global_layers),
         },
         "scores_sha256": means_digest, "window": window, "sink_tokens": sink_tokens, "tasks": tasks,
+        # only when not the default, so runs begun before the option still resume
+        **({"prefill": prefill} if prefill != "windowed" else {}),
         "kv_task_seed": KV_TASK_SEED, "decoding": "model.generate, greedy",
     }  # fmt: skip
 
@@ -153,7 +156,7 @@ def run_kv_budget(
         heads = planned[c.name][1]
         start = time.perf_counter()
         entries = run_config(
-            model, tokenizer, items, heads, window=window, sink_tokens=sink_tokens,
+            model, tokenizer, items, heads, window=window, sink_tokens=sink_tokens, prefill=prefill,
             max_new_tokens=max_new_tokens, stop_ids=stop_ids, progress=progress, desc=c.name,
         )  # fmt: skip
         res = ConfigResult(c, heads, entries, candidates, time.perf_counter() - start)

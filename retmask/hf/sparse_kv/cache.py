@@ -29,6 +29,8 @@ from retmask.hf.patch import require_retmask
 from retmask.hf.sparse_kv.layer import HeadSparseLayer
 from retmask.hf.sparse_kv.policy import KVHead, KVLayout, full_kv_heads
 
+PREFILL_MODES = ("windowed", "full")
+
 
 class HeadSparseCache(Cache):
     """A transformers ``Cache`` of ``HeadSparseLayer`` s (global layers) and sliding-window layers (local).
@@ -36,12 +38,20 @@ class HeadSparseCache(Cache):
     Attributes:
         full_heads: the (layer, kv_head) pairs kept whole, sorted.
         window, sink_tokens: W and S of the windowed heads.
+        prefill: "windowed" or "full" (``head_sparse_cache``).
     """
 
-    def __init__(self, layers: list[Any], full_heads: list[KVHead], window: int, sink_tokens: int):
+    def __init__(
+        self,
+        layers: list[Any],
+        full_heads: list[KVHead],
+        window: int,
+        sink_tokens: int,
+        prefill: str = "windowed",
+    ):
         super().__init__(layers=layers)
         self.full_heads = list(full_heads)
-        self.window, self.sink_tokens = window, sink_tokens
+        self.window, self.sink_tokens, self.prefill = window, sink_tokens, prefill
 
     def reserve(self, positions: int) -> None:
         """The full heads' buffers are allocated at exactly ``positions`` tokens (prompt + new tokens)
@@ -91,6 +101,7 @@ def head_sparse_cache(
     window: int,
     sink_tokens: int = 4,
     max_length: int | None = None,
+    prefill: str = "windowed",
 ) -> HeadSparseCache:
     """A head-sparse KV cache for ``model`` (on retmask attention), for ``model.generate(...,
     past_key_values=cache)`` or forward calls. Make a new one for every ``generate`` call.
@@ -105,6 +116,11 @@ def head_sparse_cache(
         sink_tokens: S >= 0, the first tokens (columns of the padded batch) every KV head keeps.
         max_length: positions the cache may reach (prompt + max_new_tokens): the full heads' buffers are then
             allocated once at that size; without it they hold the prefill exactly and then grow by 1/8.
+        prefill: "windowed" (default): the windowed heads attend over their sink + window keys from the first
+            token on, so the prompt costs O(S + W) keys per row in them; "full": the first forward call (the
+            prompt, as ``generate`` sends it) attends over every key in every head, then the cache drops what
+            the windowed heads do not keep, so only the decoded tokens see the pattern (prefill memory and work
+            are the full cache's; what is held afterwards is the same).
 
     See ``retmask.hf.sparse_kv.policy`` for why a KV head counts as full when its best query head does.
     """
@@ -115,6 +131,8 @@ def head_sparse_cache(
     sink_tokens = _check_int(
         "sink_tokens", sink_tokens, 0, "pass a whole number of sink tokens >= 0 (e.g. 4)"
     )
+    if prefill not in PREFILL_MODES:
+        raise ValueError(f"prefill={prefill!r}: pass one of {', '.join(map(repr, PREFILL_MODES))}")
     if max_length is not None:
         _check_int("max_length", max_length, 1, "pass prompt length + max_new_tokens, or None")
     config = model.config.get_text_config(decoder=True)
@@ -142,12 +160,12 @@ def head_sparse_cache(
     for layer, kv in chosen:
         per_layer[layer].append(kv)
     layers: list[Any] = [
-        HeadSparseLayer(per_layer[i], num_kv, layout.groups, window, sink_tokens)
+        HeadSparseLayer(per_layer[i], num_kv, layout.groups, window, sink_tokens, prefill == "full")
         if i in per_layer
         else layer  # a local layer: transformers' sliding-window cache, as the model's default cache
         for i, layer in enumerate(template)
     ]
-    cache = HeadSparseCache(layers, chosen, window, sink_tokens)
+    cache = HeadSparseCache(layers, chosen, window, sink_tokens, prefill)
     if max_length is not None:
         cache.reserve(max_length)
     return cache

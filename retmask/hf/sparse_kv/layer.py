@@ -10,6 +10,13 @@ Storage (B = batch, D = head dim, N = tokens so far, S = sink tokens, W = window
   the key that leaves the window of the query at p, so after a decode step's write the buffer holds the
   keys that query sees and nothing else. ``positions`` (int64 [S + W], -1 = empty slot) names each slot.
 
+Prefill: the windowed heads' query rows see only their pattern, so the keys they never see are skipped
+(``full_prefill=False``, the default: memory and work bounded from the first token), or, with
+``full_prefill=True``, the first forward call attends over every key in every head, as a normal cache would,
+and only then drops what the windowed heads do not keep (compression after the prompt: decode steps see the
+pattern, the prompt's own rows do not). A later multi-token call (a second prefill chunk) sees the pattern
+either way: the keys it would need are gone.
+
 Positions are columns of the padded batch (shared by every row): with left padding a row's sinks are the
 first S columns, i.e. ``max(0, S - pad)`` real tokens for a row with ``pad`` padding tokens (its window is
 unaffected: padding sits only before the real tokens).
@@ -63,8 +70,9 @@ class SparseKV:
     keys_win, values_win: [B, Hw, Nw, D], the windowed heads' keys this call may need (see ``mode``);
     positions_win: int64 [Nw], the absolute position of each (-1 = empty slot);
     mode: "visible"  one query row (decode); every non-empty key in keys_win is visible to it;
-          "ordered"  keys_win holds positions 0 .. N-1 in order and no key has left the pattern yet
-                     (N <= S + W): plain causal attention;
+          "ordered"  keys_win holds positions 0 .. N-1 in order and every query row sees every earlier key:
+                     no key has left the pattern yet (N <= S + W), or a first prefill with
+                     ``full_prefill``; plain causal attention;
           "pattern"  anything else (a prefill longer than S + W, or a chunk after earlier calls): row p
                      sees key j iff 0 <= j <= p and (j < S or p - W < j).
     length: N, positions in the sequence after this update (the padding mask's width);
@@ -92,8 +100,17 @@ class HeadSparseLayer(CacheLayerMixin):
     is_croppable = False  # evicted keys cannot come back
     supports_early_init = False
 
-    def __init__(self, full_kv: list[int], num_kv_heads: int, groups: int, window: int, sink_tokens: int):
+    def __init__(
+        self,
+        full_kv: list[int],
+        num_kv_heads: int,
+        groups: int,
+        window: int,
+        sink_tokens: int,
+        full_prefill: bool = False,
+    ):
         super().__init__()
+        self.full_prefill = full_prefill
         self.full_kv = sorted(full_kv)
         self.win_kv = [h for h in range(num_kv_heads) if h not in set(full_kv)]
         self.num_kv_heads, self.groups = num_kv_heads, groups
@@ -199,8 +216,9 @@ class HeadSparseLayer(CacheLayerMixin):
             values_win = v_new if start == 0 else torch.cat([old_v[:, :, :start], v_new], dim=2)
             positions = torch.arange(end, dtype=torch.int64, device=self.device)
             mode = "ordered" if n > 1 else "visible"
-        elif old_k is None:
-            keys_win, values_win, positions, mode = k_new, v_new, chunk_pos, "pattern"
+        elif old_k is None:  # a first prefill: the pattern, or with full_prefill every key (kept: S + W)
+            keys_win, values_win, positions = k_new, v_new, chunk_pos
+            mode = "ordered" if self.full_prefill else "pattern"
         else:
             keys_win, values_win = torch.cat([old_k, k_new], dim=2), torch.cat([old_v, v_new], dim=2)
             positions, mode = torch.cat([old_pos, chunk_pos]), "pattern"
