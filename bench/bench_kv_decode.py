@@ -1,0 +1,281 @@
+"""Decode with a head-sparse KV cache: attention time per token and memory against the full cache.
+
+Usage:  python bench/bench_kv_decode.py [--prompt 8000] [--steps 64] [--rounds 3] [--budgets 0.25,0.1]
+                                        [--window 256] [--sink-tokens 4] [--scores FILE] [--out DIR]
+
+A head-sparse cache (``retmask.head_sparse_cache``) keeps every key only for the chosen KV heads and the
+first S + last W keys for the others, so a decode step's attention reads fewer keys. This measures, on the
+embedded SmolLM2-135M-Instruct (fp32, batch 1), after a ``--prompt``-token prefill of the shipped haystack:
+
+- ``sdpa, full cache``: transformers' SDPA attention and ``DynamicCache``, what a user gets by default;
+- ``retmask, full cache``: retmask attention and ``DynamicCache``, the baseline of every ratio;
+- ``retmask, head-sparse B``: the KV heads with the best retrieval scores (``--scores``) whole, budget B
+  (fraction of the KV heads), the others ``--sink-tokens`` + ``--window`` keys;
+- ``retmask, streaming``: every KV head windowed (budget 0, StreamingLLM's cache).
+
+Time: greedy decoding of ``--steps`` tokens after an untimed prefill, median of ``--rounds`` rounds in
+A B B A order; ``attention ms`` is the time inside the attention function per token (a timing wrapper:
+on a CPU that is its compute), the figure the sparse cache changes; ``ms / token`` is the whole step.
+Memory: each case's generation (prefill + ``--steps`` tokens, ``model.generate``) once more in a fresh
+process, its peak RSS above the loaded model (``bench/common.py``'s ``PeakMemory``), and the bytes the
+cache holds at the end. Writes bench/results/kv_decode_smollm2_<machine>.{md,json,png} (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retmask.commands.argtypes import positive_int
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_step import timed_attention  # noqa: E402
+from common import (  # noqa: E402
+    PeakMemory,
+    cpu_kind,
+    cpu_label,
+    fmt_bytes,
+    interleaved,
+    machine_description,
+    markdown_table,
+    page_tail,
+    run_worker,
+    save_figure,
+    write_page,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SCORES = RESULTS / "smollm2_scores_shipped-haystack.json"
+BASELINE = "retmask, full cache"
+
+
+def case_names(budgets: list[float]) -> list[str]:
+    return [
+        "sdpa, full cache",
+        BASELINE,
+        *[f"retmask, head-sparse {b:g}" for b in budgets],
+        "retmask, streaming",
+    ]
+
+
+def make_cache(model: Any, case: str, args: argparse.Namespace, max_length: int) -> Any:
+    """A new cache for ``case``: ``DynamicCache`` for the full ones, else a head-sparse cache."""
+    from transformers import DynamicCache
+
+    import retmask
+
+    if case.endswith("full cache"):
+        return DynamicCache(config=model.config)
+    common = {"window": args.window, "sink_tokens": args.sink_tokens, "max_length": max_length}
+    if case == "retmask, streaming":
+        return retmask.head_sparse_cache(model, full_heads=[], **common)
+    budget = float(case.rsplit(" ", 1)[1])
+    return retmask.head_sparse_cache(model, scores=str(args.scores), budget=budget, **common)
+
+
+def implementation_of(case: str) -> str:
+    return case.split(",", 1)[0]
+
+
+def load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
+    """The embedded model and a ``[1, prompt]`` prompt of haystack tokens."""
+    import retmask
+    from retmask.niah import load_haystack
+    from retmask.niah.haystack import haystack_token_ids
+
+    model, tokenizer = retmask.load_model()
+    ids = haystack_token_ids(tokenizer, load_haystack(None), args.prompt)[: args.prompt]
+    return model, torch.tensor([ids], dtype=torch.long)
+
+
+def cache_bytes(cache: Any) -> int:
+    from retmask.evaluate.kv_budget import cache_bytes as held
+
+    return held(cache)
+
+
+def decode_run(model: Any, case: str, prompt: torch.Tensor, args: argparse.Namespace) -> Callable[[], float]:
+    """A callable that prefills (untimed), decodes ``args.steps`` greedy tokens and returns seconds per token;
+    it appends the attention seconds per token to ``attention[case]`` and the cache's bytes to ``held``."""
+    from retmask.hf.kv_cache import cache_kwargs
+
+    implementation = implementation_of(case)
+
+    def run() -> float:
+        model.set_attn_implementation(implementation)
+        cache = make_cache(model, case, args, prompt.shape[1] + args.steps)
+        spent: list[float] = []
+        with torch.no_grad():
+            out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            with timed_attention(model, implementation, spent):
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    out = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True)
+                    token = out.logits[:, -1:].argmax(-1)
+                seconds = time.perf_counter() - t0
+        ATTENTION.setdefault(case, []).append(sum(spent) / args.steps)
+        HELD[case] = cache_bytes(cache)
+        print(f"  {case}: {seconds / args.steps * 1e3:.2f} ms/token", flush=True)
+        return seconds / args.steps
+
+    return run
+
+
+ATTENTION: dict[str, list[float]] = {}
+HELD: dict[str, int] = {}
+
+
+def worker(config: dict[str, Any]) -> dict[str, Any]:
+    """One generation of ``config["case"]`` in this fresh process: peak RSS above the loaded model."""
+    from transformers import GenerationConfig
+
+    from retmask.hf.kv_cache import cache_kwargs
+
+    args = argparse.Namespace(**config["args"])
+    args.scores = Path(args.scores)
+    model, prompt = load(args)
+    case = config["case"]
+    model.set_attn_implementation(implementation_of(case))
+    generation = GenerationConfig(
+        max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False, use_cache=True,
+        pad_token_id=0,
+    )  # fmt: skip
+    with torch.no_grad():  # first calls allocate once-per-process state (thread pools, packed weights)
+        warm = prompt[:, :32]
+        model.generate(
+            input_ids=warm, attention_mask=torch.ones_like(warm), generation_config=generation,
+            **cache_kwargs(model, make_cache(model, case, args, warm.shape[1] + args.steps)),
+        )  # fmt: skip
+    peak = PeakMemory()
+    peak.start()
+    cache = make_cache(model, case, args, prompt.shape[1] + args.steps)
+    with torch.no_grad():
+        model.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=generation,
+            **cache_kwargs(model, cache),
+        )  # fmt: skip
+    return {"peak_bytes": peak.stop(), "exact": peak.exact, "held_bytes": cache_bytes(cache)}
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    model, prompt = load(args)
+    cases = case_names(args.budgets)
+    times = interleaved({case: decode_run(model, case, prompt, args) for case in cases}, args.rounds)
+    del model
+    cells: dict[str, dict[str, Any]] = {}
+    for case in cases:
+        memory = run_worker(__file__, {"case": case, "args": {**vars(args), "scores": str(args.scores),
+                                                              "out": str(args.out)}})  # fmt: skip
+        print(f"  {case}: peak {fmt_bytes(memory.get('peak_bytes'))}", memory.get("error", ""), flush=True)
+        cells[case] = {
+            "ms_per_token": statistics.median(times[case]) * 1e3,
+            # the first entry is interleaved()'s untimed warm-up call
+            "attention_ms": statistics.median(ATTENTION[case][1:]) * 1e3,
+            "rounds_ms": [t * 1e3 for t in times[case]],
+            "held_bytes": HELD[case],
+            **{k: memory.get(k) for k in ("peak_bytes", "exact", "error") if k in memory},
+        }
+    return cells
+
+
+def ratio(x: float | None, base: float | None) -> str:
+    return "-" if x is None or not base else f"{x / base:.2f}x"
+
+
+def page_lines(cells: dict[str, dict[str, Any]], title: str, args: argparse.Namespace) -> list[str]:
+    base = cells[BASELINE]
+    rows = [
+        [
+            case,
+            fmt_bytes(c["held_bytes"]),
+            ratio(c["held_bytes"], base["held_bytes"]),
+            f"{c['attention_ms']:.2f}",
+            ratio(c["attention_ms"], base["attention_ms"]),
+            f"{c['ms_per_token']:.2f}",
+            ratio(c["ms_per_token"], base["ms_per_token"]),
+            fmt_bytes(c.get("peak_bytes")),
+            ratio(c.get("peak_bytes"), base.get("peak_bytes")),
+        ]  # fmt: skip
+        for case, c in cells.items()
+    ]
+    headers = [
+        "case", "KV held", "vs full", "attention ms / token", "vs full", "ms / token", "vs full",
+        "peak memory of the generation", "vs full",
+    ]  # fmt: skip
+    return [
+        f"# {title}",
+        "",
+        f"Prompt {args.prompt} tokens of the shipped haystack, then {args.steps} greedy tokens, batch 1, fp32; "
+        f"windowed KV heads keep {args.sink_tokens} sink + {args.window} recent keys; head-sparse budgets rank "
+        f"KV heads by `{args.scores.name}`. Times: median of {args.rounds} rounds (A B B A order); "
+        "'vs full' is the ratio to retmask attention with the full cache in the same run. KV held: bytes the "
+        "cache holds after the prefill and the decoded tokens. Peak memory: RSS above the loaded model during "
+        "one `model.generate` of the same prompt and length, in a fresh process.",
+        "",
+        markdown_table(headers, rows),
+    ]
+
+
+def plot(cells: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    names = list(cells)
+    ys = range(len(names))
+    left.barh(ys, [cells[n]["ms_per_token"] for n in names], color="#bbbbbb", label="whole step")
+    left.barh(ys, [cells[n]["attention_ms"] for n in names], color="#1f77b4", label="attention")
+    left.set_yticks(list(ys), names, fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("ms per generated token")
+    left.legend(fontsize=8)
+    right.barh(ys, [cells[n]["held_bytes"] / 2**20 for n in names], color="#2ca02c", label="KV held")
+    peaks = [(cells[n].get("peak_bytes") or 0) / 2**20 for n in names]
+    right.scatter(peaks, list(ys), color="black", marker="|", s=200, label="peak of the generation")
+    right.set_yticks(list(ys), [])
+    right.invert_yaxis()
+    right.set_xlabel("MiB")
+    right.legend(fontsize=8)
+    save_figure(fig, path, title)
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        import json
+
+        print(json.dumps(worker(json.loads(sys.argv[2]))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt", type=positive_int, default=8000, help="prompt tokens (default: 8000)")
+    ap.add_argument("--steps", type=positive_int, default=64, help="decoded tokens (default: 64)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="timed rounds per case (default: 3)")
+    ap.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.1],
+                    help="head-sparse budgets, comma-separated (default: 0.25,0.1)")  # fmt: skip
+    ap.add_argument("--window", type=positive_int, default=256, help="recent keys (default: 256)")
+    ap.add_argument("--sink-tokens", type=int, default=4, help="sink keys (default: 4)")
+    ap.add_argument("--scores", type=Path, default=SCORES, help=f"retrieval scores (default: {SCORES.name})")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder of the page (default: bench/results)")
+    args = ap.parse_args()
+    machine = machine_description()
+    stem = args.out / f"kv_decode_smollm2_{cpu_kind(machine)}"
+    title = f"Decode with a head-sparse KV cache (SmolLM2-135M-Instruct, fp32, {cpu_label(machine)})"
+    cells = measure(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(cells, stem.with_suffix(".png"), title)
+    payload = {"machine": machine, "args": {**vars(args), "scores": str(args.scores), "out": str(args.out)},
+               "cells": cells}  # fmt: skip
+    write_page(stem, page_lines(cells, title, args) + page_tail(stem, machine), payload)
+
+
+if __name__ == "__main__":
+    main()
