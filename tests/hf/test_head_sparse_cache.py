@@ -312,6 +312,43 @@ def test_no_kv_head_full_is_streaming_llm():
     assert cache.memory_bytes() == 2 * (2 * 2 * 2 * 16 * 4 * (S + W) + 8 * (S + W))
 
 
+def _reachable_tensor_bytes(root: object) -> int:
+    """Bytes of every tensor storage reachable from ``root`` through Python references (attributes, lists,
+    a tensor's own attributes), each storage counted once."""
+    import gc
+    import types
+
+    seen, storages, stack = set(), {}, [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType, str, bytes)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        stack.extend(gc.get_referents(obj))
+    return sum(storages.values())
+
+
+def test_the_cache_keeps_only_what_it_holds_after_a_prefill():
+    """After a prefill (and after each decode step) the cache references no tensor beyond the buffers it
+    counts: the prompt's windowed keys handed to the attention are not kept alive by any layer (they were,
+    on the tensor the layer stored, until its next call: a whole full cache of keys at the end of a prefill)."""
+    model = tiny("mistral")
+    ids, mask = random_batch(2, 20, left_pad=[0, 3])
+    for full in ([], MIXED["mistral"]):
+        for steps in (0, 2):
+            cache = retmask.head_sparse_cache(model, full_heads=full, window=W, sink_tokens=S)
+            run_steps(model, cache, ids, mask, [20], decode=steps)
+            index_bytes = sum(
+                t.numel() * t.element_size()
+                for layer in cache.layers
+                for t in (layer._kv_full, layer._kv_win, layer._q_full, layer._q_win)
+            )
+            assert _reachable_tensor_bytes(cache) <= cache.memory_bytes() + index_bytes, (full, steps)
+
+
 def test_no_sinks_window_only():
     """S = 0: a plain sliding window on the windowed heads (the kernel's band in prefill)."""
     model = tiny("qwen2")

@@ -22,10 +22,10 @@ first S columns, i.e. ``max(0, S - pad)`` real tokens for a row with ``pad`` pad
 unaffected: padding sits only before the real tokens).
 
 ``update`` returns the full heads' keys and values ``[B, Hf, N, D]`` like any cache layer, with a
-``SparseKV`` attached to the key tensor (``key._retmask_sparse``): the retmask attention function reads it
-and computes the windowed heads from their compact keys (``attention.py``). Another attention
-implementation would see only the full heads, so ``head_sparse_cache`` refuses models not on retmask
-attention.
+``SparseKV`` attached to the returned key tensor (``key._retmask_sparse``; an alias that the cache does not
+keep, so the call's windowed keys die with the call): the retmask attention function reads it and computes
+the windowed heads from their compact keys (``attention.py``). Another attention implementation would see
+only the full heads, so ``head_sparse_cache`` refuses models not on retmask attention.
 """
 
 from __future__ import annotations
@@ -180,12 +180,16 @@ class HeadSparseLayer(CacheLayerMixin):
             keys_win = values_win = key_states.new_empty(B, 0, 0, D)
             positions, mode = torch.empty(0, dtype=torch.int64, device=self.device), "visible"
         self._length = end
-        keys._retmask_sparse = SparseKV(
+        # The SparseKV rides on an alias of the keys, never on a tensor the cache keeps (self.keys, the full
+        # heads' buffer view): it holds this call's windowed keys, for a prefill every prompt key of the
+        # windowed heads, and would keep them alive in every layer until that layer's next call.
+        handed = keys.view(keys.shape)
+        handed._retmask_sparse = SparseKV(
             q_full=self._q_full, q_win=self._q_win, keys_full=keys, values_full=values, keys_win=keys_win,
             values_win=values_win, positions_win=positions, mode=mode, length=end, start=start,
             window=self.window, sink_tokens=self.sink_tokens,
         )  # fmt: skip
-        return keys, values
+        return handed, values
 
     def _slot(self, position: int) -> int:
         S = self.sink_tokens
