@@ -17,13 +17,15 @@ Time: greedy decoding of ``--steps`` tokens after an untimed prefill, median of 
 A B B A order; ``attention ms`` is the time inside the attention function per token (a timing wrapper:
 on a CPU that is its compute), the figure the sparse cache changes; ``ms / token`` is the whole step.
 Memory: each case's generation (prefill + ``--steps`` tokens, ``model.generate``) once more in a fresh
-process, its peak RSS above the loaded model (``bench/common.py``'s ``PeakMemory``), and the bytes the
-cache holds at the end. Writes bench/results/kv_decode_smollm2_<machine>.{md,json,png} (or --out).
+process, its peak RSS above the loaded model (``bench/common.py``'s ``PeakMemory``; allocations above 128 KB
+mmap-ed, so RSS follows live memory), and the bytes the cache holds at the end.
+Writes bench/results/kv_decode_smollm2_<machine>.{md,json,png} (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -54,6 +56,7 @@ from common import (  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 SCORES = RESULTS / "smollm2_scores_shipped-haystack.json"
 BASELINE = "retmask, full cache"
+MMAP_THRESHOLD = 128 * 1024  # bytes: glibc's MALLOC_MMAP_THRESHOLD_ in the memory workers
 
 
 def case_names(budgets: list[float]) -> list[str]:
@@ -170,6 +173,9 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     cases = case_names(args.budgets)
     times = interleaved({case: decode_run(model, case, prompt, args) for case in cases}, args.rounds)
     del model
+    # Workers allocate large blocks with mmap, so that freeing returns them and RSS follows the memory live
+    # at each moment: glibc's heap otherwise keeps freed blocks, and peaks then varied by +-150 MB run to run.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     cells: dict[str, dict[str, Any]] = {}
     for case in cases:
         memory = run_worker(__file__, {"case": case, "args": {**vars(args), "scores": str(args.scores),
@@ -218,7 +224,8 @@ def page_lines(cells: dict[str, dict[str, Any]], title: str, args: argparse.Name
         f"KV heads by `{args.scores.name}`. Times: median of {args.rounds} rounds (A B B A order); "
         "'vs full' is the ratio to retmask attention with the full cache in the same run. KV held: bytes the "
         "cache holds after the prefill and the decoded tokens. Peak memory: RSS above the loaded model during "
-        "one `model.generate` of the same prompt and length, in a fresh process.",
+        "one `model.generate` of the same prompt and length, in a fresh process whose large allocations are "
+        "mmap-ed (`MALLOC_MMAP_THRESHOLD_`), so that RSS follows the memory live at each moment.",
         "",
         markdown_table(headers, rows),
     ]

@@ -251,7 +251,8 @@ def _run(args: argparse.Namespace) -> int:
             + (f"; scores: {args.scores.name}" if args.scores is not None else ""),
         )
     print(
-        f"{name}: window {args.window}, {args.sink_tokens} sink tokens, {args.prefill} prefill; grid lengths {lengths} x depths {depths}"
+        f"{name}: window {args.window}, {args.sink_tokens} sink tokens, {args.prefill} prefill; "
+        f"grid lengths {lengths} x depths {depths}"
     )
     print(res.table())
     left = res.meta["configs_total"] - res.meta["configs_done"]
