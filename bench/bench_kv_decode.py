@@ -36,11 +36,13 @@ from typing import Any
 import torch
 
 from retmask.commands.argtypes import positive_int
+from retmask.evaluate.kv_budget import cache_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_step import timed_attention  # noqa: E402
 from common import (  # noqa: E402
     PeakMemory,
+    cell_ratio,
     cpu_kind,
     cpu_label,
     fmt_bytes,
@@ -98,15 +100,21 @@ def load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
     return model, torch.tensor([ids], dtype=torch.long)
 
 
-def cache_bytes(cache: Any) -> int:
-    from retmask.evaluate.kv_budget import cache_bytes as held
+def json_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as JSON values (for the workers and the page's payload)."""
+    return {**vars(args), "scores": str(args.scores), "out": str(args.out)}
 
-    return held(cache)
 
-
-def decode_run(model: Any, case: str, prompt: torch.Tensor, args: argparse.Namespace) -> Callable[[], float]:
+def decode_run(
+    model: Any,
+    case: str,
+    prompt: torch.Tensor,
+    args: argparse.Namespace,
+    attention: list[float],
+    held: dict[str, int],
+) -> Callable[[], float]:
     """A callable that prefills (untimed), decodes ``args.steps`` greedy tokens and returns seconds per token;
-    it appends the attention seconds per token to ``attention[case]`` and the cache's bytes to ``held``."""
+    it appends the attention seconds per token to ``attention`` and sets ``held[case]`` to the cache's bytes."""
     from retmask.hf.kv_cache import cache_kwargs
 
     implementation = implementation_of(case)
@@ -124,16 +132,12 @@ def decode_run(model: Any, case: str, prompt: torch.Tensor, args: argparse.Names
                     out = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True)
                     token = out.logits[:, -1:].argmax(-1)
                 seconds = time.perf_counter() - t0
-        ATTENTION.setdefault(case, []).append(sum(spent) / args.steps)
-        HELD[case] = cache_bytes(cache)
+        attention.append(sum(spent) / args.steps)
+        held[case] = cache_bytes(cache)
         print(f"  {case}: {seconds / args.steps * 1e3:.2f} ms/token", flush=True)
         return seconds / args.steps
 
     return run
-
-
-ATTENTION: dict[str, list[float]] = {}
-HELD: dict[str, int] = {}
 
 
 def worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -171,29 +175,27 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
 def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     model, prompt = load(args)
     cases = case_names(args.budgets)
-    times = interleaved({case: decode_run(model, case, prompt, args) for case in cases}, args.rounds)
+    attention: dict[str, list[float]] = {case: [] for case in cases}
+    held: dict[str, int] = {}
+    runs = {case: decode_run(model, case, prompt, args, attention[case], held) for case in cases}
+    times = interleaved(runs, args.rounds)
     del model
     # Workers allocate large blocks with mmap, so that freeing returns them and RSS follows the memory live
     # at each moment: glibc's heap otherwise keeps freed blocks, and peaks then varied by +-150 MB run to run.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     cells: dict[str, dict[str, Any]] = {}
     for case in cases:
-        memory = run_worker(__file__, {"case": case, "args": {**vars(args), "scores": str(args.scores),
-                                                              "out": str(args.out)}})  # fmt: skip
+        memory = run_worker(__file__, {"case": case, "args": json_args(args)})
         print(f"  {case}: peak {fmt_bytes(memory.get('peak_bytes'))}", memory.get("error", ""), flush=True)
         cells[case] = {
             "ms_per_token": statistics.median(times[case]) * 1e3,
             # the first entry is interleaved()'s untimed warm-up call
-            "attention_ms": statistics.median(ATTENTION[case][1:]) * 1e3,
+            "attention_ms": statistics.median(attention[case][1:]) * 1e3,
             "rounds_ms": [t * 1e3 for t in times[case]],
-            "held_bytes": HELD[case],
+            "held_bytes": held[case],
             **{k: memory.get(k) for k in ("peak_bytes", "exact", "error") if k in memory},
         }
     return cells
-
-
-def ratio(x: float | None, base: float | None) -> str:
-    return "-" if x is None or not base else f"{x / base:.2f}x"
 
 
 def page_lines(cells: dict[str, dict[str, Any]], title: str, args: argparse.Namespace) -> list[str]:
@@ -202,13 +204,13 @@ def page_lines(cells: dict[str, dict[str, Any]], title: str, args: argparse.Name
         [
             case,
             fmt_bytes(c["held_bytes"]),
-            ratio(c["held_bytes"], base["held_bytes"]),
+            cell_ratio(c, base, "held_bytes"),
             f"{c['attention_ms']:.2f}",
-            ratio(c["attention_ms"], base["attention_ms"]),
+            cell_ratio(c, base, "attention_ms"),
             f"{c['ms_per_token']:.2f}",
-            ratio(c["ms_per_token"], base["ms_per_token"]),
+            cell_ratio(c, base, "ms_per_token"),
             fmt_bytes(c.get("peak_bytes")),
-            ratio(c.get("peak_bytes"), base.get("peak_bytes")),
+            cell_ratio(c, base, "peak_bytes"),
         ]  # fmt: skip
         for case, c in cells.items()
     ]
@@ -279,8 +281,7 @@ def main() -> None:
     cells = measure(args)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(cells, stem.with_suffix(".png"), title)
-    payload = {"machine": machine, "args": {**vars(args), "scores": str(args.scores), "out": str(args.out)},
-               "cells": cells}  # fmt: skip
+    payload = {"machine": machine, "args": json_args(args), "cells": cells}
     write_page(stem, page_lines(cells, title, args) + page_tail(stem, machine), payload)
 
 
