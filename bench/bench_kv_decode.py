@@ -1,11 +1,12 @@
 """Decode with a head-sparse KV cache: attention time per token and memory against the full cache.
 
-Usage:  python bench/bench_kv_decode.py [--prompt 8000] [--steps 64] [--rounds 3] [--budgets 0.25,0.1]
+Usage:  python bench/bench_kv_decode.py [--prompt 8000] [--steps 64] [--rounds 3] [--budgets 0.25,0.1] [--batch 1]
                                         [--window 256] [--sink-tokens 4] [--scores FILE] [--out DIR]
 
 A head-sparse cache (``retmask.head_sparse_cache``) keeps every key only for the chosen KV heads and the
 first S + last W keys for the others, so a decode step's attention reads fewer keys. This measures, on the
-embedded SmolLM2-135M-Instruct (fp32, batch 1), after a ``--prompt``-token prefill of the shipped haystack:
+embedded SmolLM2-135M-Instruct (fp32, ``--batch`` rows of the same prompt, default 1), after a ``--prompt``-token
+prefill of the shipped haystack:
 
 - ``sdpa, full cache``: transformers' SDPA attention and ``DynamicCache``, what a user gets by default;
 - ``retmask, full cache``: retmask attention and ``DynamicCache``, the baseline of every ratio;
@@ -19,7 +20,7 @@ on a CPU that is its compute), the figure the sparse cache changes; ``ms / token
 Memory: each case's generation (prefill + ``--steps`` tokens, ``model.generate``) once more in a fresh
 process, its peak RSS above the loaded model (``bench/common.py``'s ``PeakMemory``; allocations above 128 KB
 mmap-ed, so RSS follows live memory), and the bytes the cache holds at the end.
-Writes bench/results/kv_decode_smollm2_<machine>.{md,json,png} (or --out).
+Writes bench/results/kv_decode_smollm2_<machine>[_batch<B>].{md,json,png} (or --out).
 """
 
 from __future__ import annotations
@@ -90,14 +91,14 @@ def implementation_of(case: str) -> str:
 
 
 def load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
-    """The embedded model and a ``[1, prompt]`` prompt of haystack tokens."""
+    """The embedded model and a ``[batch, prompt]`` prompt of haystack tokens (the same in every row)."""
     import retmask
     from retmask.niah import load_haystack
     from retmask.niah.haystack import haystack_token_ids
 
     model, tokenizer = retmask.load_model()
     ids = haystack_token_ids(tokenizer, load_haystack(None), args.prompt)[: args.prompt]
-    return model, torch.tensor([ids], dtype=torch.long)
+    return model, torch.tensor([ids] * args.batch, dtype=torch.long)
 
 
 def json_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -221,7 +222,7 @@ def page_lines(cells: dict[str, dict[str, Any]], title: str, args: argparse.Name
     return [
         f"# {title}",
         "",
-        f"Prompt {args.prompt} tokens of the shipped haystack, then {args.steps} greedy tokens, batch 1, fp32; "
+        f"Prompt {args.prompt} tokens of the shipped haystack, then {args.steps} greedy tokens, batch {args.batch}, fp32; "
         f"windowed KV heads keep {args.sink_tokens} sink + {args.window} recent keys; head-sparse budgets rank "
         f"KV heads by `{args.scores.name}`. Times: median of {args.rounds} rounds (A B B A order); "
         "'vs full' is the ratio to retmask attention with the full cache in the same run. KV held: bytes the "
@@ -268,6 +269,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=positive_int, default=8000, help="prompt tokens (default: 8000)")
     ap.add_argument("--steps", type=positive_int, default=64, help="decoded tokens (default: 64)")
     ap.add_argument("--rounds", type=positive_int, default=3, help="timed rounds per case (default: 3)")
+    ap.add_argument("--batch", type=positive_int, default=1, help="rows decoded together (default: 1)")
     ap.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.1],
                     help="head-sparse budgets, comma-separated (default: 0.25,0.1)")  # fmt: skip
     ap.add_argument("--window", type=positive_int, default=256, help="recent keys (default: 256)")
@@ -276,7 +278,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder of the page (default: bench/results)")
     args = ap.parse_args()
     machine = machine_description()
-    stem = args.out / f"kv_decode_smollm2_{cpu_kind(machine)}"
+    stem = (
+        args.out / f"kv_decode_smollm2_{cpu_kind(machine)}{f'_batch{args.batch}' if args.batch > 1 else ''}"
+    )
     title = f"Decode with a head-sparse KV cache (SmolLM2-135M-Instruct, fp32, {cpu_label(machine)})"
     cells = measure(args)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -198,17 +198,17 @@ def check_sm_scale(sm_scale: float | None, head_dim: int) -> float:
         return float(head_dim**-0.5)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise ValueError(f"sm_scale must be a finite float, got {type(sm_scale).__name__} {sm_scale!r}")
+    lo, hi = SM_SCALE_RANGE
+    if lo <= sm_scale <= hi:  # (False for NaN) the messages below are built only for a bad value
+        return float(sm_scale)
     default = f"leave it None for the default 1/sqrt(head_dim) = {head_dim**-0.5:.6g}"
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale must be finite, got {sm_scale}; {default}")
-    lo, hi = SM_SCALE_RANGE
-    if not lo <= sm_scale <= hi:
-        raise ValueError(
-            f"sm_scale must be in {_range_text(SM_SCALE_RANGE)}, got {sm_scale:g}: outside it the float32 "
-            f"logits (sm_scale * q.k, sm_scale * log2(e)) of different backends overflow or flush to zero "
-            f"differently; {default}"
-        )
-    return float(sm_scale)
+    raise ValueError(
+        f"sm_scale must be in {_range_text(SM_SCALE_RANGE)}, got {sm_scale:g}: outside it the float32 "
+        f"logits (sm_scale * q.k, sm_scale * log2(e)) of different backends overflow or flush to zero "
+        f"differently; {default}"
+    )
 
 
 OUT_LAYOUTS = ("bhmd", "bmhd")

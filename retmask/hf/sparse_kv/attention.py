@@ -55,9 +55,13 @@ def _window_part(
             **common,
         )  # fmt: skip
     if sparse.mode == "visible":
-        # slot order: the padding mask picked by position, empty slots (-1) invalid
-        mask = pos >= 0
-        mask = mask[None].expand(q.shape[0], -1) if kpm is None else kpm[:, pos.clamp_min(0)] & mask
+        # slot order: the padding mask picked by position, empty slots (-1) invalid; once S + W positions
+        # were written every slot holds one, so without padding no mask at all (a decode step's usual case)
+        if kpm is None and sparse.length >= S + sparse.window:
+            mask = None
+        else:
+            mask = pos >= 0
+            mask = mask[None].expand(q.shape[0], -1) if kpm is None else kpm[:, pos.clamp_min(0)] & mask
         result = kernel_attention(q, k, v, causal=False, key_padding_mask=mask, **common, **argmax_kw)
     else:  # "ordered" (plain causal), or "pattern" over keys 0 .. N-1 in order
         extra: dict[str, Any] = {}

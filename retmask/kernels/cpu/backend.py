@@ -51,12 +51,13 @@ def default_block_m(N: int, window: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class KernelLibrary:
-    """A loaded build of ``retmask._C``: the module, its dtype codes by torch dtype, and the kernel builds
-    this CPU runs as (name, fp32 lanes), widest first."""
+    """A loaded build of ``retmask._C``: the module, its dtype codes by torch dtype, the kernel builds
+    this CPU runs as (name, fp32 lanes), widest first, and their names (checked on every call)."""
 
     module: ModuleType
     codes: dict[torch.dtype, int]
     builds: tuple[tuple[str, int], ...]
+    names: frozenset[str]
 
 
 @lru_cache(maxsize=1)
@@ -112,7 +113,7 @@ def bind_library(lib: ModuleType | str | os.PathLike[str]) -> KernelLibrary:
     codes = {getattr(torch, name): code for name, code in lib.DTYPE_CODES.items()}
     builds = tuple((str(name), int(lanes)) for name, lanes in lib.BUILDS)
     lib.attention_fwd  # noqa: B018 (AttributeError for a module without the binding)
-    return KernelLibrary(lib, codes, builds)
+    return KernelLibrary(lib, codes, builds, frozenset(name for name, _ in builds))
 
 
 def cpp_available() -> bool:
@@ -131,15 +132,14 @@ def selected_isa(isa: str | None = None) -> str:
     """The build a call runs: ``isa`` if given, else ``$RETMASK_CPU_ISA`` if set, else the widest this CPU
     has. Raises ValueError for a name this CPU has no build for, listing the ones it has."""
     wanted = isa if isa is not None else os.environ.get(ISA_ENV, "").strip()
-    available = builds()
+    lib = _library()
     if not wanted:
-        return available[0][0] if available else ""
-    names = [name for name, _ in available]
-    if wanted not in names:
+        return lib.builds[0][0] if lib is not None else ""
+    if lib is None or wanted not in lib.names:
         source = f"${ISA_ENV}" if isa is None else "isa"
         raise ValueError(
             f"{source}: {wanted!r} is not a build of the C++ kernel this CPU can run; it has "
-            f"{', '.join(names) or 'none (retmask._C is not built)'}"
+            f"{', '.join(name for name, _ in builds()) or 'none (retmask._C is not built)'}"
         )
     return wanted
 
