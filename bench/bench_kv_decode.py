@@ -16,7 +16,10 @@ prefill of the shipped haystack:
 
 Time: greedy decoding of ``--steps`` tokens after an untimed prefill, median of ``--rounds`` rounds in
 A B B A order; ``attention ms`` is the time inside the attention function per token (a timing wrapper:
-on a CPU that is its compute), the figure the sparse cache changes; ``ms / token`` is the whole step.
+on a CPU that is its compute), the figure the sparse cache changes; ``kernel ms`` the part of it spent in
+the fused kernel's C++ binding (retmask cases; what is left is host work in Python: checks, the choice of
+path, the split of a layer's heads), so the page shows how low attention could go with no host cost at
+all; ``ms / token`` is the whole step.
 Memory: each case's generation (prefill + ``--steps`` tokens, ``model.generate``) once more in a fresh
 process, its peak RSS above the loaded model (``bench/common.py``'s ``PeakMemory``; allocations above 128 KB
 mmap-ed, so RSS follows live memory), and the bytes the cache holds at the end.
@@ -26,11 +29,12 @@ Writes bench/results/kv_decode_smollm2_<machine>[_batch<B>].{md,json,png} (or --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,16 +110,42 @@ def json_args(args: argparse.Namespace) -> dict[str, Any]:
     return {**vars(args), "scores": str(args.scores), "out": str(args.out)}
 
 
+@contextlib.contextmanager
+def timed_kernel(spent: list[float]) -> Iterator[None]:
+    """While active, the seconds inside the fused CPU kernel's binding (``retmask._C.attention_fwd``, every
+    retmask attention call's compute) are appended to ``spent``, one entry per kernel call."""
+    from retmask.kernels.cpu import backend
+
+    library = backend._library()
+    if library is None:
+        raise SystemExit("retmask._C is not built: the kernel time cannot be measured")
+    original = library.module.attention_fwd
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = original(*args, **kwargs)
+        spent.append(time.perf_counter() - t0)
+        return result
+
+    library.module.attention_fwd = timed
+    try:
+        yield
+    finally:
+        library.module.attention_fwd = original
+
+
 def decode_run(
     model: Any,
     case: str,
     prompt: torch.Tensor,
     args: argparse.Namespace,
     attention: list[float],
+    kernel: list[float],
     held: dict[str, int],
 ) -> Callable[[], float]:
     """A callable that prefills (untimed), decodes ``args.steps`` greedy tokens and returns seconds per token;
-    it appends the attention seconds per token to ``attention`` and sets ``held[case]`` to the cache's bytes."""
+    it appends the attention and kernel seconds per token to ``attention`` and ``kernel`` and sets
+    ``held[case]`` to the cache's bytes."""
     from retmask.hf.kv_cache import cache_kwargs
 
     implementation = implementation_of(case)
@@ -124,16 +154,18 @@ def decode_run(
         model.set_attn_implementation(implementation)
         cache = make_cache(model, case, args, prompt.shape[1] + args.steps)
         spent: list[float] = []
+        in_kernel: list[float] = []
         with torch.no_grad():
             out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             token = out.logits[:, -1:].argmax(-1)
-            with timed_attention(model, implementation, spent):
+            with timed_attention(model, implementation, spent), timed_kernel(in_kernel):
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     out = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True)
                     token = out.logits[:, -1:].argmax(-1)
                 seconds = time.perf_counter() - t0
         attention.append(sum(spent) / args.steps)
+        kernel.append(sum(in_kernel) / args.steps)
         held[case] = cache_bytes(cache)
         print(f"  {case}: {seconds / args.steps * 1e3:.2f} ms/token", flush=True)
         return seconds / args.steps
@@ -177,8 +209,11 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     model, prompt = load(args)
     cases = case_names(args.budgets)
     attention: dict[str, list[float]] = {case: [] for case in cases}
+    kernel: dict[str, list[float]] = {case: [] for case in cases}
     held: dict[str, int] = {}
-    runs = {case: decode_run(model, case, prompt, args, attention[case], held) for case in cases}
+    runs = {
+        case: decode_run(model, case, prompt, args, attention[case], kernel[case], held) for case in cases
+    }
     times = interleaved(runs, args.rounds)
     del model
     # Workers allocate large blocks with mmap, so that freeing returns them and RSS follows the memory live
@@ -196,6 +231,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "held_bytes": held[case],
             **{k: memory.get(k) for k in ("peak_bytes", "exact", "error") if k in memory},
         }
+        if implementation_of(case) == "retmask":  # sdpa never enters the binding: no kernel time
+            cells[case]["kernel_ms"] = statistics.median(kernel[case][1:]) * 1e3
     return cells
 
 
@@ -208,6 +245,8 @@ def page_lines(cells: dict[str, dict[str, Any]], title: str, args: argparse.Name
             cell_ratio(c, base, "held_bytes"),
             f"{c['attention_ms']:.2f}",
             cell_ratio(c, base, "attention_ms"),
+            f"{c['kernel_ms']:.2f}" if "kernel_ms" in c else "-",
+            cell_ratio(c, base, "kernel_ms"),
             f"{c['ms_per_token']:.2f}",
             cell_ratio(c, base, "ms_per_token"),
             fmt_bytes(c.get("peak_bytes")),
@@ -216,7 +255,8 @@ def page_lines(cells: dict[str, dict[str, Any]], title: str, args: argparse.Name
         for case, c in cells.items()
     ]
     headers = [
-        "case", "KV held", "vs full", "attention ms / token", "vs full", "ms / token", "vs full",
+        "case", "KV held", "vs full", "attention ms / token", "vs full", "of which kernel ms", "vs full",
+        "ms / token", "vs full",
         "peak memory of the generation", "vs full",
     ]  # fmt: skip
     return [
@@ -225,7 +265,8 @@ def page_lines(cells: dict[str, dict[str, Any]], title: str, args: argparse.Name
         f"Prompt {args.prompt} tokens of the shipped haystack, then {args.steps} greedy tokens, batch {args.batch}, fp32; "
         f"windowed KV heads keep {args.sink_tokens} sink + {args.window} recent keys; head-sparse budgets rank "
         f"KV heads by `{args.scores.name}`. Times: median of {args.rounds} rounds (A B B A order); "
-        "'vs full' is the ratio to retmask attention with the full cache in the same run. KV held: bytes the "
+        "'vs full' is the ratio to retmask attention with the full cache in the same run. Kernel ms: the "
+        "part of the attention time inside the fused kernel's C++ binding (the rest is host work). KV held: bytes the "
         "cache holds after the prefill and the decoded tokens. Peak memory: RSS above the loaded model during "
         "one `model.generate` of the same prompt and length, in a fresh process whose large allocations are "
         "mmap-ed (`MALLOC_MMAP_THRESHOLD_`), so that RSS follows the memory live at each moment.",
@@ -245,6 +286,8 @@ def plot(cells: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     ys = range(len(names))
     left.barh(ys, [cells[n]["ms_per_token"] for n in names], color="#bbbbbb", label="whole step")
     left.barh(ys, [cells[n]["attention_ms"] for n in names], color="#1f77b4", label="attention")
+    kernel = [cells[n].get("kernel_ms", 0.0) for n in names]
+    left.barh(ys, kernel, color="#0b3d66", height=0.4, label="of which in the fused kernel")
     left.set_yticks(list(ys), names, fontsize=8)
     left.invert_yaxis()
     left.set_xlabel("ms per generated token")
