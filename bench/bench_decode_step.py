@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     markdown_table,
     page_tail,
     save_figure,
+    timed_wrapper,
     write_page,
 )
 
@@ -94,13 +95,7 @@ def timed_attention(model, implementation: str, spent: list[float]) -> Iterator[
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def wrap(fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            result = fn(*args, **kwargs)
-            spent.append(time.perf_counter() - t0)
-            return result
-
-        return timed
+        return timed_wrapper(fn, spent)
 
     if implementation == "eager":
         # Attention modules fall back to their modeling module's eager function (looked up at call time).

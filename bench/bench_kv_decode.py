@@ -57,6 +57,7 @@ from common import (  # noqa: E402
     page_tail,
     run_worker,
     save_figure,
+    timed_wrapper,
     write_page,
 )
 
@@ -120,14 +121,7 @@ def timed_kernel(spent: list[float]) -> Iterator[None]:
     if library is None:
         raise SystemExit("retmask._C is not built: the kernel time cannot be measured")
     original = library.module.attention_fwd
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        result = original(*args, **kwargs)
-        spent.append(time.perf_counter() - t0)
-        return result
-
-    library.module.attention_fwd = timed
+    library.module.attention_fwd = timed_wrapper(original, spent)
     try:
         yield
     finally:

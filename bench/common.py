@@ -179,6 +179,19 @@ def python_calls(fn: Callable[[], Any]) -> tuple[int, int]:
     return counts["call"] - 1, counts["c_call"]  # minus fn's own frame
 
 
+def timed_wrapper(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
+    """``fn`` that also appends the wall-clock seconds of each call to ``spent`` (for timing one part of a
+    larger job, e.g. an attention function or a kernel binding, while the job runs)."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = fn(*args, **kwargs)
+        spent.append(time.perf_counter() - t0)
+        return result
+
+    return timed
+
+
 def time_calls(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
     """Wall-clock seconds of ``repeats`` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):
