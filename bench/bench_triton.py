@@ -6,7 +6,8 @@ Usage:  python bench/bench_triton.py [--model smollm2|llama] [--dtype bf16|fp16|
 Batch 1, three phases per length N:
 - prefill (causal, M = N): the Triton backend without argmax, with argmax of the last ``--argmax-rows`` rows
   (the teacher-forcing case of detection) and of all rows, with half of the query heads skipped (both
-  grid modes); SDPA (no argmax: the floor to approach); eager softmax(QK^T)V + argmax, what
+  grid modes), the first two also with K / V read through tensor descriptors (TMA; compute capability
+  >= 9.0); SDPA (no argmax: the floor to approach); eager softmax(QK^T)V + argmax, what
   ``output_attentions=True`` costs (only where its [Hq, N, N] fp32 logits fit);
 - decode (M = 1): the same cases;
 - train (forward + backward, M = N, up to ``--train-max``): Triton, Triton with half the heads skipped, SDPA.
@@ -64,19 +65,30 @@ def _eager_fits(hq: int, m: int, n: int) -> bool:
     return 3 * hq * m * n * 4 < 0.8 * free  # logits, probabilities, a temporary
 
 
-def sync_free_grid(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run in the sync-free grid mode (one program per (batch, head) pair, no host sync), the mode
-    a CUDA-graph capture uses."""
+def _with_flag(flag: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with the test aid ``retmask.kernels.triton.common.<flag>`` set."""
     from retmask.kernels.triton import common as triton_common
 
     def run():
-        triton_common.FORCE_SYNC_FREE = True
+        setattr(triton_common, flag, True)
         try:
             return fn()
         finally:
-            triton_common.FORCE_SYNC_FREE = False
+            setattr(triton_common, flag, False)
 
     return run
+
+
+def sync_free_grid(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run in the sync-free grid mode (one program per (batch, head) pair, no host sync), the mode
+    a CUDA-graph capture uses."""
+    return _with_flag("FORCE_SYNC_FREE", fn)
+
+
+def tma_loads(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the prefill forward reading K / V through tensor descriptors (TMA), whatever the tile
+    table says (GPUs of compute capability 9.0 and later)."""
+    return _with_flag("FORCE_TMA", fn)
 
 
 def _with_backward(fn: Callable[[], torch.Tensor], inputs, grad_out) -> Callable[[], None]:
@@ -133,6 +145,10 @@ def _cases(attention, phase, hq, hkv, d, n, dtype, argmax_rows, skip_half):
         "triton, half heads skipped, sync-free grid": sync_free_grid(skipped),
         "sdpa": lambda: _sdpa(q, k, v),
     }
+    if phase == "prefill" and torch.cuda.get_device_capability(dev)[0] >= 9:
+        # The TMA variant of the forward next to the table's choice, until the tile table settles it.
+        cases["triton, TMA loads"] = tma_loads(cases["triton"])
+        cases[f"triton+argmax(last {t_rows}), TMA loads"] = tma_loads(cases[f"triton+argmax(last {t_rows})"])
     if _eager_fits(hq, m, n):
         cases[f"eager+argmax(last {t_rows})"] = lambda: _eager(q, k, v, t_rows)
     return cases

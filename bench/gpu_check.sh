@@ -5,10 +5,12 @@
 #          the Hugging Face equivalence tests and detection's exactness proofs (fast path == step-by-step
 #          oracle) with their tiny models on the GPU (RETMASK_TEST_DEVICE=cuda), and on the embedded model
 #          where it came along (below);
-#   tune   tune_triton.py: every candidate tile config of the forward and backward, timed, for each
-#          dtype in TUNE_DTYPES (default "bf16"; "bf16 fp32" for both; an fp32 sweep needs ~250 s)
-#          (pages in OUTDIR);
-#   bench  bench_triton.py in bf16 for the SmolLM2 and Llama-3.1-8B attention shapes (pages in OUTDIR);
+#   tune   tune_triton.py: every candidate tile config of the forward (each with pointer loads and with
+#          K / V through tensor descriptors, TMA) and backward, timed, for each dtype in TUNE_DTYPES
+#          (default "bf16"; "bf16 fp32" for both; an fp32 sweep needed ~250 s before the TMA variants
+#          doubled the forward's candidates) (pages in OUTDIR);
+#   bench  bench_triton.py in bf16 for the SmolLM2 and Llama-3.1-8B attention shapes, the prefill also
+#          with TMA loads (pages in OUTDIR);
 #   decode bench_triton_decode.py: a decode call's host time against its GPU time in a CUDA graph, both
 #          shapes, bf16 (pages in OUTDIR);
 #   step   bench_decode_step.py: time per generated token of a whole SmolLM2-shaped model by attention

@@ -1,15 +1,16 @@
 """Measure the Triton kernels' tile configs on this GPU and report the fastest per head dim.
 
 Usage:  python bench/tune_triton.py [--dtype bf16|fp32] [--n 8192] [--workers 8] [--kinds fwd bwd]
-                                    [--head-dims 64 128 256]
+                                    [--head-dims 64 128 256] [--tma off|on|both]
 
 The tile tables in ``retmask/kernels/triton/common.py`` (BLOCK_M, BLOCK_N, num_warps, num_stages per
 padded head dim) decide most of the kernels' speed. This script times each candidate config on the
 attention shapes of the models we ship or target (bf16 or --dtype fp32, each with its own tables; batch 1,
 causal, M = N keys):
   D = 64: SmolLM2-135M (Hq 9, Hkv 3); D = 128: Llama-3.1-8B (32, 8); D = 256: Gemma-3-270M (4, 1).
-- fwd: the prefill forward without argmax; the fastest few are re-timed with the argmax of the last 50
-  rows (the detection case) and with the argmax of every row;
+- fwd: the prefill forward without argmax, each config with K / V read by pointer loads and through tensor
+  descriptors (TMA, ``--tma both``, the default; the table's ``tma`` flag); the fastest few are re-timed
+  with the argmax of the last 50 rows (the detection case) and with the argmax of every row;
 - bwd: the backward alone (preprocess + dK/dV + dQ kernels, which share one config), after one forward.
 Compilation dominates a sweep, so worker processes compile every candidate first (they share Triton's
 on-disk cache) and the timing then runs in this process, one config at a time. A config that does not
@@ -88,7 +89,7 @@ KERNELS = {"fwd": ("triton.fwd", ["_fwd_kernel"]),
            "bwd": ("triton.bwd", ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"])}  # fmt: skip
 
 
-def _set_config(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int]) -> None:
+def _set_config(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int, bool]) -> None:
     from retmask.kernels.triton import common as tc
 
     getattr(tc, TABLES[kind, dtype])[d] = tc.TileConfig(*cfg)
@@ -142,7 +143,7 @@ def _resources(compiled: list) -> dict[str, int]:
     return {"regs": regs, "spills": spills}
 
 
-def _compile_one(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int], n: int) -> dict:
+def _compile_one(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int, bool], n: int) -> dict:
     """Worker: compile (and run once) one candidate; its resources, or why it failed."""
     if DEVICE == "cuda":
         torch.cuda.init()
@@ -166,6 +167,12 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
+def _config_text(cfg: list) -> str:
+    """'128x64 w8 s3' (+ ' tma') for a (BLOCK_M, BLOCK_N, warps, stages[, tma]) config."""
+    tma = " tma" if len(cfg) > 4 and cfg[4] else ""
+    return f"{cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]}{tma}"
+
+
 def write_tune_page(rows: list[dict], out: Path, dtype: str, n: int, versions: str, note: str = "") -> None:
     """The sweep's page: one row per candidate, fastest first per (kind, D); ``note`` says what is missing."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else versions.split(";")[0]
@@ -173,7 +180,7 @@ def write_tune_page(rows: list[dict], out: Path, dtype: str, n: int, versions: s
     table = []
     for r in sorted(rows, key=lambda r: (r["kind"], r["d"], r.get("ms", float("inf")))):
         table.append([
-            r["kind"], f"{r['d']} ({SHAPES[r['d']][2]})", "x".join(map(str, r["config"][:2])) + f" w{r['config'][2]} s{r['config'][3]}",
+            r["kind"], f"{r['d']} ({SHAPES[r['d']][2]})", _config_text(r["config"]),
             "yes" if r["current"] else "", fmt(r.get("ms")), fmt(r.get("ms_argmax_last50")), fmt(r.get("ms_argmax_all")),
             r.get("regs", "-"), r.get("spills", "-"), r.get("error", ""),
         ])  # fmt: skip
@@ -195,7 +202,8 @@ def write_tune_page(rows: list[dict], out: Path, dtype: str, n: int, versions: s
         f"Machine: {versions}. {dtype}, batch 1, causal, "
         f"M = N = {n}; triton.testing.do_bench medians (ms). fwd = prefill forward (argmax columns: "
         "last 50 rows / every row, for the fastest three and the table's config); bwd = the backward alone. "
-        "Config = BLOCK_M x BLOCK_N, warps, stages; 'table' marks the config in triton/common.py when this ran.",
+        "Config = BLOCK_M x BLOCK_N, warps, stages, 'tma' where K / V are read through tensor descriptors; "
+        "'table' marks the config in triton/common.py when this ran.",
         "",
         *([note, ""] if note else []),
         markdown_table(headers, table),
@@ -216,6 +224,12 @@ def main() -> int:
         "--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (its own tile tables)"
     )
     ap.add_argument("--workers", type=positive_int, default=8, help="processes that compile the candidates")
+    ap.add_argument(
+        "--tma",
+        choices=["off", "on", "both"],
+        default="both",
+        help="forward candidates with pointer loads, with K / V through tensor descriptors, or both (default)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -228,8 +242,13 @@ def main() -> int:
     # The tables as shipped (each timing below swaps one entry in and restores it).
     dt = args.dtype
     shipped = {kind: {d: astuple(c) for d, c in getattr(tc, TABLES[kind, dt]).items()} for kind in args.kinds}
+    tma_variants = {"off": [False], "on": [True], "both": [False, True]}[args.tma]
     jobs = [
-        (kind, dt, d, cfg) for kind in args.kinds for d in args.head_dims for cfg in CANDIDATES[kind, dt][d]
+        (kind, dt, d, (*cfg, tma))
+        for kind in args.kinds
+        for d in args.head_dims
+        for cfg in CANDIDATES[kind, dt][d]
+        for tma in (tma_variants if kind == "fwd" else [False])  # descriptors: the forward only
     ]
     ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as pool:

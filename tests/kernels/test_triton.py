@@ -66,6 +66,14 @@ def grid_mode(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["pointers", "descriptors"])
+def kv_loads(request, monkeypatch):
+    """Run a prefill-forward test with K / V read by pointer loads and through tensor descriptors (the
+    TMA variant, forced: see triton_common.tma_loads)."""
+    monkeypatch.setattr(triton_common, "FORCE_TMA", request.param == "descriptors")
+    return request.param
+
+
 def _random_skip(B: int, Hq: int, seed: int, p: float = 0.4) -> torch.Tensor:
     return torch.rand(B, Hq, generator=torch.Generator().manual_seed(seed)) < p
 
@@ -152,14 +160,14 @@ FWD_SHAPES = [
 
 @pytest.mark.parametrize("shape", FWD_SHAPES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_forward_matches_reference(shape, causal):
+def test_forward_matches_reference(shape, causal, kv_loads):
     B, Hq, Hkv, M, N, D = shape
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=hash(shape) % 1000)
     check_forward(q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
-def test_forward_padding_skips_noncontiguous(dtype, grid_mode):
+def test_forward_padding_skips_noncontiguous(dtype, grid_mode, kv_loads):
     B, Hq, Hkv, M, N = 2, 4, 2, 40, 61
     q, k, v = make_qkv(B, Hq, Hkv, M, N, 32, dtype=dtype, seed=3, noncontiguous_q=True)
     assert not q.is_contiguous()
@@ -171,12 +179,44 @@ def test_forward_padding_skips_noncontiguous(dtype, grid_mode):
     assert (out[1, :, :8] == 0).all()
 
 
-def test_forward_noncontiguous_kv_and_custom_scale():
+def test_forward_noncontiguous_kv_and_custom_scale(kv_loads):
     q, k, v = make_qkv(2, 4, 2, 20, 50, 16, seed=4)
     k_t = k.transpose(1, 2).contiguous().transpose(1, 2)  # [B, Hkv, N, D] view of a [B, N, Hkv, D] buffer
     v_t = v.transpose(1, 2).contiguous().transpose(1, 2)
     assert not k_t.is_contiguous()
     check_forward(q, k_t, v_t, sm_scale=0.7, pad=left_padding_mask(2, 50, [3, 0]), argmax_rows=7)
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_forward_reads_no_key_past_the_cache_length(kv_loads, window):
+    """K / V as views of a longer cache buffer ([B, Hkv, N_max, D] cut at N, as a static KV cache holds
+    them) whose slots past N are NaN: neither loads read them, so the outputs equal the reference's (the
+    descriptor's bounds are N and D of each head, never the buffer or the next head)."""
+    B, Hq, Hkv, M, N, D, n_max = 2, 4, 2, 21, 45, 24, 64
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=41)
+    k_buf = torch.full((B, Hkv, n_max, D), float("nan"))
+    v_buf = torch.full((B, Hkv, n_max, D), float("nan"))
+    k_buf[:, :, :N], v_buf[:, :, :N] = k, v
+    k_view, v_view = k_buf[:, :, :N], v_buf[:, :, :N]
+    assert triton_common.tma_loads(triton_common.fwd_config(D, q.dtype), k_view, v_view) == (
+        kv_loads == "descriptors"
+    )
+    check_forward(q, k_view, v_view, argmax_rows=9, window=window, launcher=attention_forward)
+
+
+def test_tma_rule_refuses_layouts_the_copy_engine_cannot_address(monkeypatch):
+    """tma_loads: off unless the tile table asks on a GPU with TMA (or FORCE_TMA); even then only for a
+    contiguous head dim, 16-byte strides and base, tile sides <= 256."""
+    cfg = triton_common.TileConfig(64, 64, 4, 3, tma=True)
+    k = torch.randn(1, 2, 40, 32)
+    assert not triton_common.tma_loads(cfg, k)  # a CPU tensor: no copy engine
+    monkeypatch.setattr(triton_common, "FORCE_TMA", True)
+    assert triton_common.tma_loads(cfg, k)
+    assert not triton_common.tma_loads(cfg, k.transpose(2, 3).contiguous().transpose(2, 3))  # D strided
+    assert not triton_common.tma_loads(cfg, torch.randn(1, 2, 40, 6, dtype=torch.float16))  # 12-byte rows
+    assert not triton_common.tma_loads(cfg, torch.randn(1, 2, 40, 33)[..., 1:])  # base off 16 bytes
+    assert not triton_common.tma_loads(cfg, torch.randn(1, 1, 8, 512))  # tile wider than 256
+    assert not triton_common.tma_loads(triton_common.TileConfig(64, 512, 4, 3), k)
 
 
 def test_forward_all_heads_skipped(grid_mode):
@@ -496,8 +536,9 @@ MEASURED_STACK = {  # (kernel, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps) -> bytes a
 def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
     """GPU code generation, which the interpreter never exercises: the launches the launchers make with
     the GPU tile tables (fp16: prefill with and without argmax, decode, backward; D = 64 and 128, and
-    D = 64, 128, 256 with sliding window + soft-capping + sinks) are recorded here and compiled for
-    sm_90 by ptxas in a process without TRITON_INTERPRET."""
+    D = 64, 128, 256 with sliding window + soft-capping + sinks; the prefill forward also with K / V
+    through tensor descriptors, the TMA variant) are recorded here and compiled for sm_90 by ptxas in a
+    process without TRITON_INTERPRET."""
     import json
     import subprocess
     import sys
@@ -507,6 +548,16 @@ def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
 
     variants = [(64, False), (128, False), (64, True), (128, True), (256, True)]
     launches = [launch for d, f in variants for launch in record_standard_launches(torch.float16, d, f)]
+    tma_variants = [(64, False), (128, False), (128, True)]
+    tma_launches = [
+        launch
+        for d, f in tma_variants
+        for launch in record_standard_launches(torch.float16, d, f, tma=True)
+        if launch.kernel == "_fwd_kernel"
+    ]
+    assert {launch.constexprs["TMA"] for launch in tma_launches} == {True}
+    assert all(launch.signature["K"].startswith("tensordesc<fp16[1, 1, ") for launch in tma_launches)
+    launches += tma_launches
     kernels = {launch.kernel for launch in launches}
     assert kernels == {
         "_fwd_kernel", "_decode_partial_kernel", "_decode_merge_kernel",
@@ -675,7 +726,7 @@ FEATURE_FWD_CASES = [
 
 
 @pytest.mark.parametrize("case", FEATURE_FWD_CASES)
-def test_features_forward_matches_reference(case, grid_mode):
+def test_features_forward_matches_reference(case, grid_mode, kv_loads):
     B, Hq, Hkv, M, N, D, window, softcap, with_sinks, pads, rows = case
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=M + N + D, noncontiguous_q=True)
     q = q * 2  # larger logits: the cap and the sinks matter

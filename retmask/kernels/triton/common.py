@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453
@@ -23,8 +24,11 @@ LN2 = 0.6931471805599453
 # filled with a poison value (NaN for floats, POISON_INDEX for argmax) instead of uninitialised memory, so
 # an element a kernel forgot to write is caught by comparison with the oracle instead of passing by luck.
 # FORCE_SYNC_FREE: the sync-free grid everywhere (see ``sync_free``), so the interpreter covers it.
+# FORCE_TMA: the prefill forward reads K / V through tensor descriptors wherever their layout allows, on
+# any device (see ``tma_loads``), so the interpreter and the sm_90 compilation cover that variant.
 POISON_OUTPUTS = False
 FORCE_SYNC_FREE = False
+FORCE_TMA = False
 POISON_INDEX = -12345
 
 
@@ -41,12 +45,14 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes and launch parameters of one kernel."""
+    """Tile sizes and launch parameters of one kernel. ``tma``: the prefill forward reads K / V tiles
+    through tensor descriptors (the copy engine of Hopper and later GPUs; see ``tma_loads``)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
 
 
 # Tile tables per head dim (the padded BLOCK_D), as flash-attention keeps them per architecture: 2-byte
@@ -56,6 +62,8 @@ class TileConfig:
 # ``bench/tune_triton.py``, pages in bench/RESULTS.md); where the fastest spilled much, a spill-free one
 # was kept. D = 16 / 32 take D = 64's entry. Register allocation differs between Triton versions:
 # ``python -m retmask.kernels.triton.aot`` shows the spills of a table under the installed one.
+# ``tma`` (K / V through tensor descriptors) is off in every entry until a GPU sweep with both variants
+# (``bench/tune_triton.py --tma both``) shows where it pays.
 _FWD_CONFIGS: dict[int, TileConfig] = {
     16: TileConfig(64, 64, 4, 3),
     32: TileConfig(64, 64, 4, 3),
@@ -302,6 +310,37 @@ def effective_pattern(
 def fp32_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
     """Sink logits as the kernels read them: fp32 [Hq], contiguous, outside autograd."""
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+
+
+def tma_loads(cfg: TileConfig, *tensors: torch.Tensor) -> bool:
+    """Whether the prefill forward reads ``tensors`` (K and V: [B, Hkv, N, D]) through tensor descriptors:
+    the one rule for that choice.
+
+    Asked for by the tile table (``cfg.tma``; or ``FORCE_TMA`` in tests), on a GPU with a tensor memory
+    accelerator (compute capability 9.0 or later; the interpreter and ``triton.aot`` only with
+    ``FORCE_TMA``), for a layout it can address: the head dim contiguous, every other stride and the base
+    address multiples of 16 bytes, at most 256 elements along each tile side. Otherwise pointer loads,
+    which read any strides.
+    """
+    if not FORCE_TMA:
+        if not cfg.tma:  # the usual call: decided without a device query
+            return False
+        device = tensors[0].device
+        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+            return False
+    if block_d(tensors[0].shape[-1]) > 256 or cfg.block_n > 256:
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def kv_descriptor(t: torch.Tensor, cfg: TileConfig) -> TensorDescriptor:
+    """Tensor descriptor over ``t`` ([B, Hkv, N, D]) with one [1, 1, BLOCK_N, BLOCK_D] tile per load; its
+    bounds are per dimension, so a tile that runs past N (or D) reads zeros, never another head's keys."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, cfg.block_n, block_d(t.shape[-1])])
 
 
 def poisoning() -> bool:

@@ -65,6 +65,15 @@ the tiles that hold none of them through key loops compiled without the argmax b
 forcing (T ~ 50 of 50K rows) pays almost nothing for it. (Two launches would leave the few long
 argmax tiles of the second one running alone after the first.)
 
+K / V loads. By default a key block is a masked pointer load (any strides). With ``TMA`` (chosen by
+``common.tma_loads``: the tile table's ``tma`` flag, a GPU of compute capability 9.0 or later, a layout the
+copy engine can address) K and V arrive as tensor descriptors over the whole [B, Hkv, N, D] tensors and
+each block is one [1, 1, BLOCK_N, BLOCK_D] tile fetched by the tensor memory accelerator: asynchronous,
+bounded per dimension (zeros past N and D, never the next head's keys), and handed to the tensor cores
+from shared memory. It frees the registers that the pointer arithmetic holds (ptxas for sm_90, fp16 / bf16,
+D = 128, the table's 128 x 64 tile: 255 registers with 40-216 B of spills -> 220-226, no spills) and
+spends more shared memory on the pipeline's buffers. The math is the same either way.
+
 Tile order. Program 0 takes the last row block: under a causal mask it has the most keys, and starting
 with the longest tiles leaves the short ones to fill the tail of the launch.
 
@@ -91,9 +100,11 @@ from .common import (
     fill_skipped,
     first_valid_keys,
     fwd_config,
+    kv_descriptor,
     launch_fitting,
     new_float,
     new_index,
+    tma_loads,
     with_blocks,
 )
 
@@ -148,27 +159,49 @@ def _scaled_logits(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, DOT_PRECISION: t
 
 
 @triton.jit
+def _load_kv_block(
+    base, kv_b, kv_h, cols, n_ok, start_n, stride_n, stride_d,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """Keys or values [start_n, start_n + BLOCK_N) of one KV head as a [BLOCK_N, BLOCK_D] tile; keys
+    past N and head-dim lanes past HEAD_DIM read as 0.
+
+    TMA: ``base`` is a tensor descriptor over the whole [B, Hkv, N, D] tensor with block
+    [1, 1, BLOCK_N, BLOCK_D]; the copy engine fetches the tile asynchronously and fills what lies out of
+    bounds with zeros (bounds per dimension: never another head's keys), and the pipeliner feeds it from
+    shared memory to the tensor cores without a pass through registers. Else ``base`` points at the
+    (batch, KV head) and the tile is a masked pointer load."""
+    if TMA:
+        tile = base.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = n_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tile = tl.load(base + cols[:, None] * stride_n + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
 def _fwd_block(
-    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window, sink_tokens,
-    stride_kn, stride_kd, stride_vn, stride_vd,
+    acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
+    sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """Fold keys [start_n, start_n + BLOCK_N) into (acc [BM, BD], l_i [BM], m_i [BM], idx_i [BM]).
 
     MASKED blocks apply the bounds, causal (CAUSAL) and sliding-window lower-edge (WINDOW; SINK: keys
     below ``sink_tokens`` pass it) masks; the caller passes unmasked only blocks that are in range and
-    inside every row's window."""
+    inside every row's window. k_base / v_base, kv_b, kv_h: see ``_load_kv_block``."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     if MASKED:
         n_ok = cols < N
     else:
         n_ok = cols >= 0  # all in range: the caller only passes full blocks below N
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    k = _load_kv_block(
+        k_base, kv_b, kv_h, cols, n_ok, start_n, stride_kn, stride_kd, HEAD_DIM, BLOCK_N, BLOCK_D, TMA
+    )
     s = _scaled_logits(q, k, qk_scale, cap2, SOFTCAP, DOT_PRECISION)  # [BM, BN] fp32, base 2
     if MASKED or HAS_PAD:
         valid = n_ok[None, :]
@@ -198,18 +231,20 @@ def _fwd_block(
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    v = _load_kv_block(
+        v_base, kv_b, kv_h, cols, n_ok, start_n, stride_vn, stride_vd, HEAD_DIM, BLOCK_N, BLOCK_D, TMA
+    )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new, idx_i
 
 
 @triton.jit
 def _key_loops(
-    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos, N,
-    qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+    acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi,
+    pos, N, qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, TRACK_ARGMAX: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SINK: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """All key blocks of one query tile in four runs: the sink tokens' blocks [sink_lo, sink_hi) below the
     window (masked, SINK only; sink_hi <= lo), window-edge blocks [lo, mid_lo) (masked, WINDOW only),
@@ -217,32 +252,32 @@ def _key_loops(
     if SINK:
         for start_n in range(sink_lo, sink_hi, BLOCK_N):
             acc, l_i, m_i, idx_i = _fwd_block(
-                acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+                acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
                 sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
                 HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP,
-                DOT_PRECISION, SINK,
+                DOT_PRECISION, SINK, TMA,
             )  # fmt: skip
     if WINDOW:
         for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
             acc, l_i, m_i, idx_i = _fwd_block(
-                acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+                acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
                 sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
                 HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP,
-                DOT_PRECISION, SINK,
+                DOT_PRECISION, SINK, TMA,
             )  # fmt: skip
     for start_n in range(mid_lo, full_hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
             sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
-            SINK,
+            SINK, TMA,
         )  # fmt: skip
     for start_n in range(tl.maximum(mid_lo, full_hi), hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
             sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
             HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
-            SINK,
+            SINK, TMA,
         )  # fmt: skip
     return acc, l_i, m_i, idx_i
 
@@ -269,9 +304,10 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, FLAGGED: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_M query rows of one enabled (batch, head) pair, all their keys."""
+    """One program: BLOCK_M query rows of one enabled (batch, head) pair, all their keys. TMA: K and V
+    are tensor descriptors (see ``_load_kv_block``), else pointers."""
     # Longest tiles first: under a causal mask the last row block has the most keys; starting with it
     # leaves the short tiles to fill the tail of the launch.
     start_m = last_m_block - tl.program_id(0)
@@ -290,8 +326,14 @@ def _fwd_kernel(
     d_ok = offs_d < HEAD_DIM
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
+    if TMA:  # descriptors take (batch, KV head, key, lane) coordinates
+        k_base = K
+        v_base = V
+    else:
+        k_base = K + b * stride_kb + kvh * stride_kh
+        v_base = V + b * stride_vb + kvh * stride_vh
+    kv_b = pair32 // H_Q
+    kv_h = pair32 % H_Q // GROUP
     pad_base = PadMask + b * N
     pos = offs_m + (N - M)  # absolute position of each query row
 
@@ -334,15 +376,15 @@ def _fwd_kernel(
             sink_hi = tl.where(enabled, sink_hi, 0)
     if TRACK_ARGMAX and start_m * BLOCK_M + BLOCK_M > argmax_first_row:  # the tile holds argmax rows
         acc, l_i, m_i, idx_i = _key_loops(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos,
             N, qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
+            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION, SINK, TMA,
         )  # fmt: skip
     else:
         acc, l_i, m_i, idx_i = _key_loops(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos,
             N, qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, False, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
+            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, False, WINDOW, SOFTCAP, DOT_PRECISION, SINK, TMA,
         )  # fmt: skip
 
     # l is a sum of terms in [0, 1]: it is NaN exactly when a NaN or +inf logit reached the row (its term
@@ -413,9 +455,11 @@ def attention_forward(
 
     def launch(cfg: TileConfig) -> None:
         n_blocks = cdiv(M, cfg.block_m)
+        tma = tma_loads(cfg, k, v)
+        k_arg, v_arg = (kv_descriptor(k, cfg), kv_descriptor(v, cfg)) if tma else (k, v)
         with device_guard(q):
             _fwd_kernel[(n_blocks, plist.grid)](
-                q, k, v, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
+                q, k_arg, v_arg, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
                 key_padding_mask if key_padding_mask is not None else dummy,
                 key_start if key_start is not None else dummy,
                 plist.pairs if plist.pairs is not None else dummy,
@@ -428,7 +472,7 @@ def attention_forward(
                 CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
                 FLAGGED=plist.disabled is not None, TRACK_ARGMAX=argmax is not None, WRITE_LSE=return_lse, WINDOW=window is not None,
                 SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
-                SINK=sink_tokens is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                SINK=sink_tokens is not None, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
 
     key = (
