@@ -7,7 +7,7 @@ Batch 1, three phases per length N:
 - prefill (causal, M = N): the Triton backend without argmax, with argmax of the last ``--argmax-rows`` rows
   (the teacher-forcing case of detection) and of all rows, with half of the query heads skipped (both
   grid modes), the first two also with K / V read through tensor descriptors (TMA; compute capability
-  >= 9.0); SDPA (no argmax: the floor to approach); eager softmax(QK^T)V + argmax, what
+  >= 9.0, here and in train); SDPA (no argmax: the floor to approach); eager softmax(QK^T)V + argmax, what
   ``output_attentions=True`` costs (only where its [Hq, N, N] fp32 logits fit);
 - decode (M = 1): the same cases;
 - train (forward + backward, M = N, up to ``--train-max``): Triton, Triton with half the heads skipped, SDPA.
@@ -86,8 +86,8 @@ def sync_free_grid(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def tma_loads(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with the prefill forward reading K / V through tensor descriptors (TMA), whatever the tile
-    table says (GPUs of compute capability 9.0 and later)."""
+    """``fn`` with the prefill forward and the backward loading through tensor descriptors (TMA), whatever
+    the tile table says (GPUs of compute capability 9.0 and later)."""
     return _with_flag("FORCE_TMA", fn)
 
 
@@ -132,7 +132,10 @@ def _cases(attention, phase, hq, hkv, d, n, dtype, argmax_rows, skip_half):
             "triton, half heads skipped": lambda: attention(q, k, v, backend="triton", skip_heads=skip_half),
             "sdpa": lambda: _sdpa(q, k, v),
         }
-        return {name: _with_backward(fn, (q, k, v), grad_out) for name, fn in fwd.items()}
+        cases = {name: _with_backward(fn, (q, k, v), grad_out) for name, fn in fwd.items()}
+        if torch.cuda.get_device_capability(dev)[0] >= 9:  # forward and backward through descriptors
+            cases["triton, TMA loads"] = tma_loads(cases["triton"])
+        return cases
     t_rows = min(argmax_rows, m)
     skipped = lambda: attention(q, k, v, backend="triton", skip_heads=skip_half)  # noqa: E731
     cases = {

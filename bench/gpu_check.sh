@@ -5,10 +5,10 @@
 #          the Hugging Face equivalence tests and detection's exactness proofs (fast path == step-by-step
 #          oracle) with their tiny models on the GPU (RETMASK_TEST_DEVICE=cuda), and on the embedded model
 #          where it came along (below);
-#   tune   tune_triton.py: every candidate tile config of the forward (each with pointer loads and with
-#          K / V through tensor descriptors, TMA) and backward, timed, for each dtype in TUNE_DTYPES
-#          (default "bf16"; "bf16 fp32" for both; an fp32 sweep needed ~250 s before the TMA variants
-#          doubled the forward's candidates) (pages in OUTDIR);
+#   tune   tune_triton.py: every candidate tile config of the forward and backward, each with pointer
+#          loads and with tensor-descriptor (TMA) loads, timed, for each dtype in TUNE_DTYPES (default
+#          "bf16"; "bf16 fp32" for both; an fp32 sweep needed ~250 s before the TMA variants doubled the
+#          candidates; TUNE_ARGS adds options, e.g. "--tma off --kinds fwd") (pages in OUTDIR);
 #   bench  bench_triton.py in bf16 for the SmolLM2 and Llama-3.1-8B attention shapes, the prefill also
 #          with TMA loads (pages in OUTDIR);
 #   decode bench_triton_decode.py: a decode call's host time against its GPU time in a CUDA graph, both
@@ -86,7 +86,7 @@ for stage in $stages; do
     tune)
         rc=0
         for dt in ${TUNE_DTYPES:-bf16}; do
-            timeout "${TUNE_TIMEOUT:-240}" $py bench/tune_triton.py --dtype "$dt" --out "$out" \
+            timeout "${TUNE_TIMEOUT:-240}" $py bench/tune_triton.py --dtype "$dt" --out "$out" ${TUNE_ARGS:-} \
                 >"$out/tune_$dt.log" 2>&1 || rc=$?
             grep -E "^\| (fwd|bwd)" "$out/tune_$dt.log" | cut -c1-140
             tail -3 "$out/tune_$dt.log"

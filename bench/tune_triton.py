@@ -8,10 +8,11 @@ padded head dim) decide most of the kernels' speed. This script times each candi
 attention shapes of the models we ship or target (bf16 or --dtype fp32, each with its own tables; batch 1,
 causal, M = N keys):
   D = 64: SmolLM2-135M (Hq 9, Hkv 3); D = 128: Llama-3.1-8B (32, 8); D = 256: Gemma-3-270M (4, 1).
-- fwd: the prefill forward without argmax, each config with K / V read by pointer loads and through tensor
-  descriptors (TMA, ``--tma both``, the default; the table's ``tma`` flag); the fastest few are re-timed
-  with the argmax of the last 50 rows (the detection case) and with the argmax of every row;
+- fwd: the prefill forward without argmax; the fastest few are re-timed with the argmax of the last 50
+  rows (the detection case) and with the argmax of every row;
 - bwd: the backward alone (preprocess + dK/dV + dQ kernels, which share one config), after one forward.
+Each config is timed with pointer loads and with its looped-over tiles read through tensor descriptors
+(TMA; ``--tma both``, the default; the table's ``tma`` flag).
 Compilation dominates a sweep, so worker processes compile every candidate first (they share Triton's
 on-disk cache) and the timing then runs in this process, one config at a time. A config that does not
 compile or launch (too much shared memory, ...) is reported as failed. Registers and spills are read
@@ -228,7 +229,7 @@ def main() -> int:
         "--tma",
         choices=["off", "on", "both"],
         default="both",
-        help="forward candidates with pointer loads, with K / V through tensor descriptors, or both (default)",
+        help="candidates with pointer loads, with tensor-descriptor (TMA) loads, or both (default)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -248,7 +249,7 @@ def main() -> int:
         for kind in args.kinds
         for d in args.head_dims
         for cfg in CANDIDATES[kind, dt][d]
-        for tma in (tma_variants if kind == "fwd" else [False])  # descriptors: the forward only
+        for tma in tma_variants
     ]
     ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as pool:

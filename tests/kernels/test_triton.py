@@ -68,8 +68,9 @@ def grid_mode(request, monkeypatch):
 
 @pytest.fixture(params=["pointers", "descriptors"])
 def kv_loads(request, monkeypatch):
-    """Run a prefill-forward test with K / V read by pointer loads and through tensor descriptors (the
-    TMA variant, forced: see triton_common.tma_loads)."""
+    """Run a prefill-forward or backward test with the looped-over tiles (K / V; in the backward also Q /
+    dO) read by pointer loads and through tensor descriptors (the TMA variant, forced: see
+    triton_common.tma_loads)."""
     monkeypatch.setattr(triton_common, "FORCE_TMA", request.param == "descriptors")
     return request.param
 
@@ -188,10 +189,11 @@ def test_forward_noncontiguous_kv_and_custom_scale(kv_loads):
 
 
 @pytest.mark.parametrize("window", [None, 12])
-def test_forward_reads_no_key_past_the_cache_length(kv_loads, window):
+def test_kernels_read_no_key_past_the_cache_length(kv_loads, window):
     """K / V as views of a longer cache buffer ([B, Hkv, N_max, D] cut at N, as a static KV cache holds
-    them) whose slots past N are NaN: neither loads read them, so the outputs equal the reference's (the
-    descriptor's bounds are N and D of each head, never the buffer or the next head)."""
+    them) whose slots past N are NaN: neither loads read them, so the forward's outputs and the backward's
+    gradients equal the reference's (the descriptor's bounds are N and D of each head, never the buffer
+    or the next head)."""
     B, Hq, Hkv, M, N, D, n_max = 2, 4, 2, 21, 45, 24, 64
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=41)
     k_buf = torch.full((B, Hkv, n_max, D), float("nan"))
@@ -202,6 +204,13 @@ def test_forward_reads_no_key_past_the_cache_length(kv_loads, window):
         kv_loads == "descriptors"
     )
     check_forward(q, k_view, v_view, argmax_rows=9, window=window, launcher=attention_forward)
+    kw = dict(causal=True, sm_scale=D**-0.5, key_padding_mask=None, skip_heads=None, window=window)
+    out, _, lse = attention_forward(q, k_view, v_view, argmax_rows=0, return_lse=True, **kw)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(42))
+    *got, _ = attention_backward(grad_out, q, k_view, v_view, out, lse, **kw)
+    _, *ref = _grads("reference", q, k, v, grad_out, causal=True, sm_scale=D**-0.5, window=window)
+    for name, a, b in zip(("dq", "dk", "dv"), got, ref, strict=True):
+        torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32], msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_tma_rule_refuses_layouts_the_copy_engine_cannot_address(monkeypatch):
@@ -216,6 +225,7 @@ def test_tma_rule_refuses_layouts_the_copy_engine_cannot_address(monkeypatch):
     assert not triton_common.tma_loads(cfg, torch.randn(1, 2, 40, 6, dtype=torch.float16))  # 12-byte rows
     assert not triton_common.tma_loads(cfg, torch.randn(1, 2, 40, 33)[..., 1:])  # base off 16 bytes
     assert not triton_common.tma_loads(cfg, torch.randn(1, 1, 8, 512))  # tile wider than 256
+    assert not triton_common.tma_loads(cfg, torch.randn(1, 1, 40, 32).expand(3, 2, 40, 32))  # broadcast
     assert not triton_common.tma_loads(triton_common.TileConfig(64, 512, 4, 3), k)
 
 
@@ -441,7 +451,7 @@ GRAD_CASES = [
 
 @pytest.mark.parametrize("case", GRAD_CASES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_backward_matches_reference(case, causal, grid_mode):
+def test_backward_matches_reference(case, causal, grid_mode, kv_loads):
     B, Hq, Hkv, M, N, D, pads, skip = case
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=20 + M, noncontiguous_q=True)
     pad = None if pads is None else left_padding_mask(B, N, pads)
@@ -463,7 +473,7 @@ def test_backward_matches_reference(case, causal, grid_mode):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_backward_half_noncontiguous_grad_out(dtype, grid_mode):
+def test_backward_half_noncontiguous_grad_out(dtype, grid_mode, kv_loads):
     B, Hq, Hkv, M, N, D = 2, 4, 2, 40, 40, 32
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=30, noncontiguous_q=True)
     # transformers transposes the output: its gradient arrives as a [B, Hq, M, D] view of [B, M, Hq, D].
@@ -536,15 +546,15 @@ MEASURED_STACK = {  # (kernel, HEAD_DIM, BLOCK_M, BLOCK_N, num_warps) -> bytes a
 def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
     """GPU code generation, which the interpreter never exercises: the launches the launchers make with
     the GPU tile tables (fp16: prefill with and without argmax, decode, backward; D = 64 and 128, and
-    D = 64, 128, 256 with sliding window + soft-capping + sinks; the prefill forward also with K / V
-    through tensor descriptors, the TMA variant) are recorded here and compiled for sm_90 by ptxas in a
+    D = 64, 128, 256 with sliding window + soft-capping + sinks; the prefill forward and the backward also
+    loading through tensor descriptors, the TMA variant) are recorded here and compiled for sm_90 by ptxas in a
     process without TRITON_INTERPRET."""
     import json
     import subprocess
     import sys
     from dataclasses import asdict
 
-    from retmask.kernels.triton.aot import record_standard_launches
+    from retmask.kernels.triton.aot import TMA_KERNELS, record_standard_launches
 
     variants = [(64, False), (128, False), (64, True), (128, True), (256, True)]
     launches = [launch for d, f in variants for launch in record_standard_launches(torch.float16, d, f)]
@@ -553,10 +563,15 @@ def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
         launch
         for d, f in tma_variants
         for launch in record_standard_launches(torch.float16, d, f, tma=True)
-        if launch.kernel == "_fwd_kernel"
+        if launch.kernel in TMA_KERNELS
     ]
+    assert {launch.kernel for launch in tma_launches} == TMA_KERNELS
     assert {launch.constexprs["TMA"] for launch in tma_launches} == {True}
-    assert all(launch.signature["K"].startswith("tensordesc<fp16[1, 1, ") for launch in tma_launches)
+    looped = {"_fwd_kernel": "K", "_bwd_dq_kernel": "K", "_bwd_dkdv_kernel": "Q"}  # a descriptor argument
+    assert all(
+        launch.signature[looped[launch.kernel]].startswith("tensordesc<fp16[1, 1, ")
+        for launch in tma_launches
+    )
     launches += tma_launches
     kernels = {launch.kernel for launch in launches}
     assert kernels == {
@@ -845,7 +860,7 @@ FEATURE_GRAD_CASES = [
 
 
 @pytest.mark.parametrize("case", FEATURE_GRAD_CASES)
-def test_features_backward_matches_reference(case, grid_mode):
+def test_features_backward_matches_reference(case, grid_mode, kv_loads):
     B, Hq, Hkv, M, N, D, window, softcap, with_sinks, pads, skip = case
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=70 + M, noncontiguous_q=True)
     q = q * 2

@@ -14,8 +14,8 @@ config. This module closes part of that gap with Triton's ahead-of-time path and
 Command line: ``python -m retmask.kernels.triton.aot [--dtypes fp16 bf16 fp32] [--head-dims 64 128 256]
 [--features none|all|both] [--tma off|on|both]`` prints one line per kernel launch: registers, spill stack
 bytes, shared memory (``--features``: the launches without, with, or without and with a sliding window (and
-sink tokens), soft-capping and sinks; ``--tma``: the prefill forward with pointer loads, with K / V through
-tensor descriptors, or both). Record in one process
+sink tokens), soft-capping and sinks; ``--tma``: the prefill forward and the backward with pointer loads,
+through tensor descriptors, or both). Record in one process
 (``--record-only FILE``, under TRITON_INTERPRET=1) and compile in another (``--compile FILE``) when the
 kernel modules are already imported in interpreter mode.
 """
@@ -42,6 +42,8 @@ KERNELS = {
     "retmask.kernels.triton.decode": ("_decode_partial_kernel", "_decode_merge_kernel"),
     "retmask.kernels.triton.bwd": ("_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"),
 }
+# The kernels whose loads ``common.tma_loads`` can switch to tensor descriptors (the others: the same either way).
+TMA_KERNELS = {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}
 _PTR_TYPES = {
     torch.float16: "*fp16",
     torch.bfloat16: "*bf16",
@@ -143,7 +145,7 @@ def record_standard_launches(
     """Launches of a causal GQA prefill with padding and skips, with argmax on the last rows and without
     (both forward variants), a decode step and the backward, on tiny CPU tensors (nothing runs). ``features`` adds a
     sliding window (100 of 256 keys) with 4 sink tokens, soft-capping and sinks to all of them; ``tma``
-    makes the prefill forward read K / V through tensor descriptors (``common.FORCE_TMA``)."""
+    makes the prefill forward and the backward load through tensor descriptors (``common.FORCE_TMA``)."""
     from . import common
     from .bwd import attention_backward
     from .decode import decode_forward
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tma",
         choices=["off", "on", "both"],
         default="off",
-        help="prefill forward with pointer loads (default), with K / V through tensor descriptors, or both",
+        help="prefill forward and backward with pointer loads (default), through tensor descriptors, or both",
     )
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--record-only", metavar="FILE", help="write the recorded launches as JSON and stop")
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         for feat in variants
         for tma in {"off": [False], "on": [True], "both": [False, True]}[args.tma]
         for launch in record_standard_launches(DTYPES[dt], d, feat, tma)
-        if not tma or launch.kernel == "_fwd_kernel"  # descriptors change only the prefill forward
+        if not tma or launch.kernel in TMA_KERNELS
     ]
     if args.record_only:
         Path(args.record_only).write_text(json.dumps([asdict(launch) for launch in launches]))

@@ -38,6 +38,10 @@ both cost O(window) per block. Sink tokens (``sink_tokens`` S, with a window: ro
 ``j < S``): a key block holding one is seen by every row from its causal start on (the dK/dV row loop
 runs to M), and the dQ kernel first loops over the sink tokens' blocks below its window's first block;
 window masks keep keys ``j < S``. O(window + S) per block.
+
+Loads. The tiles a loop walks over (Q and dO in the dK/dV kernel, K and V in the dQ kernel) are pointer
+loads by default, or ``triton.fwd._load_rows`` tiles through tensor descriptors when ``common.tma_loads``
+says so (the tile table's ``tma`` flag on a GPU with a tensor memory accelerator); the math is the same.
 """
 
 from __future__ import annotations
@@ -58,9 +62,11 @@ from .common import (
     first_valid_keys,
     launch_fitting,
     new_float,
+    row_descriptor,
+    tma_loads,
     with_blocks,
 )
-from .fwd import _logit_scales, _tanh
+from .fwd import _load_rows, _logit_scales, _tanh
 
 
 @triton.jit
@@ -120,9 +126,10 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_PAIRS: tl.constexpr,
     FLAGGED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SINK: tl.constexpr,
+    SINK: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """Program (key block, enabled KV pair): dK, dV of BLOCK_N keys, summed over the group's heads."""
+    """Program (key block, enabled KV pair): dK, dV of BLOCK_N keys, summed over the group's heads.
+    TMA: Q and DO are tensor descriptors (``_load_rows``), else pointers."""
     start_n = tl.program_id(0) * BLOCK_N
     if HAS_PAIRS:
         kv_pair = tl.load(KvPairs + tl.program_id(1))
@@ -172,19 +179,44 @@ def _bwd_dkdv_kernel(
             enabled = tl.load(Skip + b * H_Q + h) == 0
         if enabled:
             pair = b * H_Q + h
-            q_base = Q + b * stride_qb + h * stride_qh
-            do_base = DO + b * stride_db + h * stride_dh
+            if TMA:  # descriptors take (batch, head, row, lane) coordinates
+                q_base = Q
+                do_base = DO
+            else:
+                q_base = Q + b * stride_qb + h * stride_qh
+                do_base = DO + b * stride_db + h * stride_dh
+            b32 = b.to(tl.int32)
+            h32 = h.to(tl.int32)
             for start_m in range(m_lo, m_hi, BLOCK_M):
                 rows = start_m + tl.arange(0, BLOCK_M)
                 m_ok = rows < M
-                row_mask = m_ok[:, None] & d_ok[None, :]
-                q = tl.load(
-                    q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0
+                q = _load_rows(
+                    q_base,
+                    b32,
+                    h32,
+                    rows,
+                    m_ok,
+                    start_m,
+                    stride_qm,
+                    stride_qd,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_D,
+                    TMA,
                 )
-                do = tl.load(
-                    do_base + rows[:, None] * stride_dm + offs_d[None, :] * stride_dd,
-                    mask=row_mask,
-                    other=0.0,
+                do = _load_rows(
+                    do_base,
+                    b32,
+                    h32,
+                    rows,
+                    m_ok,
+                    start_m,
+                    stride_dm,
+                    stride_dd,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_D,
+                    TMA,
                 )
                 # lse = +inf beyond M (and for keyless rows): P = exp2(s - inf) = 0.
                 lse2 = tl.load(Lse + pair * M + rows, mask=m_ok, other=float("inf")) * 1.4426950408889634
@@ -223,19 +255,22 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_block(
-    dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, pos, m_ok, N, qk_scale, cap2, window,
-    sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+    dq, q, do, lse2, delta, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, m_ok, N, qk_scale, cap2,
+    window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SINK: tl.constexpr,
+    SINK: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """dq [BM, BD] plus the keys [start_n, start_n + BLOCK_N)'s share of dS K (unscaled)."""
+    """dq [BM, BD] plus the keys [start_n, start_n + BLOCK_N)'s share of dS K (unscaled). k_base / v_base,
+    kv_b, kv_h: see ``_load_rows``."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     n_ok = cols < N
-    kv_mask = n_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    k = _load_rows(
+        k_base, kv_b, kv_h, cols, n_ok, start_n, stride_kn, stride_kd, HEAD_DIM, BLOCK_N, BLOCK_D, TMA
+    )
+    v = _load_rows(
+        v_base, kv_b, kv_h, cols, n_ok, start_n, stride_vn, stride_vd, HEAD_DIM, BLOCK_N, BLOCK_D, TMA
+    )
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
     if SOFTCAP:
         t = _tanh(s)
@@ -271,8 +306,10 @@ def _bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, FLAGGED: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, enabled pair): dQ of BLOCK_M rows, looping over the visible keys."""
+    """Program (row block, enabled pair): dQ of BLOCK_M rows, looping over the visible keys. TMA: K and
+    V are tensor descriptors (``_load_rows``), else pointers."""
     start_m = tl.program_id(0) * BLOCK_M
     if HAS_PAIRS:
         pair32 = tl.load(Pairs + tl.program_id(1))
@@ -299,8 +336,14 @@ def _bwd_dq_kernel(
     )
     lse2 = tl.load(Lse + pair * M + rows, mask=m_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + pair * M + rows, mask=m_ok, other=0.0)
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
+    if TMA:  # descriptors take (batch, KV head, key, lane) coordinates
+        k_base = K
+        v_base = V
+    else:
+        k_base = K + b * stride_kb + kvh * stride_kh
+        v_base = V + b * stride_vb + kvh * stride_vh
+    kv_b = pair32 // H_Q
+    kv_h = pair32 % H_Q // GROUP
     pos = rows + (N - M)
     qk_scale, cap2 = _logit_scales(sm_scale, softcap, SOFTCAP)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -326,15 +369,15 @@ def _bwd_dq_kernel(
     if SINK:
         for start_n in range(sink_lo, sink_hi, BLOCK_N):
             dq = _dq_block(
-                dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, pos, m_ok, N, qk_scale, cap2, window,
-                sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
-                BLOCK_N, BLOCK_D, HEAD_DIM, CAUSAL, HAS_PAD, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
+                dq, q, do, lse2, delta, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, m_ok, N, qk_scale,
+                cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+                BLOCK_N, BLOCK_D, HEAD_DIM, CAUSAL, HAS_PAD, WINDOW, SOFTCAP, DOT_PRECISION, SINK, TMA,
             )  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         dq = _dq_block(
-            dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, pos, m_ok, N, qk_scale, cap2, window,
-            sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
-            BLOCK_N, BLOCK_D, HEAD_DIM, CAUSAL, HAS_PAD, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
+            dq, q, do, lse2, delta, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, m_ok, N, qk_scale,
+            cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
+            BLOCK_N, BLOCK_D, HEAD_DIM, CAUSAL, HAS_PAD, WINDOW, SOFTCAP, DOT_PRECISION, SINK, TMA,
         )  # fmt: skip
     dq = dq * sm_scale
     tl.store(
@@ -415,6 +458,10 @@ def attention_backward(
             None if sinks is None else torch.zeros((B * Hq, m_blocks), dtype=torch.float32, device=device)
         )
         common = dict(HEAD_DIM=D, BLOCK_D=bd, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        # The looped-over tiles through descriptors where the rule allows: Q / dO in dK/dV, K / V in dQ.
+        tma = tma_loads(cfg, q, grad_out, k, v)
+        q_arg, do_arg = (row_descriptor(q, bm), row_descriptor(grad_out, bm)) if tma else (q, grad_out)
+        k_arg, v_arg = (row_descriptor(k, bn), row_descriptor(v, bn)) if tma else (k, v)
         with device_guard(q):
             _bwd_preprocess_kernel[(m_blocks, plist.grid)](
                 out, grad_out, delta, pairs, lse, sinks if sinks is not None else dummy,
@@ -423,22 +470,22 @@ def attention_backward(
                 BLOCK_M=bm, HAS_PAIRS=plist.pairs is not None, HAS_SINKS=sinks is not None, **common,
             )  # fmt: skip
             _bwd_dkdv_kernel[(cdiv(N, bn), kv_plist.grid)](
-                q, k, v, grad_out, lse, delta, dk, dv, pad_arg, start_arg,
+                q_arg, k, v, do_arg, lse, delta, dk, dv, pad_arg, start_arg,
                 skip_heads if skip_heads is not None else dummy, kv_pairs, kv_disabled,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
                 Hq, Hkv, group, M, N, float(sm_scale), *feat_args,
                 BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
                 HAS_SKIP=skip_heads is not None, HAS_PAIRS=kv_plist.pairs is not None,
-                FLAGGED=kv_plist.disabled is not None, DOT_PRECISION=precision,
+                FLAGGED=kv_plist.disabled is not None, DOT_PRECISION=precision, TMA=tma,
                 **feats, **common,
             )  # fmt: skip
             _bwd_dq_kernel[(m_blocks, plist.grid)](
-                q, k, v, grad_out, lse, delta, dq, pad_arg, start_arg, pairs, disabled,
+                q, k_arg, v_arg, grad_out, lse, delta, dq, pad_arg, start_arg, pairs, disabled,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
                 Hq, group, M, N, float(sm_scale), *feat_args,
                 BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
                 HAS_PAIRS=plist.pairs is not None, FLAGGED=plist.disabled is not None, DOT_PRECISION=precision,
-                **feats, **common,
+                TMA=tma, **feats, **common,
             )  # fmt: skip
         return dsink_part
 

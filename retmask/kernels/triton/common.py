@@ -24,8 +24,9 @@ LN2 = 0.6931471805599453
 # filled with a poison value (NaN for floats, POISON_INDEX for argmax) instead of uninitialised memory, so
 # an element a kernel forgot to write is caught by comparison with the oracle instead of passing by luck.
 # FORCE_SYNC_FREE: the sync-free grid everywhere (see ``sync_free``), so the interpreter covers it.
-# FORCE_TMA: the prefill forward reads K / V through tensor descriptors wherever their layout allows, on
-# any device (see ``tma_loads``), so the interpreter and the sm_90 compilation cover that variant.
+# FORCE_TMA: the prefill forward (K / V) and the backward (Q / dO and K / V) load through tensor
+# descriptors wherever the layouts allow, on any device (see ``tma_loads``), so the interpreter and the
+# sm_90 compilation cover that variant.
 POISON_OUTPUTS = False
 FORCE_SYNC_FREE = False
 FORCE_TMA = False
@@ -45,8 +46,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes and launch parameters of one kernel. ``tma``: the prefill forward reads K / V tiles
-    through tensor descriptors (the copy engine of Hopper and later GPUs; see ``tma_loads``)."""
+    """Tile sizes and launch parameters of one kernel. ``tma``: the prefill forward and the backward read
+    their looped-over tiles through tensor descriptors (the copy engine of Hopper and later GPUs; see
+    ``tma_loads``)."""
 
     block_m: int
     block_n: int
@@ -313,13 +315,13 @@ def fp32_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def tma_loads(cfg: TileConfig, *tensors: torch.Tensor) -> bool:
-    """Whether the prefill forward reads ``tensors`` (K and V: [B, Hkv, N, D]) through tensor descriptors:
-    the one rule for that choice.
+    """Whether a kernel reads ``tensors`` ([B, H, L, D] each: the prefill forward's K and V, the
+    backward's Q, dO, K and V) through tensor descriptors: the one rule for that choice.
 
     Asked for by the tile table (``cfg.tma``; or ``FORCE_TMA`` in tests), on a GPU with a tensor memory
     accelerator (compute capability 9.0 or later; the interpreter and ``triton.aot`` only with
-    ``FORCE_TMA``), for a layout it can address: the head dim contiguous, every other stride and the base
-    address multiples of 16 bytes, at most 256 elements along each tile side. Otherwise pointer loads,
+    ``FORCE_TMA``), for layouts it can address: the head dim contiguous, every other stride positive, it and
+    the base address multiples of 16 bytes, at most 256 elements along each tile side. Otherwise pointer loads,
     which read any strides.
     """
     if not FORCE_TMA:
@@ -328,19 +330,23 @@ def tma_loads(cfg: TileConfig, *tensors: torch.Tensor) -> bool:
         device = tensors[0].device
         if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
             return False
-    if block_d(tensors[0].shape[-1]) > 256 or cfg.block_n > 256:
+    if block_d(tensors[0].shape[-1]) > 256 or max(cfg.block_m, cfg.block_n) > 256:
         return False
     for t in tensors:
         size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
-            return False
+        if (
+            t.stride(-1) != 1
+            or t.data_ptr() % 16
+            or any(st <= 0 or (st * size) % 16 for st in t.stride()[:-1])
+        ):
+            return False  # (a broadcast, stride-0 dim is no layout the copy engine takes)
     return True
 
 
-def kv_descriptor(t: torch.Tensor, cfg: TileConfig) -> TensorDescriptor:
-    """Tensor descriptor over ``t`` ([B, Hkv, N, D]) with one [1, 1, BLOCK_N, BLOCK_D] tile per load; its
-    bounds are per dimension, so a tile that runs past N (or D) reads zeros, never another head's keys."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, cfg.block_n, block_d(t.shape[-1])])
+def row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Tensor descriptor over ``t`` ([B, H, L, D]) that loads [1, 1, rows, BLOCK_D] tiles; its bounds are
+    per dimension, so a tile that runs past L (or D) reads zeros, never another head's rows."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d(t.shape[-1])])
 
 
 def poisoning() -> bool:

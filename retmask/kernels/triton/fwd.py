@@ -100,10 +100,10 @@ from .common import (
     fill_skipped,
     first_valid_keys,
     fwd_config,
-    kv_descriptor,
     launch_fitting,
     new_float,
     new_index,
+    row_descriptor,
     tma_loads,
     with_blocks,
 )
@@ -159,24 +159,25 @@ def _scaled_logits(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, DOT_PRECISION: t
 
 
 @triton.jit
-def _load_kv_block(
-    base, kv_b, kv_h, cols, n_ok, start_n, stride_n, stride_d,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
+def _load_rows(
+    base, b, h, rows, rows_ok, start, stride_row, stride_d,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """Keys or values [start_n, start_n + BLOCK_N) of one KV head as a [BLOCK_N, BLOCK_D] tile; keys
-    past N and head-dim lanes past HEAD_DIM read as 0.
+    """Rows [start, start + BLOCK) of one (batch, head) of a [B, H, L, D] tensor (keys, values, queries
+    or output gradients) as a [BLOCK, BLOCK_D] tile; rows past L (``rows_ok`` False) and lanes past
+    HEAD_DIM read as 0.
 
-    TMA: ``base`` is a tensor descriptor over the whole [B, Hkv, N, D] tensor with block
-    [1, 1, BLOCK_N, BLOCK_D]; the copy engine fetches the tile asynchronously and fills what lies out of
-    bounds with zeros (bounds per dimension: never another head's keys), and the pipeliner feeds it from
+    TMA: ``base`` is a tensor descriptor over the whole tensor with block [1, 1, BLOCK, BLOCK_D] and
+    (b, h) its coordinates: the copy engine fetches the tile asynchronously and fills what lies out of
+    bounds with zeros (bounds per dimension: never another head's rows), and the pipeliner feeds it from
     shared memory to the tensor cores without a pass through registers. Else ``base`` points at the
-    (batch, KV head) and the tile is a masked pointer load."""
+    (batch, head) and the tile is a masked pointer load."""
     if TMA:
-        tile = base.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        tile = base.load([b, h, start, 0]).reshape(BLOCK, BLOCK_D)
     else:
         offs_d = tl.arange(0, BLOCK_D)
-        mask = n_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        tile = tl.load(base + cols[:, None] * stride_n + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+        mask = rows_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tile = tl.load(base + rows[:, None] * stride_row + offs_d[None, :] * stride_d, mask=mask, other=0.0)
     return tile
 
 
@@ -193,13 +194,13 @@ def _fwd_block(
 
     MASKED blocks apply the bounds, causal (CAUSAL) and sliding-window lower-edge (WINDOW; SINK: keys
     below ``sink_tokens`` pass it) masks; the caller passes unmasked only blocks that are in range and
-    inside every row's window. k_base / v_base, kv_b, kv_h: see ``_load_kv_block``."""
+    inside every row's window. k_base / v_base, kv_b, kv_h: see ``_load_rows``."""
     cols = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
         n_ok = cols < N
     else:
         n_ok = cols >= 0  # all in range: the caller only passes full blocks below N
-    k = _load_kv_block(
+    k = _load_rows(
         k_base, kv_b, kv_h, cols, n_ok, start_n, stride_kn, stride_kd, HEAD_DIM, BLOCK_N, BLOCK_D, TMA
     )
     s = _scaled_logits(q, k, qk_scale, cap2, SOFTCAP, DOT_PRECISION)  # [BM, BN] fp32, base 2
@@ -231,7 +232,7 @@ def _fwd_block(
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv_block(
+    v = _load_rows(
         v_base, kv_b, kv_h, cols, n_ok, start_n, stride_vn, stride_vd, HEAD_DIM, BLOCK_N, BLOCK_D, TMA
     )
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -307,7 +308,7 @@ def _fwd_kernel(
     HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M query rows of one enabled (batch, head) pair, all their keys. TMA: K and V
-    are tensor descriptors (see ``_load_kv_block``), else pointers."""
+    are tensor descriptors (see ``_load_rows``), else pointers."""
     # Longest tiles first: under a causal mask the last row block has the most keys; starting with it
     # leaves the short tiles to fill the tail of the launch.
     start_m = last_m_block - tl.program_id(0)
@@ -456,7 +457,7 @@ def attention_forward(
     def launch(cfg: TileConfig) -> None:
         n_blocks = cdiv(M, cfg.block_m)
         tma = tma_loads(cfg, k, v)
-        k_arg, v_arg = (kv_descriptor(k, cfg), kv_descriptor(v, cfg)) if tma else (k, v)
+        k_arg, v_arg = (row_descriptor(k, cfg.block_n), row_descriptor(v, cfg.block_n)) if tma else (k, v)
         with device_guard(q):
             _fwd_kernel[(n_blocks, plist.grid)](
                 q, k_arg, v_arg, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
