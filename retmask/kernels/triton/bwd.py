@@ -66,7 +66,7 @@ from .common import (
     tma_loads,
     with_blocks,
 )
-from .fwd import _load_rows, _logit_scales, _tanh
+from .fwd import _head_base, _load_rows, _logit_scales, _tanh
 
 
 @triton.jit
@@ -179,13 +179,9 @@ def _bwd_dkdv_kernel(
             enabled = tl.load(Skip + b * H_Q + h) == 0
         if enabled:
             pair = b * H_Q + h
-            if TMA:  # descriptors take (batch, head, row, lane) coordinates
-                q_base = Q
-                do_base = DO
-            else:
-                q_base = Q + b * stride_qb + h * stride_qh
-                do_base = DO + b * stride_db + h * stride_dh
-            b32 = b.to(tl.int32)
+            q_base = _head_base(Q, b, h, stride_qb, stride_qh, TMA)
+            do_base = _head_base(DO, b, h, stride_db, stride_dh, TMA)
+            b32 = b.to(tl.int32)  # (batch, head) coordinates for descriptors
             h32 = h.to(tl.int32)
             for start_m in range(m_lo, m_hi, BLOCK_M):
                 rows = start_m + tl.arange(0, BLOCK_M)
@@ -336,13 +332,9 @@ def _bwd_dq_kernel(
     )
     lse2 = tl.load(Lse + pair * M + rows, mask=m_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + pair * M + rows, mask=m_ok, other=0.0)
-    if TMA:  # descriptors take (batch, KV head, key, lane) coordinates
-        k_base = K
-        v_base = V
-    else:
-        k_base = K + b * stride_kb + kvh * stride_kh
-        v_base = V + b * stride_vb + kvh * stride_vh
-    kv_b = pair32 // H_Q
+    k_base = _head_base(K, b, kvh, stride_kb, stride_kh, TMA)
+    v_base = _head_base(V, b, kvh, stride_vb, stride_vh, TMA)
+    kv_b = pair32 // H_Q  # int32 (batch, KV head) coordinates for descriptors
     kv_h = pair32 % H_Q // GROUP
     pos = rows + (N - M)
     qk_scale, cap2 = _logit_scales(sm_scale, softcap, SOFTCAP)

@@ -182,6 +182,17 @@ def _load_rows(
 
 
 @triton.jit
+def _head_base(T, b, h, stride_b, stride_h, TMA: tl.constexpr):
+    """``_load_rows``' ``base`` for head (b, h) of T: the descriptor itself with TMA (its loads carry
+    (b, h) as coordinates), else a pointer at the head's first row."""
+    if TMA:
+        base = T
+    else:
+        base = T + b * stride_b + h * stride_h
+    return base
+
+
+@triton.jit
 def _fwd_block(
     acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
     sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -327,13 +338,9 @@ def _fwd_kernel(
     d_ok = offs_d < HEAD_DIM
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    if TMA:  # descriptors take (batch, KV head, key, lane) coordinates
-        k_base = K
-        v_base = V
-    else:
-        k_base = K + b * stride_kb + kvh * stride_kh
-        v_base = V + b * stride_vb + kvh * stride_vh
-    kv_b = pair32 // H_Q
+    k_base = _head_base(K, b, kvh, stride_kb, stride_kh, TMA)
+    v_base = _head_base(V, b, kvh, stride_vb, stride_vh, TMA)
+    kv_b = pair32 // H_Q  # int32 (batch, KV head) coordinates for descriptors
     kv_h = pair32 % H_Q // GROUP
     pad_base = PadMask + b * N
     pos = offs_m + (N - M)  # absolute position of each query row
