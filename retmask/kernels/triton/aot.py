@@ -80,11 +80,13 @@ class Resources:
 
 
 def _arg_type(value: Any) -> str:
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    from .common import TensorDescriptor
 
     if isinstance(value, torch.Tensor):
         return _PTR_TYPES[value.dtype]
-    if isinstance(value, TensorDescriptor):  # Triton's signature string of a descriptor argument
+    if TensorDescriptor is not None and isinstance(
+        value, TensorDescriptor
+    ):  # Triton's descriptor type string
         return f"tensordesc<{_PTR_TYPES[value.base.dtype][1:]}[{', '.join(map(str, value.block_shape))}]>"
     if isinstance(value, bool):
         return "i1"

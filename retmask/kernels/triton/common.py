@@ -15,7 +15,11 @@ from typing import TypeVar
 
 import torch
 from triton.runtime.errors import OutOfResources
-from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton before host-side tensor descriptors: pointer loads only (see tma_loads)
+    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453
@@ -318,12 +322,14 @@ def tma_loads(cfg: TileConfig, *tensors: torch.Tensor) -> bool:
     """Whether a kernel reads ``tensors`` ([B, H, L, D] each: the prefill forward's K and V, the
     backward's Q, dO, K and V) through tensor descriptors: the one rule for that choice.
 
-    Asked for by the tile table (``cfg.tma``; or ``FORCE_TMA`` in tests), on a GPU with a tensor memory
-    accelerator (compute capability 9.0 or later; the interpreter and ``triton.aot`` only with
-    ``FORCE_TMA``), for layouts it can address: the head dim contiguous, every other stride positive, it and
-    the base address multiples of 16 bytes, at most 256 elements along each tile side. Otherwise pointer loads,
-    which read any strides.
+    Asked for by the tile table (``cfg.tma``; or ``FORCE_TMA`` in tests), with a Triton that has host-side
+    descriptors, on a GPU with a tensor memory accelerator (compute capability 9.0 or later; the
+    interpreter and ``triton.aot`` only with ``FORCE_TMA``), for layouts it can address: the head dim
+    contiguous, every other stride positive, it and the base address multiples of 16 bytes, at most 256
+    elements along each tile side. Otherwise pointer loads, which read any strides.
     """
+    if TensorDescriptor is None:
+        return False
     if not FORCE_TMA:
         if not cfg.tma:  # the usual call: decided without a device query
             return False
