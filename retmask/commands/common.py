@@ -10,6 +10,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from retmask.commands.argtypes import depth_count, length_count, positive_int, token_count
 from retmask.errors import UsageError
@@ -230,3 +231,34 @@ def reports_errors(interrupt_hint: str | None = RESUME_HINT) -> Callable:
         return wrapped
 
     return wrap
+
+
+def add_configuration_run_args(p: argparse.ArgumentParser, *, name: str) -> None:
+    """--out-dir (default runs/<name>), --prefix (default <name>), --resume, --overwrite, --limit and
+    --no-progress of a command that runs a list of configurations, each saved as it completes
+    (``ablate``, ``kv``)."""
+    p.add_argument("--out-dir", type=Path, default=Path("runs") / name, help="folder for the outputs")
+    p.add_argument("--prefix", default=name, help="file name stem of the outputs")
+    p.add_argument(
+        "--resume", action="store_true", help="skip configurations already saved by the same settings"
+    )
+    p.add_argument("--overwrite", action="store_true", help="discard earlier results in --out-dir")
+    p.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        help="run at most N new configurations, then stop (use with --resume)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run_configurations(args: argparse.Namespace, body: Callable[[argparse.Namespace], int]) -> int:
+    """Run ``body(args)`` for a configuration-run command: ``--out-dir`` must be a writable folder,
+    ``--resume`` and ``--overwrite`` exclude each other, and a lock on ``<out-dir>/<prefix>`` keeps a
+    second run of the same outputs out while this one works."""
+    from retmask.runfiles import RunLock, check_fresh_or_resume, check_writable
+
+    check_writable(args.out_dir, what="--out-dir", directory=True)
+    check_fresh_or_resume([], resume=args.resume, overwrite=args.overwrite)  # not both
+    with RunLock(args.out_dir / args.prefix, flag="--out-dir or --prefix"):
+        return body(args)

@@ -17,11 +17,11 @@ from retmask.commands.argtypes import (
     MAX_TOKENS,
     draw_count,
     int_range,
-    positive_int,
     seed_int,
     token_count,
 )
 from retmask.commands.common import (
+    add_configuration_run_args,
     add_grid_args,
     add_model_args,
     check_device_arg,
@@ -30,6 +30,7 @@ from retmask.commands.common import (
     load_from_args,
     needles_from_args,
     reports_errors,
+    run_configurations,
 )
 from retmask.errors import UsageError
 
@@ -129,19 +130,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_model_args(p)
     add_grid_args(p, num_needles=DEFAULT_NEEDLES, grid=DEFAULT_GRID)
-    p.add_argument("--out-dir", type=Path, default=Path("runs/kv"), help="folder for the outputs")
-    p.add_argument("--prefix", default="kv", help="file name stem of the outputs")
-    p.add_argument(
-        "--resume", action="store_true", help="skip configurations already saved by the same settings"
-    )
-    p.add_argument("--overwrite", action="store_true", help="discard earlier results in --out-dir")
-    p.add_argument(
-        "--limit",
-        type=positive_int,
-        default=None,
-        help="run at most N new configurations, then stop (use with --resume)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_configuration_run_args(p, name="kv")
     p.set_defaults(func=run)
     return p
 
@@ -153,12 +142,7 @@ def _as_list(value: Any, parse: Any) -> Any:
 
 @reports_errors()
 def run(args: argparse.Namespace) -> int:
-    from retmask.runfiles import RunLock, check_fresh_or_resume, check_writable
-
-    check_writable(args.out_dir, what="--out-dir", directory=True)
-    check_fresh_or_resume([], resume=args.resume, overwrite=args.overwrite)  # not both
-    with RunLock(args.out_dir / args.prefix, flag="--out-dir or --prefix"):
-        return _run(args)
+    return run_configurations(args, _run)
 
 
 def _run(args: argparse.Namespace) -> int:
