@@ -36,7 +36,9 @@
 # On this workplace's lent GPU machines (torch 2.11, triton 3.6, transformers 5.17, no gguf / rouge-score /
 # nltk there) the 2026-11-26 runs took: env 5 s, tests 86 s, model 180 s, decode 22 s on an H200; an
 # fp32 tune needs more than 170 s; on an H100: env 7 s, decode 37 s, tests 161-201 s (285-291 tests, with
-# the model), model 197-207 s (DETECT_CHUNKS=4096 alone: 197 s), bench 81 s. Without the model, one call
+# the model), model 197-207 s (DETECT_CHUNKS=4096 alone: 197 s), bench 81 s.
+# The forward and backward tests now also run with tensor-descriptor (TMA) loads: expect the tests stage
+# to take longer than these figures (default limit 300 s). Without the model, one call
 # carrying [".whl"] is enough.
 set -u
 out=$(realpath -m "${1:?usage: bash bench/gpu_check.sh OUTDIR [stage ...]}")
@@ -78,7 +80,7 @@ for stage in $stages; do
         cat "$out/env.txt"
         ;;
     tests)
-        RETMASK_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT:-240}" $py -m pytest -q -n "${WORKERS:-8}" \
+        RETMASK_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT:-300}" $py -m pytest -q -n "${WORKERS:-8}" \
             -p no:cacheprovider -o addopts="" -rfE "${gpu_tests[@]}" >"$out/tests.log" 2>&1
         rc=$?
         grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -40
