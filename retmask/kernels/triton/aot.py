@@ -84,9 +84,7 @@ def _arg_type(value: Any) -> str:
 
     if isinstance(value, torch.Tensor):
         return _PTR_TYPES[value.dtype]
-    if TensorDescriptor is not None and isinstance(
-        value, TensorDescriptor
-    ):  # Triton's descriptor type string
+    if TensorDescriptor is not None and isinstance(value, TensorDescriptor):  # Triton's type string for it
         return f"tensordesc<{_PTR_TYPES[value.base.dtype][1:]}[{', '.join(map(str, value.block_shape))}]>"
     if isinstance(value, bool):
         return "i1"

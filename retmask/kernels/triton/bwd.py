@@ -62,7 +62,7 @@ from .common import (
     first_valid_keys,
     launch_fitting,
     new_float,
-    row_descriptor,
+    row_args,
     tma_loads,
     with_blocks,
 )
@@ -187,33 +187,13 @@ def _bwd_dkdv_kernel(
                 rows = start_m + tl.arange(0, BLOCK_M)
                 m_ok = rows < M
                 q = _load_rows(
-                    q_base,
-                    b32,
-                    h32,
-                    rows,
-                    m_ok,
-                    start_m,
-                    stride_qm,
-                    stride_qd,
-                    HEAD_DIM,
-                    BLOCK_M,
-                    BLOCK_D,
-                    TMA,
-                )
+                    q_base, b32, h32, rows, m_ok, start_m, stride_qm, stride_qd,
+                    HEAD_DIM, BLOCK_M, BLOCK_D, TMA,
+                )  # fmt: skip
                 do = _load_rows(
-                    do_base,
-                    b32,
-                    h32,
-                    rows,
-                    m_ok,
-                    start_m,
-                    stride_dm,
-                    stride_dd,
-                    HEAD_DIM,
-                    BLOCK_M,
-                    BLOCK_D,
-                    TMA,
-                )
+                    do_base, b32, h32, rows, m_ok, start_m, stride_dm, stride_dd,
+                    HEAD_DIM, BLOCK_M, BLOCK_D, TMA,
+                )  # fmt: skip
                 # lse = +inf beyond M (and for keyless rows): P = exp2(s - inf) = 0.
                 lse2 = tl.load(Lse + pair * M + rows, mask=m_ok, other=float("inf")) * 1.4426950408889634
                 delta = tl.load(Delta + pair * M + rows, mask=m_ok, other=0.0)
@@ -452,8 +432,8 @@ def attention_backward(
         common = dict(HEAD_DIM=D, BLOCK_D=bd, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         # The looped-over tiles through descriptors where the rule allows: Q / dO in dK/dV, K / V in dQ.
         tma = tma_loads(cfg, q, grad_out, k, v)
-        q_arg, do_arg = (row_descriptor(q, bm), row_descriptor(grad_out, bm)) if tma else (q, grad_out)
-        k_arg, v_arg = (row_descriptor(k, bn), row_descriptor(v, bn)) if tma else (k, v)
+        q_arg, do_arg = row_args(tma, bm, q, grad_out)
+        k_arg, v_arg = row_args(tma, bn, k, v)
         with device_guard(q):
             _bwd_preprocess_kernel[(m_blocks, plist.grid)](
                 out, grad_out, delta, pairs, lse, sinks if sinks is not None else dummy,

@@ -349,10 +349,16 @@ def tma_loads(cfg: TileConfig, *tensors: torch.Tensor) -> bool:
     return True
 
 
-def row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Tensor descriptor over ``t`` ([B, H, L, D]) that loads [1, 1, rows, BLOCK_D] tiles; its bounds are
-    per dimension, so a tile that runs past L (or D) reads zeros, never another head's rows."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d(t.shape[-1])])
+def row_args(tma: bool, rows: int, *tensors: torch.Tensor) -> tuple:
+    """``tensors`` ([B, H, L, D] each) as a kernel's ``_load_rows`` takes them: with ``tma`` a tensor
+    descriptor per tensor that loads [1, 1, rows, BLOCK_D] tiles (bounds per dimension, so a tile that runs
+    past L or D reads zeros, never another head's rows), else the tensors themselves."""
+    if not tma:
+        return tensors
+    return tuple(
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d(t.shape[-1])])
+        for t in tensors
+    )
 
 
 def poisoning() -> bool:

@@ -103,7 +103,7 @@ from .common import (
     launch_fitting,
     new_float,
     new_index,
-    row_descriptor,
+    row_args,
     tma_loads,
     with_blocks,
 )
@@ -464,7 +464,7 @@ def attention_forward(
     def launch(cfg: TileConfig) -> None:
         n_blocks = cdiv(M, cfg.block_m)
         tma = tma_loads(cfg, k, v)
-        k_arg, v_arg = (row_descriptor(k, cfg.block_n), row_descriptor(v, cfg.block_n)) if tma else (k, v)
+        k_arg, v_arg = row_args(tma, cfg.block_n, k, v)
         with device_guard(q):
             _fwd_kernel[(n_blocks, plist.grid)](
                 q, k_arg, v_arg, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
