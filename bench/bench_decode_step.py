@@ -15,7 +15,14 @@ weights: the time of a step does not depend on the weights) or of the config in 
 - ``retmask+argmax``: with ``retmask.capture_argmax(model, rows=1)``, as detection decodes;
 - ``retmask, half heads masked``: ``retmask.set_head_mask`` with every odd query head of every layer off;
 - ``retmask, growing cache``: our attention with the in-place KV cache detection and generation use
-  (``retmask.hf.kv_cache.growing_cache``); every other case uses transformers' ``DynamicCache``.
+  (``retmask.hf.kv_cache.growing_cache``); every case above uses transformers' ``DynamicCache``;
+- ``sdpa, static cache, CUDA graph`` / ``retmask, static cache, CUDA graph`` (CUDA only): a ``StaticCache``
+  and the decode step compiled as transformers' ``generate`` compiles it for a static cache
+  (``torch.compile(mode="reduce-overhead")``: CUDA graphs); the prefill runs eagerly, the compilation and
+  graph recording happen in the untimed first round. Their 'attention ms' is 0: a replayed graph issues
+  nothing per layer from the host.
+
+``--cases`` picks a subset (default: every case the device has).
 
 Per case: ms per token (the decode loop's wall time over the steps, one device sync at its end; median of
 ``--rounds`` rounds run in A B B A order), its ratio to sdpa, and ``attention ms``: the host time spent
@@ -68,6 +75,8 @@ CASES = {
     "retmask+argmax": ("retmask", "argmax"),
     "retmask, half heads masked": ("retmask", "mask"),
     "retmask, growing cache": ("retmask", "growing cache"),
+    "sdpa, static cache, CUDA graph": ("sdpa", "graph"),
+    "retmask, static cache, CUDA graph": ("retmask", "graph"),
 }
 
 
@@ -130,6 +139,8 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
     implementation, option = CASES[case]
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     half_masked = (torch.arange(heads) % 2 == 1).expand(layers, heads)
+    if option == "graph":
+        return graph_decode_case(model, implementation, prompt, steps)
 
     def sync() -> None:
         if prompt.device.type == "cuda":
@@ -166,12 +177,44 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
     return run
 
 
-def measure(model, prompt_len: int, steps: int, rounds: int, device: torch.device) -> dict[str, dict]:
+def graph_decode_case(
+    model, implementation: str, prompt: torch.Tensor, steps: int
+) -> Callable[[], tuple[float, float]]:
+    """As :func:`decode_case`, with a static cache and the decode step compiled into a CUDA graph (one
+    compiled step and one cache for every round: a new cache would be new addresses, a new recording)."""
+    from transformers import StaticCache
+
+    from retmask.hf.kv_cache import cache_kwargs
+
+    cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 1)
+    step = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+    def run() -> tuple[float, float]:
+        model.set_attn_implementation(implementation)
+        cache.reset()
+        with torch.no_grad():
+            out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = step(input_ids=token, **cache_kwargs(model, cache), use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+        return seconds / steps, 0.0
+
+    return run
+
+
+def measure(
+    model, cases: list[str], prompt_len: int, steps: int, rounds: int, device: torch.device
+) -> dict[str, dict]:
     """{case: {"ms_per_token", "attention_ms", "rounds_ms"}} at one prompt length."""
     gen = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=gen).to(device)
-    runs = {case: decode_case(model, case, prompt, steps) for case in CASES}
-    attention: dict[str, list[float]] = {case: [] for case in CASES}
+    runs = {case: decode_case(model, case, prompt, steps) for case in cases}
+    attention: dict[str, list[float]] = {case: [] for case in cases}
 
     def seconds_of(case: str) -> Callable[[], float]:
         def call() -> float:
@@ -183,7 +226,7 @@ def measure(model, prompt_len: int, steps: int, rounds: int, device: torch.devic
 
         return call
 
-    times = interleaved({case: seconds_of(case) for case in CASES}, rounds)
+    times = interleaved({case: seconds_of(case) for case in cases}, rounds)
     return {
         case: {
             "ms_per_token": statistics.median(times[case]) * 1e3,
@@ -191,7 +234,7 @@ def measure(model, prompt_len: int, steps: int, rounds: int, device: torch.devic
             "attention_ms": statistics.median(attention[case][1:]) * 1e3,
             "rounds_ms": [t * 1e3 for t in times[case]],
         }
-        for case in CASES
+        for case in cases
     }
 
 
@@ -231,8 +274,9 @@ def plot(results: dict[int, dict[str, dict]], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     lengths = list(results)
-    width = 0.8 / len(CASES)
-    for i, case in enumerate(CASES):
+    cases = list(results[lengths[0]])
+    width = 0.8 / len(cases)
+    for i, case in enumerate(cases):
         xs = [j + i * width for j in range(len(lengths))]
         total = [results[n][case]["ms_per_token"] for n in lengths]
         attn = [results[n][case]["attention_ms"] for n in lengths]
@@ -252,11 +296,24 @@ def main() -> None:
     ap.add_argument("--steps", type=positive_int, default=32)
     ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--config", type=Path, default=None, help="a model folder whose config.json to use")
+    ap.add_argument(
+        "--cases",
+        nargs="+",
+        choices=list(CASES),
+        default=None,
+        metavar="CASE",
+        help="the cases to run (sdpa always runs: the ratios are to it); default: all the device has",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU is visible; use --device cpu")
+    graphs = device.type == "cuda"
+    cases = [c for c in CASES if (args.cases is None or c in args.cases or c == "sdpa")]
+    if not graphs and any(CASES[c][1] == "graph" for c in args.cases or []):
+        ap.error("the CUDA graph cases need --device cuda")
+    cases = [c for c in cases if graphs or CASES[c][1] != "graph"]
     model, name = build_model(args.config, device, DTYPES[args.dtype])
     machine = machine_description()
     where = gpu_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else cpu_kind(machine)
@@ -267,7 +324,7 @@ def main() -> None:
     title = f"Time per generated token by attention implementation ({name}, {args.dtype}, {on})"
     results: dict[int, dict[str, dict]] = {}
     for prompt_len in args.prompt:
-        results[prompt_len] = measure(model, prompt_len, args.steps, args.rounds, device)
+        results[prompt_len] = measure(model, cases, prompt_len, args.steps, args.rounds, device)
         # The page after every prompt length: a run cut off later keeps what it measured.
         plot(results, stem.with_suffix(".png"), title)
         lines = page_lines(results, title, args) + page_tail(stem, machine)

@@ -15,6 +15,9 @@
 #          shapes, bf16 (pages in OUTDIR);
 #   step   bench_decode_step.py: time per generated token of a whole SmolLM2-shaped model by attention
 #          implementation (sdpa, eager, retmask with argmax / head masks / in-place cache), bf16;
+#   graph  the same with a static cache and the decode step in a CUDA graph (torch.compile
+#          "reduce-overhead", as generate compiles it), sdpa against retmask, 4K prompt (pages in
+#          OUTDIR/graph: two inductor compilations, allow ~3 min);
 #   model  the embedded SmolLM2-135M-Instruct on the GPU: `retmask detect` on the default grid (dtype auto,
 #          i.e. bf16, and float32), and bench_detect.py (reference-style detection vs ours, bf16) with each
 #          prefill chunk in DETECT_CHUNKS (default "4096", the GPU default; "256 4096" compares the two).
@@ -59,7 +62,7 @@ fi
 gpu_tests=(
     tests/kernels/test_triton.py tests/kernels/test_sink_window.py
     tests/hf/test_equivalence.py tests/hf/test_heads.py tests/hf/test_capture.py tests/hf/test_kv_cache.py
-    tests/hf/test_attention_features.py tests/hf/test_shared_prefill.py
+    tests/hf/test_attention_features.py tests/hf/test_shared_prefill.py tests/hf/test_static_cache.py
     tests/detect/test_fast_equals_oracle.py tests/detect/test_kv_only.py
 )
 
@@ -117,9 +120,20 @@ for stage in $stages; do
         # needed) by attention implementation, with attention's host share; the page is rewritten after
         # each prompt length, so a timeout keeps what was measured.
         timeout "${STEP_TIMEOUT:-180}" $py bench/bench_decode_step.py --device cuda --dtype bf16 \
-            --prompt ${STEP_PROMPTS:-1024 4096} --steps 16 --rounds 3 --out "$out" >"$out/step.log" 2>&1
+            --prompt ${STEP_PROMPTS:-1024 4096} --steps 16 --rounds 3 --out "$out" \
+            --cases eager retmask retmask+argmax "retmask, half heads masked" "retmask, growing cache" \
+            >"$out/step.log" 2>&1
         rc=$?
         grep -E "^\| [0-9]" "$out"/decode_step_*.md 2>/dev/null | cut -d: -f2- | cut -c1-110
+        ;;
+    graph)
+        timeout "${GRAPH_TIMEOUT:-240}" $py bench/bench_decode_step.py --device cuda --dtype bf16 \
+            --prompt 4096 --steps 32 --rounds 3 --out "$out/graph" \
+            --cases retmask "sdpa, static cache, CUDA graph" "retmask, static cache, CUDA graph" \
+            >"$out/graph.log" 2>&1
+        rc=$?
+        grep -E "^\| [0-9]" "$out"/graph/decode_step_*.md 2>/dev/null | cut -d: -f2- | cut -c1-110
+        tail -3 "$out/graph.log"
         ;;
     model)
         rc=0
@@ -148,7 +162,7 @@ for stage in $stages; do
         fi
         ;;
     *)
-        echo "unknown stage $stage (env, tests, tune, bench, decode, step, model)" >&2
+        echo "unknown stage $stage (env, tests, tune, bench, decode, step, graph, model)" >&2
         rc=2
         ;;
     esac

@@ -21,9 +21,9 @@ sparse_kv/    ``head_sparse_cache``: every key for retrieval KV heads, sink + wi
         model.generate(**batch)                             # = the o_proj-zeroed checkpoint's output
     retmask.export_masked(model, [(3, 1), (7, 4)], "out/")  # that checkpoint, for plain transformers
 
-Limits (each raises a clear error instead of computing something else): sliding-window / chunked
-attention, logit soft-capping, attention sinks, attention dropout in training, static KV caches, custom
-4D masks, packed sequences, ``output_attentions=True`` (use ``capture_argmax``).
+Limits (each raises a clear error instead of computing something else): chunked attention, attention
+dropout in training, custom 4D masks, packed sequences, paged caches, a compiled multi-token call into a
+static KV cache (generate compiles decode steps only), ``output_attentions=True`` (use ``capture_argmax``).
 """
 
 from __future__ import annotations

@@ -251,6 +251,9 @@ def retmask_attention(
         _check_window(attention_mask, window, module)
         if sink_tokens is not None:
             _check_first_keys_kept(attention_mask, module)
+        kv_end = getattr(attention_mask, "_retmask_kv_end", None)
+        if kv_end is not None:  # a prefill into a static cache: the keys so far, ending with the queries
+            key, value, attention_mask = key[:, :, :kv_end], value[:, :, :kv_end], attention_mask[:, :kv_end]
         kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
     if skip is not None or rows is not None:
         skip = _skip_heads(module, skip, rows, B, query.device)
@@ -397,15 +400,17 @@ def retmask_mask(
                 "attention_mask (e.g. torch.ones_like(input_ids)) or use_cache=True"
             )
         raise _unsupported(model, feature)
-    if isinstance(q_offset, torch.Tensor) or kv_offset + kv_length != q_offset + q_length:
+    if kv_offset == 0 and (isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length):
+        # A static cache layer: a buffer longer than the sequence so far (its length a tensor once filled).
+        return _static_cache_mask(batch_size, q_length, kv_length, q_offset, sliding, attention_mask, kwargs)
+    if kv_offset + kv_length != q_offset + q_length:
         # The kernel places query row i at key position kv_length - q_length + i: the keys must end with the
-        # queries. Dynamic caches (full, or sliding layers that keep the last window - 1 keys) do; static
-        # caches (keys padded to a maximum length) do not.
+        # queries. Dynamic caches (full, or sliding layers that keep the last window - 1 keys) do.
         raise _unsupported(
             _model_name(kwargs.get("config")),
             f"a KV cache whose keys do not end with the queries (q_offset={q_offset}, q_length={q_length}, "
-            f"kv_length={kv_length}, kv_offset={kv_offset}; e.g. a static/compileable cache); "
-            "use the default DynamicCache",
+            f"kv_length={kv_length}, kv_offset={kv_offset}); use the default DynamicCache, a StaticCache, or "
+            "retmask.growing_cache(model)",
         )
     if attention_mask is not None and torch.compiler.is_compiling():
         # flash_attention_mask drops an all-valid mask after a data-dependent `mask.all()` (a graph break);
@@ -423,6 +428,60 @@ def retmask_mask(
             mask._retmask_all_valid = True
         mask._retmask_window = sliding
         mask._retmask_kv_offset = kv_offset  # keys this layer's cache dropped (sink tokens need them)
+    return mask
+
+
+def _static_cache_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor,
+    sliding: int | None,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """The padding mask of a static cache layer: bool [B, kv_length] over its whole buffer, True = a key
+    of this sequence (filled, not padding), i.e. position < q_offset + q_length and valid in
+    ``attention_mask``.
+
+    A static cache (``cache_implementation="static"``, transformers' ``StaticCache``) keeps keys in a buffer
+    of fixed length, so a compiled decode step has the same shapes at every position (what CUDA graphs
+    need); ``q_offset`` is a 0-d tensor there once the buffer exists (no host read of it here). The kernel
+    places query row i at key position kv_length - q_length + i, so one query row (a decode step) over the
+    whole buffer with the unfilled slots masked out is exact; several rows (a prefill) need the keys cut at
+    q_offset + q_length, which the attention function does from ``mask._retmask_kv_end`` (eager only: the cut
+    is a host read of q_offset, and under torch.compile a shape that changes with it). A static
+    sliding-window layer comes here only while its buffer is not full (its keys are then positions 0.. in
+    order, all within the window); once full it hands over keys that end with the queries, as a dynamic
+    cache does."""
+    model = _model_name(kwargs.get("config"))
+    device = kwargs.get("device")
+    if isinstance(q_offset, torch.Tensor):
+        q_offset = q_offset.to(device)
+    filled = torch.arange(kv_length, device=device) < q_offset + q_length  # bool [kv_length]
+    mask = filled.expand(batch_size, kv_length)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[1] > kv_length:
+            raise ValueError(
+                f"model '{model}': retmask attention takes a 2D padding mask [B, K] with K <= the static "
+                f"cache's length ({kv_length}), got a mask of shape {list(attention_mask.shape)}; pass the 2D "
+                "attention_mask of the tokens so far (1 = token, 0 = padding)"
+            )
+        given = attention_mask.to(device=device, dtype=torch.bool)
+        mask = mask & torch.nn.functional.pad(given, (0, kv_length - given.shape[1]), value=False)
+    if torch.compiler.is_compiling():
+        if q_length > 1:
+            raise _unsupported(
+                model,
+                f"a static cache under torch.compile with {q_length} new tokens in one call (a compiled call "
+                "over a static cache takes one token, as generate's decode steps do; run the prefill "
+                "uncompiled, as generate does)",
+            )
+        return mask
+    if q_length > 1:
+        mask._retmask_kv_end = int(q_offset) + q_length
+    if sliding is not None:
+        mask._retmask_window = sliding  # checked against the attention call's window (``_check_window``)
     return mask
 
 

@@ -9,7 +9,7 @@ import transformers
 import retmask
 from retmask.hf.interface import retmask_attention
 
-from .conftest import random_batch, tiny_config, tiny_model, with_attn
+from .conftest import random_batch, tiny_config, tiny_model
 
 
 def test_unsupported_layer_kinds_rejected_by_patch():
@@ -72,12 +72,3 @@ def test_patch_switches_and_rejects_non_interface_models():
     )
     with pytest.raises(ValueError, match="cannot use retmask attention.*tested: Llama"):
         retmask.patch(gpt2)
-
-
-def test_static_cache_rejected():
-    model = tiny_model("llama")
-    ids, mask = random_batch(1, 5)
-    with pytest.raises(NotImplementedError, match="static"), torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, cache_implementation="static",
-                       pad_token_id=0)  # fmt: skip
-    assert with_attn(model, "sdpa") is not None
