@@ -174,6 +174,12 @@ def main() -> None:
         help="skip the extra fast run without earlier-answer drafts (the draft-history ablation)",
     )
     ap.add_argument(
+        "--static-passes-side",
+        action="store_true",
+        help="also run the fast path with fixed-shape verification passes (FastDetector(static_passes=True): "
+        "replayed from CUDA graphs on a GPU), same drafts, and compare it with the fast side",
+    )
+    ap.add_argument(
         "--reference-logits",
         choices=["all", "last"],
         default="all",
@@ -220,14 +226,17 @@ def main() -> None:
     ordered = prefix_order(tests)
     fast_res: dict = {}
     nohist_res: dict | None = None if args.no_history_side else {}
+    static_res: dict | None = {} if args.static_passes_side else None
     ref_res: dict = {}
     history_of = earlier_answers(ordered, fast_res)  # what `retmask detect` does (draft_history on)
     chunk = resolve_prefill_chunk(args.chunk, args.device)
     fast = FastDetector(model, stops, chunk=chunk)
     nohist = FastDetector(model, stops, chunk=chunk)  # its own cache, same prefixes in the same order
+    static = FastDetector(model, stops, chunk=chunk, static_passes=True) if args.static_passes_side else None
     sides = {
         "fast": (lambda t: fast.run(t.prompt_ids, t.span, history_of(t)), fast_res),
         "no-hist": (lambda t: nohist.run(t.prompt_ids, t.span), nohist_res),
+        "static": (lambda t: static.run(t.prompt_ids, t.span, history_of(t)), static_res),
         "reference": (
             lambda t: reference_side(
                 lambda: oracle_detect(
@@ -256,19 +265,31 @@ def main() -> None:
     heads = compare_scores(score_table(ref_mean), score_table(fast_mean), labels=("reference", "fast"))
     rho, overlap = heads.spearman, heads.top_overlap
     set_ref, set_fast = set(heads.tau_base), set(heads.tau_other)
-    same_tokens = sum(ref_res[t.index]["tokens"] == fast_res[t.index]["tokens"] for t in tests)
-    same_copies = sum(np.array_equal(ref_res[t.index]["copies"], fast_res[t.index]["copies"]) for t in tests)
+
+    def identical(base: dict, other: dict) -> tuple[int, int]:
+        """(tests with identical answers, tests with identical per-head copy counts) of two sides."""
+        tokens = sum(base[t.index]["tokens"] == other[t.index]["tokens"] for t in tests)
+        copies = sum(np.array_equal(base[t.index]["copies"], other[t.index]["copies"]) for t in tests)
+        return tokens, copies
+
+    same_tokens, same_copies = identical(ref_res, fast_res)
     nohist_line = ""
     if nohist_res is not None:
-        nh_tokens = sum(ref_res[t.index]["tokens"] == nohist_res[t.index]["tokens"] for t in tests)
-        nh_copies = sum(
-            np.array_equal(ref_res[t.index]["copies"], nohist_res[t.index]["copies"]) for t in tests
-        )
+        nh_tokens, nh_copies = identical(ref_res, nohist_res)
         nohist_line = (
             f"Without the earlier-answer drafts (same run, same path otherwise): {nohist_total:.1f} s, "
             f"{ref_total / nohist_total:.1f}x the reference; identical answers {nh_tokens}/{len(tests)}, "
             f"identical copy counts {nh_copies}/{len(tests)}. The drafts from earlier answers make the fast "
             f"side {nohist_total / fast_total:.2f}x faster."
+        )
+    static_line = ""
+    if static_res is not None:
+        static_total = totals["static"]
+        st_tokens, st_copies = identical(fast_res, static_res)
+        static_line = (
+            f"Fixed-shape verification passes ({'replayed from CUDA graphs' if on_gpu else 'eager'}; same drafts, "
+            f"same run): {static_total:.1f} s, {fast_total / static_total:.2f}x the fast side's speed; answers "
+            f"identical to the fast side's {st_tokens}/{len(tests)}, copy counts {st_copies}/{len(tests)}."
         )
 
     rows, per_len = [], {}
@@ -302,6 +323,7 @@ def main() -> None:
         "reference_linears": args.reference_linears,
         "cpu_linears": {name: d["backend"] for name, d in cpu_linear.decisions().items()},
         "fast_without_draft_history_total_s": nohist_total,
+        "fast_static_passes_total_s": totals.get("static"),
         "phases": {
             side: {
                 "prefill_tokens": sum(r["prefill_tokens"] for r in res.values()),
@@ -313,6 +335,7 @@ def main() -> None:
                 ("reference", ref_res),
                 ("fast", fast_res),
                 ("fast, no draft history", nohist_res),
+                ("fast, static passes", static_res),
             )
             if res is not None
         },
@@ -386,8 +409,9 @@ def main() -> None:
         f"{same_copies}/{len(tests)}; Spearman over heads {rho:.4f}; top-10 overlap {overlap}/10; "
         f"τ=0.1 sets equal: {set_ref == set_fast} ({len(set_ref)} heads).",
     ]
-    if nohist_line:
-        md += ["", nohist_line]
+    for line in (nohist_line, static_line):
+        if line:
+            md += ["", line]
     calls = {
         name: d for name, d in summary["kernels"]["attention"].items() if name.startswith(f"cpu {dtype} ")
     }

@@ -63,7 +63,7 @@ gpu_tests=(
     tests/kernels/test_triton.py tests/kernels/test_sink_window.py
     tests/hf/test_equivalence.py tests/hf/test_heads.py tests/hf/test_capture.py tests/hf/test_kv_cache.py
     tests/hf/test_attention_features.py tests/hf/test_shared_prefill.py tests/hf/test_static_cache.py
-    tests/detect/test_fast_equals_oracle.py tests/detect/test_kv_only.py
+    tests/detect/test_fast_equals_oracle.py tests/detect/test_kv_only.py tests/detect/test_static_passes.py
 )
 
 for stage in $stages; do
@@ -153,7 +153,7 @@ for stage in $stages; do
             # Prefill chunk: 256 is the CPU default, 4096 the GPU one (every chunk is a host-bound forward pass there).
             for chunk in ${DETECT_CHUNKS:-4096}; do
                 timeout "${MODEL_TIMEOUT:-240}" $py bench/bench_detect.py --device cuda --dtype bfloat16 \
-                    --chunk $chunk --no-history-side --out "$out/chunk$chunk" \
+                    --chunk $chunk --no-history-side --static-passes-side --out "$out/chunk$chunk" \
                     >"$out/bench_detect_$chunk.log" 2>&1 || rc=$?
                 grep -E "^\| (all|reference|fast)|Agreement" "$out/bench_detect_$chunk.log" | head -8
             done

@@ -20,6 +20,7 @@ import torch
 from retmask.detect.drafts import next_draft_cap, propose_draft
 from retmask.detect.kv_only import last_layer_kv_only
 from retmask.detect.prefill_chunk import resolve_prefill_chunk
+from retmask.detect.static_passes import BUCKETS, StaticPasses
 from retmask.heads import model_shape
 from retmask.hf.capture import capture_argmax
 from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
@@ -154,6 +155,9 @@ class FastDetector:
       accumulate in an [L, Hq] tensor read once per test. ``run(..., history=...)`` lets the drafts reuse
       the model's earlier answers to the same needle.
     * The cache appends in place (``kv_cache.GrowingLayer``): no copy of the whole cache per pass.
+    * ``static_passes=True``: verification passes of fixed shapes (a scratch tail in the cache, passes
+      padded to a few sizes; ``static_passes.py``), replayed from CUDA graphs on a GPU, where a pass is
+      otherwise bound by the host issuing its kernels. Same answers and counts; off by default until timed.
     """
 
     def __init__(
@@ -167,6 +171,7 @@ class FastDetector:
         prefill_impl: str = "retmask",
         count_copies: bool = True,
         min_draft: int = 8,
+        static_passes: bool = False,
     ):
 
         require_retmask(model, "retmask detect's fast path")
@@ -188,6 +193,10 @@ class FastDetector:
         # False: answers only (NIAH evaluation) -- no argmax capture, ``copies`` stays all zero.
         self.count_copies = count_copies
         self.layout = model_shape(model)
+        # Fixed-shape verification passes (``static_passes``), replayed from CUDA graphs on a GPU.
+        if static_passes and max_draft + 1 > BUCKETS[-1]:
+            raise ValueError(f"static_passes takes max_draft <= {BUCKETS[-1] - 1}, got {max_draft}")
+        self.static = StaticPasses(model) if static_passes else None
         self.cache = None
         self.cached = np.zeros(0, dtype=np.int64)  # token ids whose KV is in self.cache (whole chunks)
 
@@ -201,13 +210,14 @@ class FastDetector:
         device = self.model.device
         keep = (_lcp(self.cached, prefix) // self.chunk) * self.chunk
         if self.cache is None:
-            self.cache = growing_cache(self.model)
+            self.cache = growing_cache(self.model) if self.static is None else self.static.new_cache()
             keep = 0
         else:
             _crop_to(self.cache, keep)
         # The longest this test can make the cache: its prompt and every decoded token (a pass feeds at
         # most the remaining budget). Buffers are allocated at that size, never by doubling.
-        reserve(self.cache, len(prefix) + 1 + self.max_new_tokens)
+        longest = len(prefix) + 1 + self.max_new_tokens
+        reserve(self.cache, longest if self.static is None else self.static.capacity_for(longest))
         ids = torch.as_tensor(prefix, dtype=torch.long, device=device)
         # The prefill needs no argmax: any attention implementation may compute it (``prefill_impl``). Its
         # outputs are discarded, so the last layer only writes its K/V (``last_layer_kv_only``).
@@ -220,6 +230,8 @@ class FastDetector:
                     use_cache=True,
                     logits_to_keep=1,
                 )
+        if self.static is not None:
+            self.static.ensure_capacity(longest)
         self.cached = prefix
         return len(prefix) - keep
 
@@ -267,11 +279,17 @@ class FastDetector:
                 remaining = self.max_new_tokens - len(tokens)
                 limit = min(remaining - 1, draft_cap)
                 draft = self.draft_fn(prompt, span, tokens, limit, history)[:limit]
-                inp = torch.tensor([[x, *draft]], dtype=torch.long, device=device)
                 past = self.cache.get_seq_length()
-                out = self.model(input_ids=inp, **cache_kwargs(self.model, self.cache), use_cache=True)
+                if self.static is None:
+                    inp = torch.tensor([[x, *draft]], dtype=torch.long, device=device)
+                    logits = self.model(
+                        input_ids=inp, **cache_kwargs(self.model, self.cache), use_cache=True
+                    ).logits[0]
+                    argmax = None if cap is None else cap.last[:, 0]  # int64 [L, Hq, rows of the pass]
+                else:
+                    logits, argmax = self.static.run([x, *draft], cap)
                 passes += 1
-                greedy = out.logits[0].argmax(-1).tolist()  # one host read per pass: the accepted length
+                greedy = logits.argmax(-1).tolist()  # one host read per pass: the accepted length
                 accepted = 0
                 while accepted < len(draft) and draft[accepted] == greedy[accepted]:
                     accepted += 1
@@ -283,15 +301,18 @@ class FastDetector:
                         stopped = True
                         break
                 rows = len(new)
-                if cap is not None:
+                if argmax is not None:
                     # Row r of this pass is the attention row of the token fed at decode step len(tokens) + r.
-                    idx = cap.last[:, 0, :, :rows]  # int64 [L, Hq, rows], absolute key positions
+                    idx = argmax[..., :rows]  # int64 [L, Hq, rows], absolute key positions
                     cap.calls.clear()  # only this pass's argmax is needed
                     ys = torch.tensor(new, dtype=torch.long, device=device)
                     hit = (idx >= s) & (idx < e) & (prompt_t[idx.clamp(0, n - 1)] == ys)
                     counts += hit.sum(-1)
                 tokens += new
-                _crop_to(self.cache, past + rows)  # drop the KV of rejected draft tokens
+                if self.static is None:
+                    _crop_to(self.cache, past + rows)  # drop the KV of rejected draft tokens
+                else:
+                    self.static.commit(rows)
                 x = new[-1]
         _crop_to(self.cache, base)
         copies = counts.cpu().numpy()  # the one read of the counts per test

@@ -412,9 +412,12 @@ def retmask_mask(
             f"kv_length={kv_length}, kv_offset={kv_offset}); use the default DynamicCache, a StaticCache, or "
             "retmask.growing_cache(model)",
         )
-    if attention_mask is not None and torch.compiler.is_compiling():
-        # flash_attention_mask drops an all-valid mask after a data-dependent `mask.all()` (a graph break);
-        # the kernel gives the same output with the all-valid mask kept.
+    if attention_mask is not None and (
+        torch.compiler.is_compiling() or (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
+        # flash_attention_mask drops an all-valid mask after a data-dependent `mask.all()` (a graph break
+        # under torch.compile, a device->host read that CUDA graph capture forbids); the kernel gives the
+        # same output with the all-valid mask kept.
         return attention_mask[:, -kv_length:]
     mask = flash_attention_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs

@@ -119,6 +119,78 @@ class GrowingLayer(DynamicLayer):
             self._replace(torch.cat([self.keys] * copies), torch.cat([self.values] * copies))
 
 
+class TailLayer(GrowingLayer):
+    """A ``GrowingLayer`` that can also take a forward call's keys in a scratch tail at the end of its
+    buffer, for forward calls of one shape whatever the cache holds (CUDA graphs).
+
+    While ``tail`` is 0 it appends in place like its parent. With ``tail = M`` (``begin_tail``) a call of
+    M tokens writes its keys at the buffer's last M positions and gets the whole buffer back: the cached
+    positions [0, length), unused slots, then its own M keys, so the keys end with the queries as the
+    kernel expects and every call of M tokens has the same shapes and addresses. The caller masks the
+    unused slots out (a padding mask over the whole buffer), gives the positions (RoPE) explicitly, and
+    keeps the first r of the M keys with ``commit_tail(r)`` (a copy to the end of the cached part).
+    ``get_seq_length`` reports capacity - M while a tail is set, which is what makes the mask sizes and
+    the query offset transformers derives from it match that layout."""
+
+    tail: int = 0
+
+    def begin_tail(self, rows: int) -> None:
+        capacity = self._key_buffer.shape[-2]
+        if self._length + 2 * rows > capacity:  # the commit copy must not overlap the tail it reads
+            raise ValueError(
+                f"the KV buffer holds {capacity} positions, {self._length} used: too few for a tail of {rows} "
+                f"(needs {self._length + 2 * rows}); reserve more capacity before the call"
+            )
+        self.tail = rows
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states, value_states: [B, Hkv, n, D] -> [B, Hkv, length + n, D] views (append), or with a
+        tail of n: the whole buffers [B, Hkv, capacity, D], the new keys in their last n positions."""
+        if not self.tail:
+            return super().update(key_states, value_states)
+        if key_states.shape[-2] != self.tail:
+            raise ValueError(f"a tail of {self.tail} positions got {key_states.shape[-2]} new keys")
+        self._key_buffer[..., -self.tail :, :] = key_states
+        self._value_buffer[..., -self.tail :, :] = value_states
+        return self._key_buffer, self._value_buffer
+
+    def get_seq_length(self) -> int:
+        if self.tail:
+            return self._key_buffer.shape[-2] - self.tail
+        return super().get_seq_length()
+
+    def commit_tail(self, keep: int) -> None:
+        """End tail mode, appending the first ``keep`` positions of the tail to the cached part."""
+        if keep:
+            start = self._key_buffer.shape[-2] - self.tail
+            end = self._length + keep
+            self._key_buffer[..., self._length : end, :] = self._key_buffer[..., start : start + keep, :]
+            self._value_buffer[..., self._length : end, :] = self._value_buffer[..., start : start + keep, :]
+            self._length = end
+        self.tail = 0
+        self.keys = self._key_buffer[..., : self._length, :]
+        self.values = self._value_buffer[..., : self._length, :]
+
+    def _reserve(self, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """As the parent, with the new buffers' unused part zeroed: a tail call sees the whole buffer
+        (masked slots included), and uninitialised memory may hold NaN, which a masked key's zero weight
+        does not cancel in the kernel's block products (0 * NaN = NaN)."""
+        old = self._key_buffer
+        super()._reserve(needed, key_states, value_states)
+        if self._key_buffer is not old:
+            self._key_buffer[..., self._length :, :].zero_()
+            self._value_buffer[..., self._length :, :].zero_()
+
+    def ensure_capacity(self, positions: int) -> None:
+        """Buffers of at least ``positions`` positions (an existing filled part is copied over; a layer
+        that holds nothing yet allocates that many on its first call)."""
+        self.capacity_hint = max(self.capacity_hint, positions)
+        if self.is_initialized and self._key_buffer is not None:
+            self._reserve(positions, self._key_buffer, self._value_buffer)
+
+
 def reserve(cache: DynamicCache, positions: int) -> None:
     """Tell ``cache``'s growing layers that it may reach ``positions`` tokens: the next buffer they
     allocate has exactly that capacity (an existing larger buffer is kept)."""
@@ -127,8 +199,9 @@ def reserve(cache: DynamicCache, positions: int) -> None:
             layer.capacity_hint = positions
 
 
-def growing_cache(model) -> DynamicCache:
-    """A ``DynamicCache`` for ``model`` whose layers append in place (``GrowingLayer``).
+def growing_cache(model, layer: type[GrowingLayer] = GrowingLayer) -> DynamicCache:
+    """A ``DynamicCache`` for ``model`` whose layers append in place (``layer``: ``GrowingLayer``, or
+    ``TailLayer`` for detection's fixed-shape verification passes).
 
     Sliding-window layers get one too and so keep every key, not only the last ``window - 1``: detection
     crops the cache back to the prompt after each test, which a cache that dropped keys cannot do. The
@@ -137,8 +210,7 @@ def growing_cache(model) -> DynamicCache:
     """
     cache = DynamicCache(config=model.config)
     cache.layers = [
-        GrowingLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
-        for layer in cache.layers
+        layer() if type(old) in (DynamicLayer, DynamicSlidingWindowLayer) else old for old in cache.layers
     ]
     return cache
 

@@ -47,13 +47,19 @@ def tiny_oracle():
     return model, prompts, want
 
 
-@pytest.mark.parametrize("chunk", [16, 64, 4096])
-def test_tiny_random_llama_fast_equals_oracle(chunk, tiny_oracle):
+@pytest.mark.parametrize(
+    "chunk, static_passes", [(16, False), (64, False), (4096, False), (16, True), (4096, True)]
+)
+def test_tiny_random_llama_fast_equals_oracle(chunk, static_passes, tiny_oracle):
+    """static_passes: fixed-shape verification passes (a scratch tail in the cache, padded passes;
+    replayed from CUDA graphs when the tests run on a GPU)."""
     model, prompts, oracle = tiny_oracle
     stops = {2}
     order = list(range(len(prompts)))
     for draft_fn in (propose_draft, random_draft(chunk)):
-        fast = FastDetector(model, stops, max_new_tokens=30, chunk=chunk, draft_fn=draft_fn)
+        fast = FastDetector(
+            model, stops, max_new_tokens=30, chunk=chunk, draft_fn=draft_fn, static_passes=static_passes
+        )
         total = 0
         for i in order + order[::-1]:  # both orders: prefix reuse in both directions
             (prompt, span), want = prompts[i], oracle[i]
@@ -169,12 +175,13 @@ def test_tiny_stops_after_stop_token_and_respects_budget():
 
 
 @pytest.mark.embedded
-def test_embedded_model_fast_equals_oracle(embedded):
+@pytest.mark.parametrize("static_passes", [False, True])
+def test_embedded_model_fast_equals_oracle(embedded, static_passes):
     model, tok = embedded
     needles = load_needles()
     tests = build_tests(tok, needles[:2], default_haystack_text(), [420, 700], [0, 50])
     stops = stop_token_ids(tok, model)
-    fast = FastDetector(model, stops, chunk=128)
+    fast = FastDetector(model, stops, chunk=128, static_passes=static_passes)
     copied = 0
     for t in tests[:3] + tests[-1:]:
         want = oracle_detect(model, t.prompt_ids, t.span, stops)
