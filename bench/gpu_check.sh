@@ -18,6 +18,9 @@
 #   graph  the same with a static cache and the decode step in a CUDA graph (torch.compile
 #          "reduce-overhead", as generate compiles it), sdpa against retmask, 4K prompt (pages in
 #          OUTDIR/graph: two inductor compilations, allow ~3 min);
+#   scale  bench_llama8b.py: a Llama-3.1-8B-shaped model (random weights, bf16): one detection test at 16K,
+#          32K and 64K tokens (reference procedure, fast path, fast path with CUDA-graph passes) and a DPO
+#          step at 8K through SDPA and retmask, with peak memory (page in OUTDIR; ~16 GB of weights);
 #   model  the embedded SmolLM2-135M-Instruct on the GPU: `retmask detect` on the default grid (dtype auto,
 #          i.e. bf16, and float32), and bench_detect.py (reference-style detection vs ours, bf16) with each
 #          prefill chunk in DETECT_CHUNKS (default "4096", the GPU default; "256 4096" compares the two).
@@ -135,6 +138,12 @@ for stage in $stages; do
         grep -E "^\| [0-9]" "$out"/graph/decode_step_*.md 2>/dev/null | cut -d: -f2- | cut -c1-110
         tail -3 "$out/graph.log"
         ;;
+    scale)
+        timeout "${SCALE_TIMEOUT:-300}" $py bench/bench_llama8b.py --device cuda --out "$out" >"$out/scale.log" 2>&1
+        rc=$?
+        grep -E "^\| [0-9a-z]" "$out"/llama8b_*.md 2>/dev/null | cut -d: -f2- | cut -c1-120
+        tail -3 "$out/scale.log"
+        ;;
     model)
         rc=0
         if [ $have_model = 0 ]; then
@@ -162,7 +171,7 @@ for stage in $stages; do
         fi
         ;;
     *)
-        echo "unknown stage $stage (env, tests, tune, bench, decode, step, graph, model)" >&2
+        echo "unknown stage $stage (env, tests, tune, bench, decode, step, graph, scale, model)" >&2
         rc=2
         ;;
     esac
