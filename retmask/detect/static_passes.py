@@ -28,6 +28,8 @@ here, not in positions.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -63,8 +65,14 @@ def bucket(rows: int) -> int:
 
 class StaticPasses:
     """Fixed-shape verification passes over one ``TailLayer`` cache (``new_cache``); replayed from CUDA
-    graphs on a GPU (``graphs``), run eagerly on a CPU (same shapes, same results, nothing to gain there
-    but the tests of the layout)."""
+    graphs on a GPU (``graphs``), run eagerly on a CPU (same code, same results; nothing to gain there but
+    the tests of the layout).
+
+    A pass and its commit are two functions of small integer inputs: the pass of ``header`` (int64
+    [M + 1]: the M token ids, then the cache length) builds its positions and mask and runs the model; the
+    commit of ``slots`` (int64 [M]: where each tail position goes) copies the kept keys. On a GPU each is
+    captured once per bucket (and buffer), so a pass costs the host two small copies to the device and two
+    graph replays instead of the few hundred kernel launches of a forward."""
 
     def __init__(self, model) -> None:
         reason = unsupported_reason(model)
@@ -73,8 +81,9 @@ class StaticPasses:
         self.model = model
         self.graphs = model.device.type == "cuda"  # the one rule: graphs wherever CUDA runs the model
         self.cache: DynamicCache | None = None
-        self._captured: dict[tuple[int, bool], tuple] = {}  # (rows, argmax) -> graph and its tensors
+        self._captured: dict[tuple, _Captured] = {}  # (kind, rows, argmax) -> graph, inputs, outputs
         self._buffer = None  # the key buffer the graphs were captured over
+        self._rows = 0  # rows of the pass in flight (its commit has the same)
 
     def new_cache(self) -> DynamicCache:
         self.cache = growing_cache(self.model, TailLayer)
@@ -100,67 +109,88 @@ class StaticPasses:
         int64 [L, Hq, n] of buffer slots (n = len(tokens)). Follow it with :meth:`commit`."""
         n = len(tokens)
         rows = bucket(n)
-        layers = self.cache.layers
-        length = layers[0].get_seq_length()
-        for layer in layers:
+        self._length = self.cache.layers[0].get_seq_length()
+        for layer in self.cache.layers:
             layer.begin_tail(rows)
-        device = self.model.device
-        if self.graphs:
-            graph, ids, positions, mask, logits, argmax = self._graph(rows, cap)
-        else:
-            ids = torch.empty(1, rows, dtype=torch.long, device=device)
-            positions = torch.empty(1, rows, dtype=torch.long, device=device)
-            mask = torch.empty(1, layers[0]._key_buffer.shape[-2], dtype=torch.bool, device=device)
-        ids[0].copy_(torch.tensor(tokens + [tokens[-1]] * (rows - n)))
-        torch.arange(length, length + rows, out=positions[0])
-        mask.zero_()
-        mask[:, :length] = True
-        mask[:, -rows:] = True
-        if self.graphs:
-            graph.replay()
-        else:
-            logits = self._forward(ids, positions, mask)
-            argmax = None if cap is None else cap.last[:, 0]
+        self._rows = rows
+        header = tokens + [tokens[-1]] * (rows - n) + [self._length]  # padded ids, then the cache length
+        logits, argmax = self._call("pass", rows, cap, header)
         if cap is not None:
             cap.calls.clear()
-        return logits[0, :n], None if argmax is None else argmax[..., :n]
+        return logits[0, :n], None if argmax is None else argmax[:, 0, :, :n]
 
     def commit(self, keep: int) -> None:
         """Keep the first ``keep`` tokens of the last pass in the cache (the accepted ones)."""
+        rows, capacity = self._rows, self.cache.layers[0]._key_buffer.shape[-2]
+        # kept positions go to the end of the cached part, the others onto themselves
+        slots = [self._length + i if i < keep else capacity - rows + i for i in range(rows)]
+        self._call("commit", rows, None, slots)
         for layer in self.cache.layers:
-            layer.commit_tail(keep)
+            layer.end_tail(keep)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # -- the two functions, eager or replayed ------------------------------------------------------------
+    def _pass(self, header: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """header: int64 [M + 1] -> (logits [1, M, V], None); argmax lands in the active capture."""
+        rows = header.shape[0] - 1
+        capacity = self.cache.layers[0]._key_buffer.shape[-2]
+        length = header[rows]
+        positions = (length + torch.arange(rows, device=header.device))[None]
+        slots = torch.arange(capacity, device=header.device)
+        mask = ((slots < length) | (slots >= capacity - rows))[None]  # cached part and tail: bool [1, C]
         out = self.model(
-            input_ids=ids, position_ids=positions, attention_mask=mask, **cache_kwargs(self.model, self.cache),
-            use_cache=True,
+            input_ids=header[None, :rows], position_ids=positions, attention_mask=mask,
+            **cache_kwargs(self.model, self.cache), use_cache=True,
         )  # fmt: skip
-        return out.logits
+        return out.logits, None
 
-    def _graph(self, rows: int, cap) -> tuple:
-        """The captured pass of ``rows`` tokens (captured now if the buffers changed or it is new): the
-        graph, its input tensors (ids, positions, mask) and its outputs (logits, argmax or None)."""
+    def _commit(self, slots: torch.Tensor) -> tuple[None, None]:
+        for layer in self.cache.layers:
+            layer.copy_tail(slots)
+        return None, None
+
+    def _call(self, kind: str, rows: int, cap, values: list[int]) -> tuple:
+        """Run ``_pass`` / ``_commit`` on ``values``: eagerly, or by replaying its graph (captured first if
+        new for this bucket, capture and buffer). Returns (logits, argmax or None) for a pass."""
+        fn = self._pass if kind == "pass" else self._commit
+        device = self.model.device
+        if not self.graphs:
+            result = fn(torch.tensor(values, dtype=torch.long, device=device))
+            return result[0], (None if cap is None or kind != "pass" else cap.last)
         buffer = self.cache.layers[0]._key_buffer
         if buffer is not self._buffer:  # new or reallocated buffers: every graph read the old ones
             self._captured.clear()
             self._buffer = buffer
-        key = (rows, cap is not None)
+        key = (kind, rows, cap is not None)
         if key not in self._captured:
-            device = self.model.device
-            ids = torch.zeros(1, rows, dtype=torch.long, device=device)
-            positions = torch.zeros(1, rows, dtype=torch.long, device=device)
-            mask = torch.ones(1, buffer.shape[-2], dtype=torch.bool, device=device)
-            # Warm-up on a side stream (Triton compiles, cuBLAS picks its kernels), as CUDA graph capture
-            # requires; it writes only the scratch tail.
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(ids, positions, mask)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self._forward(ids, positions, mask)
-            argmax = None if cap is None else cap.last[:, 0]
-            self._captured[key] = (graph, ids, positions, mask, logits, argmax)
-        return self._captured[key]
+            self._captured[key] = _capture(
+                fn, torch.tensor(values, dtype=torch.long, device=device), cap, kind
+            )
+        captured = self._captured[key]
+        captured.inputs.copy_(torch.tensor(values, dtype=torch.long))
+        captured.graph.replay()
+        return captured.logits, captured.argmax
+
+
+class _Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # int64, the function's argument: filled before each replay
+    logits: torch.Tensor | None
+    argmax: torch.Tensor | None  # [L, B, Hq, M] of the capture's recording
+
+
+def _capture(fn, inputs: torch.Tensor, cap, kind: str) -> _Captured:
+    """``fn(inputs)`` captured in a CUDA graph, after a warm-up on a side stream (Triton compiles, cuBLAS
+    picks its kernels) as capture requires. The warm-up runs ``fn`` on the real inputs; both functions
+    can run twice with the same inputs (a pass rewrites the tail, a commit copies the same keys again)."""
+    device = inputs.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(inputs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits, _ = fn(inputs)
+    argmax = cap.last if cap is not None and kind == "pass" else None
+    return _Captured(graph, inputs, logits, argmax)

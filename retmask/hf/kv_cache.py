@@ -128,7 +128,8 @@ class TailLayer(GrowingLayer):
     positions [0, length), unused slots, then its own M keys, so the keys end with the queries as the
     kernel expects and every call of M tokens has the same shapes and addresses. The caller masks the
     unused slots out (a padding mask over the whole buffer), gives the positions (RoPE) explicitly, and
-    keeps the first r of the M keys with ``commit_tail(r)`` (a copy to the end of the cached part).
+    keeps the first r of the M keys by copying them to the end of the cached part (``copy_tail``) and
+    counting them (``end_tail(r)``).
     ``get_seq_length`` reports capacity - M while a tail is set, which is what makes the mask sizes and
     the query offset transformers derives from it match that layout."""
 
@@ -136,7 +137,9 @@ class TailLayer(GrowingLayer):
 
     def begin_tail(self, rows: int) -> None:
         capacity = self._key_buffer.shape[-2]
-        if self._length + 2 * rows > capacity:  # the commit copy must not overlap the tail it reads
+        if (
+            self._length + 2 * rows > capacity
+        ):  # the cached part and the keys it may keep stay clear of the tail
             raise ValueError(
                 f"the KV buffer holds {capacity} positions, {self._length} used: too few for a tail of {rows} "
                 f"(needs {self._length + 2 * rows}); reserve more capacity before the call"
@@ -161,14 +164,18 @@ class TailLayer(GrowingLayer):
             return self._key_buffer.shape[-2] - self.tail
         return super().get_seq_length()
 
-    def commit_tail(self, keep: int) -> None:
-        """End tail mode, appending the first ``keep`` positions of the tail to the cached part."""
-        if keep:
-            start = self._key_buffer.shape[-2] - self.tail
-            end = self._length + keep
-            self._key_buffer[..., self._length : end, :] = self._key_buffer[..., start : start + keep, :]
-            self._value_buffer[..., self._length : end, :] = self._value_buffer[..., start : start + keep, :]
-            self._length = end
+    def copy_tail(self, slots: torch.Tensor) -> None:
+        """Copy the tail's M positions to the buffer slots ``slots`` (int64 [M] on the buffer's device: a
+        fixed shape, so a CUDA graph can hold the copy), e.g. the accepted ones to the end of the cached
+        part and the rest onto themselves; ``end_tail`` then counts them."""
+        tail_keys = self._key_buffer[:, :, -self.tail :].clone()  # the copy may write where it reads
+        tail_values = self._value_buffer[:, :, -self.tail :].clone()
+        self._key_buffer.index_copy_(2, slots, tail_keys)
+        self._value_buffer.index_copy_(2, slots, tail_values)
+
+    def end_tail(self, keep: int) -> None:
+        """Leave tail mode with ``keep`` more cached positions (put there by ``copy_tail``)."""
+        self._length += keep
         self.tail = 0
         self.keys = self._key_buffer[..., : self._length, :]
         self.values = self._value_buffer[..., : self._length, :]

@@ -52,7 +52,8 @@ def test_tail_layer_appends_writes_its_tail_and_commits():
         and torch.equal(keys[..., -3:, :], tail)
         and torch.equal(values[..., :5, :], first + 1)
     )
-    layer.commit_tail(2)
+    layer.copy_tail(torch.tensor([5, 6, 15]))  # keep two: to slots 5, 6; the third stays where it is
+    layer.end_tail(2)
     assert layer.get_seq_length() == 7
     assert torch.equal(layer.keys, torch.cat([first, tail[..., :2, :]], -2))
     assert torch.equal(layer.values, torch.cat([first, tail[..., :2, :]], -2) + 1)
