@@ -168,7 +168,6 @@ def dpo_part(model, length: int, device: torch.device, steps: int = 3) -> dict[s
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (2, length), generator=gen).to(device)
     model.train()
-    model.config.attention_dropout = 0.0
     # transformers renamed gradient checkpointing "activation checkpointing" (the old name warns)
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
