@@ -69,6 +69,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="attention implementation for the prompt prefill (needs no argmax); answers use retmask",
     )
     p.add_argument(
+        "--static-passes",
+        action="store_true",
+        help="verification passes of fixed shapes, replayed from CUDA graphs on a GPU (the host then issues "
+        "two small copies and two replays per pass instead of a forward's few hundred kernel launches); same "
+        "answers; models without sliding-window layers; not yet timed on a GPU, hence off unless given",
+    )
+    p.add_argument(
         "--no-draft-history",
         dest="draft_history",
         action="store_false",
@@ -130,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         chunk=args.chunk,
         prefill_impl=args.prefill_impl,
+        static_passes=args.static_passes,
         draft_history=args.draft_history,
         until_stable=args.until_stable,
         **({"patience": args.patience} if args.patience is not None else {}),

@@ -71,6 +71,8 @@ class DetectConfig:
     # GPU), resolved when the model is loaded, so the run record and the resume check hold the number
     chunk: int | None = None
     prefill_impl: str = "retmask"  # attention for the prefill (no argmax needed there): "retmask" or "sdpa"
+    # fixed-shape verification passes, replayed from CUDA graphs on a GPU (speed only; detect/static_passes.py)
+    static_passes: bool = False
     # Drafts may reuse the model's earlier answers to the same needle (speed only: answers stay greedy).
     # Processes then shard whole needles, so every test sees the same earlier answers in any launch.
     draft_history: bool = True
@@ -580,7 +582,12 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
             )
 
     detector = FastDetector(
-        model, stop_token_ids(tokenizer, model), cfg.max_new_tokens, cfg.chunk, prefill_impl=cfg.prefill_impl
+        model,
+        stop_token_ids(tokenizer, model),
+        cfg.max_new_tokens,
+        cfg.chunk,
+        prefill_impl=cfg.prefill_impl,
+        static_passes=cfg.static_passes,
     )
     t0 = time.perf_counter()
     ordered = prefix_order(runnable)

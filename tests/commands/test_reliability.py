@@ -72,6 +72,20 @@ def test_detect_with_nothing_counted_fails_and_reruns_need_resume_or_overwrite(
     assert not lock_path(out).exists()
 
 
+def test_detect_static_passes_flag_gives_the_same_answers(tiny_dir, one_needle, tmp_path, capsys):
+    """``--static-passes`` reaches the run (its record says so) and changes no answer (the tiny model
+    retrieves nothing, so both runs end in "no test counted" after writing their records)."""
+    answers = {}
+    for flag in ((), ("--static-passes",)):
+        out = tmp_path / ("static" if flag else "default") / "s.json"
+        assert main(detect_argv(tiny_dir, one_needle, out, *flag)) == 2
+        record = json.loads(out.with_name("s.run.json").read_text())
+        assert record["config"]["static_passes"] is bool(flag)
+        answers[flag] = [t["tokens"] for t in record["tests"]]
+    assert answers[()] == answers[("--static-passes",)] and answers[()][0]
+    capsys.readouterr()
+
+
 def test_detect_with_every_test_skipped_fails(tiny_dir, one_needle, tmp_path, capsys):
     argv = detect_argv(tiny_dir, one_needle, tmp_path / "s.json")
     argv[argv.index("--min-len") + 1] = argv[argv.index("--max-len") + 1] = "60"

@@ -146,6 +146,25 @@ def test_draft_history_changes_speed_not_results(tmp_path, embedded):
 
 
 @pytest.mark.embedded
+def test_static_passes_change_speed_not_results(tmp_path, embedded):
+    """Fixed-shape verification passes (CUDA graphs on a GPU): the default passes' scores and answers."""
+    model, tok = embedded
+    needles = _needles(tmp_path, n=1)
+    runs = {}
+    for static in (False, True):
+        cfg = _cfg(needles)
+        cfg.static_passes = static
+        runs[static] = run_detect(
+            cfg, tmp_path / str(static) / "s.json", model=model, tokenizer=tok, progress_bar=False,
+            log=lambda *a, **k: None,
+        )  # fmt: skip
+    assert runs[True].scores == runs[False].scores
+    tests = {s: runs[s].record["tests"] for s in runs}
+    assert [t["tokens"] for t in tests[True]] == [t["tokens"] for t in tests[False]]
+    assert runs[True].record["config"]["static_passes"] is True
+
+
+@pytest.mark.embedded
 def test_context_longer_than_model_fails_before_work(tmp_path, embedded, capsys):
     model, tok = embedded
     cfg = DetectConfig(protocol="wu2024")
