@@ -127,41 +127,27 @@ def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
 
 
 @pytest.mark.embedded
-def test_draft_history_changes_speed_not_results(tmp_path, embedded):
+@pytest.mark.parametrize("option", ["draft_history", "static_passes"])
+def test_speed_options_change_speed_not_results(option, tmp_path, embedded):
+    """Drafts from earlier answers (on by default) and fixed-shape verification passes (CUDA graphs on a
+    GPU; off by default): each run both ways gives the same scores and answers."""
     model, tok = embedded
-    needles = _needles(tmp_path)
+    needles = _needles(tmp_path, n=2 if option == "draft_history" else 1)
     runs = {}
-    for history in (True, False):
+    for value in (True, False):
         cfg = _cfg(needles)
-        cfg.draft_history = history
-        runs[history] = run_detect(
-            cfg, tmp_path / str(history) / "s.json", model=model, tokenizer=tok, progress_bar=False,
+        setattr(cfg, option, value)
+        runs[value] = run_detect(
+            cfg, tmp_path / str(value) / "s.json", model=model, tokenizer=tok, progress_bar=False,
             log=lambda *a, **k: None,
         )  # fmt: skip
+        assert runs[value].record["config"][option] is value
     assert runs[True].scores == runs[False].scores
     tests = {h: runs[h].record["tests"] for h in runs}
     assert [t["tokens"] for t in tests[True]] == [t["tokens"] for t in tests[False]]
-    passes = {h: sum(t["passes"] for t in tests[h]) for h in tests}
-    assert passes[True] < passes[False], passes
-
-
-@pytest.mark.embedded
-def test_static_passes_change_speed_not_results(tmp_path, embedded):
-    """Fixed-shape verification passes (CUDA graphs on a GPU): the default passes' scores and answers."""
-    model, tok = embedded
-    needles = _needles(tmp_path, n=1)
-    runs = {}
-    for static in (False, True):
-        cfg = _cfg(needles)
-        cfg.static_passes = static
-        runs[static] = run_detect(
-            cfg, tmp_path / str(static) / "s.json", model=model, tokenizer=tok, progress_bar=False,
-            log=lambda *a, **k: None,
-        )  # fmt: skip
-    assert runs[True].scores == runs[False].scores
-    tests = {s: runs[s].record["tests"] for s in runs}
-    assert [t["tokens"] for t in tests[True]] == [t["tokens"] for t in tests[False]]
-    assert runs[True].record["config"]["static_passes"] is True
+    if option == "draft_history":
+        passes = {h: sum(t["passes"] for t in tests[h]) for h in tests}
+        assert passes[True] < passes[False], passes
 
 
 @pytest.mark.embedded
