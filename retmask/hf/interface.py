@@ -400,8 +400,10 @@ def retmask_mask(
                 "attention_mask (e.g. torch.ones_like(input_ids)) or use_cache=True"
             )
         raise _unsupported(model, feature)
-    if kv_offset == 0 and (isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length):
+    causal = mask_function is not bidirectional_mask_function
+    if causal and kv_offset == 0 and (isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length):
         # A static cache layer: a buffer longer than the sequence so far (its length a tensor once filled).
+        # Not for bidirectional attention: there more keys than queries means other keys (an encoder's).
         return _static_cache_mask(batch_size, q_length, kv_length, q_offset, sliding, attention_mask, kwargs)
     if kv_offset + kv_length != q_offset + q_length:
         # The kernel places query row i at key position kv_length - q_length + i: the keys must end with the

@@ -146,3 +146,12 @@ def test_static_cache_mask_longer_than_the_buffer_is_refused():
         ValueError, match=r"K <= the static cache's length \(8\), got a mask of shape \[1, 9\]"
     ):
         retmask_mask(1, 1, 8, q_offset=torch.tensor(3), attention_mask=too_long)
+
+
+def test_bidirectional_attention_over_more_keys_is_not_taken_for_a_static_cache():
+    """More keys than queries in bidirectional attention (e.g. an encoder's) is refused as before, not
+    masked as a static cache's unfilled slots."""
+    from transformers.masking_utils import bidirectional_mask_function
+
+    with pytest.raises(NotImplementedError, match="keys do not end with the queries"):
+        retmask_mask(1, 3, 8, q_offset=0, mask_function=bidirectional_mask_function)
