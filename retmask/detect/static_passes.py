@@ -83,7 +83,6 @@ class StaticPasses:
         self.cache: DynamicCache | None = None
         self._captured: dict[tuple, _Captured] = {}  # (kind, rows, argmax) -> graph, inputs, outputs
         self._buffer = None  # the key buffer the graphs were captured over
-        self._rows = 0  # rows of the pass in flight (its commit has the same)
 
     def new_cache(self) -> DynamicCache:
         self.cache = growing_cache(self.model, TailLayer)
@@ -106,24 +105,23 @@ class StaticPasses:
     def run(self, tokens: list[int], cap) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass over ``tokens`` (the fed token and the draft) at the cache's current length.
         Returns logits [n, V] and, with ``cap`` (an active ``capture_argmax(model, rows=None)``), argmax
-        int64 [L, Hq, n] of buffer slots (n = len(tokens)). Follow it with :meth:`commit`."""
+        int64 [L, Hq, n] of buffer slots (n = len(tokens)); the caller clears ``cap.calls`` after reading
+        it. Follow it with :meth:`commit`."""
         n = len(tokens)
         rows = bucket(n)
-        self._length = self.cache.layers[0].get_seq_length()
+        length = self.cache.layers[0].get_seq_length()
         for layer in self.cache.layers:
             layer.begin_tail(rows)
-        self._rows = rows
-        header = tokens + [tokens[-1]] * (rows - n) + [self._length]  # padded ids, then the cache length
+        header = tokens + [tokens[-1]] * (rows - n) + [length]  # padded ids, then the cache length
         logits, argmax = self._call("pass", rows, cap, header)
-        if cap is not None:
-            cap.calls.clear()
         return logits[0, :n], None if argmax is None else argmax[:, 0, :, :n]
 
     def commit(self, keep: int) -> None:
         """Keep the first ``keep`` tokens of the last pass in the cache (the accepted ones)."""
-        rows, capacity = self._rows, self.cache.layers[0]._key_buffer.shape[-2]
+        first = self.cache.layers[0]  # in tail mode: its length is the cached part's until end_tail
+        rows, length, capacity = first.tail, first._length, first._key_buffer.shape[-2]
         # kept positions go to the end of the cached part, the others onto themselves
-        slots = [self._length + i if i < keep else capacity - rows + i for i in range(rows)]
+        slots = [length + i if i < keep else capacity - rows + i for i in range(rows)]
         self._call("commit", rows, None, slots)
         for layer in self.cache.layers:
             layer.end_tail(keep)
