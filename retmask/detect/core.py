@@ -217,7 +217,10 @@ class FastDetector:
         # The longest this test can make the cache: its prompt and every decoded token (a pass feeds at
         # most the remaining budget). Buffers are allocated at that size, never by doubling.
         longest = len(prefix) + 1 + self.max_new_tokens
-        reserve(self.cache, longest if self.static is None else self.static.capacity_for(longest))
+        if self.static is None:
+            reserve(self.cache, longest)
+        else:  # a fixed buffer with room for the passes' tail, grown now if this test needs more
+            self.static.ensure_capacity(longest)
         ids = torch.as_tensor(prefix, dtype=torch.long, device=device)
         # The prefill needs no argmax: any attention implementation may compute it (``prefill_impl``). Its
         # outputs are discarded, so the last layer only writes its K/V (``last_layer_kv_only``).
@@ -230,8 +233,6 @@ class FastDetector:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-        if self.static is not None:
-            self.static.ensure_capacity(longest)
         self.cached = prefix
         return len(prefix) - keep
 

@@ -97,7 +97,8 @@ class StaticPasses:
         return -(-needed // CAPACITY_STEP) * CAPACITY_STEP
 
     def ensure_capacity(self, positions: int) -> None:
-        """Call after the prefill: every layer's buffer holds at least ``capacity_for(positions)``."""
+        """Every layer's buffer holds at least ``capacity_for(positions)`` (a layer that holds nothing yet
+        allocates that much on its first call)."""
         capacity = self.capacity_for(positions)
         for layer in self.cache.layers:
             layer.ensure_capacity(capacity)

@@ -459,7 +459,6 @@ def _static_cache_mask(
     sliding-window layer comes here only while its buffer is not full (its keys are then positions 0.. in
     order, all within the window); once full it hands over keys that end with the queries, as a dynamic
     cache does."""
-    model = _model_name(kwargs.get("config"))
     device = kwargs.get("device")
     if isinstance(q_offset, torch.Tensor):
         q_offset = q_offset.to(device)
@@ -468,16 +467,17 @@ def _static_cache_mask(
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape[1] > kv_length:
             raise ValueError(
-                f"model '{model}': retmask attention takes a 2D padding mask [B, K] with K <= the static "
-                f"cache's length ({kv_length}), got a mask of shape {list(attention_mask.shape)}; pass the 2D "
-                "attention_mask of the tokens so far (1 = token, 0 = padding)"
+                f"model '{_model_name(kwargs.get('config'))}': retmask attention takes a 2D padding mask [B, K] "
+                f"with K <= the static cache's length ({kv_length}), got a mask of shape "
+                f"{list(attention_mask.shape)}; pass the 2D attention_mask of the tokens so far (1 = token, "
+                "0 = padding)"
             )
         given = attention_mask.to(device=device, dtype=torch.bool)
         mask = mask & torch.nn.functional.pad(given, (0, kv_length - given.shape[1]), value=False)
     if torch.compiler.is_compiling():
         if q_length > 1:
             raise _unsupported(
-                model,
+                _model_name(kwargs.get("config")),
                 f"a static cache under torch.compile with {q_length} new tokens in one call (a compiled call "
                 "over a static cache takes one token, as generate's decode steps do; run the prefill "
                 "uncompiled, as generate does)",
