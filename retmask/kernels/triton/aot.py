@@ -7,7 +7,12 @@ config. This module closes part of that gap with Triton's ahead-of-time path and
 1. ``record_launches()`` runs the real launchers (``triton.fwd``, ``triton.decode``, ``triton.bwd``)
    on small CPU tensors with the *GPU* config tables, but replaces each kernel by a recorder: the exact
    signature (pointer dtypes, integer/float scalars) and constexprs of every launch are captured and
-   nothing is executed.
+   nothing is executed. The recorder also applies the specialisation a real launch gets from Triton's
+   launcher (``_specialise``): an integer argument equal to 1 (a unit stride) becomes the constant 1, and
+   integers divisible by 16 and pointers aligned to 16 bytes carry a divisibility hint. Without them the
+   compiler can neither vectorise the loads nor pipeline them, and reports the registers and spills of a
+   kernel no launch runs (the bf16 D = 128 forward: 255 registers with 40-216 B of spills, against
+   182-234 registers and none specialised).
 2. ``compile_launch()`` compiles one recorded launch for a CUDA target (default sm_90, H100) in a
    process where ``TRITON_INTERPRET`` is not set, and reads registers / spill stack from the cubin.
 
@@ -67,6 +72,7 @@ class Launch:
     num_stages: int
     label: str = ""
     grid: tuple[int, ...] = ()
+    divisible: list[str] = field(default_factory=list)  # arguments with a divisibility-by-16 hint
 
 
 @dataclass
@@ -95,6 +101,24 @@ def _arg_type(value: Any) -> str:
     raise TypeError(f"cannot type kernel argument {value!r}")
 
 
+def _specialise(value: Any) -> tuple[str, bool]:
+    """(type, divisible by 16) of a runtime argument as Triton's launcher specialises it
+    (``BaseBackend.get_int_specialization`` / ``get_tensor_specialization`` with alignment on, the
+    default of a ``triton.jit`` parameter): an int equal to 1 is the constant 1 (type "constexpr"); ints
+    divisible by 16 and pointers to 16-byte aligned data are marked divisible. Floats, bools and tensor
+    descriptors carry no hint."""
+    from triton.backends.compiler import BaseBackend
+
+    arg_type = _arg_type(value)
+    if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
+        return arg_type, False
+    if isinstance(value, int):
+        if value == 1:
+            return "constexpr", False
+        return arg_type, BaseBackend.get_int_specialization(value, align=True) == "D"
+    return arg_type, BaseBackend.get_tensor_specialization(value, align=True) == "D"
+
+
 class _Recorder:
     """Stands in for a kernel object: ``kernel[grid](*args, **kw)`` records instead of running."""
 
@@ -103,14 +127,21 @@ class _Recorder:
 
     def __getitem__(self, grid: Any):
         def launch(*args: Any, num_warps: int = 4, num_stages: int = 3, **constexprs: Any) -> None:
-            runtime = self.arg_names[: len(args)]
-            signature = {n: _arg_type(v) for n, v in zip(runtime, args, strict=True)}
+            signature: dict[str, str] = {}
+            divisible = []
+            constexprs = dict(constexprs)
+            for n, v in zip(self.arg_names[: len(args)], args, strict=True):  # the runtime arguments
+                signature[n], hint = _specialise(v)
+                if signature[n] == "constexpr":
+                    constexprs[n] = 1
+                if hint:
+                    divisible.append(n)
             for n in self.arg_names[len(args) :]:
                 signature[n] = "constexpr"
             self.sink.append(
                 Launch(
                     self.module, self.name, signature, constexprs, num_warps, num_stages, self.label,
-                    tuple(int(g) for g in grid),
+                    tuple(int(g) for g in grid), divisible,
                 )
             )  # fmt: skip
 
@@ -185,11 +216,13 @@ def compile_launch(launch: Launch, arch: int = 90) -> Resources:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_launch needs a process without TRITON_INTERPRET=1 (use --compile)")
     import triton
-    from triton.backends.compiler import GPUTarget
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(launch.module), launch.kernel)
-    src = ASTSource(fn, launch.signature, launch.constexprs)
+    hint = BaseBackend.parse_attr("D")  # [["tt.divisibility", 16]], as a launch's attributes carry it
+    attrs = {(fn.arg_names.index(n),): hint for n in launch.divisible}
+    src = ASTSource(fn, launch.signature, launch.constexprs, attrs)
     options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

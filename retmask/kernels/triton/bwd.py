@@ -391,7 +391,7 @@ def attention_backward(
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     group = Hq // Hkv
-    cfg = with_blocks(bwd_config(D, q.dtype, softcap is not None), block_m, block_n)
+    cfg = with_blocks(bwd_config(D, q.dtype), block_m, block_n)
     bd = block_d(D)
     device = q.device
     dq = new_float((B, Hq, M, D), q.dtype, device)

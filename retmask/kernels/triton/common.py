@@ -66,8 +66,11 @@ class TileConfig:
 # far more registers. The entries for D = 64, 128 and 256 are the fastest of 8-12 candidates each on a
 # Hopper GPU (bf16 and fp32, causal, 8K keys, the SmolLM2 / Llama-3.1-8B / Gemma-3 head layouts;
 # ``bench/tune_triton.py``, pages in bench/RESULTS.md); where the fastest spilled much, a spill-free one
-# was kept. D = 16 / 32 take D = 64's entry. Register allocation differs between Triton versions:
-# ``python -m retmask.kernels.triton.aot`` shows the spills of a table under the installed one.
+# was kept. D = 16 / 32 take D = 64's entry. Windows, soft-capping and sinks take the same tiles: compiled
+# as a launch specialises them, the 2-byte forward tiles hold them without spills for sm_90, and the
+# backward's at most a few hundred bytes, as its plain D = 128 entry does. Register allocation differs
+# between Triton versions: ``python -m retmask.kernels.triton.aot`` shows a table's spills under the
+# installed one.
 # ``tma`` (K / V through tensor descriptors) is off in every entry until a GPU sweep with both variants
 # (``bench/tune_triton.py --tma both``) shows where it pays.
 _FWD_CONFIGS: dict[int, TileConfig] = {
@@ -92,8 +95,9 @@ _BWD_CONFIGS: dict[int, TileConfig] = {
     128: TileConfig(64, 64, 4, 2),
     256: TileConfig(32, 32, 8, 1),
 }
-# fp32 backward: the dK/dV kernel keeps ~1 KB per thread at D = 64 and ~9.7 KB at D = 128 in local memory,
-# which Hopper's caches absorb; a GPU with smaller L1 / L2 may prefer the spill-free 32 x 32 / 8 warps.
+# fp32 backward: the dK/dV kernel spills about 0.5 KB per thread at D = 64 and 1 KB at D = 128 (7.9 KB with
+# soft-capping, window and sinks) to local memory (sm_90, Triton 3.9), which Hopper's caches absorb; a GPU with smaller L1 / L2 may prefer the
+# spill-free 32 x 32 / 8 warps.
 _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
     16: TileConfig(32, 32, 4, 2),
     32: TileConfig(32, 32, 4, 2),
@@ -101,10 +105,6 @@ _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
     128: TileConfig(32, 32, 4, 1),
     256: TileConfig(16, 32, 8, 1),
 }
-# Soft-capping keeps the tanh of a whole logit tile alive (in the backward also its derivative): where
-# the table's tile then spills, a smaller one (chosen with ptxas, not timed).
-_FWD_CONFIGS_SOFTCAP: dict[int, TileConfig] = {64: TileConfig(128, 32, 8, 3), 128: TileConfig(128, 32, 8, 3)}
-_BWD_CONFIGS_SOFTCAP: dict[int, TileConfig] = {128: TileConfig(32, 32, 8, 2)}
 # Decode: one program per (KV head, key split) holds the G query heads of the group as a [BLOCK_G, D]
 # tile (BLOCK_G = G padded to >= 16, derived from the shapes) and walks keys in BLOCK_N chunks; block_m
 # is unused. Memory-bound: BLOCK_N * BLOCK_D near 4-8K elements keeps loads in flight per program.
@@ -138,33 +138,22 @@ def block_d(head_dim: int) -> int:
 
 
 def _lookup(
-    table: dict[int, TileConfig],
-    fp32_table: dict[int, TileConfig],
-    head_dim: int,
-    dtype: torch.dtype,
-    softcap_table: dict[int, TileConfig] | None = None,
+    table: dict[int, TileConfig], fp32_table: dict[int, TileConfig], head_dim: int, dtype: torch.dtype
 ) -> TileConfig:
     if interpreting():
         return _INTERPRET_CONFIG
     bd = block_d(head_dim)
-    if dtype == torch.float32:
-        if bd in fp32_table:
-            return fp32_table[bd]
-    elif softcap_table is not None and bd in softcap_table:  # 2-byte inputs with soft-capping
-        return softcap_table[bd]
+    if dtype == torch.float32 and bd in fp32_table:
+        return fp32_table[bd]
     return table[bd]
 
 
-def fwd_config(head_dim: int, dtype: torch.dtype, softcap: bool = False) -> TileConfig:
-    return _lookup(
-        _FWD_CONFIGS, _FWD_CONFIGS_FP32, head_dim, dtype, _FWD_CONFIGS_SOFTCAP if softcap else None
-    )
+def fwd_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
+    return _lookup(_FWD_CONFIGS, _FWD_CONFIGS_FP32, head_dim, dtype)
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype, softcap: bool = False) -> TileConfig:
-    return _lookup(
-        _BWD_CONFIGS, _BWD_CONFIGS_FP32, head_dim, dtype, _BWD_CONFIGS_SOFTCAP if softcap else None
-    )
+def bwd_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
+    return _lookup(_BWD_CONFIGS, _BWD_CONFIGS_FP32, head_dim, dtype)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype) -> TileConfig:

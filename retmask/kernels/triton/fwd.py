@@ -70,9 +70,9 @@ K / V loads. By default a key block is a masked pointer load (any strides). With
 copy engine can address) K and V arrive as tensor descriptors over the whole [B, Hkv, N, D] tensors and
 each block is one [1, 1, BLOCK_N, BLOCK_D] tile fetched by the tensor memory accelerator: asynchronous,
 bounded per dimension (zeros past N and D, never the next head's keys), and handed to the tensor cores
-from shared memory. It frees the registers that the pointer arithmetic holds (ptxas for sm_90, fp16 / bf16,
-D = 128, the table's 128 x 64 tile: 255 registers with 40-216 B of spills -> 220-226, no spills) and
-spends more shared memory on the pipeline's buffers. The math is the same either way.
+from shared memory. The pointer loads are pipelined through shared memory too (asynchronous copies issued
+by the threads); descriptors free the registers that hold their addresses (ptxas for sm_90, bf16, D = 128,
+the table's 128 x 64 tile: 182-234 registers -> 172-200, no spills either way). The math is the same.
 
 Tile order. Program 0 takes the last row block: under a causal mask it has the most keys, and starting
 with the longest tiles leaves the short ones to fill the tail of the launch.
@@ -446,7 +446,7 @@ def attention_forward(
     """
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
-    cfg = with_blocks(fwd_config(D, q.dtype, softcap is not None), block_m, block_n)
+    cfg = with_blocks(fwd_config(D, q.dtype), block_m, block_n)
     device = q.device
     out = new_float((B, Hq, M, D), q.dtype, device)
     argmax = new_index((B, Hq, argmax_rows), device) if argmax_rows else None
