@@ -1,7 +1,7 @@
 """Measure the Triton kernels' tile configs on this GPU and report the fastest per head dim.
 
 Usage:  python bench/tune_triton.py [--dtype bf16|fp32] [--n 8192] [--workers 8] [--kinds fwd bwd]
-                                    [--head-dims 64 128 256] [--tma off|on|both]
+                                    [--head-dims 64 128 256] [--tma off|on|both] [--softcap CAP]
 
 The tile tables in ``retmask/kernels/triton/common.py`` (BLOCK_M, BLOCK_N, num_warps, num_stages per
 padded head dim) decide most of the kernels' speed. This script times each candidate config on the
@@ -12,12 +12,13 @@ causal, M = N keys):
   rows (the detection case) and with the argmax of every row;
 - bwd: the backward alone (preprocess + dK/dV + dQ kernels, which share one config), after one forward.
 Each config is timed with pointer loads and with its looped-over tiles read through tensor descriptors
-(TMA; ``--tma both``, the default; the table's ``tma`` flag).
+(TMA; ``--tma both``, the default; the table's ``tma`` flag). ``--softcap`` times every call with logit
+soft-capping at that cap (capped calls take the same tables: this checks that the table's tiles suit them).
 Compilation dominates a sweep, so worker processes compile every candidate first (they share Triton's
 on-disk cache) and the timing then runs in this process, one config at a time. A config that does not
 compile or launch (too much shared memory, ...) is reported as failed. Registers and spills are read
 from the compiled kernels where this Triton version exposes them.
-Writes bench/results/triton_tune_<gpu>[_fp32].{md,json} (or --out). Needs a CUDA GPU.
+Writes bench/results/triton_tune_<gpu>[_fp32][_softcap].{md,json} (or --out). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from retmask.commands.argtypes import positive_int
+from retmask.commands.argtypes import positive_float, positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import gpu_slug, markdown_table, write_page  # noqa: E402
@@ -104,13 +105,13 @@ def _inputs(d: int, n: int, dtype: str, *, grad: bool = False):
     return q, k, v, (mk(hq) if grad else None)
 
 
-def _call(kind: str, dtype: str, d: int, n: int, argmax_rows: int = 0):
+def _call(kind: str, dtype: str, d: int, n: int, argmax_rows: int = 0, softcap: float | None = None):
     """A callable running one ``kind`` call at D = ``d``, N = ``n`` with the current tables."""
     from retmask.kernels.triton.bwd import attention_backward
     from retmask.kernels.triton.fwd import attention_forward
 
     scale = d**-0.5
-    kw = dict(sm_scale=scale, key_padding_mask=None, skip_heads=None)
+    kw = dict(sm_scale=scale, key_padding_mask=None, skip_heads=None, softcap=softcap)
     if kind == "fwd":
         q, k, v, _ = _inputs(d, n, dtype)
         return lambda: attention_forward(
@@ -144,7 +145,9 @@ def _resources(compiled: list) -> dict[str, int]:
     return {"regs": regs, "spills": spills}
 
 
-def _compile_one(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int, bool], n: int) -> dict:
+def _compile_one(
+    kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int, bool], n: int, softcap: float | None
+) -> dict:
     """Worker: compile (and run once) one candidate; its resources, or why it failed."""
     if DEVICE == "cuda":
         torch.cuda.init()
@@ -152,9 +155,9 @@ def _compile_one(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int, b
     # A worker compiles several candidates: only the kernels this one added count for its resources.
     before = {id(c) for c in _compiled(kind)}
     try:
-        _call(kind, dtype, d, n)()
+        _call(kind, dtype, d, n, softcap=softcap)()
         if kind == "fwd":
-            _call(kind, dtype, d, n, argmax_rows=50)()
+            _call(kind, dtype, d, n, argmax_rows=50, softcap=softcap)()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
     except Exception as err:  # noqa: BLE001  (any compile / launch failure disqualifies the config)
@@ -174,7 +177,15 @@ def _config_text(cfg: list) -> str:
     return f"{cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]}{tma}"
 
 
-def write_tune_page(rows: list[dict], out: Path, dtype: str, n: int, versions: str, note: str = "") -> None:
+def write_tune_page(
+    rows: list[dict],
+    out: Path,
+    dtype: str,
+    n: int,
+    versions: str,
+    note: str = "",
+    softcap: float | None = None,
+) -> None:
     """The sweep's page: one row per candidate, fastest first per (kind, D); ``note`` says what is missing."""
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else versions.split(";")[0]
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
@@ -201,7 +212,8 @@ def write_tune_page(rows: list[dict], out: Path, dtype: str, n: int, versions: s
         f"# Triton tile configs measured on {name}",
         "",
         f"Machine: {versions}. {dtype}, batch 1, causal, "
-        f"M = N = {n}; triton.testing.do_bench medians (ms). fwd = prefill forward (argmax columns: "
+        + (f"logits soft-capped at {softcap:g}, " if softcap is not None else "")
+        + f"M = N = {n}; triton.testing.do_bench medians (ms). fwd = prefill forward (argmax columns: "
         "last 50 rows / every row, for the fastest three and the table's config); bwd = the backward alone. "
         "Config = BLOCK_M x BLOCK_N, warps, stages, 'tma' where K / V are read through tensor descriptors; "
         "'table' marks the config in triton/common.py when this ran.",
@@ -210,10 +222,9 @@ def write_tune_page(rows: list[dict], out: Path, dtype: str, n: int, versions: s
         markdown_table(headers, table),
         "",
     ]
-    suffix = "" if dtype == "bf16" else f"_{dtype}"
-    write_page(
-        out / f"triton_tune_{gpu_slug(name)}{suffix}", lines, dict(device=name, n=n, dtype=dtype, rows=rows)
-    )
+    suffix = ("" if dtype == "bf16" else f"_{dtype}") + ("" if softcap is None else "_softcap")
+    data = dict(device=name, n=n, dtype=dtype, softcap=softcap, rows=rows)
+    write_page(out / f"triton_tune_{gpu_slug(name)}{suffix}", lines, data)
 
 
 def main() -> int:
@@ -230,6 +241,9 @@ def main() -> int:
         choices=["off", "on", "both"],
         default="both",
         help="candidates with pointer loads, with tensor-descriptor (TMA) loads, or both (default)",
+    )
+    ap.add_argument(
+        "--softcap", type=positive_float, help="time every call with logits soft-capped at this cap"
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -253,7 +267,9 @@ def main() -> int:
     ]
     ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as pool:
-        compiled = list(pool.map(_compile_one, *zip(*jobs, strict=True), [args.n] * len(jobs)))
+        compiled = list(
+            pool.map(_compile_one, *zip(*jobs, strict=True), [args.n] * len(jobs), [args.softcap] * len(jobs))
+        )
     print(f"compiled {len(jobs)} candidates", flush=True)
 
     rows: list[dict] = []
@@ -262,7 +278,7 @@ def main() -> int:
         if "error" not in res:
             _set_config(kind, dt, d, cfg)
             try:
-                row["ms"] = _time(_call(kind, dt, d, args.n))
+                row["ms"] = _time(_call(kind, dt, d, args.n, softcap=args.softcap))
             except Exception as err:  # noqa: BLE001
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             _set_config(kind, dt, d, shipped[kind][d])
@@ -271,7 +287,7 @@ def main() -> int:
 
     versions = f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}"
     # Written now and again after the argmax timings, so a run stopped there keeps what it measured.
-    write_tune_page(rows, args.out, dt, args.n, versions, note="(argmax timings still running)")
+    write_tune_page(rows, args.out, dt, args.n, versions, "(argmax timings still running)", args.softcap)
     # Re-time the three fastest forward configs per D (and the current one) with argmax.
     for d in args.head_dims if "fwd" in args.kinds else []:
         cands = sorted(
@@ -279,11 +295,11 @@ def main() -> int:
         )
         for r in {id(r): r for r in cands[:3] + [r for r in cands if r["current"]]}.values():
             _set_config("fwd", dt, d, tuple(r["config"]))
-            r["ms_argmax_last50"] = _time(_call("fwd", dt, d, args.n, argmax_rows=50))
-            r["ms_argmax_all"] = _time(_call("fwd", dt, d, args.n, argmax_rows=args.n))
+            r["ms_argmax_last50"] = _time(_call("fwd", dt, d, args.n, argmax_rows=50, softcap=args.softcap))
+            r["ms_argmax_all"] = _time(_call("fwd", dt, d, args.n, argmax_rows=args.n, softcap=args.softcap))
             _set_config("fwd", dt, d, shipped["fwd"][d])
 
-    write_tune_page(rows, args.out, dt, args.n, versions)
+    write_tune_page(rows, args.out, dt, args.n, versions, softcap=args.softcap)
     return 0
 
 
