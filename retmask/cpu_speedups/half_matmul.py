@@ -33,25 +33,26 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 EMULATE_MIN_ROWS = 32
 
 
+# /proc/cpuinfo flags of the instructions that multiply each half dtype natively (AMX tiles or AVX-512).
+NATIVE_FLAGS = {
+    torch.bfloat16: frozenset({"amx_bf16", "avx512_bf16"}),
+    torch.float16: frozenset({"amx_fp16", "avx512_fp16"}),
+}
+
+
 def native_half_matmul(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies ``dtype`` matrices natively: bf16 with AMX tiles or AVX512-BF16, fp16
-    with AMX-FP16 or AVX512-FP16 (torch's cpuinfo checks, and /proc/cpuinfo's ``avx512_fp16`` flag).
-    float32 is always native."""
-    if dtype == torch.bfloat16:
-        checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    elif dtype == torch.float16:
-        if _has_avx512_fp16():
-            return True
-        checks = ("_is_amx_fp16_supported",)
-    else:
+    """Whether this CPU multiplies ``dtype`` matrices natively: bf16 with AMX-BF16 or AVX512-BF16, fp16
+    with AMX-FP16 or AVX512-FP16, as /proc/cpuinfo lists them (``NATIVE_FLAGS``; none off Linux, where
+    half-precision products are emulated). float32 is always native."""
+    if dtype not in NATIVE_FLAGS:
         return True
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+    return bool(NATIVE_FLAGS[dtype] & _cpu_flags())
 
 
 @cache
-def _has_avx512_fp16() -> bool:
-    """/proc/cpuinfo lists AVX512-FP16 (read once: the check runs on every linear call)."""
-    return "avx512_fp16" in cpu_flags()
+def _cpu_flags() -> frozenset[str]:
+    """/proc/cpuinfo's flags, read once: the check runs on every linear call."""
+    return frozenset(cpu_flags())
 
 
 class HalfProducts:

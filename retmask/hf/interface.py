@@ -194,16 +194,12 @@ def _skip_heads(
 
 
 def _autocast_inputs(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, compiling: bool
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Under ``torch.autocast``, q, k, v in the autocast dtype, as SDPA gets them (it is on autocast's
     lower-precision list). Needed because they arrive mixed: Llama's rotary embedding multiplies the bf16
     q and k by float32 cos/sin, which promotes them to float32, while v stays bf16. Outside autocast the
-    tensors pass unchanged (and mixed dtypes stay an error that names them). Eager calls ask first
-    whether any autocast is on (one C call; most calls are outside autocast); dynamo traces the
-    per-device question instead."""
-    if not compiling and not torch._C._is_any_autocast_enabled():
-        return query, key, value
+    tensors pass unchanged (and mixed dtypes stay an error that names them)."""
     device_type = query.device.type
     if not torch.is_autocast_enabled(device_type):
         return query, key, value
@@ -244,7 +240,7 @@ def retmask_attention(
     sink_tokens = kwargs.get("sink_tokens") if window is not None else None
     compiling = torch.compiler.is_compiling()
     skip, rows, tap, recorder = _layer_state(module, compiling)
-    query, key, value = _autocast_inputs(query, key, value, compiling)
+    query, key, value = _autocast_inputs(query, key, value)
     B, _, S, _ = query.shape
     kpm = None
     if attention_mask is not None:

@@ -7,13 +7,18 @@ import warnings
 import pytest
 import torch
 
+from retmask.cpu_speedups import half_matmul
 from retmask.hf import loading
 from tests.kernels.test_cpu_builds import cpu_flags
 
 
 def _fake_cpu(monkeypatch, *, amx: bool, avx512_bf16: bool) -> None:
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    flags = (
+        {"avx2", "fma"}
+        | ({"amx_tile", "amx_bf16"} if amx else set())
+        | ({"avx512_bf16"} if avx512_bf16 else set())
+    )
+    monkeypatch.setattr(half_matmul, "_cpu_flags", lambda: frozenset(flags))
 
 
 @pytest.mark.parametrize(
@@ -54,7 +59,7 @@ def test_explicit_bf16_warns_only_where_it_is_emulated(monkeypatch):
 def test_this_machine_matches_its_cpu_flags():
     """No monkeypatching: auto is bf16 exactly when /proc/cpuinfo lists AMX-BF16 or AVX512-BF16."""
     flags = cpu_flags()
-    native = bool({"amx_bf16", "amx_tile", "avx512_bf16"} & flags)
+    native = bool({"amx_bf16", "avx512_bf16"} & flags)
     assert loading.native_bf16("cpu") == native
     assert loading.resolve_dtype_name("auto") == ("bfloat16" if native else "float32")
 
