@@ -156,6 +156,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--num-lengths", type=int, default=None, help="override the protocol's grid")
     ap.add_argument("--num-depths", type=int, default=None, help="override the protocol's grid")
+    ap.add_argument("--min-len", type=int, default=None, help="override the protocol's grid")
     ap.add_argument("--max-len", type=int, default=None, help="override the protocol's grid")
     ap.add_argument(
         "--run-dir", type=Path, default=Path("runs/detect_dtype"), help="resumable runs live here"
@@ -175,7 +176,7 @@ def main() -> None:
         torch.set_num_threads(options["threads"])
         cfg = DetectConfig(
             model=args.model, dtype=dtype, num_lengths=args.num_lengths, num_depths=args.num_depths,
-            max_len=args.max_len,
+            min_len=args.min_len, max_len=args.max_len,
         )  # fmt: skip
         out = args.run_dir / f"{variant.replace('/', '_')}.json"
         print(f"== retmask detect --dtype {dtype} ({options}) -> {out}", flush=True)

@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
             module.add_parser(sub)
     for command_parser in sub.choices.values():
         command_parser.formatter_class = HelpFormatter
+    parser.retmask_commands = sub.choices  # name -> its parser, for errors reported in its usage
     return parser
 
 
@@ -117,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # reported by the sub-command's parser (its usage line), with a hint where the flag is a known habit
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        command_parser = commands.choices.get(args.command, parser)
+        command_parser = parser.retmask_commands.get(args.command, parser)
         hint = ""
         if "--resume" in unknown:
             hint = f"; retmask {args.command} resumes by itself: run the same command again"

@@ -26,6 +26,7 @@ from retmask.commands.common import (
     run_configurations,
 )
 from retmask.errors import UsageError
+from retmask.runfiles import OutputWriteError, atomic_write_text
 
 # A small default grid: every K runs the whole grid 1 + seeds times (13 runs for --k 0,5,10,20 --seeds 3).
 DEFAULT_GRID = {"num_lengths": 3, "num_depths": 3}
@@ -223,10 +224,17 @@ def _run_each(args: argparse.Namespace, t0: float) -> int:
         print(f"retmask ablate: error: {err}", file=sys.stderr)
         return 2
     table = sweep_table(sweep)
-    out.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
     print(
         f"{name}: each head masked alone; grid lengths {lengths} x depths {depths} x {len(needles)} needles"
     )
     print(table)
+    try:
+        atomic_write_text(out.with_suffix(".md"), table + "\n")
+    except OutputWriteError as err:  # the sweep's results are in the JSON file and printed above
+        print(
+            f"retmask ablate: error: {err} (the table is printed above; the results are in {out})",
+            file=sys.stderr,
+        )
+        return 2
     print(f"done in {time.perf_counter() - t0:.0f} s; outputs -> {out} and {out.with_suffix('.md')}")
     return 0

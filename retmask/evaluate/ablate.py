@@ -31,7 +31,7 @@ from retmask.heads.selection import (
 )
 from retmask.niah import load_haystack, load_needles, resolve_prompt_style
 from retmask.plotting import pyplot, save_figure
-from retmask.runfiles import JsonFile, atomic_write_json, check_same_settings
+from retmask.runfiles import JsonFile, atomic_write_json, atomic_write_text, check_same_settings
 
 RANDOM_POOLS = ("all", "non-retrieval")
 # random-from "non-retrieval": heads with a mean retrieval score below this (Wu et al.'s and RetMask's τ for
@@ -347,9 +347,7 @@ def run_ablation(
     if out_dir is not None:
         out_dir = Path(out_dir)
         atomic_write_json(out_dir / f"{prefix}.json", out.to_json())
-        (out_dir / f"{prefix}.md").write_text(
-            out.table() + "\n\n" + out.kinds_table() + "\n", encoding="utf-8"
-        )
+        atomic_write_text(out_dir / f"{prefix}.md", out.table() + "\n\n" + out.kinds_table() + "\n")
     return out
 
 

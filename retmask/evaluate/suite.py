@@ -41,7 +41,14 @@ from retmask.heads import model_shape
 from retmask.heads.selection import read_heads
 from retmask.hf.loading import DTYPES, check_model_spec, default_model_path, load_model
 from retmask.niah import depth_grid, load_haystack, load_needles
-from retmask.runfiles import JsonFile, RunFileError, atomic_write_json, digest, without_default_dtype
+from retmask.runfiles import (
+    JsonFile,
+    RunFileError,
+    atomic_write_json,
+    atomic_write_text,
+    digest,
+    without_default_dtype,
+)
 
 RESULT_VERSION = 1
 # besides the weights, what decides a model's prompts and context length
@@ -210,7 +217,7 @@ def run_suite(
     plot_tasks(results, out_dir / "tasks.png")
     if heads_sets and "niah" in cfg.tasks:
         plot_shift(results, heads_sets, out_dir / "shift.png")
-    (out_dir / "report.md").write_text(render_report(data), encoding="utf-8")
+    atomic_write_text(out_dir / "report.md", render_report(data))
     log(f"[eval] report -> {out_dir / 'report.md'}")
     return data
 

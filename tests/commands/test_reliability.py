@@ -372,10 +372,12 @@ def test_detect_records_the_dtype_auto_resolved_to(
     native, tiny_dir, one_needle, tmp_path, monkeypatch, capsys
 ):
     """--dtype auto is written into the run record as the dtype it ran in (bf16 only with native bf16)."""
-    import torch
 
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    from retmask.cpu_speedups import half_matmul
+
+    monkeypatch.setattr(
+        half_matmul, "_cpu_flags", lambda: frozenset({"avx2", "amx_tile", "amx_bf16"} if native else {"avx2"})
+    )
     out = tmp_path / "s.json"
     main(detect_argv(tiny_dir, one_needle, out, "--dtype", "auto"))  # the tiny model counts no test: rc 2
     record = json.loads(out.with_name("s.run.json").read_text())

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from retmask.runfiles import atomic_write_text
+
 KERNELS = {
     "retmask.kernels.triton.fwd": ("_fwd_kernel",),
     "retmask.kernels.triton.decode": ("_decode_partial_kernel", "_decode_merge_kernel"),
@@ -288,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         if not tma or launch.kernel in TMA_KERNELS
     ]
     if args.record_only:
-        Path(args.record_only).write_text(json.dumps([asdict(launch) for launch in launches]))
+        atomic_write_text(args.record_only, json.dumps([asdict(launch) for launch in launches]))
         return 0
     spills = 0
     for launch in launches:

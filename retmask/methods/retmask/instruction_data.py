@@ -22,6 +22,7 @@ import random
 from collections.abc import Callable
 
 from retmask.data import data_path
+from retmask.runfiles import atomic_write_text
 
 SEED = 20240531
 PER_CATEGORY = 60
@@ -694,7 +695,7 @@ def render_jsonl(records: list[Record]) -> str:
 def main() -> None:
     """Regenerate the shipped file."""
     text = render_jsonl(generate_instructions())
-    SHIPPED.write_text(text, encoding="utf-8")
+    atomic_write_text(SHIPPED, text)
     print(f"{len(text.splitlines())} instructions, {len(text.encode())} bytes -> {SHIPPED}")
 
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retmask.runfiles import read_jsonl
+from retmask.runfiles import atomic_write_text, read_jsonl
 
 
 class MDQAError(ValueError):
@@ -145,10 +145,7 @@ def load_mdqa(path: str | Path, limit: int | None = None) -> list[MDQAExample]:
 
 
 def write_mdqa(examples: Iterable[MDQAExample], path: str | Path) -> Path:
-    """Write examples as JSONL (parent folders created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for ex in examples:
-            f.write(json.dumps(ex.to_json(), ensure_ascii=False) + "\n")
-    return path
+    """Write examples as JSONL, atomically (parent folders created)."""
+    return atomic_write_text(
+        path, "".join(json.dumps(ex.to_json(), ensure_ascii=False) + "\n" for ex in examples)
+    )
