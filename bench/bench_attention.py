@@ -41,6 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
+from retmask.plotting import save_figure as save_png  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
+
 MODELS: dict[str, tuple[int, int, int]] = {  # name: (Hq, Hkv, D)
     "SmolLM2": (9, 3, 64),
     "Llama-3.1-8B": (32, 8, 128),
@@ -400,7 +403,7 @@ def plot(results: list[dict], models: list[str], ns: list[int], path: Path, dtyp
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    save_png(fig, path, dpi=80)
     plt.close(fig)
 
 
@@ -571,12 +574,13 @@ def main() -> None:
                "", common.markdown_table(["model", "N", "M", "threads", "path", "time", "vs SDPA (paired)", "peak"], prow),
                ""]  # fmt: skip
     md_path = out_prefix.with_suffix(".md")
-    md_path.write_text("\n".join(md))
-    (out_prefix.parent / (out_prefix.name + ".json")).write_text(
+    atomic_write_text(md_path, "\n".join(md))
+    atomic_write_text(
+        out_prefix.parent / (out_prefix.name + ".json"),
         json.dumps(
             {"machine": machine, "dtype": args.dtype, "cpu_paths": decisions, "results": runner.results},
             indent=1,
-        )  # fmt: skip
+        ),
     )
     if any(r["kind"] == "main" for r in runner.results):
         plot(runner.results, args.models, ns, out_prefix.with_suffix(".png"), args.dtype)

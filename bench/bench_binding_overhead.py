@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_flags, cpu_model, machine_description, markdown_table  # noqa: E402
 
 from retmask.kernels.cpu import backend as cpu  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HQ, HKV, D = 9, 3, 64
@@ -308,10 +309,10 @@ def main() -> None:
         + f"; kernel and libtorch_cpu resolve `omp_get_max_threads` to the same function: "
         f"{omp['kernel_and_torch_share_omp_get_max_threads']}; threads in the process: {omp['threads_in_process']}.",
     ]
-    (RESULTS / "binding_overhead.md").write_text("\n".join(md) + "\n")
+    atomic_write_text(RESULTS / "binding_overhead.md", "\n".join(md) + "\n")
     record = {"machine": {**machine, "lscpu_model": model, "flags": flags}, "threads": thread_counts,
               "baseline": args.baseline_note or args.ctypes_build, "openmp": omp, "cases": records}  # fmt: skip
-    (RESULTS / "binding_overhead.json").write_text(json.dumps(record, indent=1))
+    atomic_write_text(RESULTS / "binding_overhead.json", json.dumps(record, indent=1))
     print("\n".join(md))
 
 

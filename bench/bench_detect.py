@@ -47,6 +47,8 @@ from retmask.niah import (  # noqa: E402
     resolve_prompt_style,
     rouge1_recall,
 )
+from retmask.plotting import save_figure as save_png  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -125,7 +127,7 @@ def long_context(length: int) -> None:
         f"(before the run {before:.0f} MB); one eager attention matrix of one layer would be {eager_gb:.1f} GB."
     )
     print(line)
-    (RESULTS / "detect_long.md").write_text(line + "\n")
+    atomic_write_text(RESULTS / "detect_long.md", line + "\n")
 
 
 def main() -> None:
@@ -349,7 +351,7 @@ def main() -> None:
         # go through the same backend, so the agreement above holds for these paths.
         "kernels": describe_kernels(),
     }
-    (out_dir / f"{args.tag}.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_text(out_dir / f"{args.tag}.json", json.dumps(summary, indent=1))
     where = (
         f"{machine['gpu']}, host {cpu_label(machine)}"
         if on_gpu
@@ -426,7 +428,7 @@ def main() -> None:
         ]
         md += [f"- {name}: {backend}" for name, backend in summary["cpu_linears"].items()]
     md += ["", ON_PAPER]
-    (out_dir / f"{args.tag}.md").write_text("\n".join(md) + "\n")
+    atomic_write_text(out_dir / f"{args.tag}.md", "\n".join(md) + "\n")
     print("\n".join(md))
 
     import matplotlib
@@ -448,7 +450,7 @@ def main() -> None:
     b.set_ylabel("retmask detect mean score")
     b.set_title(f"Spearman {rho:.3f}, top-10 overlap {overlap}/10", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out_dir / f"{args.tag}.png", dpi=120)
+    save_png(fig, out_dir / f"{args.tag}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from common import (  # noqa: E402
 
 from retmask.detect import FastDetector  # noqa: E402
 from retmask.detect.answers import prefix_order  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_CHUNK = 256  # `retmask detect`'s default: the ratios are against it
@@ -130,7 +131,7 @@ def main() -> None:
     data = {"machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct", "dtype": dtype, "lengths": lengths,
             "depths": depths, "needles": args.needles, "tests": len(tests),
             "totals": {str(c): v for c, v in totals.items()}}  # fmt: skip
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    atomic_write_text(out.with_suffix(".json"), json.dumps(data, indent=1))
     report(out)
 
 
@@ -164,7 +165,7 @@ def report(out: Path) -> None:
         "",
         f"![chunk sizes]({out.name}.png)",
     ]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    atomic_write_text(out.with_suffix(".md"), "\n".join(md) + "\n")
     plot(
         totals,
         out.with_suffix(".png"),

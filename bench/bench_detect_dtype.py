@@ -39,6 +39,8 @@ from retmask.detect.run import DetectResult, progress_path, record_path  # noqa:
 from retmask.heads import head_key, mean_scores  # noqa: E402
 from retmask.heads.compare import compare_scores  # noqa: E402
 from retmask.kernels.paths import CPU_PATH_ENV, CPU_PATHS  # noqa: E402
+from retmask.plotting import save_figure as save_png  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TAU = 0.1
@@ -87,7 +89,7 @@ def detect_once(cfg: DetectConfig, out: Path) -> DetectResult:
             f"{record_path(out).name} to run it again"
         )
     result = run_detect(cfg, out, resume=unfinished, progress_bar=True)
-    saved.write_text(json.dumps({str(k): v for k, v in result.results.items()}))
+    atomic_write_text(saved, json.dumps({str(k): v for k, v in result.results.items()}))
     return result
 
 
@@ -141,7 +143,7 @@ def plot(cmp: dict, base: str, other: str, path: Path, title: str) -> None:
     ax.set_ylabel(f"retrieval score, {other}")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
 
 
 def main() -> None:
@@ -239,9 +241,9 @@ def main() -> None:
         *md_tables,
         f"Machine: {', '.join(f'{k} {v}' for k, v in machine.items())}.",
     ]
-    target.with_suffix(".md").write_text("\n".join(md) + "\n")
+    atomic_write_text(target.with_suffix(".md"), "\n".join(md) + "\n")
     summary = {"comparisons": cmps, "seconds": secs, "machine": machine, "model": model_name, "base": base}
-    target.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    atomic_write_text(target.with_suffix(".json"), json.dumps(summary, indent=1))
     last = others[-1]
     plot(cmps[last], base, last, target.with_suffix(".png"), f"{model_name}: per-head retrieval score")
     print("\n".join(md))

@@ -36,6 +36,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from retmask.plotting import save_figure as save_png  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 TAU = 0.1
@@ -46,7 +49,9 @@ def run(args: argparse.Namespace) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     needles = run_dir / "needles.jsonl"
     shipped = (ROOT / "retmask" / "data" / "needles.jsonl").read_text().splitlines()
-    needles.write_text("\n".join(shipped[args.first_needle : args.first_needle + args.num_needles]) + "\n")
+    atomic_write_text(
+        needles, "\n".join(shipped[args.first_needle : args.first_needle + args.num_needles]) + "\n"
+    )
     cmd = [
         sys.executable, "-m", "retmask.cli", "detect", "--model", "gemma3-270m", "--needles", str(needles),
         "--min-len", str(args.min_len), "--max-len", str(args.max_len), "--num-lengths", str(args.num_lengths),
@@ -265,8 +270,8 @@ def report(args: argparse.Namespace) -> None:
         f"![scores]({stem}_scores.png)",
         "",
     ]
-    (RESULTS / f"{stem}.md").write_text("\n".join(md) + "\n")
-    (RESULTS / f"{stem}.json").write_text(json.dumps(
+    atomic_write_text(RESULTS / f"{stem}.md", "\n".join(md) + "\n")
+    atomic_write_text(RESULTS / f"{stem}.json", json.dumps(
         {"machine": machine, "by_distance": summary, "mean_scores": mean.round(4).tolist(),
          "layer_kinds": kinds, "distances": distance.tolist(), "peak_rss_bytes": rss}, indent=1))  # fmt: skip
     print("\n".join(md))
@@ -295,7 +300,7 @@ def _plot(per_test, distance, is_global, window, path: Path, log_x: bool = True)
     ax.set_title("Gemma-3-270M: retrieval by layer kind and needle distance")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    save_png(fig, path, dpi=80)
     plt.close(fig)
 
 

@@ -62,6 +62,8 @@ from retmask.hf.export import zero_heads_  # noqa: E402
 from retmask.hf.generation import generate_copies  # noqa: E402
 from retmask.hf.loading import parse_dtype  # noqa: E402
 from retmask.methods.retmask.instructions import load_instructions  # noqa: E402
+from retmask.plotting import save_figure as save_png  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
 
 
 def chat_inputs(tok, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -247,7 +249,7 @@ def write_report(r: dict, out: Path) -> None:
     stem = f"generate_masks_{common.cpu_kind(r['machine'])}{common.dtype_suffix(r.get('dtype', 'float32'))}"
     if r.get("heads") == "random":  # its own page (pages written before --heads have no "heads" key: random)
         stem += "_random-heads"
-    (out / f"{stem}.json").write_text(json.dumps(r, indent=1))
+    atomic_write_text(out / f"{stem}.json", json.dumps(r, indent=1))
     rows = [
         [f"(a) 2 runs x batch {r['batch_prompts']}, SDPA: original + zeroed copy",
          common.fmt_seconds(r["a_best_seconds"]), f"{r['a_tok_per_s']:.1f}", "1.00x"],
@@ -276,7 +278,7 @@ def write_report(r: dict, out: Path) -> None:
         f"All repeats (s): (a) original {_fmt(r['a_original_seconds'])}, zeroed {_fmt(r['a_zeroed_seconds'])}; "
         f"(b) {_fmt(r['b_seconds'])}; (c) {_fmt(r['c_seconds'])}.\n"
     )
-    (out / f"{stem}.md").write_text(text)
+    atomic_write_text(out / f"{stem}.md", text)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -297,7 +299,7 @@ def write_report(r: dict, out: Path) -> None:
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(out / f"{stem}.png", dpi=120)
+    save_png(fig, out / f"{stem}.png", dpi=120)
     print(text)
 
 

@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_description, markdown_table  # noqa: E402
 
 from retmask.kernels.cpu import backend as cpu  # noqa: E402
+from retmask.plotting import save_figure as save_png  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128), "Gemma-3-270M": (4, 1, 256)}
@@ -141,9 +143,9 @@ def main() -> None:
         "",
         table,
     ]
-    (RESULTS / f"kernel_ab_{args.tag}.md").write_text("\n".join(md) + "\n")
-    (RESULTS / f"kernel_ab_{args.tag}.json").write_text(
-        json.dumps({"machine": machine, "cases": records}, indent=1)
+    atomic_write_text(RESULTS / f"kernel_ab_{args.tag}.md", "\n".join(md) + "\n")
+    atomic_write_text(
+        RESULTS / f"kernel_ab_{args.tag}.json", json.dumps({"machine": machine, "cases": records}, indent=1)
     )
 
     import matplotlib
@@ -159,7 +161,7 @@ def main() -> None:
     ax.set_ylabel("new / baseline time")
     ax.set_title(f"C++ kernel A/B: {args.tag}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"kernel_ab_{args.tag}.png", dpi=110)
+    save_png(fig, RESULTS / f"kernel_ab_{args.tag}.png", dpi=110)
     print("\n".join(md))
 
 

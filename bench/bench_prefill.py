@@ -44,6 +44,8 @@ from common import (  # noqa: E402
 
 from retmask.detect import FastDetector  # noqa: E402
 from retmask.detect.answers import prefix_order  # noqa: E402
+from retmask.plotting import save_figure as save_png  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIDES = ("retmask", "sdpa")
@@ -114,7 +116,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
 
 
 def main() -> None:
@@ -151,7 +153,7 @@ def main() -> None:
         "dtype": dtype,
         "lengths": lengths, "depths": depths, "needles": args.needles, "tests": rows,
     }  # fmt: skip
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    atomic_write_text(out.with_suffix(".json"), json.dumps(data, indent=1))
     report(out)
 
 
@@ -177,7 +179,7 @@ def report(out: Path) -> None:
         "",
         f"Machine: {', '.join(f'{k} {v}' for k, v in machine.items())}.",
     ]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    atomic_write_text(out.with_suffix(".md"), "\n".join(md) + "\n")
     plot(
         rows,
         out.with_suffix(".png"),

@@ -52,6 +52,7 @@ from common import (  # noqa: E402
 
 from retmask.cpu_speedups import SWITCH_ENV  # noqa: E402
 from retmask.methods.retmask.pair_file import stats_path  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCORES = RESULTS / "smollm2_scores.json"
@@ -277,7 +278,7 @@ def main() -> None:
         "",
     ]
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
+    atomic_write_text(stem.with_suffix(".md"), "\n".join(lines))
     summary = {
         "machine": machine, "args": {k: str(v) for k, v in vars(args).items()}, "pairs": stats.get("pairs"),
         "losses": losses, "margins": margins, "seconds_per_step": step_s, "bf16_over_fp32_step": ratio,
@@ -288,7 +289,7 @@ def main() -> None:
         "speedups_vs_no_speedups": no_speedups,
         "cpp_backward_vs_sdpa_backward": sdpa_backward,
     }  # fmt: skip
-    stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(summary, indent=1))
     plot(stem.with_suffix(".png"), losses, step_median, title)
     print("\n".join(lines))
     print(f"-> {stem}.md")

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_kind, cpu_label, machine_description, markdown_table, save_figure  # noqa: E402
 
 from retmask.commands.argtypes import positive_int  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -157,9 +158,9 @@ def main() -> None:
         "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + ".",
     ]
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(
-        json.dumps({"machine": machine, "order": order, "jobs": summary}, indent=1)
+    atomic_write_text(stem.with_suffix(".md"), "\n".join(lines) + "\n")
+    atomic_write_text(
+        stem.with_suffix(".json"), json.dumps({"machine": machine, "order": order, "jobs": summary}, indent=1)
     )
     import matplotlib
 

@@ -46,6 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
+from retmask.plotting import save_figure as save_png  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS: dict[str, tuple[int, int, int]] = {  # name: (Hq, Hkv, D)
     "SmolLM2": (9, 3, 64),
@@ -378,7 +381,7 @@ def plot(results: list[dict], models: list[str], ns: list[int], path: Path) -> N
         if col == 0:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_png(fig, path, dpi=90)
 
 
 def main() -> None:
@@ -480,7 +483,7 @@ def main() -> None:
         time_table,
         "",
     ]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    atomic_write_text(out.with_suffix(".md"), "\n".join(md) + "\n")
     plot(results, models, ns, out.with_suffix(".png"))
     print("\n".join(md))
 

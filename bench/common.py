@@ -23,6 +23,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from retmask.plotting import save_figure as save_png
+from retmask.runfiles import atomic_write_text
+
 # ---- machine ---------------------------------------------------------------------------------------
 
 
@@ -266,9 +269,8 @@ def cell_ratio(num: dict[str, Any], den: dict[str, Any], key: str) -> str:
 
 def write_page(stem: Path, lines: Sequence[str], payload: dict[str, Any]) -> None:
     """Write ``stem``.md (the lines) and ``stem``.json (the payload), print the page and where it went."""
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    atomic_write_text(stem.with_suffix(".md"), "\n".join(lines))
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(payload, indent=1))
     print("\n".join(lines))
     print(f"-> {stem}.md")
 
@@ -446,13 +448,10 @@ def plot_lines(ax: Any, rows: Sequence[dict[str, Any]], series: str, y: str) -> 
 
 
 def save_figure(fig: Any, path: Path, title: str) -> None:
-    """Title a matplotlib figure, lay it out, write it to ``path`` (PNG, 110 dpi) and close it."""
-    import matplotlib.pyplot as plt
-
+    """Title a matplotlib figure, lay it out, write it to ``path`` atomically (PNG, 110 dpi) and close it."""
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -28,6 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_label, machine_description, markdown_table, page_tail, paired_stats, write_page  # noqa: E402
 
+from retmask.plotting import save_figure as save_png  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 # Seed-independent outputs of mudaf_smollm2.py (the data, the selection scores, the original's evaluation).
@@ -142,7 +144,7 @@ def plot(by_seed: dict, seeds: list[int], path: Path) -> None:
         ax.set_title(what, fontsize=9)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

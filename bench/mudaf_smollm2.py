@@ -26,6 +26,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import run_step  # noqa: E402
 
+from retmask.plotting import save_figure as save_png  # noqa: E402
+from retmask.runfiles import atomic_write_text  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"  # result pages and data live apart from the scripts
 
 
@@ -138,7 +141,7 @@ def main() -> int:
         "commands": log,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(args.out.with_suffix(".json"), json.dumps(summary, indent=1) + "\n")
     plot(per_head, summary, args.out.with_suffix(".png"))
     print(
         json.dumps(
@@ -202,7 +205,7 @@ def plot(per_head: list[dict], summary: dict, path: Path) -> None:
     fig.suptitle("SmolLM2-135M, held-out synthetic MDQA: selected heads before / after (rank among 270 heads)",
                  fontsize=9)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

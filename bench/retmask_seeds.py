@@ -48,6 +48,7 @@ from common import (  # noqa: E402
 from retmask.evaluate.shift import split_means  # noqa: E402
 from retmask.heads import load_scores  # noqa: E402
 from retmask.heads.keys import RETRIEVAL_TAU  # noqa: E402
+from retmask.plotting import save_figure as save_png  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LABELS = {
@@ -158,7 +159,7 @@ def plot(runs: dict, seeds: list[int], baselines: list[str], path: Path) -> None
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncols=len(baselines), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.04 if stacked else 0.07, 1, 1))
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

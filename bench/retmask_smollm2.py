@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from retmask.runfiles import atomic_write_text  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"  # result pages and data live apart from the scripts
 VARIANTS = [  # (run dir name, label, description)
     ("retmask", "RetMask", "retrieval heads (score >= 0.1) masked for the rejected responses"),
@@ -70,7 +72,7 @@ def main() -> None:
     slim = {**data, "models": [{k: v for k, v in m.items() if k not in ("niah", "multi_needle", "kv")} | {
         "niah_grid": m["niah"]["grid"], "multi_needle_by_length": m["multi_needle"]["by_length"],
         "kv_by_length": m["kv"]["by_length"]} for m in data["models"]]}  # fmt: skip
-    (RESULTS / "retmask_smollm2.json").write_text(json.dumps(slim, indent=1))
+    atomic_write_text(RESULTS / "retmask_smollm2.json", json.dumps(slim, indent=1))
 
     out = [
         "# RetMask on the embedded SmolLM2-135M-Instruct: pipeline vs Random-Mask and Non-Retrieval-Mask",
@@ -138,7 +140,7 @@ def main() -> None:
     )
     report = report.replace("(shift.png)", "(retmask_smollm2_shift.png)")
     out += ["## Evaluation (`retmask eval`, all models)", report]
-    args.out.write_text("\n".join(out) + "\n", encoding="utf-8")
+    atomic_write_text(args.out, "\n".join(out) + "\n")
     print(f"-> {args.out}")
 
 
