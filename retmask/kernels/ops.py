@@ -24,7 +24,7 @@ positions. Operators cannot return None, so absent outputs are empty tensors:
 softcap, backend, sink_tokens=None) -> (dq, dk, dv, dsinks)``, contiguous, in the inputs' dtypes (dsinks: [Hq] in sinks'
 dtype, or an empty tensor without sinks): the backend's own backward (Triton), given the forward's
 ``out`` and ``lse``. Backends without one (CPU) get their gradients in the autograd formula
-(``_AttentionAutograd``) rather than inside an operator, on the path ``paths.cpu_backward_path`` names:
+(``_backward``, registered with ``torch.library.register_autograd``) rather than inside an operator, on the path ``paths.cpu_backward_path`` names:
 the C++ CPU backward (``cpu/backward.py``) or a differentiated recompute (through PyTorch SDPA, or
 ``chunked.py``'s query-row chunks where SDPA cannot express the call without an [M, N] mask). The
 recompute is done there because an operator body runs below the autograd dispatch key, and
@@ -263,7 +263,9 @@ def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_h
 
 def _untraced() -> bool:
     """Outside any tracer, dispatch / function mode, functorch transform or forward-AD level: what
-    ``_plain_eager`` and ``eager_direct`` ask of the state, apart from their tensors."""
+    ``_plain_eager`` and ``eager_direct`` ask of the state, apart from their tensors. Read from torch's
+    dispatcher state (``torch._C``): torch has no public query for an active dispatch mode or functorch
+    transform."""
     return not (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
@@ -284,82 +286,47 @@ def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, 
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _empty_dsinks(sinks, q)
 
 
-class _AttentionAutograd(torch.autograd.Function):
-    """The autograd formula of ``attention_fwd``, registered as its Autograd kernel (below).
-
-    Backward: the ``attention_bwd`` operator (the backend's own backward, one opaque node in a compiled
-    graph) when the forward kept an lse, otherwise a recompute (``recompute_grads``) differentiated here,
-    at the autograd level (AOTAutograd traces it into the compiled backward as plain torch ops).
-    Same role as ``torch.library.register_autograd``, whose generated ``autograd.Function`` rebuilds the
-    argument list from the schema on every call (about twice this wrapper's time per call).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window,
-                softcap, backend, need_lse, sink_tokens=None):  # fmt: skip
-        with torch._C._AutoDispatchBelowAutograd():
-            out, argmax, lse = attention_fwd(
-                q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,
-                backend, need_lse, sink_tokens,
-            )  # fmt: skip
-        ctx.mark_non_differentiable(argmax, lse)
-        ctx.use_lse = need_lse and backend in LSE_BACKENDS
-        saved_out, saved_lse = (out, lse) if ctx.use_lse else (None, None)
-        ctx.save_for_backward(q, k, v, saved_out, saved_lse, key_padding_mask, skip_heads, sinks)
-        ctx.causal, ctx.sm_scale, ctx.backend = causal, sm_scale, backend
-        ctx.window, ctx.softcap, ctx.sink_tokens = window, softcap, sink_tokens
-        return out, argmax, lse
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, _grad_argmax, _grad_lse):
-        q, k, v, out, lse, key_padding_mask, skip_heads, sinks = ctx.saved_tensors
-        if ctx.use_lse:
-            dq, dk, dv, dsinks = attention_bwd(
-                grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, ctx.causal, ctx.sm_scale,
-                ctx.window, ctx.softcap, ctx.backend, ctx.sink_tokens,
-            )  # fmt: skip
-            if sinks is None:
-                dsinks = None
-        else:
-            dq, dk, dv, dsinks = recompute_grads(
-                grad_out, q, k, v, causal=ctx.causal, sm_scale=ctx.sm_scale, key_padding_mask=key_padding_mask,
-                skip_heads=skip_heads, window=ctx.window, softcap=ctx.softcap, sinks=sinks,
-                sink_tokens=ctx.sink_tokens,
-            )  # fmt: skip
-        if sinks is None or not ctx.needs_input_grad[5]:
-            dsinks = None
-        return dq, dk, dv, None, None, dsinks, None, None, None, None, None, None, None, None
+def _setup_context(ctx, inputs, output) -> None:
+    """What the backward of ``attention_fwd`` keeps (``torch.library.register_autograd``): the inputs, and
+    the forward's out and lse when the backend has its own backward."""
+    q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, _rows, window, softcap, backend, need_lse, sink_tokens = inputs  # fmt: skip
+    out, argmax, lse = output
+    ctx.mark_non_differentiable(argmax, lse)
+    ctx.use_lse = need_lse and backend in LSE_BACKENDS
+    saved_out, saved_lse = (out, lse) if ctx.use_lse else (None, None)
+    ctx.save_for_backward(q, k, v, saved_out, saved_lse, key_padding_mask, skip_heads, sinks)
+    ctx.causal, ctx.sm_scale, ctx.backend = causal, sm_scale, backend
+    ctx.window, ctx.softcap, ctx.sink_tokens = window, softcap, sink_tokens
 
 
-def _wants_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _fwd_autograd(q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap,
-                  backend, need_lse, sink_tokens=None):  # fmt: skip
-    """Autograd kernel of ``attention_fwd``: record the formula only when a gradient is wanted."""
-    args = (q, k, v, key_padding_mask, skip_heads, sinks, causal, sm_scale, argmax_rows, window, softcap, backend,
-            need_lse, sink_tokens)  # fmt: skip
-    if _wants_grad(q, k, v, sinks):
-        return _AttentionAutograd.apply(*args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return attention_fwd(*args)
-
-
-def _bwd_autograd(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
-                  softcap, backend, sink_tokens=None):  # fmt: skip
-    """Autograd kernel of ``attention_bwd``: not differentiable (no double backward)."""
-    if _wants_grad(grad_out, q, k, v, sinks):
-        raise RuntimeError(
-            "retmask attention has no double backward: retmask::attention_bwd is not differentiable "
-            "(create_graph=True / higher-order gradients through retmask.kernels.attention are unsupported)"
-        )
-    with torch._C._AutoDispatchBelowAutograd():
-        return attention_bwd(
-            grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window, softcap,
-            backend, sink_tokens,
+@once_differentiable  # no double backward: differentiating these gradients raises
+def _backward(ctx, grad_out, _grad_argmax, _grad_lse) -> tuple:
+    """The autograd formula of ``attention_fwd``: the ``attention_bwd`` operator (the backend's own
+    backward, one opaque node in a compiled graph) when the forward kept an lse, otherwise a recompute
+    (``recompute_grads``) differentiated here, at the autograd level (AOTAutograd traces it into the
+    compiled backward as plain torch ops)."""
+    q, k, v, out, lse, key_padding_mask, skip_heads, sinks = ctx.saved_tensors
+    if ctx.use_lse:
+        dq, dk, dv, dsinks = attention_bwd(
+            grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, ctx.causal, ctx.sm_scale,
+            ctx.window, ctx.softcap, ctx.backend, ctx.sink_tokens,
         )  # fmt: skip
+    else:
+        dq, dk, dv, dsinks = recompute_grads(
+            grad_out, q, k, v, causal=ctx.causal, sm_scale=ctx.sm_scale, key_padding_mask=key_padding_mask,
+            skip_heads=skip_heads, window=ctx.window, softcap=ctx.softcap, sinks=sinks,
+            sink_tokens=ctx.sink_tokens,
+        )  # fmt: skip
+    if sinks is None or not ctx.needs_input_grad[5]:
+        dsinks = None
+    return dq, dk, dv, None, None, dsinks, None, None, None, None, None, None, None, None
+
+
+def _no_double_backward(ctx, *grads) -> tuple:
+    raise RuntimeError(
+        "retmask attention has no double backward: retmask::attention_bwd is not differentiable "
+        "(create_graph=True / higher-order gradients through retmask.kernels.attention are unsupported)"
+    )
 
 
 # FRAGMENT: the namespace may also hold operators defined elsewhere (e.g. a C++ extension's).
@@ -368,10 +335,10 @@ _lib.define("attention_fwd" + FWD_SCHEMA)
 _lib.define("attention_bwd" + BWD_SCHEMA)
 _lib.impl("attention_fwd", _fwd_kernel, "CompositeExplicitAutograd")
 _lib.impl("attention_bwd", _bwd_kernel, "CompositeExplicitAutograd")
-_lib.impl("attention_fwd", _fwd_autograd, "Autograd")
-_lib.impl("attention_bwd", _bwd_autograd, "Autograd")
 torch.library.register_fake("retmask::attention_fwd", _fwd_fake, lib=_lib)
 torch.library.register_fake("retmask::attention_bwd", _bwd_fake, lib=_lib)
+torch.library.register_autograd("retmask::attention_fwd", _backward, setup_context=_setup_context, lib=_lib)
+torch.library.register_autograd("retmask::attention_bwd", _no_double_backward, lib=_lib)
 
 attention_fwd = torch.ops.retmask.attention_fwd.default
 attention_bwd = torch.ops.retmask.attention_bwd.default
