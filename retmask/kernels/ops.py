@@ -24,8 +24,8 @@ positions. Operators cannot return None, so absent outputs are empty tensors:
 softcap, backend, sink_tokens=None) -> (dq, dk, dv, dsinks)``, contiguous, in the inputs' dtypes (dsinks: [Hq] in sinks'
 dtype, or an empty tensor without sinks): the backend's own backward (Triton), given the forward's
 ``out`` and ``lse``. Backends without one (CPU) get their gradients in the autograd formula
-(``_backward``, registered with ``torch.library.register_autograd``) rather than inside an operator, on the path ``paths.cpu_backward_path`` names:
-the C++ CPU backward (``cpu/backward.py``) or a differentiated recompute (through PyTorch SDPA, or
+(``_backward``, registered with ``torch.library.register_autograd``) rather than inside an operator, on
+the path ``paths.cpu_backward_path`` names: the C++ CPU backward (``cpu/backward.py``) or a differentiated recompute (through PyTorch SDPA, or
 ``chunked.py``'s query-row chunks where SDPA cannot express the call without an [M, N] mask). The
 recompute is done there because an operator body runs below the autograd dispatch key, and
 ``torch.func.vjp`` there breaks under any active TorchDispatchMode. Skipped heads get zero gradient
