@@ -78,7 +78,7 @@ _FWD_CONFIGS: dict[int, TileConfig] = {
     32: TileConfig(64, 64, 4, 3),
     64: TileConfig(64, 64, 4, 3),
     128: TileConfig(128, 64, 8, 3),
-    256: TileConfig(128, 32, 8, 2),
+    256: TileConfig(64, 32, 4, 3),
 }
 _FWD_CONFIGS_FP32: dict[int, TileConfig] = {
     16: TileConfig(64, 32, 8, 2),
