@@ -404,7 +404,6 @@ def plot(results: list[dict], models: list[str], ns: list[int], path: Path, dtyp
             ax.legend(fontsize=7)
     fig.tight_layout()
     save_png(fig, path, dpi=80)
-    plt.close(fig)
 
 
 def main() -> None:

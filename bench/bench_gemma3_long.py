@@ -301,7 +301,6 @@ def _plot(per_test, distance, is_global, window, path: Path, log_x: bool = True)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     fig.tight_layout()
     save_png(fig, path, dpi=80)
-    plt.close(fig)
 
 
 def main() -> None:

@@ -145,7 +145,6 @@ def plot(by_seed: dict, seeds: list[int], path: Path) -> None:
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     save_png(fig, path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -206,7 +206,6 @@ def plot(per_head: list[dict], summary: dict, path: Path) -> None:
                  fontsize=9)  # fmt: skip
     fig.tight_layout()
     save_png(fig, path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -160,7 +160,6 @@ def plot(runs: dict, seeds: list[int], baselines: list[str], path: Path) -> None
     fig.legend(handles, labels, loc="lower center", ncols=len(baselines), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.04 if stacked else 0.07, 1, 1))
     save_png(fig, path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:

@@ -315,6 +315,11 @@ class JsonFile:
         return int(key)
 
 
+def jsonl_text(records: Iterable[Any]) -> str:
+    """JSON Lines: one JSON value per line, non-ASCII kept readable (what :func:`read_jsonl` reads)."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
 def read_jsonl(
     path: str | os.PathLike,
     *,

@@ -137,9 +137,8 @@ class TailLayer(GrowingLayer):
 
     def begin_tail(self, rows: int) -> None:
         capacity = self._key_buffer.shape[-2]
-        if (
-            self._length + 2 * rows > capacity
-        ):  # the cached part and the keys it may keep stay clear of the tail
+        # the cached part and the keys it may keep stay clear of the tail
+        if self._length + 2 * rows > capacity:
             raise ValueError(
                 f"the KV buffer holds {capacity} positions, {self._length} used: too few for a tail of {rows} "
                 f"(needs {self._length + 2 * rows}); reserve more capacity before the call"

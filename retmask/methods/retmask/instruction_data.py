@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable
 
 from retmask.data import data_path
-from retmask.runfiles import atomic_write_text
+from retmask.runfiles import atomic_write_text, jsonl_text
 
 SEED = 20240531
 PER_CATEGORY = 60
@@ -689,7 +689,7 @@ def generate_instructions(seed: int = SEED, per_category: int = PER_CATEGORY) ->
 
 def render_jsonl(records: list[Record]) -> str:
     """JSONL text, one record per line, non-ASCII kept readable."""
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    return jsonl_text(records)
 
 
 def main() -> None:

@@ -10,13 +10,12 @@ One JSON object per line::
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retmask.runfiles import atomic_write_text, read_jsonl
+from retmask.runfiles import atomic_write_text, jsonl_text, read_jsonl
 
 
 class MDQAError(ValueError):
@@ -146,6 +145,4 @@ def load_mdqa(path: str | Path, limit: int | None = None) -> list[MDQAExample]:
 
 def write_mdqa(examples: Iterable[MDQAExample], path: str | Path) -> Path:
     """Write examples as JSONL, atomically (parent folders created)."""
-    return atomic_write_text(
-        path, "".join(json.dumps(ex.to_json(), ensure_ascii=False) + "\n" for ex in examples)
-    )
+    return atomic_write_text(path, jsonl_text(ex.to_json() for ex in examples))
