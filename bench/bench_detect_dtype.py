@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_kind, cpu_label, machine_description, markdown_table  # noqa: E402
 
+from retmask.commands.argtypes import positive_int  # noqa: E402
 from retmask.cpu_speedups import SWITCH_ENV  # noqa: E402
 from retmask.detect import DetectConfig, run_detect  # noqa: E402
 from retmask.detect.run import DetectResult, progress_path, record_path  # noqa: E402
@@ -156,10 +157,10 @@ def main() -> None:
         "'path=P' (the CPU attention path forced, RETMASK_CPU_PATH=P), 'threads=N' (torch and kernel threads), "
         "e.g. float32/torch-linears,float32,bfloat16 or float32/path=cpp,float32/path=blocked",
     )  # fmt: skip
-    ap.add_argument("--num-lengths", type=int, default=None, help="override the protocol's grid")
-    ap.add_argument("--num-depths", type=int, default=None, help="override the protocol's grid")
-    ap.add_argument("--min-len", type=int, default=None, help="override the protocol's grid")
-    ap.add_argument("--max-len", type=int, default=None, help="override the protocol's grid")
+    ap.add_argument("--num-lengths", type=positive_int, default=None, help="override the protocol's grid")
+    ap.add_argument("--num-depths", type=positive_int, default=None, help="override the protocol's grid")
+    ap.add_argument("--min-len", type=positive_int, default=None, help="override the protocol's grid")
+    ap.add_argument("--max-len", type=positive_int, default=None, help="override the protocol's grid")
     ap.add_argument(
         "--run-dir", type=Path, default=Path("runs/detect_dtype"), help="resumable runs live here"
     )
