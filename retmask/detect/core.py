@@ -55,6 +55,14 @@ def attn_implementation(model, name: str) -> Iterator[None]:
         model.set_attn_implementation(old)
 
 
+def _finished(device: torch.device) -> float:
+    """``time.perf_counter()`` once the work queued on ``device`` has run: a CUDA prefill returns before
+    its kernels finish, and its time would otherwise be counted in the decode that waits for it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _new_cache(model):
     from transformers import DynamicCache
 
@@ -94,7 +102,7 @@ def oracle_detect(
             use_cache=True,
             logits_to_keep=keep,
         )
-    t1 = time.perf_counter()
+    t1 = _finished(device)
     tokens: list[int] = []
     x = prompt[-1:]
     with attn_implementation(model, "eager"):
@@ -253,7 +261,7 @@ class FastDetector:
         s, e = span
         t0 = time.perf_counter()
         computed = self._prefill(prompt[:-1])
-        t1 = time.perf_counter()
+        t1 = _finished(device)
         # Only full chunks of the prompt may stay in the cache for the next test (see class docstring);
         # remember where the prompt ends so the decode tokens can be cropped away afterwards.
         base = n - 1
