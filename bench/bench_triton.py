@@ -6,8 +6,7 @@ Usage:  python bench/bench_triton.py [--model smollm2|llama] [--dtype bf16|fp16|
 Batch 1, three phases per length N:
 - prefill (causal, M = N): the Triton backend without argmax, with argmax of the last ``--argmax-rows`` rows
   (the teacher-forcing case of detection) and of all rows, with half of the query heads skipped (both
-  grid modes), the first two also with K / V read through tensor descriptors (TMA; compute capability
-  >= 9.0, here and in train); SDPA (no argmax: the floor to approach); eager softmax(QK^T)V + argmax, what
+  grid modes); SDPA (no argmax: the floor to approach); eager softmax(QK^T)V + argmax, what
   ``output_attentions=True`` costs (only where its [Hq, N, N] fp32 logits fit);
 - decode (M = 1): the same cases;
 - train (forward + backward, M = N, up to ``--train-max``): Triton, Triton with half the heads skipped, SDPA.
@@ -85,12 +84,6 @@ def sync_free_grid(fn: Callable[[], object]) -> Callable[[], object]:
     return _with_flag("FORCE_SYNC_FREE", fn)
 
 
-def tma_loads(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with the prefill forward and the backward loading through tensor descriptors (TMA), whatever
-    the tile table says (GPUs of compute capability 9.0 and later)."""
-    return _with_flag("FORCE_TMA", fn)
-
-
 def _with_backward(fn: Callable[[], torch.Tensor], inputs, grad_out) -> Callable[[], None]:
     """One training call: ``fn``'s forward, then its backward into ``inputs``' gradients."""
 
@@ -132,10 +125,7 @@ def _cases(attention, phase, hq, hkv, d, n, dtype, argmax_rows, skip_half):
             "triton, half heads skipped": lambda: attention(q, k, v, backend="triton", skip_heads=skip_half),
             "sdpa": lambda: _sdpa(q, k, v),
         }
-        cases = {name: _with_backward(fn, (q, k, v), grad_out) for name, fn in fwd.items()}
-        if torch.cuda.get_device_capability(dev)[0] >= 9:  # forward and backward through descriptors
-            cases["triton, TMA loads"] = tma_loads(cases["triton"])
-        return cases
+        return {name: _with_backward(fn, (q, k, v), grad_out) for name, fn in fwd.items()}
     t_rows = min(argmax_rows, m)
     skipped = lambda: attention(q, k, v, backend="triton", skip_heads=skip_half)  # noqa: E731
     cases = {
@@ -148,10 +138,6 @@ def _cases(attention, phase, hq, hkv, d, n, dtype, argmax_rows, skip_half):
         "triton, half heads skipped, sync-free grid": sync_free_grid(skipped),
         "sdpa": lambda: _sdpa(q, k, v),
     }
-    if phase == "prefill" and torch.cuda.get_device_capability(dev)[0] >= 9:
-        # The TMA variant of the forward next to the table's choice, until the tile table settles it.
-        cases["triton, TMA loads"] = tma_loads(cases["triton"])
-        cases[f"triton+argmax(last {t_rows}), TMA loads"] = tma_loads(cases[f"triton+argmax(last {t_rows})"])
     if _eager_fits(hq, m, n):
         cases[f"eager+argmax(last {t_rows})"] = lambda: _eager(q, k, v, t_rows)
     return cases

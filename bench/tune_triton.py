@@ -1,7 +1,7 @@
 """Measure the Triton kernels' tile configs on this GPU and report the fastest per head dim.
 
 Usage:  python bench/tune_triton.py [--dtype bf16|fp32] [--n 8192] [--workers 8] [--kinds fwd bwd]
-                                    [--head-dims 64 128 256] [--tma off|on|both] [--softcap CAP]
+                                    [--head-dims 64 128 256] [--softcap CAP]
 
 The tile tables in ``retmask/kernels/triton/common.py`` (BLOCK_M, BLOCK_N, num_warps, num_stages per
 padded head dim) decide most of the kernels' speed. This script times each candidate config on the
@@ -11,8 +11,7 @@ causal, M = N keys):
 - fwd: the prefill forward without argmax; the fastest few are re-timed with the argmax of the last 50
   rows (the detection case) and with the argmax of every row;
 - bwd: the backward alone (preprocess + dK/dV + dQ kernels, which share one config), after one forward.
-Each config is timed with pointer loads and with its looped-over tiles read through tensor descriptors
-(TMA; ``--tma both``, the default; the table's ``tma`` flag). ``--softcap`` times every call with logit
+``--softcap`` times every call with logit
 soft-capping at that cap (capped calls take the same tables: this checks that the table's tiles suit them).
 Compilation dominates a sweep, so worker processes compile every candidate first (they share Triton's
 on-disk cache) and the timing then runs in this process, one config at a time. A config that does not
@@ -91,7 +90,7 @@ KERNELS = {"fwd": ("triton.fwd", ["_fwd_kernel"]),
            "bwd": ("triton.bwd", ["_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"])}  # fmt: skip
 
 
-def _set_config(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int, bool]) -> None:
+def _set_config(kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int]) -> None:
     from retmask.kernels.triton import common as tc
 
     getattr(tc, TABLES[kind, dtype])[d] = tc.TileConfig(*cfg)
@@ -146,7 +145,7 @@ def _resources(compiled: list) -> dict[str, int]:
 
 
 def _compile_one(
-    kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int, bool], n: int, softcap: float | None
+    kind: str, dtype: str, d: int, cfg: tuple[int, int, int, int], n: int, softcap: float | None
 ) -> dict:
     """Worker: compile (and run once) one candidate; its resources, or why it failed."""
     if DEVICE == "cuda":
@@ -172,9 +171,8 @@ def _time(fn) -> float:
 
 
 def _config_text(cfg: list) -> str:
-    """'128x64 w8 s3' (+ ' tma') for a (BLOCK_M, BLOCK_N, warps, stages[, tma]) config."""
-    tma = " tma" if len(cfg) > 4 and cfg[4] else ""
-    return f"{cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]}{tma}"
+    """'128x64 w8 s3' for a (BLOCK_M, BLOCK_N, warps, stages) config."""
+    return f"{cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]}"
 
 
 def write_tune_page(
@@ -215,7 +213,7 @@ def write_tune_page(
         + (f"logits soft-capped at {softcap:g}, " if softcap is not None else "")
         + f"M = N = {n}; triton.testing.do_bench medians (ms). fwd = prefill forward (argmax columns: "
         "last 50 rows / every row, for the fastest three and the table's config); bwd = the backward alone. "
-        "Config = BLOCK_M x BLOCK_N, warps, stages, 'tma' where K / V are read through tensor descriptors; "
+        "Config = BLOCK_M x BLOCK_N, warps, stages; "
         "'table' marks the config in triton/common.py when this ran.",
         "",
         *([note, ""] if note else []),
@@ -237,12 +235,6 @@ def main() -> int:
     )
     ap.add_argument("--workers", type=positive_int, default=8, help="processes that compile the candidates")
     ap.add_argument(
-        "--tma",
-        choices=["off", "on", "both"],
-        default="both",
-        help="candidates with pointer loads, with tensor-descriptor (TMA) loads, or both (default)",
-    )
-    ap.add_argument(
         "--softcap", type=positive_float, help="time every call with logits soft-capped at this cap"
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -257,13 +249,11 @@ def main() -> int:
     # The tables as shipped (each timing below swaps one entry in and restores it).
     dt = args.dtype
     shipped = {kind: {d: astuple(c) for d, c in getattr(tc, TABLES[kind, dt]).items()} for kind in args.kinds}
-    tma_variants = {"off": [False], "on": [True], "both": [False, True]}[args.tma]
     jobs = [
-        (kind, dt, d, (*cfg, tma))
+        (kind, dt, d, tuple(cfg))
         for kind in args.kinds
         for d in args.head_dims
         for cfg in CANDIDATES[kind, dt][d]
-        for tma in tma_variants
     ]
     ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as pool:

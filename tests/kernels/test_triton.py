@@ -66,15 +66,6 @@ def grid_mode(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["pointers", "descriptors"])
-def kv_loads(request, monkeypatch):
-    """Run a prefill-forward or backward test with the looped-over tiles (K / V; in the backward also Q /
-    dO) read by pointer loads and through tensor descriptors (the TMA variant, forced: see
-    triton_common.tma_loads)."""
-    monkeypatch.setattr(triton_common, "FORCE_TMA", request.param == "descriptors")
-    return request.param
-
-
 def _random_skip(B: int, Hq: int, seed: int, p: float = 0.4) -> torch.Tensor:
     return torch.rand(B, Hq, generator=torch.Generator().manual_seed(seed)) < p
 
@@ -161,14 +152,14 @@ FWD_SHAPES = [
 
 @pytest.mark.parametrize("shape", FWD_SHAPES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_forward_matches_reference(shape, causal, kv_loads):
+def test_forward_matches_reference(shape, causal):
     B, Hq, Hkv, M, N, D = shape
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=hash(shape) % 1000)
     check_forward(q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
-def test_forward_padding_skips_noncontiguous(dtype, grid_mode, kv_loads):
+def test_forward_padding_skips_noncontiguous(dtype, grid_mode):
     B, Hq, Hkv, M, N = 2, 4, 2, 40, 61
     q, k, v = make_qkv(B, Hq, Hkv, M, N, 32, dtype=dtype, seed=3, noncontiguous_q=True)
     assert not q.is_contiguous()
@@ -180,7 +171,7 @@ def test_forward_padding_skips_noncontiguous(dtype, grid_mode, kv_loads):
     assert (out[1, :, :8] == 0).all()
 
 
-def test_forward_noncontiguous_kv_and_custom_scale(kv_loads):
+def test_forward_noncontiguous_kv_and_custom_scale():
     q, k, v = make_qkv(2, 4, 2, 20, 50, 16, seed=4)
     k_t = k.transpose(1, 2).contiguous().transpose(1, 2)  # [B, Hkv, N, D] view of a [B, N, Hkv, D] buffer
     v_t = v.transpose(1, 2).contiguous().transpose(1, 2)
@@ -189,20 +180,16 @@ def test_forward_noncontiguous_kv_and_custom_scale(kv_loads):
 
 
 @pytest.mark.parametrize("window", [None, 12])
-def test_kernels_read_no_key_past_the_cache_length(kv_loads, window):
+def test_kernels_read_no_key_past_the_cache_length(window):
     """K / V as views of a longer cache buffer ([B, Hkv, N_max, D] cut at N, as a static KV cache holds
-    them) whose slots past N are NaN: neither loads read them, so the forward's outputs and the backward's
-    gradients equal the reference's (the descriptor's bounds are N and D of each head, never the buffer
-    or the next head)."""
+    them) whose slots past N are NaN: no load reads them, so the forward's outputs and the backward's
+    gradients equal the reference's."""
     B, Hq, Hkv, M, N, D, n_max = 2, 4, 2, 21, 45, 24, 64
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=41)
     k_buf = torch.full((B, Hkv, n_max, D), float("nan"))
     v_buf = torch.full((B, Hkv, n_max, D), float("nan"))
     k_buf[:, :, :N], v_buf[:, :, :N] = k, v
     k_view, v_view = k_buf[:, :, :N], v_buf[:, :, :N]
-    assert triton_common.tma_loads(triton_common.fwd_config(D, q.dtype), k_view, v_view) == (
-        kv_loads == "descriptors"
-    )
     check_forward(q, k_view, v_view, argmax_rows=9, window=window, launcher=attention_forward)
     kw = dict(causal=True, sm_scale=D**-0.5, key_padding_mask=None, skip_heads=None, window=window)
     out, _, lse = attention_forward(q, k_view, v_view, argmax_rows=0, return_lse=True, **kw)
@@ -211,22 +198,6 @@ def test_kernels_read_no_key_past_the_cache_length(kv_loads, window):
     _, *ref = _grads("reference", q, k, v, grad_out, causal=True, sm_scale=D**-0.5, window=window)
     for name, a, b in zip(("dq", "dk", "dv"), got, ref, strict=True):
         torch.testing.assert_close(a, b, **GRAD_TOL[torch.float32], msg=lambda m, n=name: f"{n}: {m}")
-
-
-def test_tma_rule_refuses_layouts_the_copy_engine_cannot_address(monkeypatch):
-    """tma_loads: off unless the tile table asks on a GPU with TMA (or FORCE_TMA); even then only for a
-    contiguous head dim, 16-byte strides and base, tile sides <= 256."""
-    cfg = triton_common.TileConfig(64, 64, 4, 3, tma=True)
-    k = torch.randn(1, 2, 40, 32)
-    assert not triton_common.tma_loads(cfg, k)  # a CPU tensor: no copy engine
-    monkeypatch.setattr(triton_common, "FORCE_TMA", True)
-    assert triton_common.tma_loads(cfg, k)
-    assert not triton_common.tma_loads(cfg, k.transpose(2, 3).contiguous().transpose(2, 3))  # D strided
-    assert not triton_common.tma_loads(cfg, torch.randn(1, 2, 40, 6, dtype=torch.float16))  # 12-byte rows
-    assert not triton_common.tma_loads(cfg, torch.randn(1, 2, 40, 33)[..., 1:])  # base off 16 bytes
-    assert not triton_common.tma_loads(cfg, torch.randn(1, 1, 8, 512))  # tile wider than 256
-    assert not triton_common.tma_loads(cfg, torch.randn(1, 1, 40, 32).expand(3, 2, 40, 32))  # broadcast
-    assert not triton_common.tma_loads(triton_common.TileConfig(64, 512, 4, 3), k)
 
 
 def test_forward_all_heads_skipped(grid_mode):
@@ -451,7 +422,7 @@ GRAD_CASES = [
 
 @pytest.mark.parametrize("case", GRAD_CASES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_backward_matches_reference(case, causal, grid_mode, kv_loads):
+def test_backward_matches_reference(case, causal, grid_mode):
     B, Hq, Hkv, M, N, D, pads, skip = case
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=20 + M, noncontiguous_q=True)
     pad = None if pads is None else left_padding_mask(B, N, pads)
@@ -473,7 +444,7 @@ def test_backward_matches_reference(case, causal, grid_mode, kv_loads):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_backward_half_noncontiguous_grad_out(dtype, grid_mode, kv_loads):
+def test_backward_half_noncontiguous_grad_out(dtype, grid_mode):
     B, Hq, Hkv, M, N, D = 2, 4, 2, 40, 40, 32
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, dtype=dtype, seed=30, noncontiguous_q=True)
     # transformers transposes the output: its gradient arrives as a [B, Hq, M, D] view of [B, M, Hq, D].
@@ -539,33 +510,17 @@ MAX_SPILL = 512
 def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
     """GPU code generation, which the interpreter never exercises: the launches the launchers make with
     the GPU tile tables (fp16: prefill with and without argmax, decode, backward; D = 64 and 128, and
-    D = 64, 128, 256 with sliding window + soft-capping + sinks; the prefill forward and the backward also
-    loading through tensor descriptors, the TMA variant) are recorded here and compiled for sm_90 by ptxas in a
-    process without TRITON_INTERPRET."""
+    D = 64, 128, 256 with sliding window + soft-capping + sinks) are recorded here and compiled for sm_90
+    by ptxas in a process without TRITON_INTERPRET."""
     import json
     import subprocess
     import sys
     from dataclasses import asdict
 
-    from retmask.kernels.triton.aot import TMA_KERNELS, record_standard_launches
+    from retmask.kernels.triton.aot import record_standard_launches
 
     variants = [(64, False), (128, False), (64, True), (128, True), (256, True)]
     launches = [launch for d, f in variants for launch in record_standard_launches(torch.float16, d, f)]
-    tma_variants = [(64, False), (128, False), (128, True)]
-    tma_launches = [
-        launch
-        for d, f in tma_variants
-        for launch in record_standard_launches(torch.float16, d, f, tma=True)
-        if launch.kernel in TMA_KERNELS
-    ]
-    assert {launch.kernel for launch in tma_launches} == TMA_KERNELS
-    assert {launch.constexprs["TMA"] for launch in tma_launches} == {True}
-    looped = {"_fwd_kernel": "K", "_bwd_dq_kernel": "K", "_bwd_dkdv_kernel": "Q"}  # a descriptor argument
-    assert all(
-        launch.signature[looped[launch.kernel]].startswith("tensordesc<fp16[1, 1, ")
-        for launch in tma_launches
-    )
-    launches += tma_launches
     kernels = {launch.kernel for launch in launches}
     assert kernels == {
         "_fwd_kernel", "_decode_partial_kernel", "_decode_merge_kernel",
@@ -581,9 +536,7 @@ def test_kernels_compile_for_sm90_without_large_spills(tmp_path):
     }
     # Compiled as a launch specialises them: unit strides are the constant 1, 16-byte-aligned pointers and
     # strides divisible by 16 carry the hint (without it ptxas saw address arithmetic no launch runs).
-    fwd = next(
-        launch for launch in launches if launch.kernel == "_fwd_kernel" and not launch.constexprs["TMA"]
-    )
+    fwd = next(launch for launch in launches if launch.kernel == "_fwd_kernel")
     assert fwd.signature["stride_kd"] == "constexpr" and fwd.constexprs["stride_kd"] == 1
     assert {"Q", "K", "V", "Out", "stride_kn", "stride_qm"} <= set(fwd.divisible)
     assert "sm_scale" not in fwd.divisible
@@ -735,7 +688,7 @@ FEATURE_FWD_CASES = [
 
 
 @pytest.mark.parametrize("case", FEATURE_FWD_CASES)
-def test_features_forward_matches_reference(case, grid_mode, kv_loads):
+def test_features_forward_matches_reference(case, grid_mode):
     B, Hq, Hkv, M, N, D, window, softcap, with_sinks, pads, rows = case
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=M + N + D, noncontiguous_q=True)
     q = q * 2  # larger logits: the cap and the sinks matter
@@ -854,7 +807,7 @@ FEATURE_GRAD_CASES = [
 
 
 @pytest.mark.parametrize("case", FEATURE_GRAD_CASES)
-def test_features_backward_matches_reference(case, grid_mode, kv_loads):
+def test_features_backward_matches_reference(case, grid_mode):
     B, Hq, Hkv, M, N, D, window, softcap, with_sinks, pads, skip = case
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=70 + M, noncontiguous_q=True)
     q = q * 2

@@ -17,10 +17,9 @@ config. This module closes part of that gap with Triton's ahead-of-time path and
    process where ``TRITON_INTERPRET`` is not set, and reads registers / spill stack from the cubin.
 
 Command line: ``python -m retmask.kernels.triton.aot [--dtypes fp16 bf16 fp32] [--head-dims 64 128 256]
-[--features none|all|both] [--tma off|on|both]`` prints one line per kernel launch: registers, spill stack
-bytes, shared memory (``--features``: the launches without, with, or without and with a sliding window (and
-sink tokens), soft-capping and sinks; ``--tma``: the prefill forward and the backward with pointer loads,
-through tensor descriptors, or both). Record in one process
+[--features none|all|both]`` prints one line per kernel launch: registers, spill stack bytes, shared
+memory (``--features``: the launches without, with, or without and with a sliding window (and sink
+tokens), soft-capping and sinks). Record in one process
 (``--record-only FILE``, under TRITON_INTERPRET=1) and compile in another (``--compile FILE``) when the
 kernel modules are already imported in interpreter mode.
 """
@@ -49,8 +48,6 @@ KERNELS = {
     "retmask.kernels.triton.decode": ("_decode_partial_kernel", "_decode_merge_kernel"),
     "retmask.kernels.triton.bwd": ("_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"),
 }
-# The kernels whose loads ``common.tma_loads`` can switch to tensor descriptors (the others: the same either way).
-TMA_KERNELS = {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}
 _PTR_TYPES = {
     torch.float16: "*fp16",
     torch.bfloat16: "*bf16",
@@ -88,12 +85,8 @@ class Resources:
 
 
 def _arg_type(value: Any) -> str:
-    from .common import TensorDescriptor
-
     if isinstance(value, torch.Tensor):
         return _PTR_TYPES[value.dtype]
-    if TensorDescriptor is not None and isinstance(value, TensorDescriptor):  # Triton's type string for it
-        return f"tensordesc<{_PTR_TYPES[value.base.dtype][1:]}[{', '.join(map(str, value.block_shape))}]>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -107,8 +100,8 @@ def _specialise(value: Any) -> tuple[str, bool]:
     """(type, divisible by 16) of a runtime argument as Triton's launcher specialises it
     (``BaseBackend.get_int_specialization`` / ``get_tensor_specialization`` with alignment on, the
     default of a ``triton.jit`` parameter): an int equal to 1 is the constant 1 (type "constexpr"); ints
-    divisible by 16 and pointers to 16-byte aligned data are marked divisible. Floats, bools and tensor
-    descriptors carry no hint."""
+    divisible by 16 and pointers to 16-byte aligned data are marked divisible. Floats and bools carry no
+    hint."""
     from triton.backends.compiler import BaseBackend
 
     arg_type = _arg_type(value)
@@ -172,21 +165,16 @@ def record_launches(label: str = "") -> Iterator[list[Launch]]:
             setattr(module, name, kernel)
 
 
-def record_standard_launches(
-    dtype: torch.dtype, head_dim: int, features: bool = False, tma: bool = False
-) -> list[Launch]:
+def record_standard_launches(dtype: torch.dtype, head_dim: int, features: bool = False) -> list[Launch]:
     """Launches of a causal GQA prefill with padding and skips, with argmax on the last rows and without
     (both forward variants), a decode step and the backward, on tiny CPU tensors (nothing runs). ``features`` adds a
-    sliding window (100 of 256 keys) with 4 sink tokens, soft-capping and sinks to all of them; ``tma``
-    makes the prefill forward and the backward load through tensor descriptors (``common.FORCE_TMA``)."""
-    from . import common
+    sliding window (100 of 256 keys) with 4 sink tokens, soft-capping and sinks to all of them."""
     from .bwd import attention_backward
     from .decode import decode_forward
     from .fwd import attention_forward
 
     B, Hq, Hkv, N = 1, 4, 2, 256
     label = f"{str(dtype).removeprefix('torch.')} D={head_dim}" + (" +w/cap/sink" if features else "")
-    label += " tma" if tma else ""
     q = torch.zeros(B, Hq, N, head_dim, dtype=dtype)
     k = torch.zeros(B, Hkv, N, head_dim, dtype=dtype)
     pad = torch.ones(B, N, dtype=torch.bool)
@@ -194,15 +182,11 @@ def record_standard_launches(
     kw: dict[str, Any] = dict(sm_scale=0.125, key_padding_mask=pad, skip_heads=skip)
     if features:
         kw.update(window=100, sink_tokens=4, softcap=30.0, sinks=torch.zeros(Hq))
-    saved_tma, common.FORCE_TMA = common.FORCE_TMA, tma
-    try:
-        with record_launches(label) as launches:
-            out, _, lse = attention_forward(q, k, k, causal=True, argmax_rows=50, return_lse=True, **kw)
-            attention_forward(q, k, k, causal=True, argmax_rows=0, return_lse=False, **kw)
-            decode_forward(q[:, :, -1:], k, k, argmax_rows=1, return_lse=True, **kw)
-            attention_backward(out, q, k, k, out, torch.zeros(B, Hq, N), causal=True, **kw)
-    finally:
-        common.FORCE_TMA = saved_tma
+    with record_launches(label) as launches:
+        out, _, lse = attention_forward(q, k, k, causal=True, argmax_rows=50, return_lse=True, **kw)
+        attention_forward(q, k, k, causal=True, argmax_rows=0, return_lse=False, **kw)
+        decode_forward(q[:, :, -1:], k, k, argmax_rows=1, return_lse=True, **kw)
+        attention_backward(out, q, k, k, out, torch.zeros(B, Hq, N), causal=True, **kw)
     del lse
     return launches
 
@@ -261,12 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         default="both",
         help="without / with sliding window + sink tokens + soft-capping + sinks, or both variants (default)",
     )
-    parser.add_argument(
-        "--tma",
-        choices=["off", "on", "both"],
-        default="off",
-        help="prefill forward and backward with pointer loads (default), through tensor descriptors, or both",
-    )
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--record-only", metavar="FILE", help="write the recorded launches as JSON and stop")
     parser.add_argument("--compile", metavar="FILE", help="compile launches from JSON; print JSON results")
@@ -285,9 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         for dt in args.dtypes
         for d in args.head_dims
         for feat in variants
-        for tma in {"off": [False], "on": [True], "both": [False, True]}[args.tma]
-        for launch in record_standard_launches(DTYPES[dt], d, feat, tma)
-        if not tma or launch.kernel in TMA_KERNELS
+        for launch in record_standard_launches(DTYPES[dt], d, feat)
     ]
     if args.record_only:
         atomic_write_text(args.record_only, json.dumps([asdict(launch) for launch in launches]))

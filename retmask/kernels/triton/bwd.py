@@ -39,9 +39,8 @@ both cost O(window) per block. Sink tokens (``sink_tokens`` S, with a window: ro
 runs to M), and the dQ kernel first loops over the sink tokens' blocks below its window's first block;
 window masks keep keys ``j < S``. O(window + S) per block.
 
-Loads. The tiles a loop walks over (Q and dO in the dK/dV kernel, K and V in the dQ kernel) are pointer
-loads by default, or ``triton.fwd._load_rows`` tiles through tensor descriptors when ``common.tma_loads``
-says so (the tile table's ``tma`` flag on a GPU with a tensor memory accelerator); the math is the same.
+Loads. The tiles a loop walks over (Q and dO in the dK/dV kernel, K and V in the dQ kernel) are masked
+pointer loads (``triton.fwd._load_rows``).
 """
 
 from __future__ import annotations
@@ -62,11 +61,9 @@ from .common import (
     first_valid_keys,
     launch_fitting,
     new_float,
-    row_args,
-    tma_loads,
     with_blocks,
 )
-from .fwd import _head_base, _load_rows, _logit_scales, _tanh
+from .fwd import _load_rows, _logit_scales, _tanh
 
 
 @triton.jit
@@ -126,10 +123,9 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_PAIRS: tl.constexpr,
     FLAGGED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SINK: tl.constexpr, TMA: tl.constexpr,
+    SINK: tl.constexpr,
 ):  # fmt: skip
-    """Program (key block, enabled KV pair): dK, dV of BLOCK_N keys, summed over the group's heads.
-    TMA: Q and DO are tensor descriptors (``_load_rows``), else pointers."""
+    """Program (key block, enabled KV pair): dK, dV of BLOCK_N keys, summed over the group's heads."""
     start_n = tl.program_id(0) * BLOCK_N
     if HAS_PAIRS:
         kv_pair = tl.load(KvPairs + tl.program_id(1))
@@ -179,21 +175,13 @@ def _bwd_dkdv_kernel(
             enabled = tl.load(Skip + b * H_Q + h) == 0
         if enabled:
             pair = b * H_Q + h
-            q_base = _head_base(Q, b, h, stride_qb, stride_qh, TMA)
-            do_base = _head_base(DO, b, h, stride_db, stride_dh, TMA)
-            b32 = b.to(tl.int32)  # (batch, head) coordinates for descriptors
-            h32 = h.to(tl.int32)
+            q_base = Q + b * stride_qb + h * stride_qh
+            do_base = DO + b * stride_db + h * stride_dh
             for start_m in range(m_lo, m_hi, BLOCK_M):
                 rows = start_m + tl.arange(0, BLOCK_M)
                 m_ok = rows < M
-                q = _load_rows(
-                    q_base, b32, h32, rows, m_ok, start_m, stride_qm, stride_qd,
-                    HEAD_DIM, BLOCK_M, BLOCK_D, TMA,
-                )  # fmt: skip
-                do = _load_rows(
-                    do_base, b32, h32, rows, m_ok, start_m, stride_dm, stride_dd,
-                    HEAD_DIM, BLOCK_M, BLOCK_D, TMA,
-                )  # fmt: skip
+                q = _load_rows(q_base, rows, m_ok, stride_qm, stride_qd, HEAD_DIM, BLOCK_D)
+                do = _load_rows(do_base, rows, m_ok, stride_dm, stride_dd, HEAD_DIM, BLOCK_D)
                 # lse = +inf beyond M (and for keyless rows): P = exp2(s - inf) = 0.
                 lse2 = tl.load(Lse + pair * M + rows, mask=m_ok, other=float("inf")) * 1.4426950408889634
                 delta = tl.load(Delta + pair * M + rows, mask=m_ok, other=0.0)
@@ -231,22 +219,18 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_block(
-    dq, q, do, lse2, delta, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, m_ok, N, qk_scale, cap2,
+    dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, pos, m_ok, N, qk_scale, cap2,
     window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SINK: tl.constexpr, TMA: tl.constexpr,
+    SINK: tl.constexpr,
 ):  # fmt: skip
-    """dq [BM, BD] plus the keys [start_n, start_n + BLOCK_N)'s share of dS K (unscaled). k_base / v_base,
-    kv_b, kv_h: see ``_load_rows``."""
+    """dq [BM, BD] plus the keys [start_n, start_n + BLOCK_N)'s share of dS K (unscaled). k_base / v_base:
+    the (batch, KV head)'s keys and values (``_load_rows``)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     n_ok = cols < N
-    k = _load_rows(
-        k_base, kv_b, kv_h, cols, n_ok, start_n, stride_kn, stride_kd, HEAD_DIM, BLOCK_N, BLOCK_D, TMA
-    )
-    v = _load_rows(
-        v_base, kv_b, kv_h, cols, n_ok, start_n, stride_vn, stride_vd, HEAD_DIM, BLOCK_N, BLOCK_D, TMA
-    )
+    k = _load_rows(k_base, cols, n_ok, stride_kn, stride_kd, HEAD_DIM, BLOCK_D)
+    v = _load_rows(v_base, cols, n_ok, stride_vn, stride_vd, HEAD_DIM, BLOCK_D)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
     if SOFTCAP:
         t = _tanh(s)
@@ -282,10 +266,8 @@ def _bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, FLAGGED: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
-    TMA: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, enabled pair): dQ of BLOCK_M rows, looping over the visible keys. TMA: K and
-    V are tensor descriptors (``_load_rows``), else pointers."""
+    """Program (row block, enabled pair): dQ of BLOCK_M rows, looping over the visible keys."""
     start_m = tl.program_id(0) * BLOCK_M
     if HAS_PAIRS:
         pair32 = tl.load(Pairs + tl.program_id(1))
@@ -312,10 +294,8 @@ def _bwd_dq_kernel(
     )
     lse2 = tl.load(Lse + pair * M + rows, mask=m_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + pair * M + rows, mask=m_ok, other=0.0)
-    k_base = _head_base(K, b, kvh, stride_kb, stride_kh, TMA)
-    v_base = _head_base(V, b, kvh, stride_vb, stride_vh, TMA)
-    kv_b = pair32 // H_Q  # int32 (batch, KV head) coordinates for descriptors
-    kv_h = pair32 % H_Q // GROUP
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
     pos = rows + (N - M)
     qk_scale, cap2 = _logit_scales(sm_scale, softcap, SOFTCAP)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -341,15 +321,15 @@ def _bwd_dq_kernel(
     if SINK:
         for start_n in range(sink_lo, sink_hi, BLOCK_N):
             dq = _dq_block(
-                dq, q, do, lse2, delta, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, m_ok, N, qk_scale,
+                dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, pos, m_ok, N, qk_scale,
                 cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
-                BLOCK_N, BLOCK_D, HEAD_DIM, CAUSAL, HAS_PAD, WINDOW, SOFTCAP, DOT_PRECISION, SINK, TMA,
+                BLOCK_N, BLOCK_D, HEAD_DIM, CAUSAL, HAS_PAD, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
             )  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         dq = _dq_block(
-            dq, q, do, lse2, delta, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, m_ok, N, qk_scale,
+            dq, q, do, lse2, delta, k_base, v_base, pad_base, start_n, pos, m_ok, N, qk_scale,
             cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
-            BLOCK_N, BLOCK_D, HEAD_DIM, CAUSAL, HAS_PAD, WINDOW, SOFTCAP, DOT_PRECISION, SINK, TMA,
+            BLOCK_N, BLOCK_D, HEAD_DIM, CAUSAL, HAS_PAD, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
         )  # fmt: skip
     dq = dq * sm_scale
     tl.store(
@@ -430,10 +410,6 @@ def attention_backward(
             None if sinks is None else torch.zeros((B * Hq, m_blocks), dtype=torch.float32, device=device)
         )
         common = dict(HEAD_DIM=D, BLOCK_D=bd, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        # The looped-over tiles through descriptors where the rule allows: Q / dO in dK/dV, K / V in dQ.
-        tma = tma_loads(cfg, q, grad_out, k, v)
-        q_arg, do_arg = row_args(tma, bm, q, grad_out)
-        k_arg, v_arg = row_args(tma, bn, k, v)
         with device_guard(q):
             _bwd_preprocess_kernel[(m_blocks, plist.grid)](
                 out, grad_out, delta, pairs, lse, sinks if sinks is not None else dummy,
@@ -442,22 +418,22 @@ def attention_backward(
                 BLOCK_M=bm, HAS_PAIRS=plist.pairs is not None, HAS_SINKS=sinks is not None, **common,
             )  # fmt: skip
             _bwd_dkdv_kernel[(cdiv(N, bn), kv_plist.grid)](
-                q_arg, k, v, do_arg, lse, delta, dk, dv, pad_arg, start_arg,
+                q, k, v, grad_out, lse, delta, dk, dv, pad_arg, start_arg,
                 skip_heads if skip_heads is not None else dummy, kv_pairs, kv_disabled,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
                 Hq, Hkv, group, M, N, float(sm_scale), *feat_args,
                 BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
                 HAS_SKIP=skip_heads is not None, HAS_PAIRS=kv_plist.pairs is not None,
-                FLAGGED=kv_plist.disabled is not None, DOT_PRECISION=precision, TMA=tma,
+                FLAGGED=kv_plist.disabled is not None, DOT_PRECISION=precision,
                 **feats, **common,
             )  # fmt: skip
             _bwd_dq_kernel[(m_blocks, plist.grid)](
-                q, k_arg, v_arg, grad_out, lse, delta, dq, pad_arg, start_arg, pairs, disabled,
+                q, k, v, grad_out, lse, delta, dq, pad_arg, start_arg, pairs, disabled,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
                 Hq, group, M, N, float(sm_scale), *feat_args,
                 BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
                 HAS_PAIRS=plist.pairs is not None, FLAGGED=plist.disabled is not None, DOT_PRECISION=precision,
-                TMA=tma, **feats, **common,
+                **feats, **common,
             )  # fmt: skip
         return dsink_part
 

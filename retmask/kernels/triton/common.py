@@ -16,11 +16,6 @@ from typing import TypeVar
 import torch
 from triton.runtime.errors import OutOfResources
 
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # Triton before host-side tensor descriptors: pointer loads only (see tma_loads)
-    TensorDescriptor = None
-
 LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453
 
@@ -28,12 +23,8 @@ LN2 = 0.6931471805599453
 # filled with a poison value (NaN for floats, POISON_INDEX for argmax) instead of uninitialised memory, so
 # an element a kernel forgot to write is caught by comparison with the oracle instead of passing by luck.
 # FORCE_SYNC_FREE: the sync-free grid everywhere (see ``sync_free``), so the interpreter covers it.
-# FORCE_TMA: the prefill forward (K / V) and the backward (Q / dO and K / V) load through tensor
-# descriptors wherever the layouts allow, on any device (see ``tma_loads``), so the interpreter and the
-# sm_90 compilation cover that variant.
 POISON_OUTPUTS = False
 FORCE_SYNC_FREE = False
-FORCE_TMA = False
 POISON_INDEX = -12345
 
 
@@ -50,15 +41,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes and launch parameters of one kernel. ``tma``: the prefill forward and the backward read
-    their looped-over tiles through tensor descriptors (the copy engine of Hopper and later GPUs; see
-    ``tma_loads``)."""
+    """Tile sizes and launch parameters of one kernel."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    tma: bool = False
 
 
 # Tile tables per head dim (the padded BLOCK_D), as flash-attention keeps them per architecture: 2-byte
@@ -71,8 +59,6 @@ class TileConfig:
 # backward's at most a few hundred bytes, as its plain D = 128 entry does. Register allocation differs
 # between Triton versions: ``python -m retmask.kernels.triton.aot`` shows a table's spills under the
 # installed one.
-# ``tma`` (K / V through tensor descriptors) is off in every entry until a GPU sweep with both variants
-# (``bench/tune_triton.py --tma both``) shows where it pays.
 _FWD_CONFIGS: dict[int, TileConfig] = {
     16: TileConfig(64, 64, 4, 3),
     32: TileConfig(64, 64, 4, 3),
@@ -93,7 +79,7 @@ _BWD_CONFIGS: dict[int, TileConfig] = {
     32: TileConfig(64, 64, 4, 2),
     64: TileConfig(64, 64, 4, 2),
     128: TileConfig(64, 64, 4, 2),
-    256: TileConfig(32, 32, 8, 1),
+    256: TileConfig(32, 32, 4, 1),
 }
 # fp32 backward: the dK/dV kernel spills about 0.5 KB per thread at D = 64 and 1 KB at D = 128 (7.9 KB with
 # soft-capping, window and sinks) to local memory (sm_90, Triton 3.9), which Hopper's caches absorb; a GPU with smaller L1 / L2 may prefer the
@@ -305,49 +291,6 @@ def effective_pattern(
 def fp32_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
     """Sink logits as the kernels read them: fp32 [Hq], contiguous, outside autograd."""
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
-
-
-def tma_loads(cfg: TileConfig, *tensors: torch.Tensor) -> bool:
-    """Whether a kernel reads ``tensors`` ([B, H, L, D] each: the prefill forward's K and V, the
-    backward's Q, dO, K and V) through tensor descriptors: the one rule for that choice.
-
-    Asked for by the tile table (``cfg.tma``; or ``FORCE_TMA`` in tests), with a Triton that has host-side
-    descriptors, on a GPU with a tensor memory accelerator (compute capability 9.0 or later; the
-    interpreter and ``triton.aot`` only with ``FORCE_TMA``), for layouts it can address: the head dim
-    contiguous, every other stride positive, it and the base address multiples of 16 bytes, at most 256
-    elements along each tile side. Otherwise pointer loads, which read any strides.
-    """
-    if TensorDescriptor is None:
-        return False
-    if not FORCE_TMA:
-        if not cfg.tma:  # the usual call: decided without a device query
-            return False
-        device = tensors[0].device
-        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-            return False
-    if block_d(tensors[0].shape[-1]) > 256 or max(cfg.block_m, cfg.block_n) > 256:
-        return False
-    for t in tensors:
-        size = t.element_size()
-        if (
-            t.stride(-1) != 1
-            or t.data_ptr() % 16
-            or any(st <= 0 or (st * size) % 16 for st in t.stride()[:-1])
-        ):
-            return False  # (a broadcast, stride-0 dim is no layout the copy engine takes)
-    return True
-
-
-def row_args(tma: bool, rows: int, *tensors: torch.Tensor) -> tuple:
-    """``tensors`` ([B, H, L, D] each) as a kernel's ``_load_rows`` takes them: with ``tma`` a tensor
-    descriptor per tensor that loads [1, 1, rows, BLOCK_D] tiles (bounds per dimension, so a tile that runs
-    past L or D reads zeros, never another head's rows), else the tensors themselves."""
-    if not tma:
-        return tensors
-    return tuple(
-        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d(t.shape[-1])])
-        for t in tensors
-    )
 
 
 def poisoning() -> bool:

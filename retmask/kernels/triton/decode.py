@@ -119,11 +119,10 @@ def _decode_partial_kernel(
         mid_lo = tl.maximum(lo, tl.cdiv(N - window, BLOCK_N) * BLOCK_N)
     full_hi = tl.maximum(mid_lo, (hi // BLOCK_N) * BLOCK_N)  # whole blocks need no bounds mask
     # The prefill's key loops with one query row per head: no causal mask, argmax always tracked.
-    # Pointer loads (TMA False): the descriptor coordinates (0, 0) are unused.
     acc, l_i, m_i, idx_i = _key_loops(
-        acc, l_i, m_i, idx_i, q, k_base, v_base, 0, 0, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi,
+        acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi,
         pos, N, qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
-        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION, SINK, False,
+        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
     )  # fmt: skip
 
     part = (slot * num_splits + split) * BLOCK_G + offs_g  # [BLOCK_G] partial-state rows

@@ -65,14 +65,9 @@ the tiles that hold none of them through key loops compiled without the argmax b
 forcing (T ~ 50 of 50K rows) pays almost nothing for it. (Two launches would leave the few long
 argmax tiles of the second one running alone after the first.)
 
-K / V loads. By default a key block is a masked pointer load (any strides). With ``TMA`` (chosen by
-``common.tma_loads``: the tile table's ``tma`` flag, a GPU of compute capability 9.0 or later, a layout the
-copy engine can address) K and V arrive as tensor descriptors over the whole [B, Hkv, N, D] tensors and
-each block is one [1, 1, BLOCK_N, BLOCK_D] tile fetched by the tensor memory accelerator: asynchronous,
-bounded per dimension (zeros past N and D, never the next head's keys), and handed to the tensor cores
-from shared memory. The pointer loads are pipelined through shared memory too (asynchronous copies issued
-by the threads); descriptors free the registers that hold their addresses (ptxas for sm_90, bf16, D = 128,
-the table's 128 x 64 tile: 182-234 registers -> 172-200, no spills either way). The math is the same.
+K / V loads. A key block is a masked pointer load (any strides), pipelined through shared memory by
+the compiler's asynchronous copies. (Loads through tensor descriptors were tried and dropped: see
+docs/kernel_optimisation.md.)
 
 Tile order. Program 0 takes the last row block: under a causal mask it has the most keys, and starting
 with the longest tiles leaves the short ones to fill the tail of the launch.
@@ -103,8 +98,6 @@ from .common import (
     launch_fitting,
     new_float,
     new_index,
-    row_args,
-    tma_loads,
     with_blocks,
 )
 
@@ -159,61 +152,35 @@ def _scaled_logits(q, k, qk_scale, cap2, SOFTCAP: tl.constexpr, DOT_PRECISION: t
 
 
 @triton.jit
-def _load_rows(
-    base, b, h, rows, rows_ok, start, stride_row, stride_d,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
-):  # fmt: skip
-    """Rows [start, start + BLOCK) of one (batch, head) of a [B, H, L, D] tensor (keys, values, queries
-    or output gradients) as a [BLOCK, BLOCK_D] tile; rows past L (``rows_ok`` False) and lanes past
-    HEAD_DIM read as 0.
-
-    TMA: ``base`` is a tensor descriptor over the whole tensor with block [1, 1, BLOCK, BLOCK_D] and
-    (b, h) its coordinates: the copy engine fetches the tile asynchronously and fills what lies out of
-    bounds with zeros (bounds per dimension: never another head's rows), and the pipeliner feeds it from
-    shared memory to the tensor cores without a pass through registers. Else ``base`` points at the
-    (batch, head) and the tile is a masked pointer load."""
-    if TMA:
-        tile = base.load([b, h, start, 0]).reshape(BLOCK, BLOCK_D)
-    else:
-        offs_d = tl.arange(0, BLOCK_D)
-        mask = rows_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        tile = tl.load(base + rows[:, None] * stride_row + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+def _load_rows(base, rows, rows_ok, stride_row, stride_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``rows`` of one (batch, head) of a [B, H, L, D] tensor (keys, values, queries or output
+    gradients) as a [len(rows), BLOCK_D] tile; ``base`` points at the (batch, head). Rows past L
+    (``rows_ok`` False) and lanes past HEAD_DIM read as 0."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = rows_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tile = tl.load(base + rows[:, None] * stride_row + offs_d[None, :] * stride_d, mask=mask, other=0.0)
     return tile
 
 
 @triton.jit
-def _head_base(T, b, h, stride_b, stride_h, TMA: tl.constexpr):
-    """``_load_rows``' ``base`` for head (b, h) of T: the descriptor itself with TMA (its loads carry
-    (b, h) as coordinates), else a pointer at the head's first row."""
-    if TMA:
-        base = T
-    else:
-        base = T + b * stride_b + h * stride_h
-    return base
-
-
-@triton.jit
 def _fwd_block(
-    acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
+    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
     sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, TRACK_ARGMAX: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
-    TMA: tl.constexpr,
 ):  # fmt: skip
     """Fold keys [start_n, start_n + BLOCK_N) into (acc [BM, BD], l_i [BM], m_i [BM], idx_i [BM]).
 
     MASKED blocks apply the bounds, causal (CAUSAL) and sliding-window lower-edge (WINDOW; SINK: keys
     below ``sink_tokens`` pass it) masks; the caller passes unmasked only blocks that are in range and
-    inside every row's window. k_base / v_base, kv_b, kv_h: see ``_load_rows``."""
+    inside every row's window. k_base / v_base: the (batch, KV head)'s keys and values (``_load_rows``)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
         n_ok = cols < N
     else:
         n_ok = cols >= 0  # all in range: the caller only passes full blocks below N
-    k = _load_rows(
-        k_base, kv_b, kv_h, cols, n_ok, start_n, stride_kn, stride_kd, HEAD_DIM, BLOCK_N, BLOCK_D, TMA
-    )
+    k = _load_rows(k_base, cols, n_ok, stride_kn, stride_kd, HEAD_DIM, BLOCK_D)
     s = _scaled_logits(q, k, qk_scale, cap2, SOFTCAP, DOT_PRECISION)  # [BM, BN] fp32, base 2
     if MASKED or HAS_PAD:
         valid = n_ok[None, :]
@@ -243,20 +210,18 @@ def _fwd_block(
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(
-        v_base, kv_b, kv_h, cols, n_ok, start_n, stride_vn, stride_vd, HEAD_DIM, BLOCK_N, BLOCK_D, TMA
-    )
+    v = _load_rows(v_base, cols, n_ok, stride_vn, stride_vd, HEAD_DIM, BLOCK_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new, idx_i
 
 
 @triton.jit
 def _key_loops(
-    acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi,
+    acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi,
     pos, N, qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr, TRACK_ARGMAX: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SINK: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
 ):  # fmt: skip
     """All key blocks of one query tile in four runs: the sink tokens' blocks [sink_lo, sink_hi) below the
     window (masked, SINK only; sink_hi <= lo), window-edge blocks [lo, mid_lo) (masked, WINDOW only),
@@ -264,32 +229,32 @@ def _key_loops(
     if SINK:
         for start_n in range(sink_lo, sink_hi, BLOCK_N):
             acc, l_i, m_i, idx_i = _fwd_block(
-                acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
+                acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
                 sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
                 HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP,
-                DOT_PRECISION, SINK, TMA,
+                DOT_PRECISION, SINK,
             )  # fmt: skip
     if WINDOW:
         for start_n in range(lo, tl.minimum(mid_lo, hi), BLOCK_N):
             acc, l_i, m_i, idx_i = _fwd_block(
-                acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
+                acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
                 sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
                 HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP,
-                DOT_PRECISION, SINK, TMA,
+                DOT_PRECISION, SINK,
             )  # fmt: skip
     for start_n in range(mid_lo, full_hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
             sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
-            SINK, TMA,
+            SINK,
         )  # fmt: skip
     for start_n in range(tl.maximum(mid_lo, full_hi), hi, BLOCK_N):
         acc, l_i, m_i, idx_i = _fwd_block(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, start_n, pos, N, qk_scale, cap2, window,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, start_n, pos, N, qk_scale, cap2, window,
             sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
             HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, TRACK_ARGMAX, WINDOW, SOFTCAP, DOT_PRECISION,
-            SINK, TMA,
+            SINK,
         )  # fmt: skip
     return acc, l_i, m_i, idx_i
 
@@ -316,10 +281,9 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_PAIRS: tl.constexpr, FLAGGED: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr, WRITE_LSE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr, TMA: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, SINK: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_M query rows of one enabled (batch, head) pair, all their keys. TMA: K and V
-    are tensor descriptors (see ``_load_rows``), else pointers."""
+    """One program: BLOCK_M query rows of one enabled (batch, head) pair, all their keys."""
     # Longest tiles first: under a causal mask the last row block has the most keys; starting with it
     # leaves the short tiles to fill the tail of the launch.
     start_m = last_m_block - tl.program_id(0)
@@ -338,10 +302,8 @@ def _fwd_kernel(
     d_ok = offs_d < HEAD_DIM
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = _head_base(K, b, kvh, stride_kb, stride_kh, TMA)
-    v_base = _head_base(V, b, kvh, stride_vb, stride_vh, TMA)
-    kv_b = pair32 // H_Q  # int32 (batch, KV head) coordinates for descriptors
-    kv_h = pair32 % H_Q // GROUP
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
     pad_base = PadMask + b * N
     pos = offs_m + (N - M)  # absolute position of each query row
 
@@ -384,15 +346,15 @@ def _fwd_kernel(
             sink_hi = tl.where(enabled, sink_hi, 0)
     if TRACK_ARGMAX and start_m * BLOCK_M + BLOCK_M > argmax_first_row:  # the tile holds argmax rows
         acc, l_i, m_i, idx_i = _key_loops(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos,
             N, qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION, SINK, TMA,
+            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, True, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
         )  # fmt: skip
     else:
         acc, l_i, m_i, idx_i = _key_loops(
-            acc, l_i, m_i, idx_i, q, k_base, v_base, kv_b, kv_h, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos,
+            acc, l_i, m_i, idx_i, q, k_base, v_base, pad_base, sink_lo, sink_hi, lo, mid_lo, full_hi, hi, pos,
             N, qk_scale, cap2, window, sink_tokens, stride_kn, stride_kd, stride_vn, stride_vd,
-            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, False, WINDOW, SOFTCAP, DOT_PRECISION, SINK, TMA,
+            HEAD_DIM, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, False, WINDOW, SOFTCAP, DOT_PRECISION, SINK,
         )  # fmt: skip
 
     # l is a sum of terms in [0, 1]: it is NaN exactly when a NaN or +inf logit reached the row (its term
@@ -463,11 +425,9 @@ def attention_forward(
 
     def launch(cfg: TileConfig) -> None:
         n_blocks = cdiv(M, cfg.block_m)
-        tma = tma_loads(cfg, k, v)
-        k_arg, v_arg = row_args(tma, cfg.block_n, k, v)
         with device_guard(q):
             _fwd_kernel[(n_blocks, plist.grid)](
-                q, k_arg, v_arg, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
+                q, k, v, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
                 key_padding_mask if key_padding_mask is not None else dummy,
                 key_start if key_start is not None else dummy,
                 plist.pairs if plist.pairs is not None else dummy,
@@ -480,7 +440,7 @@ def attention_forward(
                 CAUSAL=causal, HAS_PAD=key_padding_mask is not None, HAS_PAIRS=plist.pairs is not None,
                 FLAGGED=plist.disabled is not None, TRACK_ARGMAX=argmax is not None, WRITE_LSE=return_lse, WINDOW=window is not None,
                 SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
-                SINK=sink_tokens is not None, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                SINK=sink_tokens is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
 
     key = (
