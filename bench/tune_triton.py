@@ -11,8 +11,8 @@ causal, M = N keys):
 - fwd: the prefill forward without argmax; the fastest few are re-timed with the argmax of the last 50
   rows (the detection case) and with the argmax of every row;
 - bwd: the backward alone (preprocess + dK/dV + dQ kernels, which share one config), after one forward.
-``--softcap`` times every call with logit
-soft-capping at that cap (capped calls take the same tables: this checks that the table's tiles suit them).
+``--softcap`` times every call with logit soft-capping at that cap (capped calls take the same tables:
+this checks that the table's tiles suit them).
 Compilation dominates a sweep, so worker processes compile every candidate first (they share Triton's
 on-disk cache) and the timing then runs in this process, one config at a time. A config that does not
 compile or launch (too much shared memory, ...) is reported as failed. Registers and spills are read

@@ -95,9 +95,9 @@ EMULATED_BF16 = (
 
 
 def native_bf16(device: str | torch.device = "cpu") -> bool:
-    """Whether ``device`` computes bf16 natively: a CUDA GPU that supports it, or a CPU with AMX tiles or
-    AVX512-BF16 (``cpu_speedups.half_matmul.native_half_matmul``). Elsewhere bf16 only saves memory: it is converted to fp32 to compute,
-    and on such CPUs torch's bf16 matmuls are slower than fp32."""
+    """Whether ``device`` computes bf16 natively: a CUDA GPU that supports it, or a CPU with AMX-BF16 or
+    AVX512-BF16 (``cpu_speedups.half_matmul.native_half_matmul``). Elsewhere bf16 only saves memory: it is
+    converted to fp32 to compute, and on such CPUs torch's bf16 matmuls are slower than fp32."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

@@ -11,7 +11,7 @@ with::
 
     python -m retmask.methods.retmask.instruction_data
 
-A test checks that the shipped file equals :func:`render_jsonl` of :func:`generate_instructions`.
+A test checks that the shipped file equals :func:`retmask.runfiles.jsonl_text` of :func:`generate_instructions`.
 Records: ``{"id", "category", "prompt"}`` plus ``"reference"`` where one answer is well defined.
 """
 
@@ -687,14 +687,9 @@ def generate_instructions(seed: int = SEED, per_category: int = PER_CATEGORY) ->
     return records
 
 
-def render_jsonl(records: list[Record]) -> str:
-    """JSONL text, one record per line, non-ASCII kept readable."""
-    return jsonl_text(records)
-
-
 def main() -> None:
     """Regenerate the shipped file."""
-    text = render_jsonl(generate_instructions())
+    text = jsonl_text(generate_instructions())
     atomic_write_text(SHIPPED, text)
     print(f"{len(text.splitlines())} instructions, {len(text.encode())} bytes -> {SHIPPED}")
 

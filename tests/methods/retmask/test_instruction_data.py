@@ -11,9 +11,9 @@ from retmask.methods.retmask.instruction_data import (
     CATEGORIES,
     SHIPPED,
     generate_instructions,
-    render_jsonl,
 )
 from retmask.methods.retmask.instructions import BUILTIN_PATH, InstructionError, load_instructions
+from retmask.runfiles import jsonl_text
 
 
 def _records():
@@ -22,7 +22,7 @@ def _records():
 
 def test_shipped_file_is_the_generators_output():
     assert BUILTIN_PATH == SHIPPED
-    assert SHIPPED.read_text(encoding="utf-8") == render_jsonl(generate_instructions()), (
+    assert SHIPPED.read_text(encoding="utf-8") == jsonl_text(generate_instructions()), (
         "regenerate with: python -m retmask.methods.retmask.instruction_data"
     )
 
