@@ -2,13 +2,20 @@
 
 Usage:  python bench/bench_triton.py [--model smollm2|llama] [--dtype bf16|fp16|fp32]
                                      [--lengths 1024 4096 ...] [--train-max 16384] [--argmax-rows 50]
+                                     [--verify-rows 9]
 
-Batch 1, three phases per length N:
+Batch 1, four phases per length N:
 - prefill (causal, M = N): the Triton backend without argmax, with argmax of the last ``--argmax-rows`` rows
   (the teacher-forcing case of detection) and of all rows, with half of the query heads skipped (both
   grid modes); SDPA (no argmax: the floor to approach); eager softmax(QK^T)V + argmax, what
   ``output_attentions=True`` costs (only where its [Hq, N, N] fp32 logits fit);
 - decode (M = 1): the same cases;
+- verify (M = ``--verify-rows`` rows at the end of N keys, causal; a verification pass of detection):
+  the Triton backend with and without the argmax of every row and with half the heads skipped (the kernel
+  that ``paths.triton_forward_kernel`` picks), each Triton forward kernel called directly with the argmax
+  (split-key and prefill: the measurement that sets ``paths.SPLIT_KEY_ROWS``), SDPA without a causal mask
+  (its ``is_causal`` aligns the mask top-left; the few rows see all keys instead, a difference of
+  M^2 / 2 of M * N logits);
 - train (forward + backward, M = N, up to ``--train-max``): Triton, Triton with half the heads skipped, SDPA.
 
 Each cell is triton.testing.do_bench's median and the peak memory the call allocated beyond its inputs;
@@ -55,7 +62,7 @@ def _eager(q, k, v, argmax_rows):
 
 
 def _sdpa(q, k, v):
-    causal = q.shape[2] > 1
+    causal = q.shape[2] == k.shape[2]  # M = N; decode and verify: every row sees all keys (see the docstring)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
@@ -109,10 +116,10 @@ def _measure(fn: Callable[[], object]) -> tuple[float, int]:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), peak
 
 
-def _cases(attention, phase, hq, hkv, d, n, dtype, argmax_rows, skip_half):
+def _cases(attention, phase, hq, hkv, d, n, dtype, argmax_rows, skip_half, verify_rows):
     """{method: callable} for one phase at N keys (batch 1)."""
     dev = torch.device("cuda")
-    m = 1 if phase == "decode" else n
+    m = {"decode": 1, "verify": verify_rows}.get(phase, n)
     gen = torch.Generator(device=dev).manual_seed(n)
     train = phase == "train"
     q = torch.randn(1, hq, m, d, device=dev, dtype=dtype, generator=gen, requires_grad=train)
@@ -126,8 +133,24 @@ def _cases(attention, phase, hq, hkv, d, n, dtype, argmax_rows, skip_half):
             "sdpa": lambda: _sdpa(q, k, v),
         }
         return {name: _with_backward(fn, (q, k, v), grad_out) for name, fn in fwd.items()}
-    t_rows = min(argmax_rows, m)
     skipped = lambda: attention(q, k, v, backend="triton", skip_heads=skip_half)  # noqa: E731
+    if phase == "verify":
+        from retmask.kernels.triton.decode import decode_forward
+        from retmask.kernels.triton.fwd import attention_forward
+
+        direct = dict(
+            causal=True, sm_scale=d**-0.5, key_padding_mask=None, skip_heads=None, argmax_rows=m,
+            return_lse=False,
+        )  # fmt: skip
+        return {
+            "triton": lambda: attention(q, k, v, backend="triton"),
+            "triton+argmax(all)": lambda: attention(q, k, v, backend="triton", return_argmax=True),
+            "triton, half heads skipped": skipped,
+            "split-key kernel+argmax(all)": lambda: decode_forward(q, k, v, **direct),
+            "prefill kernel+argmax(all)": lambda: attention_forward(q, k, v, **direct),
+            "sdpa": lambda: _sdpa(q, k, v),
+        }
+    t_rows = min(argmax_rows, m)
     cases = {
         "triton": lambda: attention(q, k, v, backend="triton"),
         f"triton+argmax(last {t_rows})": lambda: attention(
@@ -165,6 +188,7 @@ def main() -> int:
     )
     parser.add_argument("--train-max", type=nonneg_int, default=16384, help="longest N of the train phase")
     parser.add_argument("--argmax-rows", type=positive_int, default=50)
+    parser.add_argument("--verify-rows", type=positive_int, default=9, help="query rows of the verify phase")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the result page")
     args = parser.parse_args()
 
@@ -185,11 +209,11 @@ def main() -> int:
     skip_half = torch.arange(hq, device="cuda") % 2 == 1
     rows: list[dict] = []
     for n in args.lengths:
-        phases = ["prefill", "decode"] + (["train"] if n <= args.train_max else [])
+        phases = ["prefill", "decode", "verify"] + (["train"] if n <= args.train_max else [])
         for phase in phases:
             measured = {}
             for name, fn in _cases(
-                attention, phase, hq, hkv, d, n, dtype, args.argmax_rows, skip_half
+                attention, phase, hq, hkv, d, n, dtype, args.argmax_rows, skip_half, args.verify_rows
             ).items():
                 try:
                     measured[name] = _measure(fn)
@@ -215,7 +239,9 @@ def main() -> int:
         "",
         f"Machine: {device_name}; torch {torch.__version__}, triton {triton.__version__}. "
         "triton.testing.do_bench medians; peak = memory the call allocated beyond its inputs. "
-        "Prefill and train are causal with M = N; decode has M = 1; train is forward + backward.",
+        "Prefill and train are causal with M = N; decode has M = 1; verify has "
+        f"M = {args.verify_rows} causal rows at the end of the N keys (SDPA: no mask there); train is "
+        "forward + backward.",
         "",
         markdown_table(
             ["phase", "N", "method", "ms", "vs sdpa", "peak"],

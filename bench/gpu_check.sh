@@ -9,7 +9,8 @@
 #          in TUNE_DTYPES (default "bf16"; "bf16 fp32" for both; an fp32 sweep needs ~250 s); TUNE_ARGS
 #          adds options, e.g. "--kinds fwd --head-dims 64 128" or "--softcap 30" (pages in OUTDIR: a
 #          partial sweep overwrites the page of a full one, so give it its own OUTDIR);
-#   bench  bench_triton.py in bf16 for the SmolLM2 and Llama-3.1-8B attention shapes (pages in OUTDIR);
+#   bench  bench_triton.py in bf16 for the SmolLM2 and Llama-3.1-8B attention shapes, with the verify phase
+#          (split-key kernel against the prefill kernel for 9-row passes; pages in OUTDIR);
 #   decode bench_triton_decode.py: a decode call's host time against its GPU time in a CUDA graph, both
 #          shapes, bf16 (pages in OUTDIR);
 #   step   bench_decode_step.py: time per generated token of a whole SmolLM2-shaped model by attention
@@ -113,10 +114,11 @@ for stage in $stages; do
     bench)
         rc=0
         for model in smollm2 llama; do
-            timeout "${BENCH_TIMEOUT:-150}" $py bench/bench_triton.py --model $model --dtype bf16 --out "$out" \
+            timeout "${BENCH_TIMEOUT:-200}" $py bench/bench_triton.py --model $model --dtype bf16 --out "$out" \
                 >"$out/bench_$model.log" 2>&1 || rc=$?
             grep -E "^(prefill|decode|train) " "$out/bench_$model.log" | grep -E " (triton|sdpa)" \
                 | grep -vE "sync-free|argmax\(all\)" | cut -c1-100 | tail -60
+            grep -E "^verify " "$out/bench_$model.log" | grep -E "kernel|sdpa" | cut -c1-100
         done
         ;;
     decode)

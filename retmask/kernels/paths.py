@@ -6,11 +6,18 @@ Backends (``attention(backend=...)``, "auto" by default):
   call                       backend
   =========================  =====================================================================
   float64 inputs             "reference" (plain torch, the test oracle)
-  CUDA tensors               "triton": prefill / chunk forward (``triton.fwd``), decode with one
-                             query row (``triton.decode``, keys split across programs), backward
-                             (``triton.bwd``, from the forward's log-sum-exp)
+  CUDA tensors               "triton": the forward below; backward (``triton.bwd``, from the
+                             forward's log-sum-exp)
   CPU tensors                "cpu": the forward path below; the backward path below
   =========================  =====================================================================
+
+Triton forward (``triton_forward_kernel``): calls with at most ``SPLIT_KEY_ROWS`` query rows take the
+split-key kernel (``triton.decode``: the keys split across programs, one program holding the query rows
+of all heads that share a KV head), longer ones the prefill kernel (``triton.fwd``: one program per block
+of a head's query rows). ``SPLIT_KEY_ROWS`` is 1 (decode) until a GPU has timed the split-key kernel on
+calls of 2-64 rows, such as detection's verification passes (``bench/bench_triton.py``, verify phase):
+there the prefill grid is one row block per head, mostly padding rows, each program walking every key
+alone, and the split-key kernel is expected to be several times faster at long context.
 
 CPU forward (``cpu_forward_path``), in this order:
 
@@ -78,6 +85,15 @@ def forced_cpu_path() -> str:
             f"${CPU_PATH_ENV} must be one of {list(CPU_PATHS)}, got {value!r}; unset it for the default"
         )
     return value
+
+
+SPLIT_KEY_ROWS = 1  # query rows up to which a Triton forward takes the split-key kernel
+
+
+def triton_forward_kernel(rows: int) -> str:
+    """The Triton forward kernel ("split_keys" or "prefill") of a call with ``rows`` query rows, by the
+    rule of the module docstring."""
+    return "split_keys" if rows <= SPLIT_KEY_ROWS else "prefill"
 
 
 BF16_DOT_BUILD = "avx512bf16"  # the kernel build that runs bf16 dot products natively
@@ -203,8 +219,12 @@ def describe() -> dict[str, Any]:
             "path": eager,
             "why": f"eager: {eager}; traced (torch.compile): {traced}; soft-capping or sinks: {capped}",
         }
-    cuda = "triton" if torch.cuda.is_available() else "triton (no GPU here)"
-    calls["cuda forward and backward"] = {"path": cuda, "why": "Triton kernels for CUDA tensors"}
+    no_gpu = "" if torch.cuda.is_available() else " (no GPU here)"
+    for kind, rows in KINDS.items():
+        kernel = triton_forward_kernel(rows)
+        why = f"{rows} query row(s) {'<=' if kernel == 'split_keys' else '>'} {SPLIT_KEY_ROWS}"
+        calls[f"cuda {kind}"] = {"path": f"triton {kernel}{no_gpu}", "why": why}
+    calls["cuda backward"] = {"path": f"triton{no_gpu}", "why": "the Triton backward for CUDA tensors"}
     calls["float64"] = {"path": "reference", "why": "only the plain-torch oracle computes in float64"}
     settings = {
         name: os.environ.get(name, "") for name in (CPU_PATH_ENV, cpu.ISA_ENV, cpu_speedups.SWITCH_ENV)

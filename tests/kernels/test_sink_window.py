@@ -514,7 +514,7 @@ def test_triton_decode_splits_and_ties(splits, triton_modules):
 def test_triton_never_loads_keys_no_row_sees(triton_modules):
     """6 rows at the end of 40 keys (positions 34..39), window 3, S = 3, 16-key blocks: keys 3..31 are in no
     row's view, and the block [16, 32) holds neither a sink token nor a window key; NaN there changes no
-    output and no dq, and the dk / dv of keys no row sees are 0."""
+    output (prefill and split-key kernels) and no dq, and the dk / dv of keys no row sees are 0."""
     from retmask.kernels.triton import bwd as triton_bwd
     from retmask.kernels.triton import fwd as triton_fwd
 
@@ -531,6 +531,12 @@ def test_triton_never_loads_keys_no_row_sees(triton_modules):
     )  # fmt: skip
     ref, _ = reference_attention(q, k, v, **kw)
     torch.testing.assert_close(out, ref, **OUT_TOL[torch.float32])
+    _, triton_decode = triton_modules
+    for splits in (1, 3):  # the split-key kernel, which the public entry takes for these 6 rows
+        out_split, _, _ = on_test_device(triton_decode.decode_forward)(
+            q, k_bad, v_bad, argmax_rows=0, return_lse=False, num_splits=splits, block_n=16, **kw
+        )  # fmt: skip
+        torch.testing.assert_close(out_split, ref, **OUT_TOL[torch.float32])
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(20))
     dq, dk, dv, _ = on_test_device(triton_bwd.attention_backward)(
         grad_out, q, k_bad, v_bad, out, lse, block_m=32, block_n=16, **kw

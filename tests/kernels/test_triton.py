@@ -146,16 +146,21 @@ FWD_SHAPES = [
     (1, 4, 1, 17, 65, 64),  # MQA
     (2, 2, 1, 33, 33, 96),  # D padded 96 -> 128
     (1, 2, 2, 16, 48, 128),  # exact multiples of the blocks
-    (2, 3, 1, 1, 45, 16),  # decode through the public entry
+    (2, 3, 1, 1, 45, 16),  # decode
 ]
 
 
 @pytest.mark.parametrize("shape", FWD_SHAPES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_forward_matches_reference(shape, causal):
+    """Both forward kernels (the public entry sends a shape to one of them, ``paths.triton_forward_kernel``;
+    the tests below call it); the split-key kernel up to the 64 rows it is meant for (the interpreter
+    runs its one merge program per row slowly)."""
     B, Hq, Hkv, M, N, D = shape
     q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=hash(shape) % 1000)
-    check_forward(q, k, v, causal=causal)
+    check_forward(q, k, v, causal=causal, launcher=attention_forward)
+    if M <= 64:
+        check_forward(q, k, v, causal=causal, launcher=decode_forward)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
@@ -618,6 +623,64 @@ def test_decode_large_group_mqa(grid_mode):
     assert (out[1] == 0).all() and (argmax[1] == -1).all()
 
 
+# (B, Hq, Hkv, M, N, D, block_rows, splits, pads): M * G pairs (query row, head) per KV head, cut into
+# row blocks of block_rows, keys into splits.
+FEW_ROW_CASES = [
+    (2, 4, 2, 5, 70, 32, 16, 3, [0, 23]),  # 10 pairs, one row block; padding ends inside a split
+    (1, 6, 2, 13, 53, 16, 16, 2, None),  # 39 pairs: three row blocks, the last one ragged
+    (2, 4, 1, 9, 40, 24, 32, 5, [7, 0]),  # MQA, D padded 24 -> 32, more splits than key blocks allow
+    (1, 3, 3, 30, 30, 16, 16, 1, None),  # MHA, M == N: every row on the causal diagonal
+]
+
+
+@pytest.mark.parametrize("case", FEW_ROW_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_split_key_forward_with_several_rows(case, causal, grid_mode):
+    """Verification passes and other few-row calls: row blocks holding several query rows of every head
+    of a group, the causal diagonal inside key splits, the argmax of the last rows only."""
+    B, Hq, Hkv, M, N, D, rows, splits, pads = case
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, D, seed=M * N, noncontiguous_q=True)
+    pad = None if pads is None else left_padding_mask(B, N, pads)
+    skip = _random_skip(B, Hq, seed=M)
+    check_forward(
+        q, k, v, causal=causal, pad=pad, skip=skip, argmax_rows=M - 2, launcher=decode_forward,
+        num_splits=splits, block_n=16, block_rows=rows,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_split_key_features_with_several_rows(splits, grid_mode):
+    """Window (an edge that moves by row inside the tile), soft-capping and sinks with several rows."""
+    B, Hq, Hkv, M, N = 2, 4, 2, 7, 90
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, 32, seed=60 + splits, noncontiguous_q=True)
+    pad = left_padding_mask(B, N, [0, 70])  # batch 1: padding ends inside the window
+    skip = _random_skip(B, Hq, seed=splits)
+    for window, softcap in ((45, None), (7, 3.0), (20, 2.0)):
+        check_forward(
+            q * 2, k, v, pad=pad, skip=skip, launcher=decode_forward, num_splits=splits, block_n=16,
+            block_rows=16, window=window, softcap=softcap, sinks=_sinks(Hq, seed=window), argmax_rows=M,
+        )  # fmt: skip
+
+
+def test_forward_kernel_rule():
+    """The public entry takes the split-key kernel up to ``SPLIT_KEY_ROWS`` query rows, the prefill kernel
+    above (``paths.triton_forward_kernel``)."""
+    from retmask.kernels.paths import SPLIT_KEY_ROWS
+    from retmask.kernels.triton.aot import record_launches
+
+    k = torch.zeros(1, 2, 100, 16)
+    kernels = {}
+    for M in sorted({1, SPLIT_KEY_ROWS, SPLIT_KEY_ROWS + 1}):
+        with record_launches() as launches:
+            triton_forward(
+                torch.zeros(1, 4, M, 16), k, k, causal=True, sm_scale=0.25, key_padding_mask=None,
+                skip_heads=None, argmax_rows=1, return_lse=False,
+            )  # fmt: skip
+        kernels[M] = [launch.kernel for launch in launches]
+    split = ["_decode_partial_kernel", "_decode_merge_kernel"]
+    assert kernels == {1: split, SPLIT_KEY_ROWS: split, SPLIT_KEY_ROWS + 1: ["_fwd_kernel"]}
+
+
 @settings(
     max_examples=6,
     deadline=None,
@@ -970,6 +1033,7 @@ def test_kernels_fall_back_to_tiles_the_gpu_can_run(monkeypatch):
     q, k, v = make_qkv(2, 4, 2, 37, 53, 16, seed=90)
     pad = left_padding_mask(2, 53, [0, 9])
     check_forward(q, k, v, pad=pad, argmax_rows=5)
+    check_forward(q[:, :, -9:], k, v, pad=pad, launcher=decode_forward)  # the split-key kernel, 9 rows
     check_forward(q[:, :, -1:], k, v, pad=pad)  # decode
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(91))
     got = _grads("triton", q, k, v, grad_out, key_padding_mask=pad)

@@ -167,8 +167,9 @@ def record_launches(label: str = "") -> Iterator[list[Launch]]:
 
 def record_standard_launches(dtype: torch.dtype, head_dim: int, features: bool = False) -> list[Launch]:
     """Launches of a causal GQA prefill with padding and skips, with argmax on the last rows and without
-    (both forward variants), a decode step and the backward, on tiny CPU tensors (nothing runs). ``features`` adds a
-    sliding window (100 of 256 keys) with 4 sink tokens, soft-capping and sinks to all of them."""
+    (both forward variants), a decode step, a verification pass of 33 rows (the split-key kernel with two
+    row blocks of 64 at D <= 128) and the backward, on tiny CPU tensors (nothing runs). ``features`` adds
+    a sliding window (100 of 256 keys) with 4 sink tokens, soft-capping and sinks to all of them."""
     from .bwd import attention_backward
     from .decode import decode_forward
     from .fwd import attention_forward
@@ -186,6 +187,7 @@ def record_standard_launches(dtype: torch.dtype, head_dim: int, features: bool =
         out, _, lse = attention_forward(q, k, k, causal=True, argmax_rows=50, return_lse=True, **kw)
         attention_forward(q, k, k, causal=True, argmax_rows=0, return_lse=False, **kw)
         decode_forward(q[:, :, -1:], k, k, argmax_rows=1, return_lse=True, **kw)
+        decode_forward(q[:, :, -33:], k, k, argmax_rows=33, return_lse=False, **kw)
         attention_backward(out, q, k, k, out, torch.zeros(B, Hq, N), causal=True, **kw)
     del lse
     return launches

@@ -1,10 +1,10 @@
 """Triton backend of ``retmask.kernels.attention`` (imported lazily as backend "triton").
 
-Dispatch only: ``triton.fwd`` (prefill forward with argmax and head skipping), ``triton.decode``
-(M == 1, split over keys) and ``triton.bwd`` (FA2-style backward), all three with sliding window (and
-sink tokens), logit soft-capping and attention sinks (``reference.py`` defines them). Inputs arrive validated and
-normalised by ``attention()`` (see ``validation.py``): masks are contiguous bool, skip_heads is
-[B, Hq] or None, argmax_rows is in [0, M].
+Dispatch only: ``triton.fwd`` (prefill forward with argmax and head skipping), ``triton.decode`` (calls
+with few query rows, split over keys; the rule is ``paths.triton_forward_kernel``) and ``triton.bwd``
+(FA2-style backward), all three with sliding window (and sink tokens), logit soft-capping and attention
+sinks (``reference.py`` defines them). Inputs arrive validated and normalised by ``attention()`` (see
+``validation.py``): masks are contiguous bool, skip_heads is [B, Hq] or None, argmax_rows is in [0, M].
 
 Head skipping has two grid modes (``triton.common.sync_free``): by default the prefill and backward
 grids hold only the enabled heads, which costs one device->host sync per call to size them; while a CUDA
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..paths import triton_forward_kernel
 from .bwd import attention_backward
 from .common import fp32_sinks
 from .decode import decode_forward
@@ -53,14 +54,15 @@ def forward(
 
     window (causal only), sink_tokens (with a window), softcap and sinks ([Hq], any float dtype) follow
     ``reference.py``; the lse
-    includes the sink (``log(sum_j e^{s_j} + e^{sink})``), as the backward expects. One query row
-    (decode) takes the split-key kernel; everything else the prefill kernel.
+    includes the sink (``log(sum_j e^{s_j} + e^{sink})``), as the backward expects. A call with few
+    query rows (decode) takes the split-key kernel, longer ones the prefill kernel
+    (``paths.triton_forward_kernel``).
     """
     feats = dict(window=window, softcap=softcap, sinks=fp32_sinks(sinks), sink_tokens=sink_tokens)
-    if q.shape[2] == 1:
+    if triton_forward_kernel(q.shape[2]) == "split_keys":
         return decode_forward(
-            q, k, v, key_padding_mask=key_padding_mask, skip_heads=skip_heads, sm_scale=sm_scale,
-            argmax_rows=argmax_rows, return_lse=return_lse, **feats,
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, skip_heads=skip_heads,
+            sm_scale=sm_scale, argmax_rows=argmax_rows, return_lse=return_lse, **feats,
         )  # fmt: skip
     return attention_forward(
         q, k, v, causal=causal, sm_scale=sm_scale, key_padding_mask=key_padding_mask,

@@ -1,7 +1,7 @@
 """Shared host-side helpers of the Triton kernels: tile configs, active-pair lists, output allocation.
 
 Nothing here launches a kernel. The kernels themselves live in ``triton.fwd`` (prefill forward),
-``triton.decode`` (M == 1 forward) and ``triton.bwd`` (backward).
+``triton.decode`` (split-key forward of few-row calls) and ``triton.bwd`` (backward).
 """
 
 from __future__ import annotations
@@ -91,15 +91,23 @@ _BWD_CONFIGS_FP32: dict[int, TileConfig] = {
     128: TileConfig(32, 32, 4, 1),
     256: TileConfig(16, 32, 8, 1),
 }
-# Decode: one program per (KV head, key split) holds the G query heads of the group as a [BLOCK_G, D]
-# tile (BLOCK_G = G padded to >= 16, derived from the shapes) and walks keys in BLOCK_N chunks; block_m
-# is unused. Memory-bound: BLOCK_N * BLOCK_D near 4-8K elements keeps loads in flight per program.
+# Decode and other few-row calls: one program per (KV head, key split, row block) holds up to block_m of
+# the group's (query row, head) pairs as a [BLOCK_G, D] tile (BLOCK_G = M * G padded to >= 16, at most
+# block_m; derived from the shapes) and walks keys in BLOCK_N chunks. Memory-bound at M = 1:
+# BLOCK_N * BLOCK_D near 4-8K elements keeps loads in flight per program.
 _DECODE_CONFIGS: dict[int, TileConfig] = {
-    16: TileConfig(1, 128, 4, 2),
-    32: TileConfig(1, 128, 4, 2),
-    64: TileConfig(1, 64, 4, 2),
-    128: TileConfig(1, 64, 8, 2),
-    256: TileConfig(1, 32, 8, 2),
+    16: TileConfig(64, 128, 4, 2),
+    32: TileConfig(64, 128, 4, 2),
+    64: TileConfig(64, 64, 4, 2),
+    128: TileConfig(64, 64, 8, 2),
+    256: TileConfig(32, 32, 8, 2),
+}
+# fp32 tiles of 64 rows spill 0.8-6.6 KB per thread (sm_90, Triton 3.9): 32 rows at most.
+_DECODE_CONFIGS_FP32: dict[int, TileConfig] = {
+    16: TileConfig(32, 128, 4, 2),
+    32: TileConfig(32, 128, 4, 2),
+    64: TileConfig(32, 64, 4, 2),
+    128: TileConfig(32, 64, 8, 2),
 }
 # In the interpreter small tiles make tiny test shapes span several blocks (ragged edges, causal
 # diagonal, multi-block online softmax) while keeping the number of simulated programs low.
@@ -143,7 +151,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
 
 
 def decode_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
-    return _lookup(_DECODE_CONFIGS, {}, head_dim, dtype)
+    return _lookup(_DECODE_CONFIGS, _DECODE_CONFIGS_FP32, head_dim, dtype)
 
 
 def with_blocks(cfg: TileConfig, block_m: int | None, block_n: int | None) -> TileConfig:
