@@ -3,7 +3,8 @@ Llama-3.1-8B-shaped model with random weights (no weights can be downloaded; the
 depend on them).
 
 Usage:  python bench/bench_llama8b.py [--device cuda] [--lengths 16384 32768 65536] [--dpo-length 8192]
-                                      [--parts detect dpo] [--new-tokens 20] [--shape llama8b|tiny] [--out DIR]
+                                      [--parts detect dpo] [--new-tokens 20] [--shape llama8b|tiny]
+                                      [--split-key-rows 64] [--out DIR]
 
 detect: per context length, one test of the retrieval-score procedure on a random prompt with a needle span,
   ``--new-tokens`` greedy tokens (no stop token: a random model's answer is arbitrary, and every test
@@ -13,7 +14,10 @@ detect: per context length, one test of the retrieval-score procedure on a rando
     ``output_attentions=True``, a top-1 check per (layer, head) on the host;
   - retmask: ``retmask detect``'s fast path (``FastDetector``): chunked prefill without prompt logits,
     verification passes with the argmax captured by the fused kernel;
-  - retmask, static passes: the same with fixed-shape verification passes (CUDA graphs on a GPU).
+  - retmask, static passes: the same with fixed-shape verification passes (CUDA graphs on a GPU);
+  - the two fast sides again with the verification passes in the Triton split-key kernel (the rule's
+    ``paths.SPLIT_KEY_ROWS`` set to ``--split-key-rows`` for them; only where that differs from the rule's
+    value): the measurement that decides the rule for passes of a few rows.
   Each fast side runs two different prompts of the length and reports the second (the first pays Triton
   compilation and graph capture; different prompts, so nothing of the first is reused). Peak memory is
   ``torch.cuda.max_memory_allocated`` over the test. The page also states what one layer's attention
@@ -29,10 +33,11 @@ tiny`` (2 layers, the same heads and head dimension) checks the script on a CPU 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,16 +117,41 @@ def _measured(
     return result, time.perf_counter() - t0, _peak_gb(device)
 
 
-def detect_part(model, lengths: list[int], new_tokens: int, device: torch.device) -> list[dict]:
+@contextlib.contextmanager
+def _split_key_rows(rows: int | None) -> Iterator[None]:
+    """Inside, Triton forward calls of up to ``rows`` query rows take the split-key kernel (None: the
+    rule as it is)."""
+    from retmask.kernels import paths
+
+    saved = paths.SPLIT_KEY_ROWS
+    paths.SPLIT_KEY_ROWS = saved if rows is None else rows
+    try:
+        yield
+    finally:
+        paths.SPLIT_KEY_ROWS = saved
+
+
+def detect_part(
+    model, lengths: list[int], new_tokens: int, device: torch.device, split_key_rows: int
+) -> list[dict]:
     from retmask.detect import FastDetector, oracle_detect
+    from retmask.kernels import paths
 
     vocab = model.config.vocab_size
-    fast = {
-        "retmask": FastDetector(model, set(), max_new_tokens=new_tokens, chunk=4096),
-        "retmask, static passes": FastDetector(
-            model, set(), max_new_tokens=new_tokens, chunk=4096, static_passes=True
-        ),
-    }
+    # side -> (detector, split-key rows for its calls; None: the rule's)
+    fast = {}
+    rules = [(None, "")] + (
+        [(split_key_rows, ", split-key")] if split_key_rows != paths.SPLIT_KEY_ROWS else []
+    )
+    for split_rows, label in rules:
+        fast[f"retmask{label}"] = (
+            FastDetector(model, set(), max_new_tokens=new_tokens, chunk=4096),
+            split_rows,
+        )
+        fast[f"retmask, static passes{label}"] = (
+            FastDetector(model, set(), max_new_tokens=new_tokens, chunk=4096, static_passes=True),
+            split_rows,
+        )
     rows = []
     for length in lengths:
         prompt, span = _prompt(length, vocab, seed=length)
@@ -130,10 +160,11 @@ def detect_part(model, lengths: list[int], new_tokens: int, device: torch.device
             device, oracle_detect, model, prompt, span, set(), max_new_tokens=new_tokens, prompt_logits=True
         )
         cells["reference"] = dict(seconds=seconds, peak_gb=peak, **outcome.timings, passes=outcome.passes)
-        for name, detector in fast.items():
+        for name, (detector, split_rows) in fast.items():
             for seed in (length + 1, length + 2):  # the second prompt is the one reported
                 other, other_span = _prompt(length, vocab, seed=seed)
-                outcome, seconds, peak = _measured(device, detector.run, other, other_span)
+                with _split_key_rows(split_rows):
+                    outcome, seconds, peak = _measured(device, detector.run, other, other_span)
             cells[name] = dict(seconds=seconds, peak_gb=peak, **outcome.timings, passes=outcome.passes)
         heads, layers = model.config.num_attention_heads, model.config.num_hidden_layers
         row = dict(
@@ -208,8 +239,9 @@ def page_lines(title: str, args: argparse.Namespace, detect: list[dict], dpo: di
             "greedy tokens. Reference: SDPA prefill with the logits of every position, then eager decoding with "
             "output_attentions and a host check per head (the published procedure). retmask: `retmask detect`'s "
             "fast path (prefill chunk 4096, verification passes, argmax from the fused kernel); static passes: "
-            "the same with fixed-shape verification passes (CUDA graphs on a GPU). Times of one test; peak = "
-            "most device memory allocated during it.",
+            "the same with fixed-shape verification passes (CUDA graphs on a GPU). Sides marked split-key: "
+            f"Triton calls of up to {args.split_key_rows} query rows (the verification passes) in the split-key "
+            "kernel. Times of one test; peak = most device memory allocated during it.",
             "",
         ]
         rows = []
@@ -291,6 +323,10 @@ def main() -> None:
     ap.add_argument("--dpo-length", type=positive_int, default=8192)
     ap.add_argument("--new-tokens", type=positive_int, default=20)
     ap.add_argument("--parts", nargs="+", choices=["detect", "dpo"], default=["detect", "dpo"])
+    ap.add_argument(
+        "--split-key-rows", type=positive_int, default=64,
+        help="query rows up to which the split-key sides send Triton calls to the split-key kernel (default: 64)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -308,7 +344,11 @@ def main() -> None:
         else args.out / f"llama8b_{args.shape}_{where}"
     )
     title = f"Detection and a DPO step at Llama-3.1-8B's shape ({args.shape}, {args.dtype}, {on})"
-    detect = detect_part(model, args.lengths, args.new_tokens, device) if "detect" in args.parts else []
+    detect = (
+        detect_part(model, args.lengths, args.new_tokens, device, args.split_key_rows)
+        if "detect" in args.parts
+        else []
+    )
     dpo = dpo_part(model, args.dpo_length, device) if "dpo" in args.parts else None
     stem.parent.mkdir(parents=True, exist_ok=True)
     if detect:

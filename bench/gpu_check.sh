@@ -19,7 +19,8 @@
 #          "reduce-overhead", as generate compiles it), sdpa against retmask, 4K prompt (pages in
 #          OUTDIR/graph: two inductor compilations, allow ~3 min);
 #   scale  bench_llama8b.py: a Llama-3.1-8B-shaped model (random weights, bf16): one detection test at 16K,
-#          32K and 64K tokens (reference procedure, fast path, fast path with CUDA-graph passes) and a DPO
+#          32K and 64K tokens (reference procedure, fast path, fast path with CUDA-graph passes, both fast
+#          paths again with the passes in the split-key kernel: what decides paths.SPLIT_KEY_ROWS) and a DPO
 #          step at 8K through SDPA and retmask, with peak memory (page in OUTDIR; ~16 GB of weights);
 #   model  the embedded SmolLM2-135M-Instruct on the GPU: `retmask detect` on the default grid (dtype auto,
 #          i.e. bf16, and float32; bf16 again with --static-passes, compared with `retmask compare`), and
