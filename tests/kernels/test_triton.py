@@ -649,10 +649,11 @@ def test_split_key_forward_with_several_rows(case, causal, grid_mode):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_split_key_features_with_several_rows(splits, grid_mode):
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_split_key_features_with_several_rows(splits, dtype, grid_mode):
     """Window (an edge that moves by row inside the tile), soft-capping and sinks with several rows."""
     B, Hq, Hkv, M, N = 2, 4, 2, 7, 90
-    q, k, v = make_qkv(B, Hq, Hkv, M, N, 32, seed=60 + splits, noncontiguous_q=True)
+    q, k, v = make_qkv(B, Hq, Hkv, M, N, 32, dtype=dtype, seed=60 + splits, noncontiguous_q=True)
     pad = left_padding_mask(B, N, [0, 70])  # batch 1: padding ends inside the window
     skip = _random_skip(B, Hq, seed=splits)
     for window, softcap in ((45, None), (7, 3.0), (20, 2.0)):
