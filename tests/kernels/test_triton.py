@@ -60,7 +60,8 @@ def _poison_outputs(monkeypatch):
 
 @pytest.fixture(params=["exact", "sync_free"])
 def grid_mode(request, monkeypatch):
-    """Run a head-skipping test with both grid modes (see triton_common.sync_free)."""
+    """Run a head-skipping test with both grid modes (see triton_common.sync_free). Tests of the split-key
+    kernel alone do without: its grid is sync-free in both modes (``test_launch_grids_cover_only_enabled_heads``)."""
     if request.param == "sync_free":
         monkeypatch.setattr(triton_common, "FORCE_SYNC_FREE", True)
     return request.param
@@ -258,7 +259,7 @@ def test_duplicate_keys_tie_across_blocks():
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
-def test_decode_splits(splits, dtype, grid_mode):
+def test_decode_splits(splits, dtype):
     B, Hq, Hkv, N = 2, 4, 2, 70
     q, k, v = make_qkv(B, Hq, Hkv, 1, N, 32, dtype=dtype, seed=10 + splits, noncontiguous_q=True)
     pad = left_padding_mask(B, N, [0, 23])
@@ -280,7 +281,7 @@ def test_decode_ties_across_splits_and_empty_splits():
     assert (out[2] == 0).all()
 
 
-def test_decode_all_heads_skipped_and_no_argmax(grid_mode):
+def test_decode_all_heads_skipped_and_no_argmax():
     q, k, v = make_qkv(1, 2, 1, 1, 20, 16, seed=12)
     out, argmax, lse = decode_forward(
         q, k, v, key_padding_mask=None, skip_heads=torch.ones(1, 2, dtype=torch.bool), sm_scale=0.25,
@@ -614,7 +615,7 @@ def test_launch_grids_cover_only_enabled_heads():
         triton_common.FORCE_SYNC_FREE = False
 
 
-def test_decode_large_group_mqa(grid_mode):
+def test_decode_large_group_mqa():
     """20 query heads on one KV head: the decode tile holds the group as 32 (padded) rows."""
     q, k, v = make_qkv(2, 20, 1, 1, 40, 16, seed=14)
     skip = _random_skip(2, 20, seed=15)
@@ -635,7 +636,7 @@ FEW_ROW_CASES = [
 
 @pytest.mark.parametrize("case", FEW_ROW_CASES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_split_key_forward_with_several_rows(case, causal, grid_mode):
+def test_split_key_forward_with_several_rows(case, causal):
     """Verification passes and other few-row calls: row blocks holding several query rows of every head
     of a group, the causal diagonal inside key splits, the argmax of the last rows only."""
     B, Hq, Hkv, M, N, D, rows, splits, pads = case
@@ -650,7 +651,7 @@ def test_split_key_forward_with_several_rows(case, causal, grid_mode):
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
-def test_split_key_features_with_several_rows(splits, dtype, grid_mode):
+def test_split_key_features_with_several_rows(splits, dtype):
     """Window (an edge that moves by row inside the tile), soft-capping and sinks with several rows."""
     B, Hq, Hkv, M, N = 2, 4, 2, 7, 90
     q, k, v = make_qkv(B, Hq, Hkv, M, N, 32, dtype=dtype, seed=60 + splits, noncontiguous_q=True)
@@ -780,7 +781,7 @@ def test_features_prefill_tile_shapes():
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_features_decode_splits(splits, grid_mode):
+def test_features_decode_splits(splits):
     B, Hq, Hkv, N = 2, 4, 2, 90
     q, k, v = make_qkv(B, Hq, Hkv, 1, N, 32, seed=50 + splits, noncontiguous_q=True)
     pad = left_padding_mask(B, N, [0, 70])  # batch 1: padding ends inside the window
