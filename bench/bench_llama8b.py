@@ -33,11 +33,10 @@ tiny`` (2 layers, the same heads and head dimension) checks the script on a CPU 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +54,7 @@ from common import (  # noqa: E402
     markdown_table,
     page_tail,
     save_figure,
+    split_key_rows,
     write_page,
 )
 
@@ -117,22 +117,8 @@ def _measured(
     return result, time.perf_counter() - t0, _peak_gb(device)
 
 
-@contextlib.contextmanager
-def _split_key_rows(rows: int | None) -> Iterator[None]:
-    """Inside, Triton forward calls of up to ``rows`` query rows take the split-key kernel (None: the
-    rule as it is)."""
-    from retmask.kernels import paths
-
-    saved = paths.SPLIT_KEY_ROWS
-    paths.SPLIT_KEY_ROWS = saved if rows is None else rows
-    try:
-        yield
-    finally:
-        paths.SPLIT_KEY_ROWS = saved
-
-
 def detect_part(
-    model, lengths: list[int], new_tokens: int, device: torch.device, split_key_rows: int
+    model, lengths: list[int], new_tokens: int, device: torch.device, split_rows_side: int
 ) -> list[dict]:
     from retmask.detect import FastDetector, oracle_detect
     from retmask.kernels import paths
@@ -141,7 +127,7 @@ def detect_part(
     # side -> (detector, split-key rows for its calls; None: the rule's)
     fast = {}
     rules = [(None, "")] + (
-        [(split_key_rows, ", split-key")] if split_key_rows != paths.SPLIT_KEY_ROWS else []
+        [(split_rows_side, ", split-key")] if split_rows_side != paths.SPLIT_KEY_ROWS else []
     )
     for split_rows, label in rules:
         fast[f"retmask{label}"] = (
@@ -163,7 +149,7 @@ def detect_part(
         for name, (detector, split_rows) in fast.items():
             for seed in (length + 1, length + 2):  # the second prompt is the one reported
                 other, other_span = _prompt(length, vocab, seed=seed)
-                with _split_key_rows(split_rows):
+                with split_key_rows(split_rows):
                     outcome, seconds, peak = _measured(device, detector.run, other, other_span)
             cells[name] = dict(seconds=seconds, peak_gb=peak, **outcome.timings, passes=outcome.passes)
         heads, layers = model.config.num_attention_heads, model.config.num_hidden_layers

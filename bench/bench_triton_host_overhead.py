@@ -8,7 +8,8 @@ grid sizing and argument building, everything except the Triton launches themsel
 by no-ops (the kernels run nowhere; inputs are small CPU tensors in interpreter mode). Cases: decode and
 a 256-row prefill at SmolLM2's shape (Hq 9, Hkv 3, D 64, 4,096 keys), with and without argmax, and with
 half the heads skipped (the default grid mode, whose pair list is built on the host, and the sync-free
-mode that CUDA-graph capture uses). Prints a table
+mode that CUDA-graph capture uses), and a verification pass of 9 rows with the argmax in the kernel the
+rule gives it and in the split-key kernel (two launches instead of one). Prints a table
 and writes bench/results/triton_host_overhead_<cpu kind>[_<tag>].{md,json}; times are medians of 5
 rounds of ``--calls`` calls, in microseconds per call, and the Python and C function calls one call
 makes (a count, robust where a shared machine makes the times noisy).
@@ -36,6 +37,7 @@ from common import (  # noqa: E402
     machine_description,
     markdown_table,
     python_calls,
+    split_key_rows,
     time_calls,
     write_page,
 )
@@ -74,6 +76,7 @@ def main() -> int:
     torch.set_num_threads(1)
     _stub_launches()
     from retmask.kernels import attention
+    from retmask.kernels.paths import triton_forward_kernel
 
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, 3, 4096, 64, generator=gen)
@@ -81,6 +84,8 @@ def main() -> int:
     q1 = torch.randn(1, 9, 1, 64, generator=gen)
     qp = torch.randn(1, 9, 256, 64, generator=gen)
     skip = torch.arange(9) % 2 == 1
+    q9 = torch.randn(1, 9, 9, 64, generator=gen)
+    verify = lambda: attention(q9, k, v, backend="triton", return_argmax=True)  # noqa: E731
     cases = {
         "decode": lambda: attention(q1, k, v, backend="triton"),
         "decode + argmax": lambda: attention(q1, k, v, backend="triton", return_argmax=True),
@@ -92,9 +97,15 @@ def main() -> int:
         "prefill + argmax of the last 50": lambda: attention(
             qp, k, v, backend="triton", return_argmax=True, argmax_rows=50
         ),
+        f"verification (9 rows) + argmax, {triton_forward_kernel(9)} kernel": verify,
     }
-    rows = {name: _per_call_us(fn, args.calls) for name, fn in cases.items()}
-    counts = {name: python_calls(fn) for name, fn in cases.items()}
+    # the same call with the rule moved (split_key_rows) for its whole measurement
+    split_case = "verification (9 rows) + argmax, split_keys kernel"
+    rows, counts = {}, {}
+    for name, fn in [*cases.items(), (split_case, verify)]:
+        with split_key_rows(64 if name == split_case else None):
+            rows[name] = _per_call_us(fn, args.calls)
+            counts[name] = python_calls(fn)
     machine = machine_description()
     stem = RESULTS / ("triton_host_overhead_" + cpu_kind(machine) + (f"_{args.tag}" if args.tag else ""))
     lines = [
@@ -102,7 +113,7 @@ def main() -> int:
         "",
         f"Machine: {machine['cpu']}, {machine['simd']}; torch {machine['torch']}; one thread. Median of 5 rounds "
         f"of {args.calls} calls; SmolLM2 shape (Hq 9, Hkv 3, D 64), 4,096 keys. On a GPU add the Triton "
-        "launches (two for decode, one for prefill) and the device time. 'Python calls' and 'C calls' count "
+        "launches (two for the split-key kernel, one for the prefill kernel) and the device time. 'Python calls' and 'C calls' count "
         "the function calls of one call (sys.setprofile): the same on a busy machine as on a quiet one.",
         "",
         markdown_table(

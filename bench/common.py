@@ -10,6 +10,7 @@ Where ``clear_refs`` is unavailable the lifetime peak (``ru_maxrss``) is used an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -19,7 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -367,6 +368,24 @@ def force_cpu_backward(path: str | None) -> None:
         return "chunked" if kwargs["window"] is not None else path
 
     paths.cpu_backward_path = forced
+
+
+# ---- the Triton forward rule, moved for a comparison -----------------------------------------------
+
+
+@contextlib.contextmanager
+def split_key_rows(rows: int | None) -> Iterator[None]:
+    """Inside, Triton forward calls of up to ``rows`` query rows take the split-key kernel
+    (``retmask.kernels.paths.SPLIT_KEY_ROWS``, which ``triton_forward_kernel`` reads on every call; for
+    benchmarks only). None: the rule as it is."""
+    from retmask.kernels import paths
+
+    saved = paths.SPLIT_KEY_ROWS
+    paths.SPLIT_KEY_ROWS = saved if rows is None else rows
+    try:
+        yield
+    finally:
+        paths.SPLIT_KEY_ROWS = saved
 
 
 # ---- the NIAH grid of the detection benchmarks -----------------------------------------------------
