@@ -221,9 +221,8 @@ def describe() -> dict[str, Any]:
         }
     no_gpu = "" if torch.cuda.is_available() else " (no GPU here)"
     for kind, rows in KINDS.items():
-        kernel = triton_forward_kernel(rows)
-        why = f"{rows} query row(s) {'<=' if kernel == 'split_keys' else '>'} {SPLIT_KEY_ROWS}"
-        calls[f"cuda {kind}"] = {"path": f"triton {kernel}{no_gpu}", "why": why}
+        why = f"M = {rows} query rows; the split-key kernel takes M <= {SPLIT_KEY_ROWS}"
+        calls[f"cuda {kind}"] = {"path": f"triton {triton_forward_kernel(rows)}{no_gpu}", "why": why}
     calls["cuda backward"] = {"path": f"triton{no_gpu}", "why": "the Triton backward for CUDA tensors"}
     calls["float64"] = {"path": "reference", "why": "only the plain-torch oracle computes in float64"}
     settings = {
