@@ -532,7 +532,7 @@ def test_triton_never_loads_keys_no_row_sees(triton_modules):
     ref, _ = reference_attention(q, k, v, **kw)
     torch.testing.assert_close(out, ref, **OUT_TOL[torch.float32])
     _, triton_decode = triton_modules
-    for splits in (1, 3):  # the split-key kernel, which the public entry takes for these 6 rows
+    for splits in (1, 3):  # the split-key kernel on the same 6 rows
         out_split, _, _ = on_test_device(triton_decode.decode_forward)(
             q, k_bad, v_bad, argmax_rows=0, return_lse=False, num_splits=splits, block_n=16, **kw
         )  # fmt: skip

@@ -260,7 +260,7 @@ def decode_forward(
     """Launch the split-key forward (decode and other calls with few query rows).
 
     q: [B, Hq, M, D] (any strides); k, v: [B, Hkv, N, D] (any strides), M <= N; key_padding_mask: bool
-    [B, N] contiguous or None; skip_heads: bool [B, Hq] contiguous or None; argmax_rows: T in [0, M];
+    [B, N] contiguous or None; skip_heads: bool [B, Hq] (any strides) or None; argmax_rows: T in [0, M];
     window: sliding window (causal only) or None (only the keys from the first row's first window key on
     are distributed over the splits); sink_tokens: with a window, the first keys every row also sees
     (split 0 takes them), or None; softcap: logit cap or None; sinks: fp32 [Hq] contiguous or None.
