@@ -16,6 +16,8 @@ weights: the time of a step does not depend on the weights) or of the config in 
 - ``retmask, half heads masked``: ``retmask.set_head_mask`` with every odd query head of every layer off;
 - ``retmask, growing cache``: our attention with the in-place KV cache detection and generation use
   (``retmask.hf.kv_cache.growing_cache``); every case above uses transformers' ``DynamicCache``;
+- ``retmask, cached launch`` (CUDA only): ``retmask`` with the Triton kernels launched through retmask's
+  launcher cache instead of Triton's JIT entry (``retmask.kernels.triton.launch``);
 - ``sdpa, static cache, CUDA graph`` / ``retmask, static cache, CUDA graph`` (CUDA only): a ``StaticCache``
   and the decode step compiled as transformers' ``generate`` compiles it for a static cache
   (``torch.compile(mode="reduce-overhead")``: CUDA graphs); the prefill runs eagerly, the compilation and
@@ -47,6 +49,7 @@ from retmask.commands.argtypes import positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    cached_triton_launch,
     cpu_kind,
     cpu_label,
     gpu_slug,
@@ -75,6 +78,7 @@ CASES = {
     "retmask+argmax": ("retmask", "argmax"),
     "retmask, half heads masked": ("retmask", "mask"),
     "retmask, growing cache": ("retmask", "growing cache"),
+    "retmask, cached launch": ("retmask", "cached launch"),
     "sdpa, static cache, CUDA graph": ("sdpa", "graph"),
     "retmask, static cache, CUDA graph": ("retmask", "graph"),
 }
@@ -156,9 +160,10 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
         else:
             cache = DynamicCache(config=model.config)
         capture = retmask.capture_argmax(model, rows=1) if option == "argmax" else nullcontext()
+        launches = cached_triton_launch(True) if option == "cached launch" else nullcontext()
         spent: list[float] = []
         try:
-            with torch.no_grad(), capture:
+            with torch.no_grad(), capture, launches:
                 out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
                 token = out.logits[:, -1:].argmax(-1)
                 sync()
@@ -311,9 +316,10 @@ def main() -> None:
         ap.error("--device cuda: no CUDA GPU is visible; use --device cpu")
     graphs = device.type == "cuda"
     cases = [c for c in CASES if (args.cases is None or c in args.cases or c == "sdpa")]
-    if not graphs and any(CASES[c][1] == "graph" for c in args.cases or []):
-        ap.error("the CUDA graph cases need --device cuda")
-    cases = [c for c in cases if graphs or CASES[c][1] != "graph"]
+    cuda_only = ("graph", "cached launch")  # CUDA graphs; Triton launches
+    if not graphs and any(CASES[c][1] in cuda_only for c in args.cases or []):
+        ap.error("the CUDA graph and cached-launch cases need --device cuda")
+    cases = [c for c in cases if graphs or CASES[c][1] not in cuda_only]
     model, name = build_model(args.config, device, DTYPES[args.dtype])
     machine = machine_description()
     where = gpu_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else cpu_kind(machine)

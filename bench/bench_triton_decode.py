@@ -11,8 +11,9 @@ what the host needs to issue it. This separates the two, per case, at each N key
                median divided by that count (no host work left);
 Cases: our ``attention()`` without and with argmax, with half the query heads skipped (eager in the exact
 grid and in the sync-free grid; under capture the grid switches to the sync-free mode by itself), our
-decode launcher called directly (no validation, no custom op), and PyTorch SDPA (``enable_gqa``) as the
-alternative. The ratios compare with SDPA in the same column. The eager column is do_bench's, which
+decode launcher called directly (no validation, no custom op), the first and the last of those again with
+the kernels launched through retmask's launcher cache instead of Triton's JIT entry ("cached launch",
+``retmask.kernels.triton.launch``), and PyTorch SDPA (``enable_gqa``) as the alternative. The ratios compare with SDPA in the same column. The eager column is do_bench's, which
 clears the L2 cache between calls and so lets the host run ahead: for a host-bound call the host column
 is what a decoding loop pays. Writes bench/results/attention_triton_decode_<model>_<dtype>_<gpu>.{md,json,png}
 (or --out). Needs a CUDA GPU.
@@ -32,7 +33,15 @@ from retmask.commands.argtypes import positive_int
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_triton import DTYPES, MODELS, add_shape_args, sync_free_grid  # noqa: E402
-from common import gpu_slug, markdown_table, median, plot_lines, save_figure, write_page  # noqa: E402
+from common import (  # noqa: E402
+    cached_triton_launch,
+    gpu_slug,
+    markdown_table,
+    median,
+    plot_lines,
+    save_figure,
+    write_page,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -52,6 +61,17 @@ def _cases(
     v = torch.randn(batch, hkv, n, d, device=dev, dtype=dtype, generator=gen)
     skip = (torch.arange(hq, device=dev) % 2 == 1).expand(batch, hq).contiguous()
     scale = d**-0.5
+
+    def cached(fn: Callable[[], object]) -> Callable[[], object]:
+        def run():
+            with cached_triton_launch(True):
+                return fn()
+
+        return run
+
+    launcher_only = lambda: decode_forward(  # noqa: E731
+        q, k, v, key_padding_mask=None, skip_heads=None, sm_scale=scale, argmax_rows=1, return_lse=False
+    )
     return {
         "triton": lambda: attention(q, k, v, backend="triton"),
         "triton+argmax": lambda: attention(q, k, v, backend="triton", return_argmax=True),
@@ -59,9 +79,12 @@ def _cases(
         "triton, half heads skipped, sync-free grid": sync_free_grid(
             lambda: attention(q, k, v, backend="triton", skip_heads=skip)
         ),
-        "triton launcher only (+argmax)": lambda: decode_forward(
-            q, k, v, key_padding_mask=None, skip_heads=None, sm_scale=scale, argmax_rows=1, return_lse=False
+        "triton launcher only (+argmax)": launcher_only,
+        "triton, cached launch": cached(lambda: attention(q, k, v, backend="triton")),
+        "triton+argmax, cached launch": cached(
+            lambda: attention(q, k, v, backend="triton", return_argmax=True)
         ),
+        "triton launcher only (+argmax), cached launch": cached(launcher_only),
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
     }
 

@@ -370,22 +370,33 @@ def force_cpu_backward(path: str | None) -> None:
     paths.cpu_backward_path = forced
 
 
-# ---- the Triton forward rule, moved for a comparison -----------------------------------------------
+# ---- the Triton rules, moved for a comparison ------------------------------------------------------
 
 
 @contextlib.contextmanager
-def split_key_rows(rows: int | None) -> Iterator[None]:
-    """Inside, Triton forward calls of up to ``rows`` query rows take the split-key kernel
-    (``retmask.kernels.paths.SPLIT_KEY_ROWS``, which ``triton_forward_kernel`` reads on every call; for
-    benchmarks only). None: the rule as it is."""
+def _paths_setting(name: str, value: Any) -> Iterator[None]:
+    """Inside, ``retmask.kernels.paths.<name>`` is ``value`` (the rules read it on every call; for
+    benchmarks only). None: as it is."""
     from retmask.kernels import paths
 
-    saved = paths.SPLIT_KEY_ROWS
-    paths.SPLIT_KEY_ROWS = saved if rows is None else rows
+    saved = getattr(paths, name)
+    setattr(paths, name, saved if value is None else value)
     try:
         yield
     finally:
-        paths.SPLIT_KEY_ROWS = saved
+        setattr(paths, name, saved)
+
+
+def split_key_rows(rows: int | None) -> contextlib.AbstractContextManager:
+    """Inside, Triton forward calls of up to ``rows`` query rows take the split-key kernel
+    (``paths.SPLIT_KEY_ROWS``). None: the rule as it is."""
+    return _paths_setting("SPLIT_KEY_ROWS", rows)
+
+
+def cached_triton_launch(on: bool | None) -> contextlib.AbstractContextManager:
+    """Inside, Triton kernels launch through retmask's launcher cache (True) or Triton's JIT entry (False)
+    (``paths.CACHED_TRITON_LAUNCH``). None: the rule as it is."""
+    return _paths_setting("CACHED_TRITON_LAUNCH", on)
 
 
 # ---- the NIAH grid of the detection benchmarks -----------------------------------------------------

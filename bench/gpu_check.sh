@@ -12,9 +12,10 @@
 #   bench  bench_triton.py in bf16 for the SmolLM2 and Llama-3.1-8B attention shapes, with the verify phase
 #          (split-key kernel against the prefill kernel for 9-row passes; pages in OUTDIR);
 #   decode bench_triton_decode.py: a decode call's host time against its GPU time in a CUDA graph, both
-#          shapes, bf16 (pages in OUTDIR);
+#          shapes, bf16, with Triton's JIT entry and with retmask's launcher cache (what decides
+#          paths.CACHED_TRITON_LAUNCH; pages in OUTDIR);
 #   step   bench_decode_step.py: time per generated token of a whole SmolLM2-shaped model by attention
-#          implementation (sdpa, eager, retmask with argmax / head masks / in-place cache), bf16;
+#          implementation (sdpa, eager, retmask with argmax / head masks / in-place cache / launcher cache), bf16;
 #   graph  the same with a static cache and the decode step in a CUDA graph (torch.compile
 #          "reduce-overhead", as generate compiles it), sdpa against retmask, 4K prompt (pages in
 #          OUTDIR/graph: two inductor compilations, allow ~3 min);
@@ -65,7 +66,7 @@ if [ -n "${SMOLLM2_GGUF_XZ:-}" ] && ls $SMOLLM2_GGUF_XZ >/dev/null 2>&1; then
     export PYTHONPATH="$emb:$PYTHONPATH"
 fi
 gpu_tests=(
-    tests/kernels/test_triton.py tests/kernels/test_sink_window.py
+    tests/kernels/test_triton.py tests/kernels/test_triton_launch.py tests/kernels/test_sink_window.py
     tests/hf/test_equivalence.py tests/hf/test_heads.py tests/hf/test_capture.py tests/hf/test_kv_cache.py
     tests/hf/test_attention_features.py tests/hf/test_shared_prefill.py tests/hf/test_static_cache.py
     tests/detect/test_fast_equals_oracle.py tests/detect/test_kv_only.py tests/detect/test_static_passes.py
@@ -138,6 +139,7 @@ for stage in $stages; do
         timeout "${STEP_TIMEOUT:-180}" $py bench/bench_decode_step.py --device cuda --dtype bf16 \
             --prompt ${STEP_PROMPTS:-1024 4096} --steps 16 --rounds 3 --out "$out" \
             --cases eager retmask retmask+argmax "retmask, half heads masked" "retmask, growing cache" \
+            "retmask, cached launch" \
             >"$out/step.log" 2>&1
         rc=$?
         grep -E "^\| [0-9]" "$out"/decode_step_*.md 2>/dev/null | cut -d: -f2- | cut -c1-110

@@ -19,6 +19,13 @@ calls of 2-64 rows, such as detection's verification passes (``bench/bench_trito
 there the prefill grid is one row block per head, mostly padding rows, each program walking every key
 alone, and the split-key kernel is expected to be several times faster at long context.
 
+Triton launch (``cached_triton_launch``): with ``CACHED_TRITON_LAUNCH`` a compiled kernel's launch skips
+Triton's JIT entry (binding, specialisation, a string key per call) and goes straight to the kernel
+compiled for the call's specialisation (``triton.launch``); without it, and always in the interpreter,
+``kernel[grid](...)``. Off until a GPU has timed it (``bench/bench_triton_decode.py``: host time per call
+with and without) and its tests have run there (``CHECK_LAUNCHES`` compares every cached launch with the
+kernel Triton itself picks).
+
 CPU forward (``cpu_forward_path``), in this order:
 
   1. ``$RETMASK_CPU_PATH`` set: that path ("cpp", "bf16dot" or "blocked"; "bf16dot" changes only
@@ -94,6 +101,19 @@ def triton_forward_kernel(rows: int) -> str:
     """The Triton forward kernel ("split_keys" or "prefill") of a call with ``rows`` query rows, by the
     rule of the module docstring."""
     return "split_keys" if rows <= SPLIT_KEY_ROWS else "prefill"
+
+
+CACHED_TRITON_LAUNCH = False  # launch compiled Triton kernels through retmask's launcher cache
+
+
+def cached_triton_launch(kernel: object) -> bool:
+    """Whether a launch of ``kernel`` goes through ``triton.launch``'s cache of compiled kernels (True)
+    or Triton's JIT entry ``kernel[grid]`` (False), by the rule of the module docstring."""
+    if not CACHED_TRITON_LAUNCH:
+        return False
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(kernel, JITFunction)
 
 
 BF16_DOT_BUILD = "avx512bf16"  # the kernel build that runs bf16 dot products natively
@@ -224,6 +244,15 @@ def describe() -> dict[str, Any]:
         why = f"M = {rows} query rows; the split-key kernel takes M <= {SPLIT_KEY_ROWS}"
         calls[f"cuda {kind}"] = {"path": f"triton {triton_forward_kernel(rows)}{no_gpu}", "why": why}
     calls["cuda backward"] = {"path": f"triton{no_gpu}", "why": "the Triton backward for CUDA tensors"}
+    launch_why = (
+        "compiled kernels launched from retmask's cache, one per specialisation (CACHED_TRITON_LAUNCH)"
+        if CACHED_TRITON_LAUNCH
+        else "CACHED_TRITON_LAUNCH is off until a GPU has timed retmask's launcher cache"
+    )
+    calls["cuda kernel launch"] = {
+        "path": ("retmask launcher cache" if CACHED_TRITON_LAUNCH else "Triton JIT entry") + no_gpu,
+        "why": launch_why,
+    }
     calls["float64"] = {"path": "reference", "why": "only the plain-torch oracle computes in float64"}
     settings = {
         name: os.environ.get(name, "") for name in (CPU_PATH_ENV, cpu.ISA_ENV, cpu_speedups.SWITCH_ENV)

@@ -64,6 +64,7 @@ from .common import (
     with_blocks,
 )
 from .fwd import _load_rows, _logit_scales, _tanh
+from .launch import launch_kernel
 
 
 @triton.jit
@@ -411,13 +412,15 @@ def attention_backward(
         )
         common = dict(HEAD_DIM=D, BLOCK_D=bd, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         with device_guard(q):
-            _bwd_preprocess_kernel[(m_blocks, plist.grid)](
+            launch_kernel(
+                _bwd_preprocess_kernel, (m_blocks, plist.grid),
                 out, grad_out, delta, pairs, lse, sinks if sinks is not None else dummy,
                 dsink_part if dsink_part is not None else dummy,
                 *out.stride(), *grad_out.stride(), Hq, M,
                 BLOCK_M=bm, HAS_PAIRS=plist.pairs is not None, HAS_SINKS=sinks is not None, **common,
             )  # fmt: skip
-            _bwd_dkdv_kernel[(cdiv(N, bn), kv_plist.grid)](
+            launch_kernel(
+                _bwd_dkdv_kernel, (cdiv(N, bn), kv_plist.grid),
                 q, k, v, grad_out, lse, delta, dk, dv, pad_arg, start_arg,
                 skip_heads if skip_heads is not None else dummy, kv_pairs, kv_disabled,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
@@ -427,7 +430,8 @@ def attention_backward(
                 FLAGGED=kv_plist.disabled is not None, DOT_PRECISION=precision,
                 **feats, **common,
             )  # fmt: skip
-            _bwd_dq_kernel[(m_blocks, plist.grid)](
+            launch_kernel(
+                _bwd_dq_kernel, (m_blocks, plist.grid),
                 q, k, v, grad_out, lse, delta, dq, pad_arg, start_arg, pairs, disabled,
                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
                 Hq, group, M, N, float(sm_scale), *feat_args,

@@ -67,6 +67,7 @@ from .common import (
     with_blocks,
 )
 from .fwd import _key_loops, _logit_scales
+from .launch import launch_kernel
 
 
 @triton.jit
@@ -314,7 +315,8 @@ def decode_forward(
         part_l = torch.empty(rows, dtype=torch.float32, device=device)
         part_acc = torch.empty(rows * bd, dtype=torch.float32, device=device)
         with device_guard(q):
-            _decode_partial_kernel[(splits, n_kv, row_blocks)](
+            launch_kernel(
+                _decode_partial_kernel, (splits, n_kv, row_blocks),
                 q, k, v, key_padding_mask if key_padding_mask is not None else dummy,
                 key_start if key_start is not None else dummy, pairs_arg, disabled_arg,
                 part_m, part_idx, part_l, part_acc,
@@ -327,7 +329,8 @@ def decode_forward(
                 DOT_PRECISION=dot_precision(q.dtype), SINK=sink_tokens is not None,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
-            _decode_merge_kernel[(n_kv, tile_rows)](
+            launch_kernel(
+                _decode_merge_kernel, (n_kv, tile_rows),
                 pairs_arg, skip_heads if skip_heads is not None else dummy,
                 sinks if sinks is not None else dummy,
                 part_m, part_idx, part_l, part_acc, out,

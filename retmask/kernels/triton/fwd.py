@@ -100,6 +100,7 @@ from .common import (
     new_index,
     with_blocks,
 )
+from .launch import launch_kernel
 
 
 @triton.jit
@@ -426,7 +427,8 @@ def attention_forward(
     def launch(cfg: TileConfig) -> None:
         n_blocks = cdiv(M, cfg.block_m)
         with device_guard(q):
-            _fwd_kernel[(n_blocks, plist.grid)](
+            launch_kernel(
+                _fwd_kernel, (n_blocks, plist.grid),
                 q, k, v, out, lse if lse is not None else dummy, argmax if argmax is not None else dummy,
                 key_padding_mask if key_padding_mask is not None else dummy,
                 key_start if key_start is not None else dummy,
