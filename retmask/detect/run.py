@@ -19,7 +19,7 @@ from retmask.detect.core import FastDetector
 from retmask.detect.drafts import DRAFT_RULE
 from retmask.detect.prefill_chunk import resolve_prefill_chunk
 from retmask.detect.scores import StabilityTracker, format_summary, head_scores, mean_matrix, summarize
-from retmask.detect.shard import dist_context, gather_results, shard
+from retmask.detect.shard import cpu_oversubscription, dist_context, gather_results, shard
 from retmask.detect.stopping import stop_token_ids
 from retmask.errors import UsageError
 from retmask.heads import model_shape
@@ -533,6 +533,10 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
     cfg = replace(cfg, chunk=resolve_prefill_chunk(cfg.chunk, model.device))
 
     rank, world = dist_context()
+    if world > 1 and model.device.type == "cpu" and rank == 0:
+        warning = cpu_oversubscription(torch.get_num_threads())
+        if warning:
+            log(warning, file=sys.stderr)
     if world > 1 and cfg.until_stable:
         raise ValueError(
             "--until-stable needs one process (the order of tests matters); drop it or run without torchrun"
