@@ -179,7 +179,25 @@ def test_without_the_rule_a_launch_is_the_jit_entry(monkeypatch):
         ("jit", (2,), (x, 32, 0.5), dict(BLOCK=16, FLAG=True, num_warps=8)),
     ]
     assert kernel.warmups == 0 and triton_launch._LAUNCHERS == {}
-    assert not paths.cached_triton_launch(kernel)  # not a JITFunction: never cached
+    assert not paths.cached_triton_launch(kernel)  # the default: off
+
+
+def _never_compiled(x):
+    pass
+
+
+def test_the_rule_caches_only_jit_functions_and_only_when_on(monkeypatch):
+    """``paths.cached_triton_launch``: off by default; on, only for Triton's JIT kernels (the
+    interpreter's kernels and stand-ins keep ``kernel[grid]``)."""
+    from triton.runtime.jit import JITFunction
+
+    jit = JITFunction(_never_compiled)
+    assert not paths.cached_triton_launch(jit)
+    monkeypatch.setattr(paths, "CACHED_TRITON_LAUNCH", True)
+    assert paths.cached_triton_launch(jit)
+    assert not paths.cached_triton_launch(_stand_in())
+    # our kernels: the interpreter's on a CPU-only machine, Triton's JIT kernels on a GPU
+    assert paths.cached_triton_launch(triton_bwd._bwd_dq_kernel) == (not triton_common.interpreting())
 
 
 def test_every_call_site_passes_runtime_arguments_by_position_and_constexprs_by_name(monkeypatch):
