@@ -308,12 +308,12 @@ def decode_forward(
         keys_per_split = max(bn, cdiv(cdiv(span, splits), bn) * bn)  # whole key blocks per split
         splits = max(1, cdiv(span, keys_per_split))  # drop splits that rounding left empty
         # Partial states: every (slot, row block, split, row) is written by the partial kernel, so plain
-        # empty buffers.
+        # empty memory, in one allocation (each one costs host time on a GPU): m, l, the argmax (int32,
+        # the same 4 bytes) and acc; rows is a multiple of 16, so every part stays 16-byte aligned.
         rows = n_kv * row_blocks * splits * bg
-        part_m = torch.empty(rows, dtype=torch.float32, device=device)
-        part_idx = torch.empty(rows, dtype=torch.int32, device=device)
-        part_l = torch.empty(rows, dtype=torch.float32, device=device)
-        part_acc = torch.empty(rows * bd, dtype=torch.float32, device=device)
+        part = torch.empty(rows * (3 + bd), dtype=torch.float32, device=device)
+        part_m, part_l, part_idx, part_acc = part.split_with_sizes([rows, rows, rows, rows * bd])
+        part_idx = part_idx.view(torch.int32)
         with device_guard(q):
             launch_kernel(
                 _decode_partial_kernel, (splits, n_kv, row_blocks),
