@@ -31,8 +31,8 @@ def cpu_oversubscription(threads: int) -> str | None:
     """A warning when the processes of a multi-process run on this machine want more threads than it has
     cores (``LOCAL_WORLD_SIZE`` processes x ``threads`` each), else None.
 
-    Oversubscribed, OpenMP's threads spin while they wait for each other: on 2 cores, two processes of 2
-    threads ran their detection 5x slower than one process (67 s against 13 s for the same tests). torchrun
+    Oversubscribed, OpenMP's threads spin while they wait for each other, and a run is several times
+    slower than in one process (see docs/reliability.md). torchrun
     gives each process 1 thread unless OMP_NUM_THREADS is set; sleeping instead of spinning
     (OMP_WAIT_POLICY=PASSIVE) keeps the thread count and the numbers, and removes most of the loss."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
