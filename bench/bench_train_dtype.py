@@ -19,7 +19,7 @@ Steps (each a ``retmask`` command, run as a subprocess; finished steps are skipp
      machine hits all alike.
      Each run's ``retmask_train.json`` gives the per-step losses and the seconds per optimizer step.
 
-The learning rate defaults to 2e-5, 40x the paper's 5e-7: at 5e-7 the loss barely leaves ln 2 in a few
+The learning rate defaults to 2e-5, 40x the published 5e-7: at 5e-7 the loss barely leaves ln 2 in a few
 steps and any two curves "match". On a CPU without native bf16 (no AMX-BF16 / AVX512-BF16) torch emulates
 bf16 matmuls; retmask's linears and LM head multiply the bf16-rounded operands in fp32 there, so a bf16
 step costs about an fp32 one and gains nothing; ``--dtype auto`` keeps fp32 on such CPUs.
@@ -232,7 +232,7 @@ def main() -> None:
         f"Embedded SmolLM2-135M-Instruct. {stats.get('pairs', '?')} pairs from the first {args.instructions} "
         f"shipped instructions (rejected rows: the τ = 0.1 retrieval heads of `smollm2_scores.json` masked; "
         f"generated once in fp32). `retmask train`: {args.steps} optimizer steps of batch {args.batch_size} x "
-        f"grad-accum {args.grad_accum}, lr {args.lr:g} (40x the paper's 5e-7, so that the loss moves), seed 0; "
+        f"grad-accum {args.grad_accum}, lr {args.lr:g} (40x the published 5e-7: the loss moves), seed 0; "
         "bf16 = bf16 autocast over fp32 master weights and optimizer state. "
         f"Runs per variant: {args.repeats}, in A B C D D C B A order.",
         "",

@@ -1,5 +1,5 @@
-"""MuDAF vs vanilla SFT on the embedded SmolLM2-135M-Instruct (the paper's Fig. 5, small): reproduces
-``bench/results/mudaf_smollm2.{json,png}``.
+"""MuDAF vs vanilla SFT on the embedded SmolLM2-135M-Instruct (MuDAF's published comparison, small):
+reproduces ``bench/results/mudaf_smollm2.{json,png}``.
 
     python bench/mudaf_smollm2.py --work runs/mudaf [--steps 60 ...]
 

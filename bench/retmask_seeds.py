@@ -8,7 +8,7 @@ cache (the original model is evaluated once). A seed sets the sampling of the ch
 
 Reported per run: NIAH (mean ROUGE-1 recall over the evaluation grid) of the trained model against the
 original, and the mean retrieval score of the retrieval heads (the detection's τ set) and of all other
-heads on the evaluation's NIAH tests (RetMask's §5.3 measure). Per seed the RetMask run is paired with each
+heads on the evaluation's NIAH tests (the retrieval-score shift). Per seed the RetMask run is paired with each
 baseline run of the same seed (same instructions, same generation seed): the page gives the paired
 differences, their mean and standard deviation over seeds, and on how many seeds RetMask is ahead.
 
@@ -17,7 +17,7 @@ Writes bench/results/retmask_seeds_smollm2.{md,json,png}.
     flock /tmp/retmask-heavy.lock python bench/retmask_seeds.py                  # 3 seeds x RetMask / Random-Mask
     python bench/retmask_seeds.py --seeds 0 --baselines retmask --runs /tmp/rs    # one run, quick look
     flock /tmp/retmask-heavy.lock python bench/retmask_seeds.py --seeds 0,1,2,3,4 \
-        --baselines retmask,random,non-retrieval,sft,win-lose   # the page's study, all the paper's baselines
+        --baselines retmask,random,non-retrieval,sft,win-lose   # the page's study: every published baseline
     python bench/retmask_seeds.py --no-launch --seeds 0,1,2,3,4,5,6,7,8,9 \
         --baselines retmask,random,non-retrieval,sft,win-lose   # render the finished runs only: each
                                                                 # comparison over the seeds both sides have
@@ -61,7 +61,7 @@ LABELS = {
 
 
 def pipeline_argv(args: argparse.Namespace, baseline: str, seed: int) -> list[str]:
-    """The ``retmask pipeline`` command of one (baseline, seed) run. "sft" is the paper's SFT baseline: the
+    """The ``retmask pipeline`` command of one (baseline, seed) run. "sft" is the SFT baseline: the
     RetMask run's pairs (same seeds), trained on the chosen responses only."""
     variant = ["--baseline", "retmask", "--sft"] if baseline == "sft" else ["--baseline", baseline]
     return [
@@ -249,13 +249,14 @@ def main() -> None:
         f"{cpu_label(machine)})",
         "",
         f"Each run: `retmask pipeline` with `--dtype {args.dtype}` (bf16 autocast where the CPU has native "
-        f"bf16), lr {args.lr:g} (the paper's is 5e-7: see `retmask_smollm2.md`, where 5e-7 changed no answer at "
+        f"bf16), lr {args.lr:g} (the published lr is 5e-7: see `retmask_smollm2.md`, where 5e-7 changed "
+        "no answer at "
         f"this scale), {args.num_instructions} instructions, DPO 2 epochs at global batch 8 (SFT on chosen: the "
         "RetMask run's pairs of the same seed, the chosen responses only, same optimiser settings; Win-Lose-Pair: "
         "two samples of the unmasked model per instruction, the one with the higher ROUGE-L F1 against the "
         "instruction's reference answer chosen, instructions drawn from those with a reference; its judge ties "
         "often, and tied pairs are dropped and made up by further instructions, so it trains on as many pairs "
-        "as the others; the paper's judge is Gemma-3-27B-IT), telemetry off; "
+        "as the others; the published runs' judge is Gemma-3-27B-IT), telemetry off; "
         f"detection reused from `{args.scores.name}` ({len(retrieval)} retrieval heads at τ = {RETRIEVAL_TAU}); "
         f"evaluation: NIAH only, {first['niah_tests']} tests ({args.eval_lengths} lengths in 1000-4000 tokens x "
         f"{args.eval_depths} depths x {args.eval_needles} needles), greedy. Original model NIAH: "

@@ -24,11 +24,15 @@ VARIANTS = [  # (run dir name, label, description)
     ("retmask", "RetMask", "retrieval heads (score >= 0.1) masked for the rejected responses"),
     ("non-retrieval", "Non-Retrieval-Mask", "as many random non-retrieval heads masked"),
     ("random", "Random-Mask", "as many random heads (any) masked"),
-    ("retmask-lr2e-5", "RetMask, lr 2e-5 (deviation)", "same pairs as RetMask, peak lr 40x the paper's 5e-7"),
+    (
+        "retmask-lr2e-5",
+        "RetMask, lr 2e-5 (deviation)",
+        "same pairs as RetMask, peak lr 40x the published 5e-7",
+    ),
     (
         "random-lr2e-5",
         "Random-Mask, lr 2e-5 (deviation)",
-        "same pairs as Random-Mask, peak lr 40x the paper's",
+        "same pairs as Random-Mask, peak lr 40x the published one",
     ),
 ]
 

@@ -1,4 +1,4 @@
-"""``retmask ablate``: NIAH score vs K, top-K retrieval heads masked vs K random heads (Wu et al. Fig. 7).
+"""``retmask ablate``: NIAH score vs K, top-K retrieval heads masked vs K random heads.
 
 Writes ``<out-dir>/<prefix>.json`` (curve + every configuration's grid and answers), ``<prefix>.md`` (table)
 and ``<prefix>.png`` (line plot); each configuration is saved atomically under ``<prefix>.configs/`` as it
@@ -41,7 +41,7 @@ CURVE_DEFAULTS = {"k": "0,5,10,20,40", "seeds": 3, "random_from": "all"}
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "ablate",
-        help="NIAH score vs K: top-K retrieval heads masked vs K random heads (Wu et al. Fig. 7)",
+        help="NIAH score vs K: top-K retrieval heads masked vs K random heads",
         description=(
             "For each K, evaluate the NIAH grid with the K best heads of --scores masked and with K random "
             "heads masked (--seeds draws; mean ± std); K = 0 runs once. Prints and writes a markdown table, "
@@ -76,7 +76,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--random-from",
         default=None,
         choices=["all", "non-retrieval"],
-        help="draw random heads from all heads (Wu et al. Fig. 7) or only heads scoring below --tau "
+        help="draw random heads from all heads or only heads scoring below --tau "
         f"(default: {CURVE_DEFAULTS['random_from']})",
     )
     p.add_argument("--tau", type=unit_float, default=None,

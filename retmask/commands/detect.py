@@ -1,4 +1,4 @@
-"""``retmask detect``: retrieval scores of every attention head (Wu et al. 2024), reference-compatible."""
+"""``retmask detect``: retrieval scores of every attention head, reference-compatible."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from retmask.errors import UsageError
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "detect",
-        help="detect retrieval heads (Needle-in-a-Haystack retrieval score of Wu et al. 2024)",
+        help="detect retrieval heads (Needle-in-a-Haystack retrieval score)",
         description=(
-            "Run the Needle-in-a-Haystack retrieval-head detection of Wu et al. (2024) exactly as the published "
+            "Run the Needle-in-a-Haystack retrieval-head detection exactly as the published "
             "script (context construction, prompt, needle span, greedy decoding, copy rule, ROUGE-1 filter), "
             "fast: fused-kernel argmax, prompt-lookup verification, KV-prefix reuse. Writes "
             "{'<layer>-<head>': [per-test scores]} (the published head_score format) and a run record."

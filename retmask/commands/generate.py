@@ -61,7 +61,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--temperature",
         type=nonneg_float,
         default=0.6,
-        help="sampling temperature (0 = greedy; the paper uses 0.6)",
+        help="sampling temperature (0 = greedy; RetMask's published runs used 0.6)",
     )
     p.add_argument("--top-p", type=open_unit_float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--max-new-tokens", type=token_count, default=512, help="tokens per response at most")

@@ -35,11 +35,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "mudaf-train",
         help="MuDAF contrastive head training on MDQA data (--vanilla-sft: the CLM-only baseline)",
         description=(
-            "Loss L_CLM + λ·L_CON (MuDAF Eq. 8); L_CON = cross-entropy over passages of cos(q, k̄_p)/τ, q = the "
+            "Loss L_CLM + λ·L_CON; L_CON = cross-entropy over passages of cos(q, k̄_p)/τ, q = the "
             "last prompt token's post-RoPE query of the selected heads concatenated, k̄_p = the mean post-RoPE "
             "key of passage p (a query head uses its KV group's keys), golden passage(s) positive (two golden "
             "passages: one term each against the distractors, averaged). CLM on the answer tokens of the "
-            "paper's template. Heads from --heads, or sampled from MDQA scores with P(h) ∝ exp(R_h/τ_h). "
+            "MDQA prompt. Heads from --heads, or sampled from MDQA scores with P(h) ∝ exp(R_h/τ_h). "
             "AdamW, constant lr after optional warm-up, fp32 or bf16 autocast (--dtype); saves an HF checkpoint and mudaf_train.json."
         ),
         epilog=example(
@@ -67,12 +67,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     weight = p.add_mutually_exclusive_group()  # two ways to weight L_CON: one at a time
     weight.add_argument("--lambda", dest="lambda_con", type=nonneg_float, default=d.lambda_con,
-                   help="λ in L_CLM + λ·L_CON (paper Eq. 8)")  # fmt: skip
+                   help="λ in L_CLM + λ·L_CON")  # fmt: skip
     weight.add_argument("--alpha", type=unit_float,
                    help="use (1-α)·L_CLM + α·L_CON instead (the reference code's form; it used α = 0.3)")  # fmt: skip
     p.add_argument("--temperature", type=positive_float, default=d.temperature, help="L_CON temperature")
     p.add_argument("--similarity", choices=SIMILARITIES, default=d.similarity,
-                   help="concat: one cosine over all heads' vectors (the paper's choice); per-head: Eq. 7 summed")  # fmt: skip
+                   help="concat: one cosine over all heads' vectors (MuDAF's published choice); "
+                        "per-head: one cross-entropy per head, summed")  # fmt: skip
     p.add_argument(
         "--lr",
         type=positive_float,

@@ -62,10 +62,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--baseline", choices=VARIANTS, default=d.baseline,
                    help="what makes the rejected responses: the retrieval heads masked (retmask), as many "
-                        "random or non-retrieval heads masked, or win-lose (the paper's Win-Lose-Pair: the worse "
+                        "random or non-retrieval heads masked, or win-lose (Win-Lose-Pair: the worse "
                         "of two samples of the unmasked model, judged by ROUGE-L F1 against the instructions' "
                         "reference answers; it draws further instructions until it has --num-instructions pairs, "
-                        "since that judge ties often), or smaller-model (the paper's Smaller-Model: the rejected "
+                        "since that judge ties often), or smaller-model (Smaller-Model: the rejected "
                         "responses from --rejected-model, nothing masked)")  # fmt: skip
     p.add_argument("--rejected-model", help="with --baseline smaller-model: the smaller model whose responses are "
                    f"rejected (its own tokenizer and chat template): {MODEL_SPEC}")  # fmt: skip
@@ -108,13 +108,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="instructions per generation batch (2x rows: chosen and rejected)")  # fmt: skip
     g.add_argument("--gen-seed", type=seed_int, default=d.gen_seed, help="seed of the sampled responses")
     g = p.add_argument_group("train")
-    g.add_argument("--lr", type=positive_float, default=d.lr, help="peak learning rate (the paper's)")
+    g.add_argument(
+        "--lr", type=positive_float, default=d.lr, help="peak learning rate (RetMask's published one)"
+    )
     g.add_argument("--epochs", type=positive_float, default=d.epochs, help="passes over the pairs")
     g.add_argument("--max-steps", type=steps_or_off, default=d.max_steps,
                    help="stop DPO after N optimizer steps; -1: --epochs decides")  # fmt: skip
     g.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="pairs per device and step")
     g.add_argument("--grad-accum", type=positive_int, default=d.grad_accum,
-                   help="gradient accumulation steps (global batch = batch size x this; the paper's is 512)")  # fmt: skip
+                   help="gradient accumulation steps (global batch = batch size x this; the published "
+                        "recipe's is 512)")  # fmt: skip
     g.add_argument("--max-length", type=token_count, default=d.max_length,
                    help="prompt + response tokens; longer responses are cut")  # fmt: skip
     g.add_argument("--beta", type=positive_float, default=d.beta, help="DPO beta")
@@ -127,7 +130,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--sft",
         action="store_true",
-        help="train on the pairs' chosen responses only, without the contrast (the paper's SFT baseline; the "
+        help="train on the pairs' chosen responses only, without the contrast (the SFT baseline; the "
         "rejected responses are still generated, so a run with the same seeds trains on RetMask's chosen)",
     )
     g.add_argument(

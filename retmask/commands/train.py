@@ -38,9 +38,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="DPO on preference pairs with retmask attention (--sft: the SFT baseline)",
         description=(
             "TRL DPOTrainer (sigmoid loss), policy loaded with attn_implementation='retmask', reference = a "
-            "frozen copy of the original model. Defaults follow the RetMask paper: AdamW (0.9, 0.95), weight "
-            "decay 0.1, lr 5e-7 with 10% linear warm-up then cosine to 5e-8, beta 0.1, 2 epochs. Prompts that "
-            "alone reach --max-length are an error (TRL 1.16 would drop them silently)."
+            "frozen copy of the original model. Defaults are RetMask's published recipe: AdamW (0.9, 0.95), "
+            "weight decay 0.1, lr 5e-7 with 10% linear warm-up then cosine to 5e-8, beta 0.1, 2 epochs. "
+            "Prompts that alone reach --max-length are an error (TRL 1.16 would drop them silently)."
         ),
         epilog=example(
             "retmask train --model smollm2 --pairs runs/pairs.jsonl --out runs/dpo --telemetry-every 10"
@@ -86,9 +86,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     precision.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
     add_device_arg(p, help="where to train: cpu or cuda (the Trainer's first visible GPU; pick one "
                            "with CUDA_VISIBLE_DEVICES)")  # fmt: skip
-    p.add_argument(
-        "--sft", action="store_true", help="SFT on the chosen responses only (the paper's baseline)"
-    )
+    p.add_argument("--sft", action="store_true", help="SFT on the chosen responses only (the SFT baseline)")
     p.add_argument("--lm-head-positions", choices=LM_HEAD_POSITIONS, default=d.lm_head_positions,
                    help="DPO on a CPU: project only the completion positions through TRL's fused LM head "
                         "(labelled: what TRL does on CUDA) or every position (all: what TRL does on a CPU, "

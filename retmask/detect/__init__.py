@@ -1,4 +1,4 @@
-"""Retrieval-head detection (Wu et al. 2024 retrieval score).
+"""Retrieval-head detection (the Needle-in-a-Haystack retrieval score).
 
 core.py     per-test copy counting: the step-by-step oracle and the fast path (proven equal by tests)
 drafts.py   drafts for the fast path's verification passes: earlier answers to the needle, prompt lookup

@@ -3,7 +3,7 @@
 Both return, for one prompt, the greedy answer and ``copies`` [L, Hq]: for every layer and query head the
 number of decoding steps t at which the head's most attended key ``j`` (attention row of the token fed at
 step t) lies in the needle span and ``prompt[j]`` equals the token ``y_t`` produced at that step
-(Wu et al.'s copy rule). Decoding: greedy, at most ``max_new_tokens``, stopping after a stop token.
+(the copy rule). Decoding: greedy, at most ``max_new_tokens``, stopping after a stop token.
 """
 
 from __future__ import annotations

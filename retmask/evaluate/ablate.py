@@ -1,4 +1,4 @@
-"""Head ablation (Wu et al. 2024, Fig. 7): NIAH score vs K with the top-K retrieval heads masked, against K
+"""Head ablation: NIAH score vs K with the top-K retrieval heads masked, against K
 random heads masked (several seeds; mean ± std).
 
 Every mask configuration is one :func:`retmask.evaluate.niah.evaluate_niah` run on the same grid. Its
@@ -34,8 +34,8 @@ from retmask.plotting import pyplot, save_figure
 from retmask.runfiles import JsonFile, atomic_write_json, atomic_write_text, check_same_settings
 
 RANDOM_POOLS = ("all", "non-retrieval")
-# random-from "non-retrieval": heads with a mean retrieval score below this (Wu et al.'s and RetMask's τ for
-# Llama; RetMask uses 0.05 for Qwen3 and OLMo-3: pass tau to run_ablation / --tau)
+# random-from "non-retrieval": heads with a mean retrieval score below this (the published τ of retrieval
+# heads, used by RetMask for Llama; RetMask uses 0.05 for Qwen3 and OLMo-3: pass tau to run_ablation / --tau)
 NON_RETRIEVAL_TAU = 0.1
 SUMMARY_VERSION = 1
 

@@ -67,7 +67,7 @@ def plot_tasks(results: Sequence[dict], path: Path) -> Path:
 
 def plot_shift(results: Sequence[dict], heads_sets: Sequence[dict], path: Path) -> Path:
     """Left: mean score of each heads set vs the other heads, per model. Right: per-head change from the
-    first model against its score there, the first heads set highlighted (RetMask Fig. 5's view)."""
+    first model against its score there, the first heads set highlighted."""
     plt = pyplot()
     scored = [r for r in results if "scores" in r]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -170,7 +170,7 @@ def render_report(data: dict) -> str:
         rows = [[s["label"], _f(s["masked_mean"], 4), _f(s["masked_change"], 4, True), _f(s["other_mean"], 4),
                  _f(s["other_change"], 4, True), f"{s['counted']}/{s['tests']}"] for s in hs["shift"]]  # fmt: skip
         out += [f"## Retrieval-score shift: {hs['name']}", "",
-                f"Mean retrieval score (Wu et al., on the NIAH tests above that pass the ROUGE-1 > 0.5 filter) of the "
+                f"Mean retrieval score (on the NIAH tests above that pass the ROUGE-1 > 0.5 filter) of the "
                 f"heads in `{hs['file']}` vs all other heads.", "",
                 _table(["model", "masked heads", "change", "other heads", "change", "counted tests"], rows), ""]  # fmt: skip
     # plotted only with NIAH scores (suite.run_suite's rule)

@@ -1,6 +1,7 @@
-"""Retrieval scores of a model on a small NIAH probe, and the masked-vs-other split (RetMask §5.3).
+"""Retrieval scores of a model on a small NIAH probe, and the masked-vs-other split: does training raise the
+masked heads' scores more than the others'?
 
-The probe is an ordinary detection run (Wu et al. score, ``retmask.detect``): the same tests
+The probe is an ordinary detection run (the retrieval score of ``retmask.detect``): the same tests
 (``retmask.niah.build_tests``), the same fast path (``FastDetector``: greedy answer + argmax capture in one
 pass, prefix-ordered tests sharing KV prefixes), the same ROUGE-1 > 0.5 filter and the same per-head score
 (copies / answer tokens, averaged over the counted tests). Only the grid is small, so it can run during

@@ -3,7 +3,7 @@
 Per model (each loaded with ``retmask.load_model``, retmask attention, no head masked):
 
 * **NIAH grid** (ROUGE-1 recall per length × depth; ``retmask.evaluate.niah.NiahResult``) and the
-  **retrieval scores** of every head (Wu et al.) come from one pass of the detection fast path over the
+  **retrieval scores** of every head come from one pass of the detection fast path over the
   NIAH tests (``retmask.evaluate.shift.probe_scores``): the greedy answers are those of
   ``evaluate_niah`` (same tests, same decoder; tested), and the argmax capture of that pass scores the
   heads, so the grid and the scores cost one run, not two. (A test whose needle span the span rule cannot
@@ -11,7 +11,7 @@ Per model (each loaded with ``retmask.load_model``, retmask attention, no head m
 * **multi-needle recall** and **key–value retrieval** (``retmask.evaluate.synthetic``).
 
 Across models: the **retrieval-score shift** — mean score of the masked heads (``--heads``) and of the
-other heads for each model, and their change from the first model (RetMask §5.3).
+other heads for each model, and their change from the first model.
 
 Per-model results are cached in ``<cache>/<fingerprint>.json`` (fingerprint = evaluation settings + the
 model's weights), written atomically when a model finishes: an interrupted run resumes with the next

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 RETRIEVAL_TAU = 0.1
-"""Wu et al.'s threshold: a head whose mean retrieval score is >= 0.1 is a retrieval head."""
+"""The published threshold: a head whose mean retrieval score is >= 0.1 is a retrieval head."""
 
 Head = tuple[int, int]
 """``(layer, query_head)``, both 0-based. Scores and masks are per *query* head (GQA shares KV heads)."""

@@ -3,7 +3,7 @@
 ``bfloat16`` training keeps the parameters, their gradients and the optimizer state in float32 and runs
 the forward (and so the backward) of matmul-like ops in bf16 under ``torch.autocast``; losses, softmax
 and norms stay in float32 (autocast's own op lists). This is what transformers' Trainer does with
-``bf16=True`` and what the RetMask and MuDAF papers train with on GPUs.
+``bf16=True`` and what the published RetMask and MuDAF runs train with on GPUs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Needle-in-a-Haystack building blocks (Wu et al. 2024), tokenizer-level and model-free.
+"""Needle-in-a-Haystack building blocks, tokenizer-level and model-free.
 
 haystack.py  default haystack text and haystack files      needles.py  needles JSONL
 context.py   context construction (buffer, walk back)      prompt.py   chat / base prompt

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 # them a typo (``--num-lengths 1000000000``) would allocate gigabytes or build prompts for hours before
 # any other error. Depths are whole percentages, so 101 distinct ones at most; lengths are whole tokens.
 MAX_DEPTHS = 101
-MAX_GRID_CELLS = 1_000_000  # lengths x depths: 5,000 times Wu et al.'s 20 x 10
-# token ids of all prompts together (int64: 2 GiB), about 17 times Wu et al.'s 3 needles x 200 cells x 25K
+MAX_GRID_CELLS = 1_000_000  # lengths x depths: 5,000 times the published 20 x 10 grid
+# token ids of all prompts together (int64: 2 GiB), about 17 times the published 3 needles x 200 cells x 25K
 MAX_GRID_TOKENS = 1 << 28
 
 GRID_FLAGS = {
@@ -52,9 +52,11 @@ class Protocol:
 
 
 PROTOCOLS: dict[str, Protocol] = {
-    # Wu et al. 2024: 20 lengths in [1K, 50K] x 10 depths (x their 3 needles).
-    "wu2024": Protocol(1000, 50000, 20, 10, "Wu et al. 2024: 20 lengths in 1K-50K x 10 depths"),
-    # RetMask (Ma & Okazaki): 20 lengths in [0, 5K] x 10 depths; lengths too short for the 200-token
+    # the published retrieval-head grid: 20 lengths in [1K, 50K] x 10 depths (x its 3 needles).
+    "wu2024": Protocol(
+        1000, 50000, 20, 10, "published retrieval-head grid: 20 lengths in 1K-50K x 10 depths"
+    ),
+    # RetMask's published grid: 20 lengths in [0, 5K] x 10 depths; lengths too short for the 200-token
     # buffer are reported and skipped.
     "retmask": Protocol(0, 5000, 20, 10, "RetMask: 20 lengths in 0-5K x 10 depths"),
     # Default for small models on CPUs (the embedded SmolLM2 retrieves needles at 500-4000 tokens).

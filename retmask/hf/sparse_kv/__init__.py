@@ -1,4 +1,4 @@
-"""A head-sparse KV cache (Wu et al.): every key of the retrieval heads, sink + window for the others.
+"""A head-sparse KV cache: every key of the retrieval heads, sink + window for the others.
 
 Per global layer the cache keeps ALL tokens for a chosen set of KV heads ("full" heads) and, for the
 other KV heads ("windowed"), only the first S tokens (attention sinks) plus the most recent W; evicted

@@ -110,7 +110,7 @@ def head_sparse_cache(
         scores: a scores file (``retmask detect``'s JSON) or mapping, for ``budget`` / ``tau``.
         budget: the top KV heads kept whole, ranked by their best query head's score: a fraction in (0, 1]
             of the global layers' KV heads (rounded up) or an int count.
-        tau: every KV head with a query head scoring >= tau is kept whole (0.1 = Wu et al.'s retrieval heads).
+        tau: every KV head with a query head scoring >= tau is kept whole (0.1: retrieval heads).
         full_heads: an explicit list of (layer, kv_head) pairs instead (baselines; ``[]`` = StreamingLLM).
         window: W >= 1, the recent tokens every other KV head keeps (a query at p sees p - W < j <= p).
         sink_tokens: S >= 0, the first tokens (columns of the padded batch) every KV head keeps.

@@ -5,9 +5,9 @@ keeps or prunes *KV* heads: with GQA, the ``g = Hq / Hkv`` query heads ``kv * g 
 ``repeat_kv`` order transformers and the kernel use) all read the keys of KV head ``kv``. Pruning a KV head
 cuts every one of its query heads off the long context, so a KV head is ranked by its *best* query head:
 
-* ``tau=τ``: a KV head is full when any of its query heads scores ≥ τ (Wu et al.'s retrieval heads are
-  those with a mean score ≥ 0.1, ``retmask.heads.keys.RETRIEVAL_TAU``). The number of full heads then
-  follows the model: use it to keep exactly the detected retrieval heads' keys.
+* ``tau=τ``: a KV head is full when any of its query heads scores ≥ τ (retrieval heads are usually
+  taken as those with a mean score ≥ 0.1, ``retmask.heads.keys.RETRIEVAL_TAU``). The number of full heads
+  then follows the model: use it to keep exactly the detected retrieval heads' keys.
 * ``budget=``: the top KV heads by that best score (ties by (layer, kv_head)), a fraction in (0, 1] of
   the candidate KV heads (rounded up, so a small fraction keeps at least one) or an int count. Use it to
   fix the memory: the cache's size then depends on the budget, not on how many heads pass a threshold.

@@ -30,8 +30,8 @@ class MDQAScoreConfig:
 
 @dataclass
 class MuDAFConfig:
-    """MuDAF training settings. ``lambda_con`` = λ of Eq. 8; ``alpha`` switches to the reference code's
-    ``(1-α)·L_CLM + α·L_CON`` (it used α = 0.3); ``vanilla_sft`` = λ = 0 (the paper's baseline)."""
+    """MuDAF training settings. ``lambda_con`` = λ of ``L_CLM + λ·L_CON``; ``alpha`` switches to the reference
+    code's ``(1-α)·L_CLM + α·L_CON`` (it used α = 0.3); ``vanilla_sft`` = λ = 0 (the vanilla SFT baseline)."""
 
     heads: list[Head] = field(default_factory=list)
     lambda_con: float = 1.0
@@ -39,7 +39,7 @@ class MuDAFConfig:
     vanilla_sft: bool = False
     temperature: float = 0.05
     similarity: str = "concat"
-    learning_rate: float = 5e-6  # the paper's (Llama-3.1-8B, full fine-tuning)
+    learning_rate: float = 5e-6  # MuDAF's published one (Llama-3.1-8B, full fine-tuning)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     weight_decay: float = 0.0

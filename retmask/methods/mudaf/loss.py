@@ -1,4 +1,4 @@
-"""MuDAF's losses (MuDAF §3.2, Eq. 5-8): the contrastive loss on tapped q / k and the CLM loss.
+"""MuDAF's losses: the contrastive loss on tapped q / k and the CLM loss.
 
 Contrastive loss of one example, selected heads H = [(layer, head), ...]:
 
@@ -7,21 +7,21 @@ Contrastive loss of one example, selected heads H = [(layer, head), ...]:
   s_p = cos(q, k_p) / τ                              (G = Hq / Hkv: a query head reads its KV group's keys)
   L_CON = -log softmax(s)[golden]
 
-"concat" is the paper's implementation choice (App. "Fine-tuning Details": all selected heads' vectors
-concatenated before one cosine similarity; reported more stable); "per-head" is Eq. 7 read literally,
+"concat" is MuDAF's published implementation choice (all selected heads' vectors concatenated before one
+cosine similarity; reported more stable); "per-head" is one cross-entropy per head, summed:
 -sum_h log softmax_h, and is offered for comparison.
 
-Two golden passages (bridge / comparison questions): the paper's training samples have one golden passage
-each against the negatives, so each golden passage g contributes its own term with the *other* golden
+Two golden passages (bridge / comparison questions): MuDAF's published training samples have one golden
+passage each against the negatives, so each golden passage g contributes its own term with the *other* golden
 passages left out of the softmax (they are not negatives), and the terms are averaged:
   L_CON = mean_g -log( e^{s_g} / (e^{s_g} + sum_{p not golden} e^{s_p}) ).
-With one golden passage this is exactly Eq. 7.
+With one golden passage this is the plain cross-entropy above.
 
-The last prompt token (the ``:`` of ``Answer:``) is the row whose attention MDQA retrieval scores read;
-its query and the passages' keys are taken from the same forward pass as the CLM loss, in context, i.e.
-exactly the quantities of Eq. 3 (the reference code instead re-encodes the question and each passage in
-separate short passes). Nothing is detached: the loss reaches q_proj / k_proj of the selected heads (and,
-through the residual stream, every layer below the deepest selected one).
+The last prompt token (the ``:`` of ``Answer:``) is the row whose attention MDQA retrieval scores read; its
+query and the passages' keys are taken from the same forward pass as the CLM loss, in context, i.e. exactly
+the quantities the MDQA retrieval score reads (the reference code instead re-encodes the question and each
+passage in separate short passes). Nothing is detached: the loss reaches q_proj / k_proj of the selected heads
+(and, through the residual stream, every layer below the deepest selected one).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def contrastive_loss(
 def combine(
     clm: torch.Tensor, con: torch.Tensor | None, lambda_con: float, alpha: float | None
 ) -> torch.Tensor:
-    """Total loss: ``L_CLM + λ·L_CON`` (paper Eq. 8), or ``(1-α)·L_CLM + α·L_CON`` when ``alpha`` is set (the
+    """Total loss: ``L_CLM + λ·L_CON``, or ``(1-α)·L_CLM + α·L_CON`` when ``alpha`` is set (the
     reference code's form). ``con`` None or weight 0 -> the CLM loss itself (vanilla SFT)."""
     if alpha is not None:
         return clm if con is None or alpha == 0 else (1 - alpha) * clm + alpha * con

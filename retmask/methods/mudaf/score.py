@@ -1,4 +1,4 @@
-"""MuDAF's MDQA retrieval score of every attention head (MuDAF §3.1 and App. A.2).
+"""MuDAF's MDQA retrieval score of every attention head.
 
 For each example (passages in prompt order, question last, the prompt ending with ``Answer:``) and each
 head h, ``a_p`` = the attention mass from the last prompt token on the tokens of passage p. It is
@@ -11,9 +11,9 @@ is materialised: per layer the work is [B, Hq, N] logits. GQA: query head h uses
 Per example and head:
   F1  attended = {p : a_p > ε}; precision and recall against the golden set; F1 = 0 when nothing attended
   EM  1 if the top-|golden| passages by mass are exactly the golden ones (ties broken by prompt order)
-Per head: the means over examples; ``R_h`` = mean F1 (the paper's Eq. 1).
+Per head: the means over examples; ``R_h`` = mean F1.
 
-ε defaults to 0.3, the threshold of the MuDAF reference code (the paper does not print its value).
+ε defaults to 0.3, the threshold of the MuDAF reference code (the published method does not state one).
 """
 
 from __future__ import annotations

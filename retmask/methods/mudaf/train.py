@@ -1,6 +1,6 @@
-"""MuDAF training (MuDAF §3.2 and App. B): ``L = L_CLM + λ·L_CON`` with a plain torch loop, CPU fp32.
+"""MuDAF training: ``L = L_CLM + λ·L_CON`` with a plain torch loop, CPU fp32.
 
-* Data: MDQA records (``retmask.methods.mudaf.mdqa``) rendered with the paper's template
+* Data: MDQA records (``retmask.methods.mudaf.mdqa``) rendered with the MDQA template
   ``Based on the following passages, answer the question.\\n\\n<passages>\\n{body}\\n\\n</passages>\\n\\n
   Question: {question}\\nAnswer: {answer}`` + EOS; the CLM loss covers the answer tokens only (the
   leading space and the EOS included), prompt and padding are ``-100``; the LM head runs on the answer
@@ -9,7 +9,7 @@
   (:func:`retmask.hf.taps.tap_qk`; no forked modeling code).
 * Vanilla SFT baseline: λ = 0 -> the loss is exactly the CLM loss; L_CON is still computed (detached)
   on the same heads when heads are given, so both runs log it.
-* Optimiser: AdamW (β = 0.9, 0.999 as in the paper; torch's fused implementation, one kernel for all
+* Optimiser: AdamW (β = 0.9, 0.999 as MuDAF publishes; torch's fused implementation, one kernel for all
   parameters instead of a loop over them: 7x faster per step on a 2-core CPU), constant learning rate after an optional linear
   warm-up; batches of right-padded examples, gradient accumulation, seeded shuffling per epoch.
 * Output: an HF checkpoint (``save_pretrained`` + tokenizer) and ``mudaf_train.json`` (settings, heads,

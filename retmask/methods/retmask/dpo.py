@@ -1,4 +1,4 @@
-"""RetMask DPO (and the paper's SFT baseline) with TRL 1.16, the policy on ``attn_implementation="retmask"``.
+"""RetMask DPO (and the SFT baseline) with TRL 1.16, the policy on ``attn_implementation="retmask"``.
 
 The reference policy is the original model: a frozen deep copy of the policy taken before training (same
 weights, same retmask attention), passed to ``DPOTrainer`` explicitly so TRL never re-loads it from
@@ -164,7 +164,7 @@ def train_sft(
     tokenizer: Any = None,
     callbacks: list | None = None,
 ) -> TrainResult:
-    """The paper's SFT baseline: supervised training on the chosen responses only (loss on the response)."""
+    """The SFT baseline: supervised training on the chosen responses only (loss on the response)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 

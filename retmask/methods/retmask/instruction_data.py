@@ -1,7 +1,7 @@
 """Generator of the shipped RetMask instruction set (``retmask_instructions.jsonl`` next to this file).
 
-RetMask's Appendix H shows what a model with its retrieval heads masked gets wrong: it corrupts entity
-names and addresses it should copy from the prompt, ignores a stated output format, loses track of a
+A model with its retrieval heads masked gets these things wrong (RetMask's published examples): it corrupts
+entity names and addresses it should copy from the prompt, ignores a stated output format, loses track of a
 reasoning chain over given facts, and drifts on constrained answers. Each category here exercises one of
 those, so the chosen (original model) and rejected (masked model) responses differ where it matters.
 
@@ -540,7 +540,8 @@ def _near_misses(n: _Names, right: str, mutate: Callable[[str], str], k: int = 3
 
 def _mc_address(n: _Names) -> tuple[str, str | None]:
     # Options differ from the right address in one detail (number, direction, street kind, town, postcode),
-    # like the masked model's "No.8 Wuke West Second Road" -> "No.8, Wuke Road" in the paper's Figure 7.
+    # like the masked model's "No.8 Wuke West Second Road" -> "No.8, Wuke Road" in RetMask's published
+    # examples.
     company = n.company()
     street, town_zip = n.street(), f"{n.town()} {n.rng.randint(10000, 99999)}"
     right = f"{street}, {town_zip}"

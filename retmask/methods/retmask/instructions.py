@@ -9,8 +9,8 @@
 * a ``datasets`` hub name, optionally with a split: ``org/name`` or ``org/name:split`` (default ``train``).
 
 A record gives its instruction in a prompt column (``prompt``, ``instruction`` or ``question``) or as chat
-``messages``/``conversation``; for chats the first user turn is the instruction, as the paper does with
-LMSYS-Chat-1M. Problems are reported with the file and line (or row) and the column involved.
+``messages``/``conversation``; for chats the first user turn is the instruction, as RetMask's published
+runs do with LMSYS-Chat-1M. Problems are reported with the file and line (or row) and the column involved.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ evaluation from its per-model cache; training restarts (the short default run sa
 
 The defaults make the embedded SmolLM2-135M run take about 17 minutes on 2 CPU cores: the default
 detection grid (96 tests), 32 instructions (stratified over the shipped categories), ≤ 128 new tokens per
-response, DPO with the paper's optimiser settings for 2 epochs at global batch 8, and a 3-length eval.
+response, DPO with RetMask's published optimiser settings for 2 epochs at global batch 8, and a 3-length eval.
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ class Pipeline:
                     f"--baseline win-lose needs instructions with a 'reference' answer; {c.instructions} has none"
                 )
         # Win-Lose-Pair draws further instructions (same stratified order) until it has as many pairs as the
-        # other variants get from --num-instructions: its ROUGE judge ties often, the paper's LLM judge picks one
+        # other variants get from --num-instructions: its ROUGE judge ties often, an LLM judge picks one
         insts = stratified(pool, len(pool) if win_lose else c.num_instructions)
         target = c.num_instructions if win_lose else None
         out = self.dir / "generate" / "pairs.jsonl"

@@ -47,7 +47,7 @@ class PipelineConfig:
     gen_max_new_tokens: int = 128
     gen_batch_size: int = 8
     gen_seed: int = 0
-    # train (paper optimiser settings; a short run)
+    # train (RetMask's published optimiser settings; a short run)
     lr: float = 5e-7
     epochs: float = 2.0
     max_steps: int = -1
@@ -56,7 +56,7 @@ class PipelineConfig:
     max_length: int = 512
     beta: float = 0.1
     train_seed: int = 0
-    # "dpo" (RetMask) or "sft": the paper's SFT baseline, trained on the pairs' chosen responses only
+    # "dpo" (RetMask) or "sft": the SFT baseline, trained on the pairs' chosen responses only
     objective: str = "dpo"
     telemetry_every: int = 2
     drop_unfinished: bool = False  # train only on pairs whose responses ended before --gen-max-new-tokens

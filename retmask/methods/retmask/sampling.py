@@ -4,7 +4,7 @@ One model copy serves both sides. A batch of b instructions becomes 2b rows
 ``[chosen_1 .. chosen_b, rejected_1 .. rejected_b]`` (left padded) and a per-row head mask ``[2b, L, Hq]``
 switches the selected heads off in the rejected rows only, so both sides share every forward pass (the
 reference implementation needs two servers and two checkpoints). ``rejected_model`` instead gives the
-paper's Smaller-Model baseline: two models, no masks.
+Smaller-Model baseline: two models, no masks.
 
 Reproducibility guarantee. Every row samples from its own ``torch.Generator`` seeded from
 ``(seed, instruction id, side)`` (:func:`row_seed`), and a token is drawn by inverse-CDF sampling with one
@@ -41,7 +41,7 @@ class GenerateError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Decoding settings; ``temperature == 0`` means greedy. Paper/reference: T = 0.6, top-p = 1.0."""
+    """Decoding settings; ``temperature == 0`` means greedy. Published RetMask runs: T = 0.6, top-p = 1.0."""
 
     temperature: float = 0.6
     top_p: float = 1.0

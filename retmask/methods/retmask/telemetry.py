@@ -1,9 +1,10 @@
 """Live retrieval telemetry: the retrieval score of the masked heads and of the other heads while training.
 
-RetMask §5.3 finds that training raises the retrieval scores of the masked heads most. This
+RetMask training is expected to raise the retrieval scores of the masked heads most (the published runs
+show it). This
 ``TrainerCallback`` makes that visible during training: at step 0, every ``every`` optimizer steps and at
 the end it runs a small fixed NIAH probe (``retmask.evaluate.shift``: a few detection tests built once,
-the detection fast path with argmax capture, the Wu et al. score per head) on the model being trained and
+the detection fast path with argmax capture, the retrieval score per head) on the model being trained and
 logs
 
 * ``retrieval/masked_mean``: mean retrieval score of the masked heads (the heads file used for the pairs;

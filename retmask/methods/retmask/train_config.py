@@ -1,13 +1,13 @@
-"""Shared training settings (RetMask paper / reference defaults) and the prompt-length check.
+"""Shared training settings (RetMask's published defaults) and the prompt-length check.
 
-Paper set-up (RetMask): AdamW β1 = 0.9, β2 = 0.95, weight decay 0.1, linear warm-up over 10% of the
+RetMask's published set-up: AdamW β1 = 0.9, β2 = 0.95, weight decay 0.1, linear warm-up over 10% of the
 steps to the peak lr 5e-7, then cosine down to 5e-8 (transformers' ``cosine_with_min_lr`` with
 ``min_lr_rate = 0.1``), DPO sigmoid loss with β = 0.1, 2 epochs. The optimizer is torch's fused AdamW
 (``adamw_torch_fused``; CPU and CUDA): the same update as the per-parameter loop of ``adamw_torch`` in one
 kernel, 0.07 s instead of 0.51 s per step for SmolLM2's 135M fp32 parameters on 2 cores, which is about
 7% of a DPO step there, in fp32 and bf16 alike. Precision: ``dtype="float32"`` (the
-default here; TRL 1.16 itself defaults to bf16) or ``"bfloat16"`` (the papers' choice: the Trainer's bf16
-autocast over float32 master weights and optimizer state, on CPU too).
+default here; TRL 1.16 itself defaults to bf16) or ``"bfloat16"`` (the published runs' choice: the
+Trainer's bf16 autocast over float32 master weights and optimizer state, on CPU too).
 
 Prompt length. TRL 1.16 has no ``max_prompt_length`` any more: every sequence (prompt + response) is
 truncated to ``max_length`` keeping its start, and an example whose prompt *alone* reaches ``max_length``
@@ -28,7 +28,7 @@ from retmask.methods.retmask.pairs import PairsError
 @dataclass
 class TrainConfig:
     """Optimisation settings common to DPO and the SFT baseline (per-device batch x grad-accum x processes
-    = global batch; the paper's global batch is 512)."""
+    = global batch; the published recipe's global batch is 512)."""
 
     learning_rate: float = 5e-7
     min_lr_rate: float = 0.1  # cosine ends at 0.1 x peak = 5e-8

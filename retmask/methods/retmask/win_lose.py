@@ -1,6 +1,6 @@
 """The Win-Lose-Pair baseline's judge: which of two samples of the unmasked model is the better one.
 
-In the RetMask paper this baseline samples two responses from the same model, and an LLM judge
+In RetMask's published runs this baseline samples two responses from the same model, and an LLM judge
 (Gemma-3-27B-IT) makes the better one chosen and the worse one rejected: preference optimisation on output
 quality, without any head masked. No such judge runs here; the responses are ranked against the
 instruction's known answer (``Instruction.reference``) by ROUGE-L F1 with stemming, which rewards a

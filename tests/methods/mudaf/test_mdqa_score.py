@@ -1,4 +1,4 @@
-"""MDQA retrieval scores: per-passage masses equal eager attention, F1/EM by the paper's definitions,
+"""MDQA retrieval scores: per-passage masses equal eager attention, F1/EM as MuDAF defines them,
 clear errors, and the `retmask mdqa-score` command end to end on a tiny model."""
 
 from __future__ import annotations

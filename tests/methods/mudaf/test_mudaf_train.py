@@ -71,7 +71,7 @@ def test_two_golden_passages_each_against_the_negatives():
     e = [math.exp(x) for x in logits.tolist()]
     want = 0.5 * (-math.log(e[0] / (e[0] + e[1] + e[3])) - math.log(e[2] / (e[2] + e[1] + e[3])))
     assert got.item() == pytest.approx(want, rel=1e-6)
-    single = _contrastive_logits_terms(logits, [3])  # one golden: plain cross-entropy (Eq. 7)
+    single = _contrastive_logits_terms(logits, [3])  # one golden: plain cross-entropy
     assert single.item() == pytest.approx(
         torch.nn.functional.cross_entropy(logits[None], torch.tensor([3])).item()
     )

@@ -37,7 +37,9 @@ def test_shipped_set_size_categories_uniqueness():
     assert len({r["prompt"] for r in recs}) == len(recs)
     for r in recs:
         assert set(r) <= {"id", "category", "prompt", "reference"}
-        assert isinstance(r["prompt"], str) and 20 < len(r["prompt"]) < 600  # short, like the paper's inputs
+        assert (
+            isinstance(r["prompt"], str) and 20 < len(r["prompt"]) < 600
+        )  # short, like RetMask's published inputs
         assert isinstance(r.get("reference", ""), str)
 
 

@@ -1,4 +1,5 @@
-"""retmask train: DPO steps change the weights, --sft runs, the schedule follows the paper, bad inputs fail."""
+"""retmask train: DPO steps change the weights, --sft runs, the schedule follows the published recipe, bad
+inputs fail."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_train_two_steps_change_weights(tiny_dir, pairs_file, tmp_path, capsys, 
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
 
 
-def test_schedule_and_optimizer_follow_the_paper(tiny, tmp_path):
+def test_schedule_and_optimizer_follow_the_published_recipe(tiny, tmp_path):
     """Warm-up to the peak over 10% of the steps, cosine to 0.1 x peak, AdamW (0.9, 0.95), wd 0.1, fp32;
     torch's fused AdamW (one kernel for all parameters; 7x faster per step than the loop on the CPU)."""
     from datasets import Dataset

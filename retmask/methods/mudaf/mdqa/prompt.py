@@ -1,6 +1,6 @@
 """The MuDAF training prompt and the token span of every passage in it.
 
-Template (MuDAF App. B)::
+Template::
 
     Based on the following passages, answer the question.\\n\\n<passages>\\n{body}\\n\\n</passages>\\n\\n Question: {question}\\nAnswer: {answer}
 
