@@ -40,6 +40,25 @@ def _blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
 
 
+# Pointers into papers a user may not have: section / figure / equation / appendix numbers, "the paper's",
+# "et al.". The guide, the docs and the package say the thing itself (published numbers are named as such).
+_PAPER_POINTERS = re.compile(
+    r"§|\b(?:Eq|Fig|Figure|Table)\.? ?[0-9]|\bApp(?:\.|endix) ?[A-Z]\b|\b[Tt]he papers?'?s?\b|\bet al\b"
+)
+
+
+def test_docs_say_the_thing_itself():
+    texts = [README, *(ROOT / "docs").glob("*.md"), *(ROOT / "retmask").rglob("*.py")]
+    hits = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in texts
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if _PAPER_POINTERS.search(line)
+    ]
+    assert not hits, "\n".join(hits)
+    assert _PAPER_POINTERS.search("as in the paper's Fig. 7") and _PAPER_POINTERS.search("Wu et al.'s rule")
+
+
 def _quick_start_commands() -> list[list[str]]:
     """Every ``retmask ...`` line of the README's bash blocks after the set-up, without comments."""
     text = README.read_text(encoding="utf-8")
