@@ -98,17 +98,15 @@ def export_masked(
 def _save_checkpoint(
     model: torch.nn.Module, state: dict, masked: list[list[int]], masking: dict, folder: Path
 ) -> None:
-    """``save_pretrained`` with ``state`` and the masking metadata in the config, no retmask attention name."""
+    """``save_pretrained`` with ``state`` and the masking metadata in the config. transformers does not write
+    the attention implementation into config.json, so the checkpoint loads without retmask installed
+    (``tests/hf/test_export.py`` checks it)."""
     config = model.config
-    saved_impl = config._attn_implementation_internal
     try:
-        # The checkpoint must load without retmask installed: do not record a custom attention name.
-        config._attn_implementation_internal = None
         config.retmask_masked_heads = masked
         config.retmask_masking = masking
         model.save_pretrained(folder, state_dict=state)
     finally:
-        config._attn_implementation_internal = saved_impl
         for name in ("retmask_masked_heads", "retmask_masking"):
             if name in config.__dict__:
                 delattr(config, name)
