@@ -28,7 +28,7 @@ $(STAMP): $(SOURCES)
 	mkdir -p build && touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # extra flags for `retmask detect`, e.g. make detect ARGS=--resume (or ARGS=--overwrite to start over)
 ARGS ?=
