@@ -201,11 +201,14 @@ def load_from_args(args: argparse.Namespace):
 RESUME_HINT = "continue with the same command plus --resume"
 
 
-def reports_errors(interrupt_hint: str | None = RESUME_HINT) -> Callable:
+def reports_errors(
+    interrupt_hint: str | Callable[[argparse.Namespace], str | None] | None = RESUME_HINT,
+) -> Callable:
     """Decorator for a command's ``run(args)``: Ctrl-C prints ``retmask <command>: interrupted; <hint>``
     (no traceback) and exits 130; a :class:`~retmask.errors.UsageError` (bad input or output path, an
-    earlier run in the way, a model that cannot be loaded) and an ``OSError`` naming a file print ``retmask <command>: error: <message>``
-    and exits 2. ``interrupt_hint=None``: nothing to resume (the message says nothing was written)."""
+    earlier run in the way, a model that cannot be loaded) and an ``OSError`` naming a file print
+    ``retmask <command>: error: <message>`` and exits 2. ``interrupt_hint=None``: nothing to resume (the
+    message says nothing was written); a callable gives the hint for the command's ``args``."""
 
     def wrap(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
         @functools.wraps(run)
@@ -214,7 +217,8 @@ def reports_errors(interrupt_hint: str | None = RESUME_HINT) -> Callable:
             try:
                 return run(args)
             except KeyboardInterrupt:
-                hint = interrupt_hint or "nothing was written; run the same command again"
+                hint = interrupt_hint(args) if callable(interrupt_hint) else interrupt_hint
+                hint = hint or "nothing was written; run the same command again"
                 print(f"\n{name}: interrupted; {hint}", file=sys.stderr)
                 return 130
             except UsageError as err:

@@ -1,5 +1,7 @@
 """``retmask niah``: Needle-in-a-Haystack accuracy grid (ROUGE-1 recall, lengths × depths), optionally with
-heads masked (top-K by retrieval score, K random, or a heads file); JSON + classic heatmap PNG.
+heads masked (top-K by retrieval score, K random, or a heads file); JSON + classic heatmap PNG. With
+``--out`` the answered tests are saved after each one (``retmask.evaluate.niah_progress``), so an
+interrupted run continues with ``--resume``.
 
 The grid and model flags are shared with ``retmask ablate`` and ``retmask detect`` (``commands.common``).
 """
@@ -13,6 +15,7 @@ from typing import Any
 
 from retmask.commands.argtypes import head_count, png_path, seed_int, token_count
 from retmask.commands.common import (
+    RESUME_HINT,
     add_grid_args,
     add_model_args,
     example,
@@ -57,7 +60,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     p.add_argument("--plot", type=png_path, default=None, help="write the NIAH heatmap PNG here")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (else refused)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run on --out: the tests it answered (kept in <out>.progress.json "
+        "until the run finishes) are not run again",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out file, or start an interrupted run over (else refused)",
+    )
     p.add_argument("--title", default=None, help="plot title (default: model and mask)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -127,26 +140,55 @@ def select_mask(args: argparse.Namespace, shape: tuple[int, int]) -> tuple[list,
     return [], "no heads masked"
 
 
-@reports_errors(interrupt_hint=None)
-def run(args: argparse.Namespace) -> int:
-    from retmask.runfiles import RunLock, check_not_replacing, check_writable
+def _interrupt_hint(args: argparse.Namespace) -> str | None:
+    """Resume where the progress file holds answered tests (only with --out); else nothing was kept."""
+    from retmask.evaluate.niah_progress import progress_path
 
+    return RESUME_HINT if args.out is not None and progress_path(args.out).exists() else None
+
+
+@reports_errors(interrupt_hint=_interrupt_hint)
+def run(args: argparse.Namespace) -> int:
+    from retmask.evaluate.niah_progress import progress_path
+    from retmask.runfiles import (
+        RunFileError,
+        RunLock,
+        check_fresh_or_resume,
+        check_not_replacing,
+        check_writable,
+    )
+
+    if args.out is None and args.resume:
+        raise RunFileError(
+            "--resume continues the run on --out (its progress file sits next to it); add --out"
+        )
     if args.out is not None:
         check_writable(args.out, what="--out")
-        check_not_replacing([args.out], overwrite=args.overwrite)
     if args.plot is not None:
         check_writable(args.plot, what="--plot")
     if args.out is None:
         return _run(args)
     with RunLock(args.out):
+        progress = progress_path(args.out)
+        check_fresh_or_resume(
+            [progress], resume=args.resume, overwrite=args.overwrite, what="an interrupted run's answers"
+        )
+        if args.resume and not progress.exists():
+            raise RunFileError(
+                f"--resume: {progress} does not exist, so there is no interrupted run on {args.out} to "
+                "continue (a finished run deletes it); drop --resume"
+            )
+        if not args.resume:
+            check_not_replacing([args.out], overwrite=args.overwrite)
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from retmask.evaluate.niah import evaluate_niah, format_grid, plot_niah
+    from retmask.evaluate.niah import evaluate_niah, format_grid, grid_fingerprint, plot_niah
+    from retmask.evaluate.niah_progress import progress_path, read_progress, write_progress
     from retmask.heads import model_shape
     from retmask.heads.selection import SelectionError
-    from retmask.niah import load_haystack
+    from retmask.niah import load_haystack, resolve_prompt_style
     from retmask.niah.grid import check_grid_tests
     from retmask.niah.haystack import HaystackError
     from retmask.niah.needles import NeedleFileError
@@ -159,10 +201,21 @@ def _run(args: argparse.Namespace) -> int:
         haystack = load_haystack(args.haystack)
         model, tok, name = load_from_args(args)
         heads, what = select_mask(args, model_shape(model))
+        done, save = None, None
+        if args.out is not None:
+            # what decides the answers; a resume must match it (the chunk only changes the speed)
+            settings = grid_fingerprint(
+                model, name, lengths, depths, needles, haystack, args.max_new_tokens,
+                resolve_prompt_style(tok, args.prompt_style),
+            )  # fmt: skip
+            settings["heads"] = sorted([int(a), int(b)] for a, b in heads)
+            progress = progress_path(args.out)
+            done = read_progress(progress, settings) if args.resume else None
+            save = lambda entries: write_progress(progress, settings, entries)  # noqa: E731
         res = evaluate_niah(
             model, tok, lengths=lengths, depths=depths, needles=needles, haystack_text=haystack, heads=heads,
             max_new_tokens=args.max_new_tokens, progress=not args.no_progress, chunk=args.chunk,
-            prompt_style=args.prompt_style,
+            prompt_style=args.prompt_style, done=done, on_entry=save,
         )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError, SelectionError) as err:
         print(f"retmask niah: error: {err}", file=sys.stderr)
@@ -173,7 +226,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"skipped test {s['key']}: {s['reason']}", file=sys.stderr)
     print(f"{name}: {what}")
     print(format_grid(res))
-    print(f"{len(res.entries)} tests in {res.meta['timings']['run_s']:.1f} s")
+    resumed = res.meta.get("resumed_tests", 0)
+    print(f"{len(res.entries)} tests in {res.meta['timings']['run_s']:.1f} s"
+          + (f" ({resumed} of them answered by the interrupted run)" if resumed else ""))  # fmt: skip
     # the grid and mean are on stdout before any file is written: a full disk or a refused name (a one-line
     # OutputWriteError, exit 2) loses the files, not the results
     if args.out is not None:
@@ -182,7 +237,11 @@ def _run(args: argparse.Namespace) -> int:
         try:
             atomic_write_json(args.out, res.to_json())
         except OutputWriteError as err:
-            raise OutputWriteError(f"{err} (the grid and mean are printed above)") from None
+            raise OutputWriteError(
+                f"{err} (the grid and mean are printed above; the answers are kept: the same command plus "
+                "--resume writes the result without running the tests again)"
+            ) from None
+        progress_path(args.out).unlink(missing_ok=True)  # the run is finished: nothing left to resume
         print(f"result -> {args.out}", file=sys.stderr)
     if args.plot is not None:
         from retmask.plotting import short_name

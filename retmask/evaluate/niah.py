@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,6 +201,8 @@ def evaluate_niah(
     desc: str = "niah",
     chunk: int | None = None,
     prompt_style: str = "auto",
+    done: Mapping[int, dict] | None = None,
+    on_entry: Callable[[Mapping[int, dict]], None] | None = None,
 ) -> NiahResult:
     """Run the NIAH grid on ``model`` (retmask attention) with ``heads`` masked throughout.
 
@@ -213,6 +215,12 @@ def evaluate_niah(
             device's default (256 tokens on a CPU, 4096 on a GPU).
         prompt_style: "auto" | "base" | "chat" (``retmask.niah.resolve_prompt_style``; the resolved one is
             in ``meta["prompt_style"]``).
+        done: entries of an earlier, interrupted evaluation with the same settings, by test index: kept as
+            they are, and those tests are not run again (each must be a runnable test of this grid: same
+            key, needle, length and depth, else ValueError). Greedy answers do not depend on which tests
+            ran before, so the result equals an uninterrupted run's.
+        on_entry: called after each answered test with every entry so far (by test index), e.g. to save
+            progress.
 
     Tests whose context cannot be built (length too short for the buffer) are listed in
     ``meta["skipped"]``; when that is every test, :class:`NiahError` is raised before anything runs. A
@@ -258,6 +266,7 @@ def evaluate_niah(
     ]
     # The mask changes the KV of every layer after the first masked one: a detector (and its carried
     # cache) must never outlive one mask configuration, so each evaluation builds its own.
+    entries = _checked_done(done or {}, runnable)
     detector = FastDetector(
         model,
         stop_token_ids(tokenizer, model),
@@ -266,13 +275,18 @@ def evaluate_niah(
         prefill_impl="retmask",
         count_copies=False,
     )
-    entries: dict[int, dict] = {}
+    resumed = len(entries)
     prefill_s = decode_s = 0.0
     t0 = time.perf_counter()
     ctx = head_mask(model, mask) if mask is not None else contextlib.nullcontext()
-    with ctx, tqdm(total=len(runnable), desc=desc, unit="test", disable=not progress, leave=False) as bar:
+    bar = tqdm(
+        total=len(runnable), initial=resumed, desc=desc, unit="test", disable=not progress, leave=False
+    )
+    with ctx, bar:
         ordered = prefix_order(runnable)
-        for ans in answer_tests(detector, tokenizer, ordered, needle_list, earlier_answers(ordered, entries)):
+        todo = [t for t in ordered if t.index not in entries]
+        # the drafts of a test come from the earlier answers to its needle, resumed ones included
+        for ans in answer_tests(detector, tokenizer, todo, needle_list, earlier_answers(ordered, entries)):
             t = ans.test
             entries[t.index] = {
                 "index": t.index,
@@ -288,6 +302,8 @@ def evaluate_niah(
             }
             prefill_s += ans.outcome.timings["prefill_s"]
             decode_s += ans.outcome.timings["decode_s"]
+            if on_entry is not None:
+                on_entry(entries)
             bar.update(1)
     run_s = time.perf_counter() - t0
     heads_list = [] if mask is None else [[int(a), int(b)] for a, b in mask.nonzero().tolist()]
@@ -307,7 +323,24 @@ def evaluate_niah(
             "decode_s": round(decode_s, 3),
         },
     }
+    if resumed:
+        meta["resumed_tests"] = resumed  # answered by the interrupted run; the timings are this run's
     return NiahResult([entries[i] for i in sorted(entries)], lengths, depths, meta)
+
+
+def _checked_done(done: Mapping[int, dict], runnable: Sequence) -> dict[int, dict]:
+    """``done`` as a new dict, after checking that every entry is the answer to a runnable test of this grid
+    (same index, key, needle, length and depth)."""
+    tests = {t.index: t for t in runnable}
+    for index, entry in done.items():
+        t = tests.get(index)
+        saved = tuple(entry.get(k) for k in ("key", "needle_index", "length", "depth"))
+        if t is None or saved != (t.key, t.needle_index, t.length, t.depth):
+            raise ValueError(
+                f"earlier entry for test {index} ({entry.get('key')!r}) is not a runnable test of this grid "
+                "(another grid, needles or haystack wrote it); start the evaluation over"
+            )
+    return dict(done)
 
 
 def format_grid(result: NiahResult, digits: int = 2) -> str:

@@ -182,16 +182,23 @@ def _failing_replace(target: Path, monkeypatch) -> None:
 
 def test_niah_prints_its_results_before_an_output_fails(tiny_dir, one_needle, tmp_path, capsys, monkeypatch):
     out = tmp_path / "n.json"
-    _failing_replace(out, monkeypatch)
-    assert main(_niah_argv(tiny_dir, one_needle, "--out", str(out))) == 2
+    with monkeypatch.context() as m:
+        _failing_replace(out, m)
+        assert main(_niah_argv(tiny_dir, one_needle, "--out", str(out))) == 2
     captured = capsys.readouterr()
     assert "mean ROUGE-1 recall" in captured.out and "1 tests in" in captured.out  # the work is not lost
     errors = [line for line in captured.err.splitlines() if "error" in line.lower()]
     assert errors == [
-        f"retmask niah: error: cannot write {out}: No space left on device (the grid and mean are printed above)"
+        f"retmask niah: error: cannot write {out}: No space left on device (the grid and mean are printed "
+        "above; the answers are kept: the same command plus --resume writes the result without running the "
+        "tests again)"
     ]
     assert "Traceback" not in captured.err
-    assert [p.name for p in tmp_path.iterdir()] == [one_needle.name]  # no file, no temporary, no lock
+    # no result, no temporary, no lock: only the answers, which --resume turns into the result
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([one_needle.name, "n.json.progress.json"])
+    assert main(_niah_argv(tiny_dir, one_needle, "--out", str(out), "--resume")) == 0
+    assert "(1 of them answered by the interrupted run)" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["n.json", one_needle.name])
 
 
 # --------------------------------------------------------------------------------------------------
