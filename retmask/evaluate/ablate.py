@@ -1,15 +1,17 @@
-"""Head ablation: NIAH score vs K with the top-K retrieval heads masked, against K
-random heads masked (several seeds; mean ± std).
+"""Head ablation: NIAH score vs K with the top-K retrieval heads masked, against K random heads masked
+(several seeds; mean ± std).
 
 Every mask configuration is one :func:`retmask.evaluate.niah.evaluate_niah` run on the same grid. Its
 result is written atomically to ``<out_dir>/<prefix>.configs/<name>.json`` as soon as it completes
 (``retmask.evaluate.config_runs``), with a fingerprint of everything that determines it (model, scores, grid,
 needles, haystack, decoding, heads); ``resume=True`` loads the finished ones and refuses files written with
-other settings.
+other settings. While a configuration runs, its answered tests wait in ``<name>.json.progress.json``
+(``retmask.evaluate.niah_progress``), so a resume also skips the tests the interrupted one had answered.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from retmask.evaluate.config_runs import ConfigFolder, remaining
 from retmask.evaluate.niah import NiahResult, evaluate_niah, grid_fingerprint
+from retmask.evaluate.niah_progress import read_progress, write_progress
 from retmask.heads import model_shape
 from retmask.heads.selection import (
     Head,
@@ -315,10 +318,16 @@ def run_ablation(
 
     t0 = time.perf_counter()
     for c in remaining(configs, results, limit=limit, desc="ablate", progress=progress):
+        # the running configuration's finished tests, so an interrupt loses no answered test
+        partial, done, save = folder.progress(c.name), None, None
+        if partial is not None:
+            settings = {**fingerprint, "heads": [list(h) for h in heads[c.name]]}
+            done = read_progress(partial, settings) if resume and partial.exists() else None
+            save = functools.partial(write_progress, partial, settings)
         res = evaluate_niah(
             model, tokenizer, lengths=lengths, depths=depths, needles=needle_list, haystack_text=text,
             heads=heads[c.name], max_new_tokens=max_new_tokens, progress=progress, desc=c.name,
-            prompt_style=style,
+            prompt_style=style, done=done, on_entry=save,
         )  # fmt: skip
         results[c.name] = res
         folder.save(

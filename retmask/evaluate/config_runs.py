@@ -3,9 +3,11 @@
 ``retmask ablate`` and ``retmask kv`` answer the same tests under many configurations (masked heads, KV
 policies), minutes each. Each finished configuration is written atomically to
 ``<out_dir>/<prefix>.configs/<name>.json`` at once, so a crash or Ctrl-C loses at most the configuration
-that was running, and ``--resume`` skips what is saved. What a saved file must match to be reused (its
-settings' fingerprint, heads, tests) is the caller's to check: this module only finds, writes and deletes
-the files and walks the configurations left.
+that was running, and ``--resume`` skips what is saved. A caller may also keep the running configuration's
+finished tests in ``<name>.json.progress.json`` (:meth:`ConfigFolder.progress`; ``retmask ablate`` does),
+which ``save`` deletes. What a saved file must match to be reused (its settings' fingerprint, heads,
+tests) is the caller's to check: this module only finds, writes and deletes the files and walks the
+configurations left.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Container, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from retmask.evaluate.niah_progress import progress_path
 from retmask.runfiles import atomic_write_json
 
 
@@ -40,22 +43,31 @@ class ConfigFolder:
         """
         if self.path is None or not self.path.is_dir():
             return []
-        existing = sorted(self.path.glob("*.json"))
-        if existing and not (resume or overwrite):
+        files = sorted(self.path.glob("*.json"))
+        partial = [p for p in files if p.name.endswith(".progress.json")]
+        existing = [p for p in files if p not in partial]
+        if (existing or partial) and not (resume or overwrite):
             raise self.error(
-                f"{self.path} already holds {len(existing)} configuration results; pass --resume to continue "
-                "that run, --overwrite to start over, or another --out-dir"
+                f"{self.path} already holds {len(existing)} configuration results"
+                + (f" and the finished tests of {len(partial)} unfinished ones" if partial else "")
+                + "; pass --resume to continue that run, --overwrite to start over, or another --out-dir"
             )
         if overwrite:
-            for path in existing:
+            for path in files:
                 path.unlink(missing_ok=True)
             return []
         return existing
 
+    def progress(self, name: str) -> Path | None:
+        """Where the finished tests of configuration ``name`` wait while it runs (None without ``out_dir``)."""
+        return None if self.path is None else progress_path(self.path / f"{name}.json")
+
     def save(self, name: str, payload: dict[str, Any]) -> None:
-        """Write one finished configuration (atomically; nothing without an ``out_dir``)."""
+        """Write one finished configuration (atomically; nothing without an ``out_dir``) and delete its
+        progress file."""
         if self.path is not None:
             atomic_write_json(self.path / f"{name}.json", payload)
+            progress_path(self.path / f"{name}.json").unlink(missing_ok=True)
 
 
 def remaining(

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import retmask.evaluate.ablate as ablate_mod
+import retmask.evaluate.niah as niah_eval
 from retmask.cli import main
 from retmask.evaluate.ablate import AblationError, parse_ks, plan, plot_ablation, run_ablation
 from retmask.evaluate.niah import evaluate_niah
@@ -97,6 +98,48 @@ def test_resume_skips_done_and_refuses_other_settings(first, tiny, tokenizer, mo
         _run(tiny, tokenizer, out, resume=True, max_new_tokens=5)
     with pytest.raises(AblationError, match="other settings"):  # another seed -> other random heads
         _run(tiny, tokenizer, out, resume=True, base_seed=3)
+
+
+def test_resume_inside_a_configuration_skips_its_answered_tests(
+    first, tiny, tokenizer, tmp_path, monkeypatch
+):
+    """2 tests per configuration; Ctrl-C while the 6th test is scored: 2 configurations are saved and the
+    third keeps its one answered test, which the resume does not run again."""
+    _, res = first
+    real_classify, scored = niah_eval.classify_answer, []
+
+    def classify(*args, **kwargs):
+        scored.append(1)
+        if len(scored) > 5:
+            raise KeyboardInterrupt
+        return real_classify(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(niah_eval, "classify_answer", classify)
+        with pytest.raises(KeyboardInterrupt):
+            _run(tiny, tokenizer, tmp_path)
+    folder = tmp_path / "ablate.configs"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "none-k0.json",
+        "top-k1.json",
+        "top-k2.json.progress.json",
+    ]
+    with pytest.raises(AblationError, match="and the finished tests of 1 unfinished ones; pass --resume"):
+        _run(tiny, tokenizer, tmp_path)
+
+    real_answer, handed = niah_eval.answer_tests, []
+
+    def answer_tests(detector, tok, tests, *args, **kwargs):
+        handed.append(len(tests))
+        return real_answer(detector, tok, tests, *args, **kwargs)
+
+    monkeypatch.setattr(niah_eval, "answer_tests", answer_tests)
+    again = _run(tiny, tokenizer, tmp_path, resume=True)
+    assert handed == [1, 2, 2, 2, 2]  # top-k2's unanswered test, then the 4 configurations not started
+    assert again.rows() == res.rows() and again.results["top-k2"].meta["resumed_tests"] == 1
+    assert not list(folder.glob("*.progress.json"))
+    _run(tiny, tokenizer, tmp_path, overwrite=True, ks=[0])  # --overwrite clears the folder first
+    assert sorted(p.name for p in folder.iterdir()) == ["none-k0.json"]
 
 
 def test_clear_errors_before_any_work(tiny, tokenizer, monkeypatch):
