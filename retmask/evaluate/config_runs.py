@@ -16,7 +16,7 @@ from collections.abc import Container, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from retmask.evaluate.niah_progress import progress_path
+from retmask.evaluate.niah_progress import PROGRESS_SUFFIX, progress_path
 from retmask.runfiles import atomic_write_json
 
 
@@ -44,8 +44,8 @@ class ConfigFolder:
         if self.path is None or not self.path.is_dir():
             return []
         files = sorted(self.path.glob("*.json"))
-        partial = [p for p in files if p.name.endswith(".progress.json")]
-        existing = [p for p in files if p not in partial]
+        partial = [p for p in files if p.name.endswith(PROGRESS_SUFFIX)]
+        existing = [p for p in files if not p.name.endswith(PROGRESS_SUFFIX)]
         if (existing or partial) and not (resume or overwrite):
             raise self.error(
                 f"{self.path} already holds {len(existing)} configuration results"

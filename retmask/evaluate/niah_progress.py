@@ -17,6 +17,7 @@ from typing import Any
 from retmask.runfiles import JsonFile, atomic_write_json, check_same_settings
 
 PROGRESS_VERSION = 1
+PROGRESS_SUFFIX = ".progress.json"  # what a progress file's name ends with
 _FIX = "resume with the same flags, or pass --overwrite to start over"
 # what every saved entry must hold (besides "index"), and its JSON kind
 _ENTRY_FIELDS: tuple[tuple[str, type], ...] = (
@@ -32,7 +33,7 @@ _ENTRY_FIELDS: tuple[tuple[str, type], ...] = (
 
 def progress_path(out: Path) -> Path:
     """``<out>.progress.json``: the progress file of a run writing ``out``."""
-    return out.with_name(out.name + ".progress.json")
+    return out.with_name(out.name + PROGRESS_SUFFIX)
 
 
 def write_progress(path: Path, settings: Mapping[str, Any], entries: Mapping[int, dict]) -> None:
@@ -67,4 +68,4 @@ def read_progress(path: Path, settings: Mapping[str, Any]) -> dict[int, dict]:
     return done
 
 
-__all__ = ["PROGRESS_VERSION", "progress_path", "read_progress", "write_progress"]
+__all__ = ["PROGRESS_SUFFIX", "PROGRESS_VERSION", "progress_path", "read_progress", "write_progress"]
