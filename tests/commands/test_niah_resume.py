@@ -114,7 +114,7 @@ def test_resume_refuses_other_settings_and_damaged_progress(tiny_dir, two_needle
     progress.write_text(json.dumps(damaged))
     assert main(_argv(tiny_dir, two_needles, out, "--resume")) == 2
     err = capsys.readouterr().err
-    assert f"niah progress file {progress}: entries[1].rouge1_recall is 2.5; it must be >= 0 and <= 1" in err
+    assert f"progress file {progress}: entries[1].rouge1_recall is 2.5; it must be >= 0 and <= 1" in err
 
     assert main(_argv(tiny_dir, two_needles, out, "--resume", "--overwrite")) == 2
     assert "--resume and --overwrite exclude each other" in capsys.readouterr().err

@@ -247,6 +247,58 @@ def test_resume_skips_done_configurations_and_refuses_other_settings(
     assert json.loads((out / "kv.json").read_text())["meta"]["prefill"] == "full"
 
 
+def _without_times(res) -> dict:
+    """The configurations' entries, less their wall times (the only field that differs between runs)."""
+    return {
+        name: [{k: v for k, v in e.items() if k != "seconds"} for e in r.entries]
+        for name, r in res.results.items()
+    }
+
+
+def test_resume_inside_a_configuration_skips_its_answered_tests(tiny, tokenizer, tmp_path, monkeypatch):
+    """2 tests per configuration (a NIAH test and a key-value list); Ctrl-C while the 4th answer is scored:
+    the first configuration (full) is saved, the second (streaming) keeps its one answered test, which the
+    resume does not answer again; the result equals an uninterrupted run's."""
+    from retmask.niah import load_needles
+
+    kw = dict(
+        policies=["streaming", "full"], budgets=[], window=W, sink_tokens=S, tasks=["niah", "kv"],
+        lengths=[300], depths=[50], needles=load_needles()[:1], max_new_tokens=NEW, progress=False,
+        log=lambda *a: None,
+    )  # fmt: skip
+    whole = run_kv_budget(tiny, tokenizer, **kw)
+    real_score, scored = kvb.answers.Item.score, []
+
+    def score(item, response):
+        scored.append(item.key)
+        if len(scored) == 4:
+            raise KeyboardInterrupt
+        return real_score(item, response)
+
+    with monkeypatch.context() as m:
+        m.setattr(kvb.answers.Item, "score", score)
+        with pytest.raises(KeyboardInterrupt):
+            run_kv_budget(tiny, tokenizer, out_dir=tmp_path, **kw)
+    folder = tmp_path / "kv.configs"
+    assert sorted(p.name for p in folder.iterdir()) == ["full.json", "streaming.json.progress.json"]
+    with pytest.raises(KVBudgetError, match="and the finished tests of 1 unfinished ones; pass --resume"):
+        run_kv_budget(tiny, tokenizer, out_dir=tmp_path, **kw)
+    with pytest.raises(ValueError, match="other settings"):  # another window: other answers
+        run_kv_budget(tiny, tokenizer, out_dir=tmp_path, resume=True, **(kw | {"window": W + 8}))
+
+    scored.clear()
+    with monkeypatch.context() as m:
+        m.setattr(
+            kvb.answers.Item,
+            "score",
+            lambda item, response: scored.append(item.key) or real_score(item, response),
+        )
+        again = run_kv_budget(tiny, tokenizer, out_dir=tmp_path, resume=True, **kw)
+    assert scored == [whole.results["streaming"].entries[1]["key"]]  # only its unanswered key-value test
+    assert _without_times(again) == _without_times(whole)
+    assert sorted(p.name for p in folder.iterdir()) == ["full.json", "streaming.json"]
+
+
 # -- errors ----------------------------------------------------------------------------------------------
 
 

@@ -18,7 +18,9 @@ generation (``memory_bytes``), not computed.
 
 Every configuration is written atomically to ``<out_dir>/<prefix>.configs/<name>.json`` when it completes,
 with the fingerprint of the settings that determine it, so ``resume=True`` continues an interrupted run and
-refuses files written with other settings (the ``retmask ablate`` rules, ``retmask.runfiles``).
+refuses files written with other settings (the ``retmask ablate`` rules, ``retmask.runfiles``). While a
+configuration runs, its answered tests wait in ``<name>.json.progress.json``
+(``retmask.evaluate.niah_progress``), so a resume does not answer them again either.
 
 Importing this module loads neither torch nor matplotlib (the command's argument checks use its parsers).
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,11 +101,18 @@ def run_config(
     stop_ids: Iterable[int],
     progress: bool = False,
     desc: str = "kv",
+    done: Mapping[int, dict] | None = None,
+    on_entry: Callable[[Mapping[int, dict]], None] | None = None,
 ) -> list[dict]:
     """Answer every item with ``model.generate`` (greedy, at most ``max_new_tokens``, stopping after a
     newline / EOS token) on a new cache per item: a ``DynamicCache`` when ``full_heads`` is None, else a
     head-sparse cache keeping ``full_heads`` whole. Returns one entry per item with its response, score
-    and the bytes the cache held after generation (and what the full cache holds for the same tokens)."""
+    and the bytes the cache held after generation (and what the full cache holds for the same tokens).
+
+    done: the entries of an interrupted run of the same configuration by item index (a progress file's):
+    those items are not answered again. on_entry: called after each answered item with every entry so far
+    by item index, e.g. to save them.
+    """
     import torch
     from tqdm import tqdm
     from transformers import DynamicCache, GenerationConfig
@@ -120,14 +127,18 @@ def run_config(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad, use_cache=True
     )
     device = next(model.parameters()).device
-    entries = []
+    entries = _checked_done(done or {}, items)
     # the model's own generation defaults (repetition penalty, ...) set aside: the answer is the argmax
     with (
         torch.no_grad(),
         _only_config(model),
-        tqdm(total=len(items), desc=desc, unit="test", disable=not progress, leave=False) as bar,
+        tqdm(
+            total=len(items), initial=len(entries), desc=desc, unit="test", disable=not progress, leave=False
+        ) as bar,
     ):
-        for it in items:
+        for index, it in enumerate(items):
+            if index in entries:
+                continue
             ids = torch.as_tensor(it.prompt_ids, dtype=torch.long, device=device)[None]
             if full_heads is None:
                 cache = DynamicCache(config=model.config)
@@ -148,14 +159,30 @@ def run_config(
             response = tokenizer.decode(tokens, skip_special_tokens=True).strip()
             held = cache_bytes(cache)
             full = held if full_heads is None else int(cache.full_cache_bytes())
-            entries.append(
-                {
-                    "task": it.task, "key": it.key, "length": it.length, "depth": it.depth,
-                    "prompt_tokens": int(ids.shape[1]), "new_tokens": len(tokens), "response": response,
-                    "recall": it.score(response), "memory_bytes": held, "full_cache_bytes": full,
-                    "seconds": round(seconds, 3),
-                }
-            )  # fmt: skip
+            entries[index] = {
+                "task": it.task, "key": it.key, "length": it.length, "depth": it.depth,
+                "prompt_tokens": int(ids.shape[1]), "new_tokens": len(tokens), "response": response,
+                "recall": it.score(response), "memory_bytes": held, "full_cache_bytes": full,
+                "seconds": round(seconds, 3),
+            }  # fmt: skip
             del cache, out
+            if on_entry is not None:
+                on_entry(entries)
             bar.update(1)
-    return entries
+    return [entries[i] for i in range(len(items))]
+
+
+def _checked_done(done: Mapping[int, dict], items: Sequence[Item]) -> dict[int, dict]:
+    """``done`` as a new dict of entries without their ``"index"``, after checking that each answers the
+    item at its index (same task, key, length and depth)."""
+    checked: dict[int, dict] = {}
+    for index, entry in done.items():
+        saved = tuple(entry.get(k) for k in ("task", "key", "length", "depth"))
+        it = items[index] if 0 <= index < len(items) else None
+        if it is None or saved != (it.task, it.key, it.length, it.depth):
+            raise KVBudgetError(
+                f"an earlier answer for test {index} ({entry.get('key')!r}) is not this run's test {index} "
+                "(another grid, needles or haystack wrote it); pass --overwrite to start over"
+            )
+        checked[index] = {k: v for k, v in entry.items() if k != "index"}
+    return checked

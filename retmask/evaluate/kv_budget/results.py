@@ -157,6 +157,18 @@ class KVBudgetResult:
         return {"version": SUMMARY_VERSION, "meta": self.meta, "rows": self.rows(), "configs": configs}
 
 
+def check_kv_entry(f: JsonFile, entry: dict, where: str) -> None:
+    """Raise naming ``where`` unless ``entry`` has the fields of a :func:`run_config` entry that the
+    results use (a saved configuration's or a progress file's)."""
+    f.number(f.key(entry, "recall", float, where), f"{where}.recall", lo=0, hi=1)
+    for k in ("memory_bytes", "full_cache_bytes"):
+        f.number(f.key(entry, k, int, where), f"{where}.{k}", integer=True, lo=0)
+    for k in ("task", "key"):
+        f.key(entry, k, str, where)
+    for k in ("length", "depth"):
+        f.key(entry, k, int, where)
+
+
 def read_config(
     path: Path,
     fingerprint: dict,
@@ -186,11 +198,7 @@ def read_config(
     for i, e in enumerate(entries):
         at = f"entries[{i}]"
         f.expect(e, dict, at)
-        f.number(f.key(e, "recall", float, at), f"{at}.recall", lo=0, hi=1)
-        for k in ("memory_bytes", "full_cache_bytes"):
-            f.number(f.key(e, k, int, at), f"{at}.{k}", integer=True, lo=0)
-        f.key(e, "task", str, at)
-        f.key(e, "key", str, at)
+        check_kv_entry(f, e, at)
     if [(e["task"], e["key"]) for e in entries] != item_keys:
         f.fail("its tests are not this run's tests (edited, or written by another version)")
     run_s = f.number(saved.get("run_s", 0.0), "run_s", lo=0)

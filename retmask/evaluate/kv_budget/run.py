@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +23,14 @@ from retmask.evaluate.kv_budget.plan import (
     parse_names,
     plan,
 )
-from retmask.evaluate.kv_budget.results import CONFIG_VERSION, ConfigResult, KVBudgetResult, read_config
+from retmask.evaluate.kv_budget.results import (
+    CONFIG_VERSION,
+    ConfigResult,
+    KVBudgetResult,
+    check_kv_entry,
+    read_config,
+)
+from retmask.evaluate.niah_progress import read_progress, write_progress
 from retmask.runfiles import atomic_write_json, atomic_write_text
 
 
@@ -154,10 +162,17 @@ def run_kv_budget(
     t0 = time.perf_counter()
     for c in remaining(configs, results, limit=limit, desc="kv", progress=progress):
         heads = planned[c.name][1]
+        # the running configuration's answered tests, so an interrupt loses no answered test
+        partial, done, save = folder.progress(c.name), None, None
+        if partial is not None:
+            settings = {**fingerprint, "full_heads": None if heads is None else [list(h) for h in heads]}
+            done = read_progress(partial, settings, check_kv_entry) if resume and partial.exists() else None
+            save = functools.partial(write_progress, partial, settings)
         start = time.perf_counter()
         entries = run_config(
             model, tokenizer, items, heads, window=window, sink_tokens=sink_tokens, prefill=prefill,
             max_new_tokens=max_new_tokens, stop_ids=stop_ids, progress=progress, desc=c.name,
+            done=done, on_entry=save,
         )  # fmt: skip
         res = ConfigResult(c, heads, entries, candidates, time.perf_counter() - start)
         results[c.name] = res
