@@ -174,17 +174,24 @@ def test_tiny_stops_after_stop_token_and_respects_budget():
     assert fast.tokens == free.tokens[: first + 1]
 
 
+@pytest.fixture(scope="module")
+def embedded_oracle(embedded):
+    """4 NIAH tests of the embedded model (2 needles, 420 / 700 tokens) with the step-by-step oracle's
+    answers, computed once for both fast-path variants below (the oracle is most of their time)."""
+    model, tok = embedded
+    tests = build_tests(tok, load_needles()[:2], default_haystack_text(), [420, 700], [0, 50])
+    stops = stop_token_ids(tok, model)
+    return stops, [(t, oracle_detect(model, t.prompt_ids, t.span, stops)) for t in tests[:3] + tests[-1:]]
+
+
 @pytest.mark.embedded
 @pytest.mark.parametrize("static_passes", [False, True])
-def test_embedded_model_fast_equals_oracle(embedded, static_passes):
-    model, tok = embedded
-    needles = load_needles()
-    tests = build_tests(tok, needles[:2], default_haystack_text(), [420, 700], [0, 50])
-    stops = stop_token_ids(tok, model)
+def test_embedded_model_fast_equals_oracle(embedded, embedded_oracle, static_passes):
+    model, _ = embedded
+    stops, answered = embedded_oracle
     fast = FastDetector(model, stops, chunk=128, static_passes=static_passes)
     copied = 0
-    for t in tests[:3] + tests[-1:]:
-        want = oracle_detect(model, t.prompt_ids, t.span, stops)
+    for t, want in answered:
         got = fast.run(t.prompt_ids, t.span)
         assert got.tokens == want.tokens
         np.testing.assert_array_equal(got.copies, want.copies)
