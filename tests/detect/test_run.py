@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,42 +17,20 @@ from retmask.cli import main
 from retmask.detect import DetectConfig, run_detect
 from retmask.detect.run import DetectError
 
-GRID = ["--min-len", "350", "--max-len", "600", "--num-lengths", "2", "--num-depths", "2"]
-
-
-def _needles(tmp_path: Path, n: int = 2) -> Path:
-    from retmask.niah import DEFAULT_NEEDLES_PATH
-
-    path = tmp_path / "needles.jsonl"
-    path.write_text("\n".join(DEFAULT_NEEDLES_PATH.read_text().splitlines()[:n]) + "\n")
-    return path
-
-
-def _cfg(needles: Path) -> DetectConfig:
-    return DetectConfig(
-        needles=str(needles), min_len=350, max_len=600, num_lengths=2, num_depths=2, chunk=128
-    )
+from .small_grid import GRID, grid_config, needles_file
 
 
 @pytest.mark.embedded
-def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
+def test_resume_after_kill_gives_identical_output(tmp_path, embedded, embedded_detection):
     model, tok = embedded
-    needles = _needles(tmp_path)
-    ref = run_detect(
-        _cfg(needles),
-        tmp_path / "ref" / "s.json",
-        model=model,
-        tokenizer=tok,
-        progress_bar=False,
-        log=lambda *a, **k: None,
-    )
+    needles, ref_path, ref = embedded_detection
     assert ref.record["tests_counted"] >= 4
     assert len(ref.scores) == 30 * 9 and all(
         len(v) == ref.record["tests_counted"] for v in ref.scores.values()
     )
     # same settings, fresh run: same result (determinism)
     again = run_detect(
-        _cfg(needles),
+        grid_config(needles),
         tmp_path / "again" / "s.json",
         model=model,
         tokenizer=tok,
@@ -91,7 +68,7 @@ def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
     assert 2 <= done_before < 8
 
     # resuming with other settings is refused, naming the problem
-    other = _cfg(needles)
+    other = grid_config(needles)
     other.max_new_tokens = 20
     with pytest.raises(ValueError, match="other settings"):
         run_detect(
@@ -99,7 +76,7 @@ def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
         )
 
     resumed = run_detect(
-        _cfg(needles),
+        grid_config(needles),
         out,
         resume=True,
         model=model,
@@ -107,7 +84,7 @@ def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
         progress_bar=False,
         log=lambda *a, **k: None,
     )
-    assert json.loads(out.read_text()) == json.loads((tmp_path / "ref" / "s.json").read_text())
+    assert json.loads(out.read_text()) == json.loads(ref_path.read_text())
     # passes too: the resumed tests drafted from the same earlier answers as in the uninterrupted run
     key = lambda r: [(t["key"], t["response"], t["rouge1_recall"], t["passes"]) for t in r.record["tests"]]  # noqa: E731
     assert key(resumed) == key(ref)
@@ -121,26 +98,27 @@ def test_resume_after_kill_gives_identical_output(tmp_path, embedded):
     assert not progress.exists()
     with pytest.raises(ValueError, match="already finished"):
         run_detect(
-            _cfg(needles), out, resume=True, model=model, tokenizer=tok, progress_bar=False,
+            grid_config(needles), out, resume=True, model=model, tokenizer=tok, progress_bar=False,
             log=lambda *a, **k: None,
         )  # fmt: skip
 
 
 @pytest.mark.embedded
 @pytest.mark.parametrize("option", ["draft_history", "static_passes"])
-def test_speed_options_change_speed_not_results(option, tmp_path, embedded):
+def test_speed_options_change_speed_not_results(option, tmp_path, embedded, embedded_detection):
     """Drafts from earlier answers (on by default) and fixed-shape verification passes (CUDA graphs on a
     GPU; off by default): each run both ways gives the same scores and answers."""
     model, tok = embedded
-    needles = _needles(tmp_path, n=2 if option == "draft_history" else 1)
-    runs = {}
+    needles = embedded_detection[0] if option == "draft_history" else needles_file(tmp_path, n=1)
+    runs = {True: embedded_detection[2]} if option == "draft_history" else {}  # the default run, shared
     for value in (True, False):
-        cfg = _cfg(needles)
-        setattr(cfg, option, value)
-        runs[value] = run_detect(
-            cfg, tmp_path / str(value) / "s.json", model=model, tokenizer=tok, progress_bar=False,
-            log=lambda *a, **k: None,
-        )  # fmt: skip
+        if value not in runs:
+            cfg = grid_config(needles)
+            setattr(cfg, option, value)
+            runs[value] = run_detect(
+                cfg, tmp_path / str(value) / "s.json", model=model, tokenizer=tok, progress_bar=False,
+                log=lambda *a, **k: None,
+            )  # fmt: skip
         assert runs[value].record["config"][option] is value
     assert runs[True].scores == runs[False].scores
     tests = {h: runs[h].record["tests"] for h in runs}

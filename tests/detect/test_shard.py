@@ -12,11 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from retmask.detect import run_detect
 from retmask.detect.shard import cpu_oversubscription, shard
 from retmask.niah import NiahTest
 
-from .test_run import GRID, _cfg, _needles
+from .small_grid import GRID
 
 
 def test_shards_partition_in_order():
@@ -78,27 +77,10 @@ def _launcher(name: str, threads: int) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def single_process(tmp_path_factory, embedded):
-    """(needles file, scores) of the single-process detection both launchers must reproduce."""
-    model, tok = embedded
-    tmp_path = tmp_path_factory.mktemp("single")
-    needles = _needles(tmp_path)
-    single = run_detect(
-        _cfg(needles),
-        tmp_path / "one" / "s.json",
-        model=model,
-        tokenizer=tok,
-        progress_bar=False,
-        log=lambda *a, **k: None,
-    )
-    return needles, single.scores
-
-
 @pytest.mark.embedded
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_two_processes_equal_single_process(tmp_path, single_process, launcher):
-    needles, single_scores = single_process
+def test_two_processes_equal_single_process(tmp_path, embedded_detection, launcher):
+    needles, _, single = embedded_detection
     out = tmp_path / "two" / "s.json"
     threads = __import__("torch").get_num_threads()
     cmd = [
@@ -118,7 +100,7 @@ def test_two_processes_equal_single_process(tmp_path, single_process, launcher):
     # (OMP_WAIT_POLICY=PASSIVE: the same numbers, several times faster on 2 cores).
     env = os.environ | {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
     subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=600)
-    assert json.loads(out.read_text()) == single_scores
+    assert json.loads(out.read_text()) == single.scores
     record = json.loads(out.with_name("s.run.json").read_text())
     assert record["processes"] == 2 and record["tests_run"] == 8
     # Each rank kept its own progress file during the run; rank 0 removes them all once the run is complete.
