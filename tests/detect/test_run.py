@@ -158,14 +158,16 @@ def test_span_rule_tolerant_runs_tests_the_reference_skips(tmp_path, monkeypatch
     tolerant (or --span-miss zeros, the default, below); the tolerant rule
     runs them, records the answer form per test and the rule in the config. The record describes the
     machine and the path each kind of call took (``retmask.kernels.describe``)."""
-    monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
     from transformers import AutoTokenizer
 
     import retmask
     from retmask.detect.run import DetectError
     from tests.tiny import tiny_llama_for
 
-    tok = AutoTokenizer.from_pretrained(str(retmask.default_model_path()))
+    tok = AutoTokenizer.from_pretrained(str(retmask.default_model_path()))  # from the converted model
+    # the run's CPU decisions go to a cache of its own (set after the tokenizer: a new cache would
+    # convert the embedded model again, a minute of work for its tokenizer)
+    monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
     model = tiny_llama_for(tok)
     needles = tmp_path / "needles.jsonl"
     needles.write_text(
