@@ -108,7 +108,8 @@ def test_every_readme_command_line_parses():
 
 
 def _runnable(command: list[str], tmp: Path) -> list[str]:
-    """The command on the embedded model with a small grid, its paths under ``tmp``."""
+    """The command on the embedded model with a small grid (2 needles, one 600-token test each), its paths
+    under ``tmp``."""
     args, i = [], 1
     while i < len(command):
         if command[i] == "--model":  # the embedded model stands for the user's
@@ -117,8 +118,14 @@ def _runnable(command: list[str], tmp: Path) -> list[str]:
         arg = command[i]
         args.append(str(tmp / arg) if arg.startswith("runs/") else arg)
         i += 1
-    if command[1] in ("detect", "niah"):
-        args += SMALL_GRID
+    if command[1] == "detect":  # detection runs every needle of its file
+        from retmask.niah import DEFAULT_NEEDLES_PATH
+
+        needles = tmp / "two_needles.jsonl"
+        needles.write_text("".join(DEFAULT_NEEDLES_PATH.read_text().splitlines(keepends=True)[:2]))
+        args += [*SMALL_GRID, "--needles", str(needles)]
+    if command[1] == "niah":
+        args += [*SMALL_GRID, "--num-needles", "2"]
     return args
 
 
