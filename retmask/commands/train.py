@@ -10,6 +10,7 @@ from typing import Any
 from retmask.commands.argtypes import (
     float_range,
     nonneg_float,
+    nonneg_int,
     positive_float,
     positive_int,
     seed_int,
@@ -96,6 +97,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "heads vs the other heads (logged as retrieval/*; telemetry.json/.png in --out)")  # fmt: skip
     p.add_argument("--telemetry-heads", type=Path, metavar="FILE",
                    help="masked heads for the telemetry (default: the heads recorded with the pairs by `retmask generate`)")  # fmt: skip
+    p.add_argument("--save-every", type=nonneg_int, default=d.save_every, metavar="N",
+                   help="keep a checkpoint in --out every N optimizer steps (the newest only; deleted when "
+                        "the run completes), so an interrupted run continues with --resume (0: none)")  # fmt: skip
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --out (same settings; --save-every may change)")  # fmt: skip
     p.add_argument(
         "--overwrite", action="store_true", help="replace the files of an earlier run in --out (else refused)"
     )
@@ -115,9 +121,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-@reports_errors(interrupt_hint="nothing resumable was written (training restarts from the beginning)")
+def _interrupt_hint(args: argparse.Namespace) -> str:
+    if args.save_every or args.resume:
+        return (
+            "continue with the same command plus --resume (from the newest checkpoint in --out, written every "
+            "--save-every N steps)"
+        )
+    return "nothing resumable was written (training restarts from the beginning; --save-every N keeps checkpoints)"
+
+
+@reports_errors(interrupt_hint=_interrupt_hint)
 def run(args: argparse.Namespace) -> int:
     from retmask.hf.precision import resolve_training_dtype
+    from retmask.methods import checkpoints
     from retmask.methods.retmask.dpo import train_dpo, train_sft
     from retmask.methods.retmask.pair_file import unfinished_generation
     from retmask.runfiles import RunLock, check_writable
@@ -130,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         gradient_checkpointing=args.gradient_checkpointing, beta=args.beta,
         dtype=resolve_training_dtype("bfloat16" if args.bf16 else args.dtype, args.device),
         lm_head_positions=args.lm_head_positions, device=args.device, drop_unfinished=args.drop_unfinished,
+        save_every=args.save_every,
     )  # fmt: skip
     try:
         for name in ("batch_size", "grad_accum", "max_length"):
@@ -146,11 +163,16 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         check_writable(args.out, what="--out", directory=True)
-        if args.out.is_dir() and any(args.out.iterdir()) and not args.overwrite:
+        if args.resume and args.overwrite:
+            raise PairsError("--resume and --overwrite exclude each other; pick one")
+        unfinished_run = checkpoints.has_run_files(args.out)
+        if args.out.is_dir() and any(args.out.iterdir()) and not (args.overwrite or args.resume):
             raise PairsError(
-                f"--out {args.out} already holds files (an earlier trained model?); pass --overwrite to replace "
-                "them, or choose another folder"
-            )
+                f"--out {args.out} already holds "
+                + ("the checkpoints of an unfinished training; pass --resume to continue it, " if unfinished_run
+                   else "files (an earlier trained model?); pass ")
+                + "--overwrite to replace them, or choose another folder"
+            )  # fmt: skip
         callbacks = None
         if args.telemetry_every is not None:
             from retmask.methods.retmask.telemetry import RetrievalTelemetry, heads_for_pairs
@@ -161,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
             raise PairsError("--telemetry-heads needs --telemetry-every N")
         fn = train_sft if args.sft else train_dpo
         with RunLock(args.out):
-            result = fn(args.pairs, args.out, args.model, cfg, callbacks=callbacks)
+            if args.overwrite:
+                checkpoints.clear(args.out)  # an earlier run's checkpoints must not be resumed later
+            result = fn(args.pairs, args.out, args.model, cfg, callbacks=callbacks, resume=args.resume)
     except (PairsError, SelectionError, ValueError) as e:
         print(f"retmask train: error: {e}", file=sys.stderr)
         return 2

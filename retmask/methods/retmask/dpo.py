@@ -10,6 +10,10 @@ Every micro-batch's loss and every step's gradient norm are checked before the o
 (``training_guards.FiniteTrainingGuard``): the first NaN / inf stops training with an error naming the
 step and the likely cause, and nothing is saved. The trained model is moved into ``out`` whole or not at
 all (``training_guards.staged_model_save``), ``retmask_train.json`` last.
+
+With ``cfg.save_every = N`` the Trainer keeps a checkpoint in ``out`` every N steps, and ``resume=True``
+continues from the newest one (the same steps, data order and optimizer state as an uninterrupted run;
+``retmask.methods.checkpoints``). The checkpoints are deleted once the trained model is saved.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from typing import Any
 
 from retmask import kernels
 from retmask.hf.loading import ModelLoadError, check_device, load_model
+from retmask.methods import checkpoints
 from retmask.methods.retmask.fused_head import (
     check_positions,
     cpu_lm_head,
     labelled_positions_only,
 )
-from retmask.methods.retmask.pairs import Pairs, drop_unfinished, read_pairs_file
+from retmask.methods.retmask.pairs import Pairs, PairsError, drop_unfinished, read_pairs_file
 from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
 from retmask.methods.training_guards import FiniteTrainingGuard, staged_model_save
 from retmask.runfiles import atomic_write_json, check_writable
@@ -78,6 +83,37 @@ def _bind(trainer: Any, callbacks: list | None) -> None:
             cb.bind(trainer)
 
 
+def _train(
+    trainer: Any, out: Path, cfg: TrainConfig, settings: dict[str, Any], checkpoint: Path | None
+) -> None:
+    """``trainer.train()``: from ``checkpoint`` (:func:`_resume_point`), else from the start, recording
+    ``settings`` in ``out`` first when checkpoints will be written."""
+    if checkpoint is not None:
+        print(f"retmask train: resuming from {checkpoint}")
+    elif cfg.save_every:
+        checkpoints.start(out, settings)
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+
+
+def _resume_point(
+    mode: str,
+    cfg: TrainConfig,
+    pairs_path: str | Path,
+    out: Path,
+    model: Any,
+    model_spec: str | None,
+    resume: bool,
+) -> tuple[dict[str, Any], Path | None]:
+    """(the settings a resumable run records, the checkpoint to continue from with ``resume``), checked
+    before any model is loaded: ``--resume`` without a checkpoint or with other settings is an error."""
+    if model_spec is not None:
+        name = str(model_spec)
+    else:  # a model object, or the embedded default model that load_model(None) loads
+        name = str(getattr(model.config, "_name_or_path", "")) if model is not None else "default"
+    settings = checkpoints.training_settings(mode, cfg, pairs_path, name)
+    return settings, checkpoints.resume_point(out, settings, PairsError) if resume else None
+
+
 def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pairs, lengths: LengthReport,
             seconds: float, mode: str, lm_head: str | None = None, dropped: int = 0) -> TrainResult:  # fmt: skip
     """Save the trained model + tokenizer and a ``retmask_train.json`` summary in ``out``, whole or not at
@@ -100,6 +136,7 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
         trainer.save_model(str(staged))
         tokenizer.save_pretrained(str(staged))
         atomic_write_json(staged / "retmask_train.json", summary, indent=1)
+    checkpoints.clear(out)  # the run is complete: nothing left to resume
     return result
 
 
@@ -118,9 +155,11 @@ def train_dpo(
     ref_model: Any = None,
     tokenizer: Any = None,
     callbacks: list | None = None,
+    resume: bool = False,
 ) -> TrainResult:
     """DPO on a pairs file (sigmoid loss, β = ``cfg.beta``). Loads policy and reference with
-    ``retmask.load_model(model_spec)`` unless ``model``/``ref_model``/``tokenizer`` are given."""
+    ``retmask.load_model(model_spec)`` unless ``model``/``ref_model``/``tokenizer`` are given. ``resume``:
+    continue from the newest checkpoint in ``out`` (written with ``cfg.save_every``)."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -129,13 +168,14 @@ def train_dpo(
     kernels.check_settings()  # a bad $RETMASK_* setting fails here, not at the first step
     pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen", "rejected"))  # before loading: fails fast
     check_writable(out, what="output folder", directory=True)  # likewise: not after minutes of loading
+    out = Path(out)
+    settings, checkpoint = _resume_point("dpo", cfg, pairs_path, out, model, model_spec, resume)
     if model is None:
         model, tokenizer = load_model(model_spec)
     if ref_model is None:
         # a frozen copy of the untrained weights = the original model; no reload by path needed
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen", "rejected"), pairs.source)
-    out = Path(out)
     args = DPOConfig(
         **cfg.trainer_kwargs(str(out), _use_cpu(cfg.device)), beta=cfg.beta, loss_type=["sigmoid"]
     )
@@ -148,7 +188,7 @@ def train_dpo(
     _watch(trainer, cfg)
     start = time.perf_counter()
     with labelled_positions_only(cfg.lm_head_positions), cpu_lm_head() as head:
-        trainer.train()
+        _train(trainer, out, cfg, settings, checkpoint)
     return _finish(
         trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo", head, dropped
     )
@@ -163,8 +203,10 @@ def train_sft(
     model: Any = None,
     tokenizer: Any = None,
     callbacks: list | None = None,
+    resume: bool = False,
 ) -> TrainResult:
-    """The SFT baseline: supervised training on the chosen responses only (loss on the response)."""
+    """The SFT baseline: supervised training on the chosen responses only (loss on the response).
+    ``resume``: as in :func:`train_dpo`."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -172,11 +214,12 @@ def train_sft(
     kernels.check_settings()  # a bad $RETMASK_* setting fails before any loading
     pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen",))
     check_writable(out, what="output folder", directory=True)  # before loading: fails fast
+    out = Path(out)
+    settings, checkpoint = _resume_point("sft", cfg, pairs_path, out, model, model_spec, resume)
     if model is None:
         model, tokenizer = load_model(model_spec)
     lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen",), pairs.source)
     rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs.rows]
-    out = Path(out)
     # prompt-completion rows: TRL computes the loss on the completion only (completion_only_loss)
     args = SFTConfig(**cfg.trainer_kwargs(str(out), _use_cpu(cfg.device)), completion_only_loss=True)
     model.train()
@@ -187,7 +230,7 @@ def train_sft(
     _bind(trainer, callbacks)
     _watch(trainer, cfg)
     start = time.perf_counter()
-    trainer.train()
+    _train(trainer, out, cfg, settings, checkpoint)
     return _finish(
         trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "sft", dropped=dropped
     )

@@ -173,8 +173,19 @@ class RetrievalTelemetry(TrainerCallback):
 
     # -- callback hooks -------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if state.is_world_process_zero:
-            self._prepare(unwrap(model), processing_class)
+        if not state.is_world_process_zero:
+            return
+        self._prepare(unwrap(model), processing_class)
+        if state.global_step:  # resumed from a checkpoint: its log history holds the probes until then
+            self.history = [
+                {
+                    "step": int(e["step"]),
+                    **{k.split("/", 1)[1]: v for k, v in e.items() if k.startswith("retrieval/")},
+                }
+                for e in state.log_history
+                if KEYS[0] in e
+            ]
+        else:
             self._probe(args, state, control, model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

@@ -54,6 +54,9 @@ class TrainConfig:
     # train only on pairs whose responses ended by themselves (DPO: both; SFT: the chosen one), not at the
     # generation limit (``pairs.drop_unfinished``)
     drop_unfinished: bool = False
+    # write a checkpoint into the output folder every N optimizer steps (0: never), so an interrupted run
+    # continues with resume (``retmask.methods.checkpoints``)
+    save_every: int = 0
 
     def trainer_kwargs(self, output_dir: str, use_cpu: bool) -> dict[str, Any]:
         """Keyword arguments shared by ``DPOConfig`` and ``SFTConfig``."""
@@ -65,8 +68,10 @@ class TrainConfig:
             per_device_train_batch_size=self.batch_size, gradient_accumulation_steps=self.grad_accum,
             max_length=self.max_length, truncation_mode="keep_start", seed=self.seed,
             logging_steps=self.logging_steps, activation_checkpointing=self.gradient_checkpointing,
-            use_cpu=use_cpu, bf16=self.dtype == "bfloat16", fp16=False, save_strategy="no", report_to=[],
-            dataloader_num_workers=0,
+            use_cpu=use_cpu, bf16=self.dtype == "bfloat16", fp16=False, report_to=[], dataloader_num_workers=0,
+            # the newest checkpoint only: the previous one is deleted once the new one is complete
+            save_strategy="steps" if self.save_every else "no", save_steps=self.save_every or None,
+            save_total_limit=1,
         )  # fmt: skip
 
 

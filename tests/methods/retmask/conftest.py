@@ -7,6 +7,7 @@ commands can load it by path like any user model.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,10 @@ import torch
 import transformers
 
 import retmask
+from tests.methods.retmask.test_train import ROWS, conv
 from tests.tiny import tiny_llama_for
+
+HEADS = [[0, 1], [1, 3]]  # the masked heads pairs_with_heads records
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +56,14 @@ def peaked(tiny_dir):
     with torch.no_grad():
         model.model.norm.weight.mul_(10.0)
     return model, tok
+
+
+@pytest.fixture
+def pairs_with_heads(tmp_path):
+    """A pairs file plus the progress file a finished `retmask generate` leaves next to it (records the
+    heads and that the run is complete)."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(conv(*r)) + "\n" for r in ROWS))
+    progress = {"fingerprint": {"heads": HEADS}, "complete": True}
+    (tmp_path / "pairs.jsonl.progress.json").write_text(json.dumps(progress))
+    return path

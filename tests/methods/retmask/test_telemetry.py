@@ -17,9 +17,7 @@ from retmask.heads import model_shape
 from retmask.methods.retmask.telemetry import KEYS, RetrievalTelemetry, heads_for_pairs, unwrap
 from retmask.niah import build_tests, load_haystack, load_needles
 
-from .test_train import ROWS, conv
-
-HEADS = [[0, 1], [1, 3]]
+from .conftest import HEADS
 
 
 def direct_means(model, tok, lengths, depths, num_needles, heads, max_new_tokens):
@@ -37,17 +35,6 @@ def direct_means(model, tok, lengths, depths, num_needles, heads, max_new_tokens
         mask[a, b] = True
     recall = float(np.mean([e["rouge1_recall"] for e in done.values()]))
     return float(mean[mask].mean()), float(mean[~mask].mean()), recall, len(counted)
-
-
-@pytest.fixture
-def pairs_with_heads(tmp_path):
-    """A pairs file plus the progress file a finished `retmask generate` leaves next to it (records the
-    heads and that the run is complete)."""
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps(conv(*r)) + "\n" for r in ROWS))
-    progress = {"fingerprint": {"heads": HEADS}, "complete": True}
-    (tmp_path / "pairs.jsonl.progress.json").write_text(json.dumps(progress))
-    return path
 
 
 def test_cli_telemetry_logs_probes_equal_to_direct_detection(tiny_dir, pairs_with_heads, tmp_path, capsys):

@@ -1,0 +1,101 @@
+"""Resumable ``retmask train``: the Trainer's checkpoints in ``--out`` and the settings they belong to.
+
+With ``save_every = N`` the Trainer writes ``<out>/checkpoint-<step>`` every N optimizer steps (weights,
+optimizer, scheduler, RNG states, ``trainer_state.json`` with the log history) and keeps only the newest
+(the older one is deleted after the new one is complete). Next to them ``<out>/train_settings.json`` holds
+what decides the result (mode, model, the pairs file's SHA-256, every training setting but ``save_every``
+and ``device``), so a resume with other settings is refused, naming what differs. ``trainer_state.json``
+is the last file a checkpoint gets: a folder without it was cut off while being written and is passed
+over for the one before it. When the trained model is saved, the checkpoints and the settings file are
+deleted: they exist only while a run is unfinished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from retmask.runfiles import JsonFile, atomic_write_json, check_same_settings
+
+SETTINGS_NAME = "train_settings.json"
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+_COMPLETE_MARKER = "trainer_state.json"  # written last into a checkpoint folder
+_FIX = "resume with the same flags, or pass --overwrite to start over"
+# settings that may change between an interrupted run and its resume
+_FREE = ("save_every", "device")
+
+
+def training_settings(mode: str, cfg: Any, pairs_path: str | Path, model_name: str) -> dict[str, Any]:
+    """What decides a training run's result: ``mode`` ("dpo" / "sft"), the model, the pairs file's content and
+    the :class:`TrainConfig` fields (``cfg``) but those in ``_FREE``."""
+    digest = hashlib.sha256(Path(pairs_path).read_bytes()).hexdigest()
+    config = {k: v for k, v in asdict(cfg).items() if k not in _FREE}
+    return {"mode": mode, "model": model_name, "pairs_sha256": digest, **config}  # flat: a change is named
+
+
+def checkpoints(out: str | Path) -> list[Path]:
+    """The complete checkpoint folders in ``out``, oldest step first."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    found = []
+    for path in out.iterdir():
+        match = _CHECKPOINT.fullmatch(path.name)
+        if match and (path / _COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def has_run_files(out: str | Path) -> bool:
+    """Whether ``out`` holds checkpoints (complete or cut off) or a settings file of an unfinished run."""
+    out = Path(out)
+    return out.is_dir() and (
+        (out / SETTINGS_NAME).exists() or any(_CHECKPOINT.fullmatch(p.name) for p in out.iterdir())
+    )
+
+
+def start(out: str | Path, settings: dict[str, Any]) -> None:
+    """Record ``settings`` for a run that will write checkpoints into ``out`` (atomically)."""
+    atomic_write_json(Path(out) / SETTINGS_NAME, settings)
+
+
+def resume_point(out: str | Path, settings: dict[str, Any], error: type[Exception]) -> Path:
+    """The newest complete checkpoint in ``out``, after checking that it was written with ``settings``;
+    ``error`` (naming ``out`` and the fix) when there is none or the settings differ."""
+    out = Path(out)
+    saved_at = out / SETTINGS_NAME
+    found = checkpoints(out)
+    if not found or not saved_at.is_file():
+        raise error(
+            f"--resume: {out} holds no complete checkpoint to continue from (they are written every --save-every "
+            "N steps; without it nothing resumable is kept); run without --resume, with --overwrite to start over"
+        )
+    f = JsonFile(saved_at, "training settings file", _FIX)
+    check_same_settings(f.expect(f.read(), dict, "the file"), settings, path=saved_at, fix=_FIX)
+    return found[-1]
+
+
+def clear(out: str | Path) -> None:
+    """Delete the checkpoints (complete or not) and the settings file of a run in ``out``."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    for path in out.iterdir():
+        if _CHECKPOINT.fullmatch(path.name) and path.is_dir():
+            shutil.rmtree(path)
+    (out / SETTINGS_NAME).unlink(missing_ok=True)
+
+
+__all__ = [
+    "SETTINGS_NAME",
+    "checkpoints",
+    "clear",
+    "has_run_files",
+    "resume_point",
+    "start",
+    "training_settings",
+]

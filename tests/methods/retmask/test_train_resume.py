@@ -1,0 +1,90 @@
+"""retmask train --save-every / --resume: an interrupted DPO run continues from its newest checkpoint to the
+uninterrupted run's weights, losses and telemetry; what cannot be resumed is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import trl
+
+from retmask.cli import main as cli
+
+from .test_train import weights
+
+
+def _argv(tiny_dir, pairs, out, *extra: str) -> list[str]:
+    return ["train", "--pairs", str(pairs), "--model", str(tiny_dir), "--out", str(out), "--max-steps", "4",
+            "--batch-size", "1", "--grad-accum", "1", "--lr", "1e-2", "--max-length", "128", "--save-every", "2",
+            "--telemetry-every", "2", *extra]  # fmt: skip
+
+
+def _history(out) -> list[dict]:
+    """The telemetry probes, less their wall times."""
+    history = json.loads((out / "telemetry.json").read_text())["history"]
+    return [{k: v for k, v in h.items() if k != "probe_seconds"} for h in history]
+
+
+def test_interrupted_training_resumes_to_the_uninterrupted_result(
+    tiny_dir,
+    pairs_with_heads,
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    ref = tmp_path / "ref"
+    assert cli(_argv(tiny_dir, pairs_with_heads, ref)) == 0
+    assert not list(ref.glob("checkpoint-*")) and not (ref / "train_settings.json").exists()  # run complete
+    capsys.readouterr()
+
+    # Ctrl-C in the 4th step: steps 1-3 done, the checkpoint of step 2 on disk
+    out = tmp_path / "out"
+    real_step, calls = trl.DPOTrainer.training_step, []
+
+    def training_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(trl.DPOTrainer, "training_step", training_step)
+        assert cli(_argv(tiny_dir, pairs_with_heads, out)) == 130
+    assert "continue with the same command plus --resume" in capsys.readouterr().err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert (out / "train_settings.json").is_file() and not (out / "model.safetensors").exists()
+    (out / "checkpoint-4").mkdir()  # a checkpoint cut off while being written: no trainer_state.json
+
+    assert cli(_argv(tiny_dir, pairs_with_heads, out)) == 2  # neither --resume nor --overwrite
+    assert "holds the checkpoints of an unfinished training; pass --resume" in capsys.readouterr().err
+    assert cli(_argv(tiny_dir, pairs_with_heads, out, "--resume", "--lr", "2e-2")) == 2
+    assert "other settings (learning_rate: 0.01 -> 0.02)" in capsys.readouterr().err
+
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(
+            trl.DPOTrainer, "training_step", lambda self, *a, **k: calls.append(1) or real_step(self, *a, **k)
+        )
+        assert cli(_argv(tiny_dir, pairs_with_heads, out, "--resume")) == 0
+    assert f"resuming from {out / 'checkpoint-2'}" in capsys.readouterr().out
+    assert len(calls) == 2  # steps 3 and 4 only
+    want, got = weights(ref), weights(out)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+    summary = {d: json.loads((d / "retmask_train.json").read_text()) for d in (ref, out)}
+    assert summary[out]["steps"] == 4
+    assert summary[out]["losses"] == pytest.approx(summary[ref]["losses"], rel=1e-5)
+    # the probes of steps 0 and 2 come from the checkpoint's log, step 4's from the resumed run
+    assert [h["step"] for h in _history(out)] == [0, 2, 4]
+    assert _history(out) == pytest.approx(_history(ref), rel=1e-5)
+    assert not list(out.glob("checkpoint-*")) and not (out / "train_settings.json").exists()
+
+
+def test_resume_without_a_checkpoint_is_refused(tiny_dir, pairs_with_heads, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli(_argv(tiny_dir, pairs_with_heads, out, "--resume")) == 2
+    assert "holds no complete checkpoint to continue from" in capsys.readouterr().err
+    assert cli(_argv(tiny_dir, pairs_with_heads, out, "--resume", "--overwrite")) == 2
+    assert "--resume and --overwrite exclude each other" in capsys.readouterr().err
