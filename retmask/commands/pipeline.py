@@ -145,6 +145,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=d.telemetry_every,
         help="probe the retrieval score of the masked heads every N optimizer steps (0 = no telemetry)",
     )
+    g.add_argument("--save-every", type=nonneg_int, default=d.save_every, metavar="N",
+                   help="keep a training checkpoint every N optimizer steps, so a rerun after an interrupt continues "
+                        "the training stage instead of starting it over (0: none)")  # fmt: skip
     g = p.add_argument_group("eval")
     g.add_argument(
         "--eval-min-len", type=token_count, default=d.eval_min_len, help="shortest context, tokens"
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
         grad_accum=args.grad_accum, max_length=args.max_length, beta=args.beta, train_seed=args.train_seed,
         objective="sft" if args.sft else "dpo", telemetry_every=args.telemetry_every,
-        drop_unfinished=args.drop_unfinished,
+        drop_unfinished=args.drop_unfinished, save_every=args.save_every,
         eval_min_len=args.eval_min_len, eval_max_len=args.eval_max_len, eval_lengths=args.eval_lengths,
         eval_depths=args.eval_depths, eval_needles=args.eval_needles, eval_cache=args.eval_cache,
         eval_tasks=list(args.eval_tasks),

@@ -90,7 +90,7 @@ def _train(
     ``settings`` in ``out`` first when checkpoints will be written."""
     if checkpoint is not None:
         print(f"retmask train: resuming from {checkpoint}")
-    elif cfg.save_every:
+    elif cfg.save_every and trainer.is_world_process_zero():  # one process writes (as the Trainer's saves)
         checkpoints.start(out, settings)
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
 
@@ -136,7 +136,8 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
         trainer.save_model(str(staged))
         tokenizer.save_pretrained(str(staged))
         atomic_write_json(staged / "retmask_train.json", summary, indent=1)
-    checkpoints.clear(out)  # the run is complete: nothing left to resume
+    if trainer.is_world_process_zero():
+        checkpoints.clear(out)  # the run is complete: nothing left to resume
     return result
 
 

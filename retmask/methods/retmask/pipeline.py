@@ -17,7 +17,8 @@ is skipped when ``pipeline.json`` records it as done with the same fingerprint a
 stage whose settings changed is cleared and rerun, and so is everything after it (their fingerprints
 change with it). A stage interrupted mid-way restarts through its own resume mechanism where one exists:
 detection continues from its progress file, generation from its pairs file (no pair lost or repeated),
-evaluation from its per-model cache; training restarts (the short default run saves no checkpoints).
+evaluation from its per-model cache, training from its newest checkpoint when ``save_every`` keeps them
+(``retmask.methods.checkpoints``; by default it restarts: the short default run saves no checkpoints).
 
 The defaults make the embedded SmolLM2-135M run take about 17 minutes on 2 CPU cores: the default
 detection grid (96 tests), 32 instructions (stratified over the shipped categories), ≤ 128 new tokens per
@@ -38,6 +39,7 @@ from retmask.evaluate.suite import EvalConfig, run_suite
 from retmask.heads import model_shape
 from retmask.heads.selection import load_scores, read_heads, select_heads, write_heads
 from retmask.hf.loading import DTYPES, check_model_spec, default_model_path, load_model
+from retmask.methods import checkpoints
 from retmask.methods.retmask.dpo import train_dpo, train_sft
 from retmask.methods.retmask.generate import SamplingConfig, generate_pairs
 from retmask.methods.retmask.instructions import load_instructions
@@ -309,10 +311,17 @@ class Pipeline:
 
         c = self.cfg
         out = self.dir / "train" / "model"
-        shutil.rmtree(out, ignore_errors=True)  # no checkpoints: an interrupted training starts over
+        # an interrupted training of the same settings continues from its newest checkpoint (--save-every);
+        # without one it starts over
+        from_checkpoint = resume and bool(checkpoints.checkpoints(out))
+        if from_checkpoint:
+            self.log(f"[pipeline] train: continuing from {checkpoints.checkpoints(out)[-1].name}")
+        else:
+            shutil.rmtree(out, ignore_errors=True)
         cfg = TrainConfig(learning_rate=c.lr, epochs=c.epochs, max_steps=c.max_steps, batch_size=c.batch_size,
                           grad_accum=c.grad_accum, max_length=c.max_length, beta=c.beta, seed=c.train_seed,
-                          dtype=c.dtype, device=c.device, drop_unfinished=c.drop_unfinished)  # fmt: skip
+                          dtype=c.dtype, device=c.device, drop_unfinished=c.drop_unfinished,
+                          save_every=c.save_every)  # fmt: skip
         callbacks = None
         if c.telemetry_every:
             # a baseline that masks nothing follows the retrieval heads themselves
@@ -322,7 +331,14 @@ class Pipeline:
             label = "retrieval heads, none masked" if unmasked else "masked heads"
             callbacks = [RetrievalTelemetry(heads, c.telemetry_every, heads_label=label)]
         train = train_sft if c.objective == "sft" else train_dpo
-        res = train(self.dir / "generate" / "pairs.jsonl", out, c.model, cfg, callbacks=callbacks)
+        res = train(
+            self.dir / "generate" / "pairs.jsonl",
+            out,
+            c.model,
+            cfg,
+            callbacks=callbacks,
+            resume=from_checkpoint,
+        )
         return {"steps": res.steps, "seconds_per_step": round(res.seconds_per_step, 2)}
 
     def _eval(self, resume: bool) -> dict:

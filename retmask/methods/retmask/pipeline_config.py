@@ -60,6 +60,9 @@ class PipelineConfig:
     objective: str = "dpo"
     telemetry_every: int = 2
     drop_unfinished: bool = False  # train only on pairs whose responses ended before --gen-max-new-tokens
+    # a training checkpoint every N optimizer steps (0: none), so a rerun continues the interrupted training
+    # stage instead of starting it over; not in the stage's fingerprint (the result does not depend on it)
+    save_every: int = 0
     # eval
     eval_min_len: int = 1000
     eval_max_len: int | None = None

@@ -30,6 +30,42 @@ def stages_run(logs):
     ]
 
 
+def test_training_stage_continues_from_its_checkpoint(tiny_dir, tmp_path, monkeypatch):
+    """--save-every 1: a crash in the 2nd of 2 training steps; the rerun continues the training stage from
+    checkpoint-1 (one step run) instead of starting it over, and leaves no checkpoint behind."""
+    import trl
+
+    run_dir = tmp_path / "run"
+    cfg = PipelineConfig(model=str(tiny_dir), **{**TINY, "save_every": 1})
+    monkeypatch.setattr("retmask.detect.run.RECALL_THRESHOLD", -1.0)  # see the test below
+    real_step, steps = trl.DPOTrainer.training_step, []
+
+    def training_step(self, *args, **kwargs):
+        steps.append(1)
+        if len(steps) == 2:
+            raise Crash("simulated crash in the second training step")
+        return real_step(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(trl.DPOTrainer, "training_step", training_step)
+        with pytest.raises(Crash):
+            run_pipeline(cfg, run_dir, progress=False, log=lambda *a: None, stop_after="train")
+    model_dir = run_dir / "train" / "model"
+    assert sorted(p.name for p in model_dir.glob("checkpoint-*")) == ["checkpoint-1"]
+
+    steps.clear()
+    logs: list[str] = []
+    with monkeypatch.context() as m:
+        m.setattr(
+            trl.DPOTrainer, "training_step", lambda self, *a, **k: steps.append(1) or real_step(self, *a, **k)
+        )
+        run_pipeline(cfg, run_dir, progress=False, log=logs.append, stop_after="train")
+    assert stages_run(logs) == ["train"] and "[pipeline] train: continuing from checkpoint-1" in logs
+    assert len(steps) == 1
+    assert json.loads((model_dir / "retmask_train.json").read_text())["steps"] == 2
+    assert not list(model_dir.glob("checkpoint-*"))
+
+
 def test_pipeline_runs_all_stages_and_resumes_after_crashes(tiny_dir, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     cfg = PipelineConfig(model=str(tiny_dir), **TINY)
