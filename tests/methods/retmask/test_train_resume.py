@@ -88,3 +88,28 @@ def test_resume_without_a_checkpoint_is_refused(tiny_dir, pairs_with_heads, tmp_
     assert "holds no complete checkpoint to continue from" in capsys.readouterr().err
     assert cli(_argv(tiny_dir, pairs_with_heads, out, "--resume", "--overwrite")) == 2
     assert "--resume and --overwrite exclude each other" in capsys.readouterr().err
+
+
+def test_checkpoints_in_step_order_and_cut_off_ones_passed_over(tmp_path):
+    from retmask.methods import checkpoints
+
+    assert checkpoints.checkpoints(tmp_path / "absent") == [] and not checkpoints.has_run_files(tmp_path)
+    for step, complete in ((9, True), (10, True), (11, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if complete:
+            (folder / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-x").mkdir()  # not the Trainer's name: ignored
+    assert [p.name for p in checkpoints.checkpoints(tmp_path)] == [
+        "checkpoint-9",
+        "checkpoint-10",
+    ]  # not by text
+    assert checkpoints.has_run_files(tmp_path)
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):  # no settings file: not ours
+        checkpoints.resume_point(tmp_path, {"mode": "dpo"}, ValueError)
+    checkpoints.start(tmp_path, {"mode": "dpo", "seed": 0})
+    assert checkpoints.resume_point(tmp_path, {"mode": "dpo", "seed": 0}, ValueError).name == "checkpoint-10"
+    with pytest.raises(ValueError, match=r"other settings \(seed: 0 -> 1\)"):
+        checkpoints.resume_point(tmp_path, {"mode": "dpo", "seed": 1}, ValueError)
+    checkpoints.clear(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-x"]
