@@ -313,9 +313,9 @@ class Pipeline:
         out = self.dir / "train" / "model"
         # an interrupted training of the same settings continues from its newest checkpoint (--save-every);
         # without one it starts over
-        from_checkpoint = resume and bool(checkpoints.checkpoints(out))
-        if from_checkpoint:
-            self.log(f"[pipeline] train: continuing from {checkpoints.checkpoints(out)[-1].name}")
+        found = checkpoints.checkpoints(out) if resume else []
+        if found:
+            self.log(f"[pipeline] train: continuing from {found[-1].name}")
         else:
             shutil.rmtree(out, ignore_errors=True)
         cfg = TrainConfig(learning_rate=c.lr, epochs=c.epochs, max_steps=c.max_steps, batch_size=c.batch_size,
@@ -331,14 +331,8 @@ class Pipeline:
             label = "retrieval heads, none masked" if unmasked else "masked heads"
             callbacks = [RetrievalTelemetry(heads, c.telemetry_every, heads_label=label)]
         train = train_sft if c.objective == "sft" else train_dpo
-        res = train(
-            self.dir / "generate" / "pairs.jsonl",
-            out,
-            c.model,
-            cfg,
-            callbacks=callbacks,
-            resume=from_checkpoint,
-        )
+        pairs = self.dir / "generate" / "pairs.jsonl"
+        res = train(pairs, out, c.model, cfg, callbacks=callbacks, resume=bool(found))
         return {"steps": res.steps, "seconds_per_step": round(res.seconds_per_step, 2)}
 
     def _eval(self, resume: bool) -> dict:
