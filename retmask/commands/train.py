@@ -165,12 +165,11 @@ def run(args: argparse.Namespace) -> int:
         check_writable(args.out, what="--out", directory=True)
         if args.resume and args.overwrite:
             raise PairsError("--resume and --overwrite exclude each other; pick one")
-        unfinished_run = checkpoints.has_run_files(args.out)
         if args.out.is_dir() and any(args.out.iterdir()) and not (args.overwrite or args.resume):
             raise PairsError(
                 f"--out {args.out} already holds "
-                + ("the checkpoints of an unfinished training; pass --resume to continue it, " if unfinished_run
-                   else "files (an earlier trained model?); pass ")
+                + ("the checkpoints of an unfinished training; pass --resume to continue it, "
+                   if checkpoints.has_run_files(args.out) else "files (an earlier trained model?); pass ")
                 + "--overwrite to replace them, or choose another folder"
             )  # fmt: skip
         callbacks = None

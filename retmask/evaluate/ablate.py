@@ -11,7 +11,6 @@ other settings. While a configuration runs, its answered tests wait in ``<name>.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import statistics
@@ -22,7 +21,6 @@ from pathlib import Path
 
 from retmask.evaluate.config_runs import ConfigFolder, remaining
 from retmask.evaluate.niah import NiahResult, evaluate_niah, grid_fingerprint
-from retmask.evaluate.niah_progress import read_progress, write_progress
 from retmask.heads import model_shape
 from retmask.heads.selection import (
     Head,
@@ -319,11 +317,8 @@ def run_ablation(
     t0 = time.perf_counter()
     for c in remaining(configs, results, limit=limit, desc="ablate", progress=progress):
         # the running configuration's finished tests, so an interrupt loses no answered test
-        partial, done, save = folder.progress(c.name), None, None
-        if partial is not None:
-            settings = {**fingerprint, "heads": [list(h) for h in heads[c.name]]}
-            done = read_progress(partial, settings) if resume and partial.exists() else None
-            save = functools.partial(write_progress, partial, settings)
+        settings = {**fingerprint, "heads": [list(h) for h in heads[c.name]]}
+        done, save = folder.running(c.name, settings, resume=resume)
         res = evaluate_niah(
             model, tokenizer, lengths=lengths, depths=depths, needles=needle_list, haystack_text=text,
             heads=heads[c.name], max_new_tokens=max_new_tokens, progress=progress, desc=c.name,

@@ -4,7 +4,7 @@
 policies), minutes each. Each finished configuration is written atomically to
 ``<out_dir>/<prefix>.configs/<name>.json`` at once, so a crash or Ctrl-C loses at most the configuration
 that was running, and ``--resume`` skips what is saved. A caller may also keep the running configuration's
-finished tests in ``<name>.json.progress.json`` (:meth:`ConfigFolder.progress`; ``retmask ablate`` does),
+finished tests in ``<name>.json.progress.json`` (:meth:`ConfigFolder.running`; ``ablate`` and ``kv`` do),
 which ``save`` deletes. What a saved file must match to be reused (its settings' fingerprint, heads,
 tests) is the caller's to check: this module only finds, writes and deletes the files and walks the
 configurations left.
@@ -12,12 +12,19 @@ configurations left.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator, Sequence
+import functools
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from retmask.evaluate.niah_progress import PROGRESS_SUFFIX, progress_path
-from retmask.runfiles import atomic_write_json
+from retmask.evaluate.niah_progress import (
+    PROGRESS_SUFFIX,
+    check_niah_entry,
+    progress_path,
+    read_progress,
+    write_progress,
+)
+from retmask.runfiles import JsonFile, atomic_write_json
 
 
 class Named(Protocol):
@@ -58,9 +65,23 @@ class ConfigFolder:
             return []
         return existing
 
-    def progress(self, name: str) -> Path | None:
-        """Where the finished tests of configuration ``name`` wait while it runs (None without ``out_dir``)."""
-        return None if self.path is None else progress_path(self.path / f"{name}.json")
+    def running(
+        self,
+        name: str,
+        settings: dict[str, Any],
+        *,
+        resume: bool,
+        check_entry: Callable[[JsonFile, dict, str], None] = check_niah_entry,
+    ) -> tuple[dict[int, dict] | None, Callable[[Mapping[int, dict]], None] | None]:
+        """(the tests configuration ``name`` answered before an interrupt, a function saving its answers so
+        far) for the configuration about to run: its ``<name>.json.progress.json``, read with ``resume``
+        (refused when written with other ``settings``; ``check_entry`` checks each entry) and rewritten after
+        every answer. (None, None) without ``out_dir``."""
+        if self.path is None:
+            return None, None
+        partial = progress_path(self.path / f"{name}.json")
+        done = read_progress(partial, settings, check_entry) if resume and partial.exists() else None
+        return done, functools.partial(write_progress, partial, settings)
 
     def save(self, name: str, payload: dict[str, Any]) -> None:
         """Write one finished configuration (atomically; nothing without an ``out_dir``) and delete its

@@ -12,14 +12,13 @@ deleted: they exist only while a run is unfinished.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from retmask.runfiles import JsonFile, atomic_write_json, check_same_settings
+from retmask.runfiles import JsonFile, atomic_write_json, check_same_settings, file_digest
 
 SETTINGS_NAME = "train_settings.json"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
@@ -32,9 +31,13 @@ _FREE = ("save_every", "device")
 def training_settings(mode: str, cfg: Any, pairs_path: str | Path, model_name: str) -> dict[str, Any]:
     """What decides a training run's result: ``mode`` ("dpo" / "sft"), the model, the pairs file's content and
     the :class:`TrainConfig` fields (``cfg``) but those in ``_FREE``."""
-    digest = hashlib.sha256(Path(pairs_path).read_bytes()).hexdigest()
     config = {k: v for k, v in asdict(cfg).items() if k not in _FREE}
-    return {"mode": mode, "model": model_name, "pairs_sha256": digest, **config}  # flat: a change is named
+    return {
+        "mode": mode,
+        "model": model_name,
+        "pairs_sha256": file_digest(pairs_path),
+        **config,
+    }  # flat: a change is named
 
 
 def checkpoints(out: str | Path) -> list[Path]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,7 +29,6 @@ from retmask.evaluate.kv_budget.results import (
     check_kv_entry,
     read_config,
 )
-from retmask.evaluate.niah_progress import read_progress, write_progress
 from retmask.runfiles import atomic_write_json, atomic_write_text
 
 
@@ -163,11 +161,8 @@ def run_kv_budget(
     for c in remaining(configs, results, limit=limit, desc="kv", progress=progress):
         heads = planned[c.name][1]
         # the running configuration's answered tests, so an interrupt loses no answered test
-        partial, done, save = folder.progress(c.name), None, None
-        if partial is not None:
-            settings = {**fingerprint, "full_heads": None if heads is None else [list(h) for h in heads]}
-            done = read_progress(partial, settings, check_kv_entry) if resume and partial.exists() else None
-            save = functools.partial(write_progress, partial, settings)
+        settings = {**fingerprint, "full_heads": None if heads is None else [list(h) for h in heads]}
+        done, save = folder.running(c.name, settings, resume=resume, check_entry=check_kv_entry)
         start = time.perf_counter()
         entries = run_config(
             model, tokenizer, items, heads, window=window, sink_tokens=sink_tokens, prefill=prefill,

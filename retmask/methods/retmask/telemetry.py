@@ -52,6 +52,11 @@ PROBE_NEEDLES = 2
 KEYS = ("retrieval/masked_mean", "retrieval/other_mean", "retrieval/probe_recall", "retrieval/probe_counted")
 
 
+def _history_entry(step: int, logged: dict[str, Any]) -> dict[str, Any]:
+    """A probe as ``history`` keeps it: the step and the ``retrieval/*`` values without their prefix."""
+    return {"step": step, **{k.split("/", 1)[1]: v for k, v in logged.items() if k.startswith("retrieval/")}}
+
+
 def unwrap(model: Any) -> Any:
     """The bare model under DDP / accelerate / torch.compile wrappers."""
     while True:
@@ -156,7 +161,7 @@ class RetrievalTelemetry(TrainerCallback):
         if self.history and self.history[-1]["step"] == step:
             return
         values = self.measure(model)
-        self.history.append({"step": step, **{k.split("/", 1)[1]: v for k, v in values.items()}})
+        self.history.append(_history_entry(step, values))
         if self.trainer is not None:
             # the base class's log: TRL's override would flush its averaged DPO metrics into this entry
             from transformers import Trainer
@@ -177,14 +182,7 @@ class RetrievalTelemetry(TrainerCallback):
             return
         self._prepare(unwrap(model), processing_class)
         if state.global_step:  # resumed from a checkpoint: its log history holds the probes until then
-            self.history = [
-                {
-                    "step": int(e["step"]),
-                    **{k.split("/", 1)[1]: v for k, v in e.items() if k.startswith("retrieval/")},
-                }
-                for e in state.log_history
-                if KEYS[0] in e
-            ]
+            self.history = [_history_entry(int(e["step"]), e) for e in state.log_history if KEYS[0] in e]
         else:
             self._probe(args, state, control, model)
 
