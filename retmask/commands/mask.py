@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     absent from the scores file take part in baselines) before anything is written.
     """
     import retmask
+    from retmask.hf.export import check_zeroing_is_masking
+    from retmask.hf.layers import head_layout
     from retmask.runfiles import check_not_replacing, check_writable
 
     try:
@@ -120,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
         model = tokenizer = None
         if args.export is not None:
             model, tokenizer, model_shape = load_for_export(args.model, args.gguf_file, args.dtype)
+            try:  # before the heads file is written: a model that cannot be exported fails first
+                check_zeroing_is_masking(head_layout(model))
+            except ValueError as e:
+                raise SelectionError(f"--export: {e}") from None
             if shape is not None and shape != model_shape:
                 raise SelectionError(
                     f"--model-shape {shape} disagrees with the model's [L, Hq] = {model_shape}"

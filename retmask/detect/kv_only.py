@@ -3,7 +3,7 @@
 A prefill call exists to fill the KV cache. Layer l's keys and values are computed from the output of
 layer l - 1, so every layer but the last must run in full; of the last layer only the K/V projections
 (and whatever the attention module does before its cache update: norms, rotary embedding) are needed. Its
-attention output, its o_proj input and its MLP feed only the call's hidden states and logits, which the
+attention output, its output projection's input and its MLP feed only the call's hidden states and logits, which the
 caller throws away. :func:`last_layer_kv_only` skips that work for the duration of a ``with`` block:
 
 * every query head of the last layer is switched off (the retmask kernel skips switched-off heads: no
@@ -54,7 +54,7 @@ def last_layer_kv_only(model: torch.nn.Module) -> Iterator[None]:
     attention, heads = layout.layers[-1], layout.num_heads
     old_skip = getattr(attention, "_retmask_skip", None)
     rows = getattr(attention, "_retmask_rows", None)
-    device = attention.o_proj.weight.device
+    device = layout.projections[-1].weight.device
     shape = (rows, heads) if rows is not None else (heads,)  # a per-row mask keeps its batch check
     mlp = _dense_mlp(_decoder_layer_of(model, attention))
     attention._retmask_skip = torch.ones(shape, dtype=torch.bool, device=device)

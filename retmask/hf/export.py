@@ -1,9 +1,10 @@
 """Exporting a checkpoint with heads zeroed, for plain transformers.
 
-Masking head h of layer l = zeroing columns ``[h*D, (h+1)*D)`` of that layer's ``o_proj.weight``
-(``[hidden, Hq*D]``): the head then contributes nothing downstream. ``o_proj.bias`` (if any) is indexed
-by the *output* dimension and is left alone (zeroing ``bias[h*D:(h+1)*D]``, as one published script does,
-is a different thing).
+Masking head h of layer l = zeroing input features ``[h*D, (h+1)*D)`` of that layer's output projection
+(``o_proj.weight[:, h*D:(h+1)*D]``, ``[hidden, Hq*D]``; the rows of a GPT-2 ``Conv1D``, whose weight is
+``[Hq*D, hidden]``): the head then contributes nothing downstream. The projection's bias (if any) is
+indexed by the *output* dimension and is left alone (zeroing ``bias[h*D:(h+1)*D]``, as one published
+script does, is a different thing).
 
 The folder says what it is, readable without retmask: ``config.json`` carries ``retmask_masked_heads``
 (``[[layer, head], ...]``, 0-based) and ``retmask_masking`` (base model, how the heads were chosen, the
@@ -21,18 +22,33 @@ from typing import Any
 import torch
 
 from retmask.heads.mask import HeadSpec, normalize_head_mask
-from retmask.hf.layers import head_layout
+from retmask.hf.layers import HeadLayout, head_inputs, head_layout, output_norms
 from retmask.runfiles import atomic_folder, io_failure, output_error
 
 
+def check_zeroing_is_masking(layout: HeadLayout) -> None:
+    """Raise a ValueError naming the module when zeroing a head's output-projection inputs is not the same
+    as switching the head off at run time: the model normalises the heads' joint output before its output
+    projection (``output_norms``)."""
+    norms = output_norms(layout.layers[0])
+    if norms:
+        raise ValueError(
+            f"model '{layout.model_type}': its attention normalises the heads' joint output "
+            f"({', '.join(norms)}) before {layout.projection_name}, so a checkpoint with a head's "
+            f"{layout.projection_name} inputs zeroed is not the model with that head switched off; mask the "
+            "heads at run time instead (retmask.head_mask, or --mask-file on the commands that take one)"
+        )
+
+
 def zero_heads_(model: torch.nn.Module, heads: HeadSpec) -> torch.nn.Module:
-    """Zero (in place) the o_proj columns of ``heads`` in ``model``; returns the model."""
+    """Zero (in place) the output-projection inputs of ``heads`` in ``model``; returns the model."""
     layout = head_layout(model)
+    check_zeroing_is_masking(layout)
     mask = normalize_head_mask(heads, *layout.shape, allow_per_row=False)
     D = layout.head_dim
     with torch.no_grad():
         for layer_idx, head in mask.nonzero().tolist():
-            layout.layers[layer_idx].o_proj.weight[:, head * D : (head + 1) * D] = 0
+            head_inputs(layout.projections[layer_idx])[head * D : (head + 1) * D] = 0
     return model
 
 
@@ -44,7 +60,7 @@ def export_masked(
     *,
     provenance: dict[str, Any] | None = None,
 ) -> Path:
-    """Save a standard HF checkpoint of ``model`` with the o_proj columns of ``heads`` zeroed.
+    """Save a standard HF checkpoint of ``model`` with the output-projection inputs of ``heads`` zeroed.
 
     ``model`` itself is not modified. The saved config names no retmask attention, so plain
     transformers loads it; it records the heads (``retmask_masked_heads``) and ``provenance``
@@ -52,20 +68,23 @@ def export_masked(
     written as a model card (``README.md``). Returns the output folder.
     """
     layout = head_layout(model)
+    check_zeroing_is_masking(layout)
     mask = normalize_head_mask(heads, *layout.shape, allow_per_row=False)
     D = layout.head_dim
-    by_ptr = {m.o_proj.weight.data_ptr(): m for m in layout.layers}
+    by_ptr = {proj.weight.data_ptr(): (layer_idx, proj) for layer_idx, proj in enumerate(layout.projections)}
     state = dict(model.state_dict())
-    # state_dict() returns detached views: match o_proj weights by storage, then swap in zeroed copies.
+    # state_dict() returns detached views: match the projections' weights by storage (and name, as a tied
+    # weight shares its storage), then swap in zeroed copies.
     for key, tensor in list(state.items()):
-        module = by_ptr.get(tensor.data_ptr()) if key.endswith("o_proj.weight") else None
-        if module is None:
+        found = by_ptr.get(tensor.data_ptr()) if key.endswith(".weight") else None
+        if found is None or tensor.shape != found[1].weight.shape:
             continue
-        cols = mask[module.layer_idx].nonzero().flatten().tolist()
+        layer_idx, proj = found
+        cols = mask[layer_idx].nonzero().flatten().tolist()
         if cols:
             zeroed = tensor.detach().clone()
             for head in cols:
-                zeroed[:, head * D : (head + 1) * D] = 0
+                head_inputs(proj, zeroed)[head * D : (head + 1) * D] = 0
             state[key] = zeroed
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -74,7 +93,7 @@ def export_masked(
             errno.EEXIST, f"export folder {out} already exists and is not empty; pick a new folder", str(out)
         )
     masked = [[int(a), int(b)] for a, b in mask.nonzero().tolist()]
-    masking = masking_record(model, masked, provenance)
+    masking = masking_record(model, masked, provenance, projection=layout.projection_name)
     # Written into a hidden sibling folder and renamed into place at the end: an interrupted export
     # (Ctrl-C, a full disk) leaves no half-written checkpoint that would load as if it were complete, and a
     # failed write is ``cannot write OUT: REASON`` (an OutputWriteError) with nothing left behind.
@@ -84,7 +103,9 @@ def export_masked(
             _save_checkpoint(model, state, masked, masking, partial)
             if tokenizer is not None:
                 tokenizer.save_pretrained(partial)
-            (partial / "README.md").write_text(model_card(masked, masking, layout.shape), encoding="utf-8")
+            (partial / "README.md").write_text(
+                model_card(masked, masking, layout.shape, layout.projection_name), encoding="utf-8"
+            )
         except OSError:
             raise  # atomic_folder names ``out``
         except Exception as err:
@@ -112,13 +133,16 @@ def _save_checkpoint(
                 delattr(config, name)
 
 
-def masking_record(model: torch.nn.Module, masked: list[list[int]], provenance: dict | None) -> dict:
-    """What ``config.retmask_masking`` records: the edit, the base model, the retmask version and the
-    caller's ``provenance`` (how the heads were chosen, from which scores)."""
+def masking_record(
+    model: torch.nn.Module, masked: list[list[int]], provenance: dict | None, projection: str = "o_proj"
+) -> dict:
+    """What ``config.retmask_masking`` records: the edit (on the output projection named ``projection``),
+    the base model, the retmask version and the caller's ``provenance`` (how the heads were chosen, from
+    which scores)."""
     from retmask import __version__
 
     record: dict[str, Any] = {
-        "edit": "o_proj input columns of each masked head set to 0 (the head contributes nothing)",
+        "edit": f"{projection} input features of each masked head set to 0 (the head contributes nothing)",
         "num_masked_heads": len(masked),
         "base_model": getattr(model.config, "_name_or_path", None) or None,
         "retmask_version": __version__,
@@ -148,8 +172,11 @@ def _rule(selection: dict) -> str:
     return rule
 
 
-def model_card(masked: list[list[int]], masking: dict, shape: tuple[int, int]) -> str:
-    """``README.md`` of an exported folder: what was done to which model, readable without retmask."""
+def model_card(
+    masked: list[list[int]], masking: dict, shape: tuple[int, int], projection: str = "o_proj"
+) -> str:
+    """``README.md`` of an exported folder: what was done to which model (``projection``: the name of the
+    output projection edited), readable without retmask."""
     base = masking.get("base_model") or "unknown"
     selection = masking.get("selection") or {}
     heads = ", ".join(f"{a}-{b}" for a, b in masked) or "none"
@@ -186,8 +213,9 @@ def model_card(masked: list[list[int]], masking: dict, shape: tuple[int, int]) -
             f"# {Path(base).name or base} with {len(masked)} attention heads switched off",
             "",
             "A standard Hugging Face checkpoint written by `retmask mask --export` (retmask's `export_masked`): "
-            "the base model with the output-projection (`o_proj`) input columns of the heads below set to zero, "
-            "so those heads contribute nothing. Everything else is unchanged; `o_proj.bias`, if any, is kept.",
+            f"the base model with the output projection's (`{projection}`) input features of the heads below set "
+            f"to zero, so those heads contribute nothing. Everything else is unchanged; `{projection}.bias`, if "
+            "any, is kept.",
             "",
             *table,
             "",

@@ -1,7 +1,8 @@
 """Runtime head masks on query heads: ``set_head_mask``, ``clear_head_mask``, ``head_mask``.
 
 A masked head is skipped by the kernel (``skip_heads``): its output is exactly 0 and it costs no work,
-which gives the same logits as a checkpoint with that head's o_proj columns zeroed.
+which gives the same logits as a checkpoint with that head's output-projection inputs (``o_proj``
+columns) zeroed.
 """
 
 from __future__ import annotations
@@ -12,12 +13,8 @@ from contextlib import contextmanager
 import torch
 
 from retmask.heads.mask import HeadSpec, normalize_head_mask
-from retmask.hf.layers import head_layout
+from retmask.hf.layers import HeadLayout, head_layout
 from retmask.hf.patch import require_retmask
-
-
-def _device(module: torch.nn.Module) -> torch.device:
-    return module.o_proj.weight.device
 
 
 def set_head_mask(model: torch.nn.Module, heads: HeadSpec) -> torch.Tensor:
@@ -37,7 +34,7 @@ def set_head_mask(model: torch.nn.Module, heads: HeadSpec) -> torch.Tensor:
     require_retmask(model, "set_head_mask")
     layout = head_layout(model)
     mask = normalize_head_mask(heads, *layout.shape)
-    _apply(layout.layers, [layer_state(mask, layer_idx) for layer_idx in range(layout.num_layers)])
+    _apply(layout, [layer_state(mask, layer_idx) for layer_idx in range(layout.num_layers)])
     return mask
 
 
@@ -53,9 +50,9 @@ def layer_state(mask: torch.Tensor, layer_idx: int) -> LayerState:
     return (skip if bool(skip.any()) else None), (mask.shape[0] if per_row else None)
 
 
-def _apply(modules: tuple[torch.nn.Module, ...], states: list[LayerState]) -> None:
-    for module, (skip, rows) in zip(modules, states, strict=True):
-        module._retmask_skip = None if skip is None else skip.to(_device(module))
+def _apply(layout: HeadLayout, states: list[LayerState]) -> None:
+    for module, proj, (skip, rows) in zip(layout.layers, layout.projections, states, strict=True):
+        module._retmask_skip = None if skip is None else skip.to(proj.weight.device)
         module._retmask_rows = rows
 
 
@@ -66,10 +63,10 @@ def layer_states(model: torch.nn.Module, states: list[LayerState]) -> Iterator[N
     layout = head_layout(model)
     saved = _current(model)
     try:
-        _apply(layout.layers, states)
+        _apply(layout, states)
         yield
     finally:
-        _apply(layout.layers, saved)
+        _apply(layout, saved)
 
 
 def clear_head_mask(model: torch.nn.Module) -> None:
@@ -94,4 +91,4 @@ def head_mask(model: torch.nn.Module, heads: HeadSpec) -> Iterator[torch.Tensor]
     try:
         yield set_head_mask(model, heads)
     finally:
-        _apply(head_layout(model).layers, saved)
+        _apply(head_layout(model), saved)

@@ -6,16 +6,65 @@ from dataclasses import dataclass
 
 import torch
 
+# Names of the projection that maps an attention layer's concatenated head outputs back to the hidden
+# size, in the order they are looked for: Llama-like models, GPT-NeoX / Phi, OPT / GPT-J, GPT-2.
+OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj")
+
+
+def _transposed_linear(module: torch.nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's linear layers): weight [in, out], the transpose of ``nn.Linear``'s."""
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def output_projection_name(attention: torch.nn.Module) -> str | None:
+    """The attribute name of the attention module's output projection (an ``nn.Linear`` or a ``Conv1D``),
+    or None."""
+    for name in OUTPUT_PROJECTIONS:
+        module = getattr(attention, name, None)
+        if isinstance(module, torch.nn.Linear) or (module is not None and _transposed_linear(module)):
+            return name
+    return None
+
+
+def projection_inputs(projection: torch.nn.Module) -> int:
+    """The input features of an output projection: Hq * D."""
+    weight = projection.weight
+    return int(weight.shape[0] if _transposed_linear(projection) else weight.shape[1])
+
+
+def head_inputs(projection: torch.nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """A view of ``weight`` (default: the projection's own) with the input features first: [Hq * D, hidden].
+    Zeroing rows ``[h*D, (h+1)*D)`` of it removes head h's contribution."""
+    weight = projection.weight if weight is None else weight
+    return weight if _transposed_linear(projection) else weight.t()
+
+
+def output_norms(attention: torch.nn.Module) -> tuple[str, ...]:
+    """Names of the normalisation modules ``attention`` holds besides its query and key norms (``q_norm``,
+    ``k_layernorm``, ``query_layernorm``, ...): a norm over the heads' joint output before the output
+    projection, as BitNet's ``attn_sub_norm``. Through such a norm a zeroed head still changes the others'
+    scale, so zeroing its projection inputs is not the same edit as switching it off."""
+    return tuple(
+        name
+        for name, _ in attention.named_children()
+        if "norm" in name.lower() and not name.lower().startswith(("q", "k"))
+    )
+
 
 @dataclass(frozen=True)
 class HeadLayout:
-    """Head geometry of a model: ``layers[l]`` is the attention module with ``layer_idx == l``.
+    """Head geometry of a model: ``layers[l]`` is the attention module with ``layer_idx == l`` and
+    ``projections[l]`` its output projection (``o_proj``, or its other names: ``OUTPUT_PROJECTIONS``).
 
-    num_layers: L; num_heads: Hq (query heads per layer); head_dim: D (o_proj columns per head).
+    num_layers: L; num_heads: Hq (query heads per layer); kv_heads: Hkv (key / value heads per layer);
+    head_dim: D (output-projection inputs per head).
     """
 
     layers: tuple[torch.nn.Module, ...]
+    projections: tuple[torch.nn.Module, ...]
+    projection_name: str  # the projections' attribute name, e.g. "o_proj"
     num_heads: int
+    kv_heads: int
     head_dim: int
     model_type: str
 
@@ -30,11 +79,7 @@ class HeadLayout:
 
 
 def _is_attention(module: torch.nn.Module) -> bool:
-    return (
-        isinstance(getattr(module, "layer_idx", None), int)
-        and isinstance(getattr(module, "o_proj", None), torch.nn.Linear)
-        and hasattr(module, "head_dim")
-    )
+    return isinstance(getattr(module, "layer_idx", None), int) and output_projection_name(module) is not None
 
 
 def head_layout(model: torch.nn.Module) -> HeadLayout:
@@ -44,8 +89,9 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
     found = [m for m in model.modules() if _is_attention(m)]
     if not found:
         raise ValueError(
-            f"model '{model_type}' ({type(model).__name__}) has no attention modules with o_proj / layer_idx / "
-            "head_dim; retmask supports decoder LMs built like Llama (Llama, Qwen2, Qwen3, Mistral, OLMo-2, ...)"
+            f"model '{model_type}' ({type(model).__name__}) has no attention modules with a layer_idx and an "
+            f"output projection ({' / '.join(OUTPUT_PROJECTIONS)}); retmask supports decoder LMs whose "
+            "attention modules are built that way (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, GPT-NeoX, OPT, ...)"
         )
     by_layer = {m.layer_idx: m for m in found}
     if sorted(by_layer) != list(range(len(found))):
@@ -54,14 +100,35 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
             "0..L-1 with one module each; head masks cannot be mapped to layers"
         )
     num_heads = getattr(config, "num_attention_heads", None)
-    head_dim = found[0].head_dim
-    if num_heads is None or found[0].o_proj.in_features != num_heads * head_dim:
+    name = output_projection_name(found[0])
+    inputs = projection_inputs(getattr(found[0], name))
+    # GPT-NeoX names it head_size; a module without either splits the projection's inputs evenly
+    head_dim = getattr(found[0], "head_dim", None) or getattr(found[0], "head_size", None)
+    if head_dim is None and num_heads:
+        head_dim = inputs // num_heads
+    if num_heads is None or inputs != num_heads * head_dim:
         raise ValueError(
-            f"model '{model_type}': o_proj has {found[0].o_proj.in_features} input features, expected "
+            f"model '{model_type}': the output projection has {inputs} input features, expected "
             f"num_attention_heads ({num_heads}) x head_dim ({head_dim})"
         )
+    # Hkv as the attention computes it: transformers' attention functions repeat each KV head
+    # num_key_value_groups times, and a module without that attribute has one KV head per query head. The
+    # config can disagree: GPT-BigCode's multi_query is not reflected in num_key_value_heads.
+    groups = getattr(found[0], "num_key_value_groups", 1)
+    if not isinstance(groups, int) or groups < 1 or num_heads % groups:
+        raise ValueError(
+            f"model '{model_type}': num_key_value_groups = {groups!r} does not divide its {num_heads} query heads"
+        )
     layers = tuple(by_layer[i] for i in range(len(found)))
-    return HeadLayout(layers=layers, num_heads=int(num_heads), head_dim=int(head_dim), model_type=model_type)
+    return HeadLayout(
+        layers=layers,
+        projections=tuple(getattr(m, name) for m in layers),
+        projection_name=name,
+        num_heads=int(num_heads),
+        kv_heads=int(num_heads) // groups,
+        head_dim=int(head_dim),
+        model_type=model_type,
+    )
 
 
 def decoder_layers(model: torch.nn.Module, layout: HeadLayout | None = None) -> tuple[torch.nn.Module, ...]:

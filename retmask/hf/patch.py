@@ -9,7 +9,9 @@ from retmask.hf.layers import head_layout
 
 TESTED = (
     "Llama, SmolLM2, Qwen2 and Mistral (with and without a sliding window), Qwen3, OLMo-2, OLMo-3, Gemma 2 "
-    "(soft-capping), Gemma 3 (local/global layers, head dim 256), Cohere 2, gpt-oss (sinks)"
+    "(soft-capping), Gemma 3 (local/global layers, head dim 256), Cohere 2, gpt-oss (sinks), GPT-2, GPT-NeoX, "
+    "GPT-J, CodeGen, OPT, Phi, Phi-3, StarCoder 1/2, Persimmon, Gemma, Granite, Mixtral, Qwen2/3-MoE, OLMoE, "
+    "SmolLM3, GLM-4, Nemotron, EXAONE 4, Helium"
 )
 # Layer kinds the kernel computes exactly: full causal attention and a causal sliding window.
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
@@ -34,9 +36,17 @@ def check_supported(model: torch.nn.Module) -> None:
             "(_supports_attention_backend is False)",
         )
     try:
-        head_layout(model)
+        layout = head_layout(model)
     except ValueError as err:
         raise _fail(model_type, str(err)) from None
+    attention = layout.layers[0]
+    qk_dim, v_dim = getattr(attention, "qk_head_dim", None), getattr(attention, "v_head_dim", None)
+    if qk_dim is not None and v_dim is not None and qk_dim != v_dim:  # DeepSeek-V2/V3, MiniCPM3
+        raise _fail(
+            model_type,
+            f"its queries and keys have {qk_dim} dims per head and its values {v_dim} (multi-head latent "
+            "attention); the kernel takes one head dim for all three",
+        )
     for sub in (config, getattr(config, "text_config", None)):
         if sub is None:
             continue

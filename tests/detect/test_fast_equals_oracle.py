@@ -237,6 +237,20 @@ def tiny_local_global(window: int = 24):
     return retmask.patch(model)
 
 
+def assert_fast_equals_oracle(model, prompts) -> None:
+    """The fast path's answers and copy counts equal the oracle's on ``prompts`` run in both orders (prefix
+    reuse both ways), 20 new tokens at most; the model copies at least once."""
+    fast = FastDetector(model, {2}, max_new_tokens=20, chunk=64)
+    total = 0
+    for prompt, span in prompts + prompts[::-1]:
+        want = oracle_detect(model, prompt, span, {2}, max_new_tokens=20, prefill_impl="retmask")
+        got = fast.run(prompt, span)
+        assert got.tokens == want.tokens
+        np.testing.assert_array_equal(got.copies, want.copies)
+        total += int(want.copies.sum())
+    assert total > 0, "the tiny model should copy sometimes, or this test proves nothing"
+
+
 def test_local_global_model_fast_equals_oracle():
     """Sliding-window layers: the oracle reads eager weights over the last window - 1 cached keys (mapped
     back to absolute positions), the fast path keeps every key and lets the kernel apply the window."""
@@ -247,15 +261,7 @@ def test_local_global_model_fast_equals_oracle():
     for p, tail in ((0, 4), (40, 10), (150, 30), (151, 150), (260, 8)):  # needle inside / outside the window
         prompt = np.concatenate([[1], hay[:p], needle, hay[p : p + tail], [4, 5]]).astype(np.int64)
         prompts.append((prompt, (1 + p, 1 + p + 12)))
-    fast = FastDetector(model, {2}, max_new_tokens=20, chunk=64)
-    total = 0
-    for prompt, span in prompts + prompts[::-1]:
-        want = oracle_detect(model, prompt, span, {2}, max_new_tokens=20, prefill_impl="retmask")
-        got = fast.run(prompt, span)
-        assert got.tokens == want.tokens
-        np.testing.assert_array_equal(got.copies, want.copies)
-        total += int(want.copies.sum())
-    assert total > 0, "the tiny model should copy sometimes, or this test proves nothing"
+    assert_fast_equals_oracle(model, prompts)
 
 
 def test_fast_detector_cache_holds_no_more_than_the_longest_test_needs():
@@ -269,3 +275,22 @@ def test_fast_detector_cache_holds_no_more_than_the_longest_test_needs():
         longest = max(longest, len(prompt) + 30)
         for layer in fast.cache.layers:
             assert layer._key_buffer.shape[-2] <= longest
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
+def test_other_architectures_fast_equals_oracle(arch):
+    """Detection on attention modules built unlike Llama's (GPT-2: Conv1D projections and learned positions;
+    GPT-NeoX: fused QKV, partial rotary, an output projection named "dense"): the oracle's answers and copy
+    counts."""
+    import transformers
+
+    import retmask
+    from tests.hf.conftest import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(arch, vocab_size=16, max_position_embeddings=1024)
+    model = retmask.patch(
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    )
+    prompts = tiny_prompts(seed=2)
+    assert_fast_equals_oracle(model, prompts)

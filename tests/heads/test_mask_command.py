@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from types import SimpleNamespace
 
 import pytest
 
 import retmask
 from retmask.commands import mask
+
+from ..tiny import tiny_llama
 
 
 def _scores(tmp_path):
@@ -62,8 +63,7 @@ def test_mask_errors_are_reported(tmp_path, capsys):
 def test_export_uses_model_layer(tmp_path, monkeypatch):
     """--export loads the model and calls retmask.export_masked with the selected heads."""
     calls = {}
-    model = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=3, num_attention_heads=4))
-    model.config.get_text_config = lambda: model.config
+    model = tiny_llama(layers=3)  # [L, Hq] = [3, 4], as the scores file
 
     def fake_load(spec=None, **kw):
         calls["load"] = kw
@@ -107,8 +107,7 @@ def test_export_uses_model_layer(tmp_path, monkeypatch):
         and len(prov["scores_sha256"]) == 64
     )
 
-    small = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=1, num_attention_heads=4))
-    small.config.get_text_config = lambda: small.config
+    small = tiny_llama(layers=1)
     monkeypatch.setattr(retmask, "load_model", lambda spec=None, **kw: small, raising=False)
     calls.clear()
     rc = mask.main(
@@ -141,3 +140,25 @@ def test_export_uses_model_layer(tmp_path, monkeypatch):
         ]
     )
     assert rc == 2 and not calls
+
+
+def test_export_of_a_model_whose_zeroed_heads_are_not_masked_heads_is_refused_first(
+    tmp_path, monkeypatch, capsys
+):
+    """A model that normalises its heads' joint output before o_proj (BitNet) cannot be exported as a
+    zeroed checkpoint: refused by name after the model loads, before the heads file is written."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "bitnet", vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    monkeypatch.setattr(retmask, "load_model", lambda spec=None, **kw: (model, None), raising=False)
+    out = tmp_path / "heads.json"
+    args = ["--scores", str(_scores(tmp_path)), "--top-k", "2", "--out", str(out)]
+    rc = mask.main([*args, "--export", str(tmp_path / "ckpt"), "--model", "tiny-bitnet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--export: model 'bitnet'" in err and "(attn_sub_norm) before o_proj" in err
+    assert not out.exists() and not (tmp_path / "ckpt").exists()

@@ -11,16 +11,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import retmask
+from retmask.hf.layers import head_inputs, head_layout
 
 from .conftest import random_batch, tiny_model
 
 HEADS = [(0, 2), (1, 1)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "gpt2", "gpt_neox"])
 def test_export_reload_with_plain_transformers(arch, tmp_path):
-    # llama: with o_proj.bias (must stay intact); olmo2: tied embeddings (save_pretrained drops the copy).
-    extra = {"attention_bias": True} if arch == "llama" else {"tie_word_embeddings": True}
+    # llama: with o_proj.bias (must stay intact); olmo2: tied embeddings (save_pretrained drops the copy);
+    # gpt2: a Conv1D c_proj (weight [in, out]: the heads are rows); gpt_neox: the projection named "dense".
+    extra = {"llama": {"attention_bias": True}, "olmo2": {"tie_word_embeddings": True}}.get(arch, {})
     model = tiny_model(arch, **extra)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     out = retmask.export_masked(model, HEADS, tmp_path / "masked")
@@ -31,12 +33,15 @@ def test_export_reload_with_plain_transformers(arch, tmp_path):
     # no retmask attention is recorded (plain transformers loads it); the masked heads are
     assert "retmask" not in json.dumps({k: v for k, v in config.items() if not k.startswith("retmask_")})
     assert config["retmask_masked_heads"] == [list(h) for h in HEADS]
+    name = head_layout(model).projection_name
+    assert config["retmask_masking"]["edit"].startswith(f"{name} input features")
     assert not hasattr(model.config, "retmask_masked_heads")  # the model passed in is untouched
     reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
-    layer0 = reloaded.model.layers[0].self_attn.o_proj
-    assert layer0.weight[:, 32:48].abs().max() == 0 and layer0.weight[:, :32].abs().min() > 0
-    if layer0.bias is not None:  # o_proj.bias is per output feature: never zeroed
-        torch.testing.assert_close(layer0.bias, model.model.layers[0].self_attn.o_proj.bias)
+    layer0 = head_layout(reloaded).projections[0]
+    inputs = head_inputs(layer0)  # [Hq * D, hidden]: head 2 of layer 0 is rows 32..47
+    assert inputs[32:48].abs().max() == 0 and inputs[:32].abs().min() > 0
+    if layer0.bias is not None:  # the bias is per output feature: never zeroed
+        torch.testing.assert_close(layer0.bias, head_layout(model).projections[0].bias)
     ids, mask = random_batch(2, 9, left_pad=[0, 2])
     valid = mask.bool()
     with torch.no_grad(), retmask.head_mask(model, HEADS):

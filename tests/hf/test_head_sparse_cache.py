@@ -41,8 +41,19 @@ ARCHS = {
     "gemma3_text": dict(
         sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16
     ),
+    # the KV heads as the attention has them, not as the config says (2): GPT-2 has one per query head
+    # (4), GPT-BigCode one in all (multi-query)
+    "gpt2": {},
+    "gpt_bigcode": {},
 }
-MIXED = {"qwen2": [(0, 1)], "mistral": [(1, 0)], "gemma3_text": [(1, 1)]}  # some full, some windowed
+# some full, some windowed
+MIXED = {
+    "qwen2": [(0, 1)],
+    "mistral": [(1, 0)],
+    "gemma3_text": [(1, 1)],
+    "gpt2": [(0, 3), (1, 1)],
+    "gpt_bigcode": [(0, 0)],
+}
 
 
 # -- the reference: eager attention under an explicit per-head mask ----------------------------------

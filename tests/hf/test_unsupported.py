@@ -67,8 +67,12 @@ def test_custom_4d_mask_rejected():
 def test_patch_switches_and_rejects_non_interface_models():
     model = tiny_model("qwen3", attn="sdpa")
     assert retmask.patch(model) is model and model.config._attn_implementation == "retmask"
-    gpt2 = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
-    )
-    with pytest.raises(ValueError, match="cannot use retmask attention.*tested: Llama"):
-        retmask.patch(gpt2)
+    bloom = transformers.AutoModelForCausalLM.from_config(tiny_config("bloom", n_head=4))
+    with pytest.raises(
+        ValueError, match="'bloom' cannot use retmask attention.*AttentionInterface.*tested: Llama"
+    ):
+        retmask.patch(bloom)
+    # multi-head latent attention: query / key heads wider than value heads
+    mla = transformers.AutoModelForCausalLM.from_config(tiny_config("deepseek_v2"))
+    with pytest.raises(ValueError, match="queries and keys have 192 dims per head and its values 128"):
+        retmask.patch(mla)

@@ -106,6 +106,7 @@ def kv_layout(model: Any):
     an empty head-sparse cache so that it is exactly the one ``head_sparse_cache`` uses (it also refuses
     a model not on retmask attention, or without a global layer, here rather than mid-run)."""
     import retmask
+    from retmask.hf.layers import head_layout
     from retmask.hf.sparse_kv.layer import HeadSparseLayer
     from retmask.hf.sparse_kv.policy import KVLayout
 
@@ -113,11 +114,9 @@ def kv_layout(model: Any):
         cache = retmask.head_sparse_cache(model, full_heads=[], window=1, sink_tokens=0)
     except (ValueError, TypeError) as err:
         raise KVBudgetError(str(err)) from None
-    config = model.config.get_text_config(decoder=True)
-    num_q = int(config.num_attention_heads)
-    num_kv = int(getattr(config, "num_key_value_heads", None) or num_q)
+    heads = head_layout(model)
     global_layers = tuple(i for i, layer in enumerate(cache.layers) if isinstance(layer, HeadSparseLayer))
-    return KVLayout(int(config.num_hidden_layers), num_q, num_kv, global_layers)
+    return KVLayout(heads.num_layers, heads.num_heads, heads.kv_heads, global_layers)
 
 
 def kv_scores_for(scores: Any, layout: Any) -> tuple[dict[tuple[int, int], float], str]:

@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from retmask.hf.layers import head_layout
 from retmask.hf.patch import require_retmask
 from retmask.hf.sparse_kv.layer import HeadSparseLayer
 from retmask.hf.sparse_kv.policy import KVHead, KVLayout, full_kv_heads
@@ -150,10 +151,8 @@ def head_sparse_cache(
             f"{getattr(config, 'sliding_window', None)}): its cache is bounded already, so there is nothing for "
             "a head-sparse cache to prune; use the model's default cache"
         )
-    num_q, num_kv = (
-        int(config.num_attention_heads),
-        int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
-    )
+    heads = head_layout(model)
+    num_q, num_kv = heads.num_heads, heads.kv_heads
     layout = KVLayout(int(config.num_hidden_layers), num_q, num_kv, global_layers)
     chosen = full_kv_heads(layout, scores=scores, budget=budget, tau=tau, full_heads=full_heads)
     per_layer: dict[int, list[int]] = {i: [] for i in global_layers}

@@ -1,0 +1,130 @@
+"""More architectures on retmask attention: logits, gradients, ``generate``, argmax capture and head masks
+equal eager attention, for every family whose attention module is built differently from Llama's (the
+output projection's name and kind, fused QKV projections, partial rotary, learned positions, MQA, MoE
+blocks, layers without RoPE, scaling multipliers) and for popular Llama-like ones.
+
+Tiny random configs (tests/hf/conftest.py), one call each: these models are small enough that the whole
+check of one architecture takes well under a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import retmask
+from retmask.hf.export import check_zeroing_is_masking
+from retmask.hf.layers import head_layout
+
+from .conftest import assert_argmax_matches, random_batch, tiny_config, with_attn, zeroed_copy
+
+# architecture -> config overrides (what the tiny shape needs beyond tests/hf/conftest.py's)
+ARCHITECTURES = {
+    "gpt2": {},  # Conv1D projections (weight [in, out]) named c_attn / c_proj, learned positions
+    "gpt_neox": {},  # Pythia: fused query_key_value, output "dense", partial rotary, head_size
+    "phi": {},  # Phi-1/2: output "dense", partial rotary
+    "opt": {},  # output "out_proj", learned positions with an offset
+    "gptj": {"rotary_dim": 8},  # output "out_proj", interleaved partial rotary
+    "codegen": {"rotary_dim": 8},  # fused qkv_proj, output "out_proj"
+    "gpt_bigcode": {},  # StarCoder: multi-query attention, nn.Linear c_proj
+    "persimmon": {},  # fused query_key_value, output "dense", query/key layer norms
+    "phi3": {},  # fused qkv_proj
+    "gemma": {},
+    "granite": {},  # attention_multiplier instead of 1/sqrt(D)
+    "starcoder2": {},
+    "mixtral": {},  # mixture of experts
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2},  # QK-norm, mixture of experts
+    "olmoe": {},
+    "smollm3": {},  # some layers without RoPE
+    "glm4": {},
+    "nemotron": {},
+    "exaone4": {},
+    "helium": {},
+}
+
+
+def _model(arch: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = tiny_config(arch, **ARCHITECTURES.get(arch, {}))
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    return retmask.patch(model.eval())
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_architecture_equals_eager(arch):
+    model = _model(arch)
+    eager = with_attn(model, "eager")
+    ids, mask = random_batch(2, 12, left_pad=[0, 3], seed=1)
+    valid = mask.bool()
+
+    # logits, and the gradients of every parameter (eval mode: no dropout in either)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 3] = -100  # predicted from a padding row, which has no valid key (implementations differ there)
+    outputs = {}
+    for name, m in (("retmask", model), ("eager", eager)):
+        m.zero_grad()
+        out = m(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        outputs[name] = out.logits.detach()
+    torch.testing.assert_close(outputs["retmask"][valid], outputs["eager"][valid], atol=1e-4, rtol=1e-4)
+    graded = 0
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
+        graded += 1
+    assert graded > 0
+
+    # a runtime head mask equals the checkpoint with those heads' output-projection inputs zeroed
+    heads = [(0, 1), (1, 0), (1, 3)]
+    zeroed = zeroed_copy(model, heads, attn="eager")
+    with torch.no_grad(), retmask.head_mask(model, heads):
+        got = model(input_ids=ids, attention_mask=mask).logits
+    with torch.no_grad():
+        want = zeroed(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got[valid], outputs["retmask"][valid], atol=1e-3)  # the mask changed something
+
+    # the argmax key of the last 4 rows of every layer and head is eager attention's
+    with torch.no_grad(), retmask.capture_argmax(model, rows=4) as cap:
+        model(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        weights = eager(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert_argmax_matches(cap.last, torch.stack([w[:, :, -4:, :] for w in weights]))
+
+    # greedy generation with the KV cache: the same tokens and scores
+    kw = dict(
+        max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True
+    )
+    with torch.no_grad():
+        got = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        want = eager.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-4, rtol=1e-4)
+
+
+def test_a_norm_over_the_heads_joint_output_refuses_zeroed_checkpoints(tmp_path):
+    """BitNet normalises the concatenated head outputs (attn_sub_norm) before o_proj: the runtime mask still
+    switches heads off, but a checkpoint with their o_proj inputs zeroed would be another model, so the
+    export is refused by name instead of writing it."""
+    model = _model("bitnet")
+    layout = head_layout(model)
+    with pytest.raises(
+        ValueError, match=r"normalises the heads' joint output \(attn_sub_norm\) before o_proj"
+    ):
+        check_zeroing_is_masking(layout)
+    with pytest.raises(ValueError, match="mask the heads at run time instead"):
+        retmask.export_masked(model, [(0, 1)], tmp_path / "masked")
+    assert not (tmp_path / "masked").exists()
+    ids, mask = random_batch(1, 8, seed=2)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+        with retmask.head_mask(model, [(0, 1)]):
+            masked = model(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(plain, masked, atol=1e-3)
+    check_zeroing_is_masking(head_layout(_model("olmo2")))  # query / key norms are not on the output
