@@ -99,7 +99,9 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
             f"model '{model_type}': attention layer indices {sorted(m.layer_idx for m in found)} are not "
             "0..L-1 with one module each; head masks cannot be mapped to layers"
         )
-    num_heads = getattr(config, "num_attention_heads", None)
+    # a vision-language model (Gemma 3 from 4B, ...) keeps the language model's geometry in its text config
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    num_heads = getattr(text_config, "num_attention_heads", None)
     name = output_projection_name(found[0])
     inputs = projection_inputs(getattr(found[0], name))
     # GPT-NeoX names it head_size; a module without either splits the projection's inputs evenly

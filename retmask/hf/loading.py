@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+)
 
 from retmask import cpu_speedups
 from retmask.cache_dir import cache_root
@@ -433,6 +440,19 @@ def check_model_spec(spec: str | None) -> None:
         raise _not_found(spec)
 
 
+def _auto_class(source: str) -> type:
+    """``AutoModelForCausalLM``; for a vision-language model without a causal-LM class (Mistral 3,
+    Qwen2.5-VL, LLaVA, ...) ``AutoModelForImageTextToText``, whose model also runs on text alone (its
+    language model is a causal LM; images are optional inputs)."""
+    config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+    if (
+        type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING
+        and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    ):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_model(
     spec: str | None = None,
     *,
@@ -442,7 +462,8 @@ def load_model(
     attn_implementation: str = "retmask",
     cpu_linears: bool | None = None,
 ):
-    """Load ``(model, tokenizer)`` for a causal LM.
+    """Load ``(model, tokenizer)`` for a causal LM (or a vision-language model, whose language model runs on
+    text alone: ``_auto_class``).
 
     Args:
         spec: hub id, local HF folder, path of a ``.gguf`` file, a folder holding ``gguf_file``, a known
@@ -470,7 +491,7 @@ def load_model(
         # trust_remote_code=False, said explicitly: left unset, transformers asks on a terminal whether to
         # run the Python files a model folder ships (auto_map), and one "y" would run them.
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(
+        model = _auto_class(source).from_pretrained(
             source, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False
         )
     except ValueError as err:

@@ -277,20 +277,22 @@ def test_fast_detector_cache_holds_no_more_than_the_longest_test_needs():
             assert layer._key_buffer.shape[-2] <= longest
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "mistral3"])
 def test_other_architectures_fast_equals_oracle(arch):
     """Detection on attention modules built unlike Llama's (GPT-2: Conv1D projections and learned positions;
-    GPT-NeoX: fused QKV, partial rotary, an output projection named "dense"): the oracle's answers and copy
-    counts."""
+    GPT-NeoX: fused QKV, partial rotary, an output projection named "dense") and on a vision-language
+    model's language model (Mistral 3, text only): the oracle's answers and copy counts."""
     import transformers
 
     import retmask
     from tests.hf.conftest import tiny_config
+    from tests.hf.test_architectures import VISION_LANGUAGE
 
     torch.manual_seed(0)
-    config = tiny_config(arch, vocab_size=16, max_position_embeddings=1024)
-    model = retmask.patch(
-        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    )
-    prompts = tiny_prompts(seed=2)
-    assert_fast_equals_oracle(model, prompts)
+    if arch in VISION_LANGUAGE:
+        # image token 19: never in the prompts (ids 1..15)
+        model = transformers.AutoModelForImageTextToText.from_config(VISION_LANGUAGE[arch](vocab=20))
+    else:
+        config = tiny_config(arch, vocab_size=16, max_position_embeddings=1024)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert_fast_equals_oracle(retmask.patch(model.eval()), tiny_prompts(seed=2))

@@ -14,8 +14,10 @@ import torch
 import transformers
 
 import retmask
+from retmask.heads.layout import model_shape
 from retmask.hf.export import check_zeroing_is_masking
 from retmask.hf.layers import head_layout
+from retmask.hf.patch import uses_retmask
 
 from .conftest import assert_argmax_matches, random_batch, tiny_config, with_attn, zeroed_copy
 
@@ -45,16 +47,54 @@ ARCHITECTURES = {
 }
 
 
+# Vision-language models run on text alone through their language model: Gemma 3 from 4B (local / global
+# layers; AutoModelForCausalLM gives its ConditionalGeneration class), Mistral 3 (AutoModelForImageTextToText
+# only). Text vocabulary 160 by default, the image tokens at its end: the token ids of random_batch (< 128)
+# are never image tokens.
+VOCAB = 160
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+               patch_size=14)  # fmt: skip
+
+
+def _text(vocab: int, **extra) -> dict:
+    return dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, **extra,
+    )  # fmt: skip
+
+
+VISION_LANGUAGE = {  # name -> config of a text vocabulary of the given size; image token = vocab - 1
+    "gemma3": lambda vocab=VOCAB: transformers.Gemma3Config(
+        text_config=_text(vocab, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+        vision_config=_VISION,
+        mm_tokens_per_image=4,
+        image_token_index=vocab - 1,
+        boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2, tie_word_embeddings=False,
+    ),  # fmt: skip
+    "mistral3": lambda vocab=VOCAB: transformers.Mistral3Config(
+        text_config=_text(vocab, model_type="mistral"),
+        vision_config=dict(_VISION, head_dim=16),
+        image_token_index=vocab - 1, tie_word_embeddings=False,
+    ),  # fmt: skip
+}
+
+
 def _model(arch: str) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
-    config = tiny_config(arch, **ARCHITECTURES.get(arch, {}))
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager", dtype=torch.float32
-    )
+    if arch in VISION_LANGUAGE:
+        model = transformers.AutoModelForImageTextToText.from_config(
+            VISION_LANGUAGE[arch](), attn_implementation="eager", dtype=torch.float32
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(
+            tiny_config(arch, **ARCHITECTURES.get(arch, {})), attn_implementation="eager", dtype=torch.float32
+        )
     return retmask.patch(model.eval())
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES) + sorted(VISION_LANGUAGE))
 def test_architecture_equals_eager(arch):
     model = _model(arch)
     eager = with_attn(model, "eager")
@@ -128,3 +168,30 @@ def test_a_norm_over_the_heads_joint_output_refuses_zeroed_checkpoints(tmp_path)
             masked = model(input_ids=ids, attention_mask=mask).logits
     assert not torch.allclose(plain, masked, atol=1e-3)
     check_zeroing_is_masking(head_layout(_model("olmo2")))  # query / key norms are not on the output
+
+
+def test_vision_language_model_with_an_image_equals_eager():
+    """The vision tower (bidirectional attention over image patches) runs on retmask attention too, and the
+    language model's argmax capture sees the image tokens' positions."""
+    model = _model("gemma3")
+    eager = with_attn(model, "eager")
+    ids = torch.tensor([[1, VOCAB - 3] + [VOCAB - 1] * 4 + [VOCAB - 2, 7, 8, 9, 10, 11]])
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), retmask.capture_argmax(model, rows=2) as cap:
+        got = model(input_ids=ids, pixel_values=pixels).logits
+    with torch.no_grad():
+        out = eager(input_ids=ids, pixel_values=pixels, output_attentions=True)
+    torch.testing.assert_close(got, out.logits, atol=1e-4, rtol=1e-4)
+    assert_argmax_matches(cap.last, torch.stack([w[:, :, -2:, :] for w in out.attentions]))
+
+
+def test_load_model_takes_a_vision_language_folder(tmp_path):
+    """A folder of a vision-language model without a causal-LM class loads (through
+    AutoModelForImageTextToText) on retmask attention, with its [L, Hq] read from the text config."""
+    model = _model("mistral3")
+    model.save_pretrained(tmp_path / "vlm")
+    _, tokenizer = retmask.load_model(cpu_linears=False)
+    tokenizer.save_pretrained(tmp_path / "vlm")
+    loaded, _ = retmask.load_model(str(tmp_path / "vlm"), cpu_linears=False)
+    assert type(loaded).__name__ == "Mistral3ForConditionalGeneration" and uses_retmask(loaded)
+    assert head_layout(loaded).shape == (2, 4) and model_shape(loaded) == (2, 4)
