@@ -1,7 +1,8 @@
 """More architectures on retmask attention: logits, gradients, ``generate``, argmax capture and head masks
 equal eager attention, for every family whose attention module is built differently from Llama's (the
 output projection's name and kind, fused QKV projections, partial rotary, learned positions, MQA, MoE
-blocks, layers without RoPE, scaling multipliers) and for popular Llama-like ones.
+blocks, layers without RoPE, scaling multipliers), for popular Llama-like ones, and for the language
+models of vision-language models.
 
 Tiny random configs (tests/hf/conftest.py), one call each: these models are small enough that the whole
 check of one architecture takes well under a second.
@@ -48,8 +49,8 @@ ARCHITECTURES = {
 
 
 # Vision-language models run on text alone through their language model: Gemma 3 from 4B (local / global
-# layers; AutoModelForCausalLM gives its ConditionalGeneration class), Mistral 3 (AutoModelForImageTextToText
-# only). Text vocabulary 160 by default, the image tokens at its end: the token ids of random_batch (< 128)
+# layers; AutoModelForCausalLM gives its ConditionalGeneration class), Mistral 3 and Qwen2.5-VL
+# (AutoModelForImageTextToText only). Text vocabulary 160 by default, the image tokens at its end: the token ids of random_batch (< 128)
 # are never image tokens.
 VOCAB = 160
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
@@ -77,6 +78,12 @@ VISION_LANGUAGE = {  # name -> config of a text vocabulary of the given size; im
         text_config=_text(vocab, model_type="mistral"),
         vision_config=dict(_VISION, head_dim=16),
         image_token_index=vocab - 1, tie_word_embeddings=False,
+    ),  # fmt: skip
+    # multimodal rotary sections (of D / 2 = 8 frequencies) for time, height and width
+    "qwen2_5_vl": lambda vocab=VOCAB: transformers.Qwen2_5_VLConfig(
+        text_config=_text(vocab, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64),
+        image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3, tie_word_embeddings=False,
     ),  # fmt: skip
 }
 
