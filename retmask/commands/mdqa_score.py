@@ -9,6 +9,7 @@ from typing import Any
 
 from retmask.commands.argtypes import png_path, positive_int, token_count, unit_float
 from retmask.commands.common import (
+    RESUME_HINT,
     add_device_arg,
     add_dtype_arg,
     check_device_arg,
@@ -48,7 +49,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="scores JSON to write")
     p.add_argument("--plot", type=png_path, help="heatmap PNG of the mean F1 per head")
     p.add_argument(
-        "--overwrite", action="store_true", help="replace an existing --out and its run record (else refused)"
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run on --out: the examples it scored (kept in <out>.progress/ until "
+        "the run finishes) are not scored again",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out and its run record, or start an interrupted run over (else refused)",
     )
     p.add_argument("--epsilon", type=unit_float, default=DEFAULT_EPSILON,
                    help="attended = mass > ε; small models spread their mass thinner: SmolLM2-135M with 8 "
@@ -69,12 +78,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-@reports_errors(interrupt_hint=None)
+def _interrupt_hint(args: argparse.Namespace) -> str | None:
+    """Resume where the progress folder holds scored examples; else nothing was kept."""
+    from retmask.methods.mudaf.score_progress import progress_dir
+
+    return RESUME_HINT if progress_dir(args.out).exists() else None
+
+
+@reports_errors(interrupt_hint=_interrupt_hint)
 def run(args: argparse.Namespace) -> int:
-    from retmask.runfiles import RunLock, check_not_replacing, check_writable
+    from retmask.methods.mudaf.score_progress import progress_dir
+    from retmask.runfiles import (
+        RunFileError,
+        RunLock,
+        check_fresh_or_resume,
+        check_not_replacing,
+        check_writable,
+    )
 
     check_writable(args.out, what="--out")
-    check_not_replacing([args.out, args.out.with_name(args.out.stem + ".run.json")], overwrite=args.overwrite)
     for path, what in (
         (args.plot, "--plot"),
         (args.out.with_name(args.out.stem + ".run.json"), "run record"),
@@ -82,7 +104,38 @@ def run(args: argparse.Namespace) -> int:
         if path is not None:
             check_writable(path, what=what)
     with RunLock(args.out):
+        progress = progress_dir(args.out)
+        check_fresh_or_resume(
+            [progress],
+            resume=args.resume,
+            overwrite=args.overwrite,
+            what="an interrupted run's scored examples",
+        )
+        if args.resume and not progress.exists():
+            raise RunFileError(
+                f"--resume: {progress} does not exist, so there is no interrupted run on {args.out} to "
+                "continue (a finished run deletes it); drop --resume"
+            )
+        if not args.resume:
+            check_not_replacing(
+                [args.out, args.out.with_name(args.out.stem + ".run.json")], overwrite=args.overwrite
+            )
         return _run(args)
+
+
+def _settings(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    """What decides the passage masses, which a resumed run must share (ε only re-scores them)."""
+    from retmask.runfiles import file_digest
+
+    return {
+        "data_sha256": file_digest(args.data),
+        "model": args.model,
+        "dtype": dtype,
+        "device": args.device,
+        "max_length": args.max_length,
+        "batch_size": args.batch_size,
+        "limit": args.limit,
+    }
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -96,6 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         top_heads,
         write_scores,
     )
+    from retmask.methods.mudaf.score_progress import ScoreProgress
 
     try:
         if args.limit is not None and args.limit < 1:
@@ -105,8 +159,21 @@ def _run(args: argparse.Namespace) -> int:
         examples = load_mdqa(args.data, limit=args.limit)
         check_device_arg(args.device, "mdqa-score")
         dtype = resolve_dtype_name(args.dtype, args.device)
+        # before the model loads: a resume with other settings fails in a second
+        progress = ScoreProgress(args.out, _settings(args, dtype))
+        done = progress.resume() if args.resume else None
+        if done is None:
+            progress.start()
         model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype), device=args.device)
-        scores = score_mdqa(model, tokenizer, examples, cfg, progress=not args.no_progress)
+        scores = score_mdqa(
+            model,
+            tokenizer,
+            examples,
+            cfg,
+            progress=not args.no_progress,
+            done=done,
+            on_example=progress.save,
+        )
         extra = {
             "data": str(args.data),
             "model": args.model or "embedded SmolLM2-135M-Instruct",
@@ -118,11 +185,14 @@ def _run(args: argparse.Namespace) -> int:
                 model, tokenizer, examples, max_length=args.max_length, progress=not args.no_progress
             )
         paths = write_scores(scores, args.out, args.plot, masses=args.masses, **extra)
+        progress.finish()
     except MDQAError as e:
         print(f"retmask mdqa-score: error: {e}", file=sys.stderr)
         return 2
-    n = len(scores.example_ids)
-    print(f"{n} examples, {scores.seconds:.1f} s ({scores.seconds / n:.2f} s/example), ε = {cfg.epsilon:g}")
+    n, resumed = len(scores.example_ids), scores.resumed
+    per_example = scores.seconds / max(n - resumed, 1)
+    print(f"{n} examples, {scores.seconds:.1f} s ({per_example:.2f} s/example), ε = {cfg.epsilon:g}"
+          + (f"; {resumed} scored by the interrupted run" if resumed else ""))  # fmt: skip
     if args.answers:
         print(f"answer accuracy: {extra['answers']['accuracy']:.3f}")
     print("top heads by MDQA retrieval score (mean F1, mean EM):")

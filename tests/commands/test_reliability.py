@@ -208,8 +208,10 @@ def ctrl_c_on_load(monkeypatch):
 
 
 def _replace_loaders(monkeypatch, loader) -> None:
-    """Every name a command loads its model through -> ``loader``."""
-    for target in ("retmask.hf.loading.load_model", "retmask.load_model", "retmask.detect.run.load_model",
+    """Every name a command loads its model through -> ``loader``. ``retmask.load_model`` first: it is
+    resolved lazily from ``retmask.hf.loading``, so patched after it, monkeypatch would record the stand-in
+    as the value to restore, and later tests would load through it."""
+    for target in ("retmask.load_model", "retmask.hf.loading.load_model", "retmask.detect.run.load_model",
                    "retmask.evaluate.suite.load_model", "retmask.methods.retmask.pipeline.load_model"):  # fmt: skip
         module, name = target.rsplit(".", 1)
         monkeypatch.setattr(sys.modules[module] if module in sys.modules else __import__(module), name,
@@ -262,8 +264,8 @@ INTERRUPTED = [
     ("mudaf-train", "continue with the same command plus --resume"),
     ("pipeline", "run the same command again to resume"),
     ("eval", "run the same command again: models already evaluated are cached"),
+    ("mdqa-score", "continue with the same command plus --resume"),
     ("niah", "nothing was written"),
-    ("mdqa-score", "nothing was written"),
 ]
 
 

@@ -72,18 +72,25 @@ VISION_LANGUAGE = {  # name -> config of a text vocabulary of the given size; im
         mm_tokens_per_image=4,
         image_token_index=vocab - 1,
         boi_token_index=vocab - 3,
-        eoi_token_index=vocab - 2, tie_word_embeddings=False,
+        eoi_token_index=vocab - 2,
+        tie_word_embeddings=False,
     ),  # fmt: skip
     "mistral3": lambda vocab=VOCAB: transformers.Mistral3Config(
         text_config=_text(vocab, model_type="mistral"),
         vision_config=dict(_VISION, head_dim=16),
-        image_token_index=vocab - 1, tie_word_embeddings=False,
+        image_token_index=vocab - 1,
+        tie_word_embeddings=False,
     ),  # fmt: skip
     # multimodal rotary sections (of D / 2 = 8 frequencies) for time, height and width
     "qwen2_5_vl": lambda vocab=VOCAB: transformers.Qwen2_5_VLConfig(
-        text_config=_text(vocab, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}),
+        text_config=_text(
+            vocab, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+        ),
         vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64),
-        image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3, tie_word_embeddings=False,
+        image_token_id=vocab - 1,
+        video_token_id=vocab - 2,
+        vision_start_token_id=vocab - 3,
+        tie_word_embeddings=False,
     ),  # fmt: skip
 }
 

@@ -19,7 +19,7 @@ Per head: the means over examples; ``R_h`` = mean F1.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ class MDQAScores:
     seconds: float = 0.0
     prompt_tokens: list[int] = field(default_factory=list)
     golden: list[list[int]] = field(default_factory=list)  # golden passage indices per example
+    resumed: int = 0  # examples whose masses an interrupted run computed (``seconds`` excludes them)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -87,6 +88,7 @@ class MDQAScores:
             "example_ids": self.example_ids,
             "prompt_tokens": self.prompt_tokens,
             "seconds": round(self.seconds, 2),
+            "resumed_examples": self.resumed,
             "mean_f1": by_head(self.mean("f1")),
             "mean_em": by_head(self.mean("em")),
             "mean_golden_mass": by_head(self.mean("golden_mass")),
@@ -215,6 +217,22 @@ def _batch(
     return ids, mask, last, segment
 
 
+def _resumed(
+    done: Mapping[int, tuple[str, np.ndarray]], items: Sequence[_Item], shape: tuple[int, int]
+) -> dict[int, torch.Tensor]:
+    """The masses of an interrupted run's examples, each checked against the example it claims to be."""
+    out = {}
+    for i, (example_id, masses) in done.items():
+        want = (*shape, len(items[i].spans)) if i < len(items) else None
+        if want is None or example_id != items[i].example.id or masses.shape != want:
+            raise MDQAError(
+                f"the interrupted run's masses of example {i} ({example_id!r}, shape {list(masses.shape)}) do "
+                "not fit this run's data and model (edited progress files?); pass --overwrite to start over"
+            )
+        out[i] = torch.from_numpy(masses)
+    return out
+
+
 @torch.no_grad()
 def score_mdqa(
     model: torch.nn.Module,
@@ -222,8 +240,14 @@ def score_mdqa(
     examples: Sequence[MDQAExample],
     config: MDQAScoreConfig | None = None,
     progress: bool = True,
+    *,
+    done: Mapping[int, tuple[str, np.ndarray]] | None = None,
+    on_example: Callable[[int, str, np.ndarray], None] | None = None,
 ) -> MDQAScores:
-    """MDQA retrieval scores of every head of ``model`` (on retmask attention) over ``examples``."""
+    """MDQA retrieval scores of every head of ``model`` (on retmask attention) over ``examples``.
+
+    done: example index -> (id, masses float32 [L, Hq, P]) an interrupted run computed (not computed
+    again); on_example(index, id, masses): called for every example scored here, after its batch."""
     from tqdm.auto import tqdm
 
     cfg = config or MDQAScoreConfig()
@@ -234,11 +258,11 @@ def score_mdqa(
     L, Hq = layout.shape
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     device = next(model.parameters()).device
+    per_ex: dict[int, torch.Tensor] = _resumed(done or {}, items, (L, Hq))
     # Longest first: batches of similar lengths waste less padding; results are put back in input order.
-    order = sorted(range(len(items)), key=lambda i: -len(items[i].ids))
-    per_ex: dict[int, torch.Tensor] = {}
+    order = sorted((i for i in range(len(items)) if i not in per_ex), key=lambda i: -len(items[i].ids))
     t0 = time.perf_counter()
-    bar = tqdm(total=len(items), desc="mdqa-score", unit="ex", disable=not progress)
+    bar = tqdm(total=len(items), initial=len(per_ex), desc="mdqa-score", unit="ex", disable=not progress)
     for start in range(0, len(order), cfg.batch_size):
         chunk = order[start : start + cfg.batch_size]
         batch = [items[i] for i in chunk]
@@ -266,6 +290,8 @@ def score_mdqa(
         tap.clear()
         for b, i in enumerate(chunk):
             per_ex[i] = masses[b, :, :, : len(items[i].spans)]
+            if on_example is not None:
+                on_example(i, items[i].example.id, per_ex[i].numpy())
         bar.update(len(chunk))
     bar.close()
     seconds = time.perf_counter() - t0
@@ -290,6 +316,7 @@ def score_mdqa(
         seconds=seconds,
         prompt_tokens=[len(it.ids) for it in items],
         golden=[list(it.example.golden_indices) for it in items],
+        resumed=len(done or {}),
     )
 
 

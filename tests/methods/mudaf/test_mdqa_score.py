@@ -142,3 +142,63 @@ def test_command_end_to_end(tmp_path, mdqa_examples, bpe_tokenizer, capsys):
          "--overwrite"]
     )  # fmt: skip
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_command_resumes_an_interrupted_run(tmp_path, mdqa_examples, bpe_tokenizer, monkeypatch, capsys):
+    """Ctrl-C while the last of 3 batches is being kept (5 of 6 examples in <out>.progress/): the resume
+    scores only the 6th and writes what the uninterrupted run writes; other settings, a missing or damaged
+    progress folder and a new run over an unfinished one are refused by name."""
+    from retmask.methods.mudaf.score_progress import ScoreProgress, progress_dir
+
+    folder = tmp_path / "tiny"
+    tiny_llama_for(bpe_tokenizer).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    data = write_mdqa(mdqa_examples[:6], tmp_path / "mdqa.jsonl")
+
+    def command(out, *extra):
+        return cli_main(["mdqa-score", "--data", str(data), "--model", str(folder), "--out", str(out),
+                         "--batch-size", "2", "--epsilon", "0.2", "--no-progress", *extra])  # fmt: skip
+
+    assert command(tmp_path / "whole.json") == 0
+    want = json.loads((tmp_path / "whole.json").read_text())
+
+    saved, save = [], ScoreProgress.save
+
+    def save_then_interrupt(self, index, example_id, masses):
+        save(self, index, example_id, masses)
+        saved.append(index)
+        if len(saved) == 5:  # in the 3rd batch: its first example is kept, the batch is not finished
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ScoreProgress, "save", save_then_interrupt)
+    out = tmp_path / "scores.json"
+    assert command(out) == 130
+    assert "interrupted; continue with the same command plus --resume" in capsys.readouterr().err
+    progress = progress_dir(out)
+    assert not out.exists() and len(list(progress.glob("*.json"))) == 1 + 5  # settings + 5 examples
+
+    assert command(out) == 2  # a new run over the unfinished one
+    assert "pass --resume to continue or --overwrite" in capsys.readouterr().err
+    assert command(out, "--resume", "--batch-size", "1") == 2  # other settings
+    assert "batch_size: 2 -> 1" in capsys.readouterr().err
+    first = sorted(progress.glob("[0-9]*.json"))[0]
+    kept = first.read_text()
+    first.write_text(kept.replace('"masses": [[[', '"masses": [[["x", '))
+    assert command(out, "--resume") == 2
+    assert f"progress file {first}: 'masses' must be nested lists" in capsys.readouterr().err
+    first.write_text(kept)
+
+    saved.clear()
+    monkeypatch.setattr(ScoreProgress, "save", lambda self, *a: saved.append(a[0]) or save(self, *a))
+    assert command(out, "--resume") == 0
+    assert len(saved) == 1  # only the example the interrupted run had not kept
+    assert (
+        "6 examples" in (printed := capsys.readouterr().out) and "5 scored by the interrupted run" in printed
+    )
+    assert json.loads(out.read_text()) == want
+    record = json.loads((tmp_path / "scores.run.json").read_text())
+    whole = json.loads((tmp_path / "whole.run.json").read_text())
+    assert record["mean_f1"] == whole["mean_f1"] and record["resumed_examples"] == 5
+    assert not progress.exists()  # finished: nothing left to resume
+    assert command(out, "--resume") == 2
+    assert "there is no interrupted run" in capsys.readouterr().err
