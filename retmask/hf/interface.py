@@ -80,14 +80,29 @@ ROUTINE_ARGS = (KNOWN_TENSOR_ARGS - {"cu_seq_lens_q", "cu_seq_lens_k"}) | {
 }  # fmt: skip
 
 
+# Config names of the attention-dropout probability: most models, GPT-2 / GPT-J / GPT-BigCode, others.
+_DROPOUT_SETTINGS = ("attention_dropout", "attn_pdrop", "attn_dropout", "attention_probs_dropout_prob")
+
+
+def _dropout_setting(module: torch.nn.Module) -> str:
+    """The config name of ``module``'s attention-dropout probability, for a message."""
+    config = getattr(module, "config", None)
+    for name in _DROPOUT_SETTINGS:
+        if isinstance(getattr(config, name, None), (int, float)):
+            return name
+    return _DROPOUT_SETTINGS[0]
+
+
 def _check_features(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
     """Raise for anything the kernel would silently get wrong; warn about tensor arguments it does not
     know (a model may pass attention inputs under a new name, e.g. its sinks or a sparsity pattern).
     Runs on every attention call: the model's name is looked up only for a message."""
     if dropout and dropout > 0:
-        raise _unsupported(
-            _model_name(module),
-            f"attention dropout ({dropout}) in training; set config.attention_dropout = 0.0 before training",
+        setting = _dropout_setting(module)
+        raise NotImplementedError(
+            f"model '{_model_name(module)}' uses attention dropout ({dropout}) in training, which the retmask "
+            f"kernel does not compute; turn it off by loading the model with {setting}=0.0 "
+            f"(from_pretrained(..., {setting}=0.0)), or train this model with attn_implementation='sdpa'"
         )
     if kwargs.keys() <= ROUTINE_ARGS:
         return

@@ -46,14 +46,18 @@ def test_attention_function_rejects_features(kw, feature):
         retmask_attention(module, q, k, v, None, **kw)
 
 
-def test_dropout_in_training_rejected():
-    model = tiny_model("llama", attention_dropout=0.1)
+@pytest.mark.parametrize("arch,setting", [("llama", "attention_dropout"), ("gpt2", "attn_pdrop")])
+def test_dropout_in_training_rejected(arch, setting):
+    """Refused by name, with the model's own setting that turns it off (GPT-2 names it attn_pdrop)."""
+    model = tiny_model(arch, **{setting: 0.1})
     ids, _ = random_batch(1, 5)
     with torch.no_grad():
         model(input_ids=ids)  # eval: no dropout, fine
     model.train()
-    with pytest.raises(NotImplementedError, match="'llama'.*dropout"):
+    with pytest.raises(NotImplementedError, match=rf"'{arch}' uses attention dropout \(0.1\).*{setting}=0.0"):
         model(input_ids=ids)
+    model = tiny_model(arch, **{setting: 0.0}).train()  # what the message says to do
+    model(input_ids=ids)
 
 
 def test_custom_4d_mask_rejected():
