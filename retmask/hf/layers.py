@@ -40,14 +40,14 @@ def head_inputs(projection: torch.nn.Module, weight: torch.Tensor | None = None)
 
 
 def output_norms(attention: torch.nn.Module) -> tuple[str, ...]:
-    """Names of the normalisation modules ``attention`` holds besides its query and key norms (``q_norm``,
-    ``k_layernorm``, ``query_layernorm``, ...): a norm over the heads' joint output before the output
-    projection, as BitNet's ``attn_sub_norm``. Through such a norm a zeroed head still changes the others'
-    scale, so zeroing its projection inputs is not the same edit as switching it off."""
+    """Names of the normalisation modules ``attention`` holds besides its query, key and value norms
+    (``q_norm``, ``k_layernorm``, ``query_layernorm``, ``v_norm``, ...): a norm over the heads' joint output
+    before the output projection, as BitNet's ``attn_sub_norm``. Through such a norm a zeroed head still
+    changes the others' scale, so zeroing its projection inputs is not the same edit as switching it off."""
     return tuple(
         name
         for name, _ in attention.named_children()
-        if "norm" in name.lower() and not name.lower().startswith(("q", "k"))
+        if "norm" in name.lower() and not name.lower().startswith(("q", "k", "v"))
     )
 
 

@@ -17,7 +17,7 @@ import transformers
 import retmask
 from retmask.heads.layout import model_shape
 from retmask.hf.export import check_zeroing_is_masking
-from retmask.hf.layers import head_layout
+from retmask.hf.layers import head_layout, output_norms
 from retmask.hf.patch import uses_retmask
 
 from .conftest import assert_argmax_matches, random_batch, tiny_config, with_attn, zeroed_copy
@@ -182,6 +182,11 @@ def test_a_norm_over_the_heads_joint_output_refuses_zeroed_checkpoints(tmp_path)
             masked = model(input_ids=ids, attention_mask=mask).logits
     assert not torch.allclose(plain, masked, atol=1e-3)
     check_zeroing_is_masking(head_layout(_model("olmo2")))  # query / key norms are not on the output
+    attention = torch.nn.Module()  # Gemma 3n's per-head value norm is not on the output either
+    attention.q_norm, attention.k_norm, attention.v_norm = (torch.nn.RMSNorm(16) for _ in range(3))
+    assert output_norms(attention) == ()
+    attention.o_norm = torch.nn.RMSNorm(64)
+    assert output_norms(attention) == ("o_norm",)
 
 
 def test_vision_language_model_with_an_image_equals_eager():
