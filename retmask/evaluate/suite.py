@@ -14,8 +14,10 @@ Across models: the **retrieval-score shift** — mean score of the masked heads 
 other heads for each model, and their change from the first model.
 
 Per-model results are cached in ``<cache>/<fingerprint>.json`` (fingerprint = evaluation settings + the
-model's weights), written atomically when a model finishes: an interrupted run resumes with the next
-model, and comparisons sharing a model (the original "before" of several runs) evaluate it once.
+model's weights), written atomically when a model finishes, and comparisons sharing a model (the original
+"before" of several runs) evaluate it once. While a model is being evaluated, its finished tasks are kept in
+``<cache>/<fingerprint>.partial.json`` (rewritten after every task, deleted when the model finishes): an
+interrupted run resumes with the next task of the model it was evaluating.
 
 Outputs in ``out_dir``: ``eval.json`` and, from ``retmask.evaluate.report``, ``report.md``, ``niah.png``
 (heatmaps side by side), ``tasks.png`` (task scores), ``shift.png`` (score shift).
@@ -23,10 +25,11 @@ Outputs in ``out_dir``: ``eval.json`` and, from ``retmask.evaluate.report``, ``r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,15 +93,29 @@ def default_label(spec: str | None) -> str:
 # --- one model -----------------------------------------------------------------------------------------
 
 
-def evaluate_model(model: Any, tokenizer: Any, cfg: EvalConfig, *, progress: bool = True) -> dict:
-    """Every task of ``cfg`` on one loaded model; a JSON-ready dict (see the module docstring)."""
+def evaluate_model(
+    model: Any,
+    tokenizer: Any,
+    cfg: EvalConfig,
+    *,
+    progress: bool = True,
+    done: dict | None = None,
+    on_task: Callable[[dict], None] | None = None,
+) -> dict:
+    """Every task of ``cfg`` on one loaded model; a JSON-ready dict (see the module docstring).
+
+    done: the dict an interrupted evaluation of this model returned so far (its finished tasks are not run
+    again); on_task(result so far): called after every task."""
 
     cfg.check()
     model.eval()
     lengths = cfg.lengths(model)
     depths = depth_grid(cfg.num_depths)
     out: dict[str, Any] = {"lengths": lengths, "shape": list(model_shape(model)), "tasks": {}, "timings": {}}
-    if "niah" in cfg.tasks:
+    if done is not None:
+        out = done
+    finished = set(out["tasks"])
+    if "niah" in cfg.tasks and "niah" not in finished:
         start = time.perf_counter()
         probe = build_probe(tokenizer, lengths, depths, num_needles=cfg.niah_needles)
         ps = probe_scores(model, tokenizer, probe, max_new_tokens=cfg.max_new_tokens, progress=progress)
@@ -121,13 +138,17 @@ def evaluate_model(model: Any, tokenizer: Any, cfg: EvalConfig, *, progress: boo
         out["tasks"]["niah"] = niah.mean
         out["scores"] = {"mean": ps.mean.round(6).tolist(), "counted": ps.counted, "tests": len(ps.entries)}
         out["timings"]["niah_s"] = round(time.perf_counter() - start, 2)
+        if on_task is not None:
+            on_task(out)
     for task in ("multi_needle", "kv"):
-        if task in cfg.tasks:
+        if task in cfg.tasks and task not in finished:
             res = run_task(model, tokenizer, task, lengths, seed=cfg.seed, num_needles=cfg.mn_needles,
                            kv_depths=cfg.kv_depths, max_new_tokens=cfg.max_new_tokens, progress=progress)  # fmt: skip
             out[task] = res.to_json()
             out["tasks"][task] = res.score
             out["timings"][f"{task}_s"] = round(res.seconds, 2)
+            if on_task is not None:
+                on_task(out)
     return out
 
 
@@ -198,14 +219,23 @@ def run_suite(
             res = cached
             log(f"[eval] {label}: cached ({path})")
         else:
-            log(f"[eval] {label}: evaluating {spec or 'the embedded model'}")
+            partial = partial_path(path)
+            done = _cached_result(partial, fp, cfg, log, finished_only=True) if partial.exists() else None
+            if done is not None:
+                log(f"[eval] {label}: {', '.join(done['tasks'])} cached ({partial}); evaluating the rest")
+            else:
+                log(f"[eval] {label}: evaluating {spec or 'the embedded model'}")
             start = time.perf_counter()
             model, tok = load_model(spec, dtype=DTYPES[cfg.dtype], device=device)
-            res = evaluate_model(model, tok, cfg, progress=progress)
+            res = evaluate_model(
+                model, tok, cfg, progress=progress, done=done,
+                on_task=functools.partial(_save_partial, partial, fp),
+            )  # fmt: skip
             del model
             res.update({"fingerprint": fp, "model": spec or "embedded", "identity": identity,
                         "seconds": round(time.perf_counter() - start, 2)})  # fmt: skip
             atomic_write_json(path, res)
+            partial.unlink(missing_ok=True)
         results.append({**res, "label": label})
     for hs in heads_sets:
         hs["shift"] = shift_rows(results, hs["heads"])
@@ -222,9 +252,19 @@ def run_suite(
     return data
 
 
-def _cached_result(path: Path, fp: str, cfg: EvalConfig, log) -> dict | None:
+def _save_partial(path: Path, fp: str, so_far: dict) -> None:
+    atomic_write_json(path, {**so_far, "fingerprint": fp})
+
+
+def partial_path(path: Path) -> Path:
+    """``<fingerprint>.partial.json``: the finished tasks of a model whose evaluation was interrupted."""
+    return path.with_name(path.stem + ".partial.json")
+
+
+def _cached_result(path: Path, fp: str, cfg: EvalConfig, log, *, finished_only: bool = False) -> dict | None:
     """The cached results of one model at ``path`` when they are this model's (same fingerprint) and hold
-    what the report reads; else None: the model is evaluated again and the entry rewritten.
+    what the report reads; else None: the model is evaluated again and the entry rewritten. With
+    ``finished_only`` (a partial entry), only the tasks it holds are checked, and it needs at least one.
 
     A cache, not a user's result: an unreadable or wrong-shaped entry (torn, edited, a folder, another
     tool's file) is reproduced by evaluating again, so it is skipped with one line naming the file rather
@@ -235,6 +275,13 @@ def _cached_result(path: Path, fp: str, cfg: EvalConfig, log) -> dict | None:
         data = f.expect(f.read(), dict, "the file")
         if data.get("fingerprint") != fp:
             return None
+        if finished_only:
+            tasks = f.key(data, "tasks", dict)
+            f.key(data, "timings", dict)
+            f.key(data, "lengths", list)
+            cfg = replace(cfg, tasks=[t for t in cfg.tasks if t in tasks])
+            if not cfg.tasks:
+                f.fail("it holds no finished task")
         _check_result(f, data, cfg)
     except RunFileError as err:
         log(f"[eval] ignoring {err}; evaluating the model again (the entry is rewritten)")

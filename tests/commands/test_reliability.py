@@ -263,7 +263,7 @@ INTERRUPTED = [
     ("ablate", "continue with the same command plus --resume"),
     ("mudaf-train", "continue with the same command plus --resume"),
     ("pipeline", "run the same command again to resume"),
-    ("eval", "run the same command again: models already evaluated are cached"),
+    ("eval", "run the same command again: the models and tasks already evaluated are cached"),
     ("mdqa-score", "continue with the same command plus --resume"),
     ("niah", "nothing was written"),
 ]

@@ -107,3 +107,33 @@ def test_cli_errors(folders, tmp_path, capsys):
         == 2
     )
     assert "2 labels for 1 models" in capsys.readouterr().err
+
+
+def test_an_interrupted_model_resumes_with_its_next_task(folders, tmp_path, monkeypatch):
+    """Ctrl-C in the key-value task: NIAH and multi-needle are kept in <fingerprint>.partial.json, the rerun
+    evaluates only the key-value task and writes what an uninterrupted run writes."""
+    from retmask.evaluate import suite
+
+    cfg = EvalConfig(**CFG)
+    want = run_suite(folders[1:2], tmp_path / "whole", cfg, progress=False, log=lambda s: None)["models"][0]
+    ran, run_task, interrupts = [], suite.run_task, [KeyboardInterrupt]
+
+    def interrupt_kv(model, tokenizer, task, *args, **kwargs):
+        ran.append(task)
+        if task == "kv" and interrupts:
+            raise interrupts.pop()
+        return run_task(model, tokenizer, task, *args, **kwargs)
+
+    monkeypatch.setattr(suite, "run_task", interrupt_kv)
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(folders[1:2], tmp_path / "out", cfg, progress=False, log=lambda s: None)
+    (partial,) = (tmp_path / "out" / "models").glob("*.partial.json")
+    assert set(json.loads(partial.read_text())["tasks"]) == {"niah", "multi_needle"}
+    ran.clear()
+    logs = []
+    got = run_suite(folders[1:2], tmp_path / "out", cfg, progress=False, log=logs.append)["models"][0]
+    assert ran == ["kv"] and any("niah, multi_needle cached" in s for s in logs)
+    assert not partial.exists()
+    untimed = lambda r: {k: v for k, v in r.items() if k != "seconds"} if isinstance(r, dict) else r  # noqa: E731
+    for key in ("tasks", "niah", "scores", "multi_needle", "kv", "lengths", "shape", "fingerprint"):
+        assert untimed(got[key]) == untimed(want[key]), key
