@@ -253,6 +253,7 @@ def run_suite(
 
 
 def _save_partial(path: Path, fp: str, so_far: dict) -> None:
+    """Keep the finished tasks of the model being evaluated (``partial_path``), atomically."""
     atomic_write_json(path, {**so_far, "fingerprint": fp})
 
 

@@ -76,8 +76,8 @@ def export_masked(
     # state_dict() returns detached views: match the projections' weights by storage (and name, as a tied
     # weight shares its storage), then swap in zeroed copies.
     for key, tensor in list(state.items()):
-        found = by_ptr.get(tensor.data_ptr()) if key.endswith(".weight") else None
-        if found is None or tensor.shape != found[1].weight.shape:
+        found = by_ptr.get(tensor.data_ptr()) if key.endswith(f"{layout.projection_name}.weight") else None
+        if found is None:
             continue
         layer_idx, proj = found
         cols = mask[layer_idx].nonzero().flatten().tolist()
