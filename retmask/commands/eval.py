@@ -107,7 +107,9 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     )  # fmt: skip
 
 
-@reports_errors(interrupt_hint="run the same command again: the models and tasks already evaluated are cached")
+@reports_errors(
+    interrupt_hint="run the same command again: the models and tasks already evaluated are cached"
+)
 def run(args: argparse.Namespace) -> int:
     from retmask.runfiles import RunLock, check_writable
 

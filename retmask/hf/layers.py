@@ -93,6 +93,12 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
             f"output projection ({' / '.join(OUTPUT_PROJECTIONS)}); retmask supports decoder LMs whose "
             "attention modules are built that way (Llama, Qwen, Mistral, Gemma, Phi, GPT-2, GPT-NeoX, OPT, ...)"
         )
+    kinds = sorted({type(m).__name__ for m in found})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"model '{model_type}': its layers hold attention modules of different kinds ({', '.join(kinds)}), "
+            "e.g. linear and softmax attention; retmask needs the same softmax attention in every layer"
+        )
     by_layer = {m.layer_idx: m for m in found}
     if sorted(by_layer) != list(range(len(found))):
         raise ValueError(

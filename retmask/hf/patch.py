@@ -35,6 +35,12 @@ def check_supported(model: torch.nn.Module) -> None:
             f"{type(model).__name__} does not route attention through AttentionInterface "
             "(_supports_attention_backend is False)",
         )
+    for sub in (config, getattr(config, "text_config", None)):
+        if sub is None:
+            continue
+        kinds = set(getattr(sub, "layer_types", None) or [])
+        if kinds - SUPPORTED_LAYER_TYPES:
+            raise _fail(model_type, f"its layers use {sorted(kinds - SUPPORTED_LAYER_TYPES)} attention")
     try:
         layout = head_layout(model)
     except ValueError as err:
@@ -47,12 +53,6 @@ def check_supported(model: torch.nn.Module) -> None:
             f"its queries and keys have {qk_dim} dims per head and its values {v_dim} (multi-head latent "
             "attention); the kernel takes one head dim for all three",
         )
-    for sub in (config, getattr(config, "text_config", None)):
-        if sub is None:
-            continue
-        kinds = set(getattr(sub, "layer_types", None) or [])
-        if kinds - SUPPORTED_LAYER_TYPES:
-            raise _fail(model_type, f"its layers use {sorted(kinds - SUPPORTED_LAYER_TYPES)} attention")
 
 
 def patch(model: torch.nn.Module) -> torch.nn.Module:

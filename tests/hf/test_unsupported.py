@@ -80,3 +80,21 @@ def test_patch_switches_and_rejects_non_interface_models():
     mla = transformers.AutoModelForCausalLM.from_config(tiny_config("deepseek_v2"))
     with pytest.raises(ValueError, match="queries and keys have 192 dims per head and its values 128"):
         retmask.patch(mla)
+
+
+def test_layers_of_other_attention_kinds_are_refused_by_name():
+    """MiniMax interleaves linear-attention layers (an out_proj) with softmax ones (an o_proj): refused by its
+    layer kinds, and its layout (which other helpers read) names the two module classes."""
+    from retmask.hf.layers import head_layout
+
+    config = tiny_config(
+        "minimax", num_hidden_layers=4, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        ValueError, match=r"'minimax' cannot use retmask attention: its layers use \['linear_attention'\]"
+    ):
+        retmask.patch(model)
+    with pytest.raises(ValueError, match="attention modules of different kinds .*MiniMaxAttention"):
+        head_layout(model)
