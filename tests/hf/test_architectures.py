@@ -49,7 +49,7 @@ ARCHITECTURES = {
 
 
 # Vision-language models run on text alone through their language model: Gemma 3 from 4B (local / global
-# layers; AutoModelForCausalLM gives its ConditionalGeneration class), Mistral 3 and Qwen2.5-VL
+# layers; AutoModelForCausalLM gives its ConditionalGeneration class), Mistral 3, LLaVA and Qwen2.5-VL
 # (AutoModelForImageTextToText only). Text vocabulary 160 by default, the image tokens at its end: the token ids of random_batch (< 128)
 # are never image tokens.
 VOCAB = 160
@@ -78,6 +78,12 @@ VISION_LANGUAGE = {  # name -> config of a text vocabulary of the given size; im
     "mistral3": lambda vocab=VOCAB: transformers.Mistral3Config(
         text_config=_text(vocab, model_type="mistral"),
         vision_config=dict(_VISION, head_dim=16),
+        image_token_index=vocab - 1,
+        tie_word_embeddings=False,
+    ),  # fmt: skip
+    "llava": lambda vocab=VOCAB: transformers.LlavaConfig(
+        text_config=_text(vocab, model_type="llama"),
+        vision_config=_VISION,
         image_token_index=vocab - 1,
         tie_word_embeddings=False,
     ),  # fmt: skip
