@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 
-import retmask
 from retmask.cpu_speedups import half_matmul
 from retmask.cpu_speedups import linear as linear_cpu
 from retmask.hf.linears import CPULinear, patch_linears, torch_linears, unpatch_linears
@@ -143,6 +142,8 @@ def test_load_model_can_keep_torch_linears(monkeypatch):
     """cpu_linears=False keeps nn.Linear (a local folder written by save_pretrained)."""
     import transformers
 
+    from retmask.hf import loading
+
     model = tiny_model("llama")
     seen = {}
 
@@ -150,11 +151,12 @@ def test_load_model_can_keep_torch_linears(monkeypatch):
         seen.update(kw)
         return copy.deepcopy(model)
 
-    monkeypatch.setattr(retmask.hf.loading, "_resolve", lambda spec, gguf: "folder")
+    monkeypatch.setattr(loading, "_resolve", lambda spec, gguf: "folder")
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda source, **kw: _Tok())
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
-    patched, _ = retmask.hf.loading.load_model("folder")
-    kept, _ = retmask.hf.loading.load_model("folder", cpu_linears=False)
+    monkeypatch.setattr(loading, "_auto_class", lambda source: transformers.AutoModelForCausalLM)
+    patched, _ = loading.load_model("folder")
+    kept, _ = loading.load_model("folder", cpu_linears=False)
     assert type(patched.lm_head) is CPULinear and type(kept.lm_head) is torch.nn.Linear
 
 
