@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any
 
-from retmask.commands.common import example, reports_errors
+from retmask.commands.common import example, model_help, reports_errors
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -24,11 +24,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "settings in effect, and for each kind of attention call the project makes (prefill, chunk, "
             "verification, decode, backward; per dtype) the path it takes and why, and whether the CPU "
             "speed-ups (linears, LM head) are on. Run records of detect and training embed the same "
-            "description. Include its output when you report a bug or a speed."
+            "description. Include its output when you report a bug or a speed. With --model, also whether "
+            "that model runs on retmask attention and its head layout, read from its config alone (no "
+            "weights are loaded); the exit status is 2 when it does not."
         ),
-        epilog=example("retmask env --json"),
+        epilog=example("retmask env --model Qwen/Qwen2.5-7B-Instruct"),
     )
     p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.add_argument("--model", help=model_help("a model to check"))
+    p.add_argument("--gguf-file", help="GGUF file name inside --model (or a path)")
     p.set_defaults(func=run)
     return p
 
@@ -61,5 +65,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:  # a bad RETMASK_* setting
         print(f"retmask env: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(description, indent=1) if args.json else "\n".join(_lines(description)))
-    return 0
+    lines = _lines(description)
+    if args.model is not None or args.gguf_file is not None:
+        from retmask.hf.model_report import model_report, report_lines
+
+        description["model"] = model_report(args.model, args.gguf_file)
+        lines += report_lines(description["model"])
+    print(json.dumps(description, indent=1) if args.json else "\n".join(lines))
+    return 0 if description.get("model", {}).get("supported", True) else 2

@@ -30,3 +30,40 @@ def test_env_json_and_a_bad_setting(capsys, monkeypatch):
     monkeypatch.setenv("RETMASK_CPU_PATH", "gemm")
     assert main(["env"]) == 2
     assert "RETMASK_CPU_PATH must be one of" in capsys.readouterr().err
+
+
+def _save_config(folder, tokenizer, arch: str, **overrides) -> str:
+    """A model folder holding its config and a tokenizer, but no weights."""
+    from tests.hf.conftest import tiny_config
+
+    tiny_config(arch, **overrides).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_env_model_reports_support_and_layout_from_the_config_alone(tmp_path, tiny_dir, capsys):
+    """No weights in the folders: the report builds the model on the meta device. A local/global model
+    (Gemma 3), a model whose zeroed-head export is refused (BitNet) and an unsupported one (BLOOM: exit 2)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    gemma = _save_config(
+        tmp_path / "gemma", tokenizer, "gemma3_text", sliding_window=4, head_dim=256, query_pre_attn_scalar=256,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=30.0,
+    )  # fmt: skip
+    assert main(["env", "--model", gemma]) == 0
+    out = capsys.readouterr().out
+    assert "machine:" in out and "retmask attention  supported" in out
+    assert "2 layers x 4 query heads, 2 KV heads, head dim 256 (output projection o_proj)" in out
+    assert "1 sliding_attention, 1 full_attention (window 4)" in out and "logit soft-capping 30.0" in out
+    assert main(["env", "--json", "--model", _save_config(tmp_path / "bitnet", tokenizer, "bitnet")]) == 0
+    report = json.loads(capsys.readouterr().out)["model"]
+    assert report["supported"] and report["kv_heads"] == 2 and report["max_context"] == 256
+    assert (
+        report["zeroed_head_export"].startswith("refused: model 'bitnet'")
+        and "attn_sub_norm" in report["zeroed_head_export"]
+    )
+    assert main(["env", "--model", _save_config(tmp_path / "bloom", tokenizer, "bloom", n_head=4)]) == 2
+    assert "not supported: model 'bloom' cannot use retmask attention" in capsys.readouterr().out
+    assert main(["env", "--model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
