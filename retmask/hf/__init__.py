@@ -6,6 +6,7 @@ transformers.
 interface.py  the attention function and its mask function (registration)
 patch.py      ``patch(model)``: switch a loaded model to retmask attention after checking it can work
 layers.py     the attention modules of a model and its head geometry (``head_layout``)
+model_report.py  can a model run on retmask attention, and its layout, from its config (``retmask env --model``)
 heads.py      runtime head masks (``set_head_mask``, ``head_mask``; per batch row too)
 capture.py    argmax capture (``capture_argmax``)
 taps.py       post-RoPE q/k taps with autograd (``tap_qk``)
