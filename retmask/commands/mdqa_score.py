@@ -162,8 +162,6 @@ def _run(args: argparse.Namespace) -> int:
         # before the model loads: a resume with other settings fails in a second
         progress = ScoreProgress(args.out, _settings(args, dtype))
         done = progress.resume() if args.resume else None
-        if done is None:
-            progress.start()
         model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype), device=args.device)
         scores = score_mdqa(
             model,

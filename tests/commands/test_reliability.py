@@ -264,8 +264,8 @@ INTERRUPTED = [
     ("mudaf-train", "continue with the same command plus --resume"),
     ("pipeline", "run the same command again to resume"),
     ("eval", "run the same command again: the models and tasks already evaluated are cached"),
-    ("mdqa-score", "continue with the same command plus --resume"),
     ("niah", "nothing was written"),
+    ("mdqa-score", "nothing was written"),  # before its first scored example
 ]
 
 

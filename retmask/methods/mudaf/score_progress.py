@@ -32,21 +32,13 @@ def progress_dir(out: Path) -> Path:
 
 
 class ScoreProgress:
-    """The progress folder of one run: :meth:`start` (a new run) or :meth:`resume`, then :meth:`save`
-    after every batch and :meth:`finish` once the scores are written."""
+    """The progress folder of one run: :meth:`resume` (an interrupted run's examples), :meth:`save` after
+    every batch (the first save of a new run creates the folder, so a run that fails before its first
+    example leaves nothing to resume) and :meth:`finish` once the scores are written."""
 
     def __init__(self, out: Path, settings: Mapping[str, Any]):
         self.path = progress_dir(Path(out))
         self.settings = dict(settings)
-
-    def start(self) -> None:
-        """A new run: an empty folder holding only the settings."""
-        if self.path.exists():
-            shutil.rmtree(self.path)
-        self.path.mkdir(parents=True)
-        atomic_write_json(
-            self.path / "settings.json", {"version": PROGRESS_VERSION, "settings": self.settings}
-        )
 
     def resume(self) -> dict[int, tuple[str, np.ndarray]]:
         """The examples an interrupted run scored, by index: (example id, masses float32 [L, Hq, P]). A folder
@@ -76,6 +68,10 @@ class ScoreProgress:
 
     def save(self, index: int, example_id: str, masses: np.ndarray) -> None:
         """Keep one scored example (masses float32 [L, Hq, P]), atomically."""
+        if not self.path.is_dir():
+            self.path.mkdir(parents=True)
+            header = {"version": PROGRESS_VERSION, "settings": self.settings}
+            atomic_write_json(self.path / "settings.json", header)
         atomic_write_json(
             self.path / f"{index}.json", {"index": index, "id": example_id, "masses": masses.tolist()}
         )
