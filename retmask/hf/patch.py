@@ -9,7 +9,7 @@ from retmask.hf.layers import head_layout
 
 TESTED = (
     "Llama, SmolLM2, Qwen2 and Mistral (with and without a sliding window), Qwen3, OLMo-2, OLMo-3, Gemma 2 "
-    "(soft-capping), Gemma 3 (local/global layers, head dim 256), Cohere 2, gpt-oss (sinks), GPT-2, GPT-NeoX, "
+    "(soft-capping), Gemma 3 (local/global layers, head dim 256), Gemma 3n, Cohere 2, gpt-oss (sinks), GPT-2, GPT-NeoX, "
     "GPT-J, CodeGen, OPT, Phi, Phi-3, StarCoder 1/2, Persimmon, Gemma, Granite, Mixtral, Qwen2/3-MoE, OLMoE, "
     "SmolLM3, GLM-4, Nemotron, EXAONE 4, Helium"
 )
