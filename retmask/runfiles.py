@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -537,6 +537,23 @@ def check_not_replacing(paths: Iterable[str | os.PathLike | None], *, overwrite:
         raise RunFileError(
             f"{names} already {verb}; pass --overwrite to replace it, or choose another output"
         )
+
+
+def check_progress_run(
+    out: Path, progress: Path, results: Sequence[Path], *, resume: bool, overwrite: bool, what: str
+) -> None:
+    """The checks of a run writing ``out`` that keeps its finished work in ``progress`` (a file or folder
+    deleted once ``results`` are written): an unfinished run is continued with ``resume`` or deleted with
+    ``overwrite`` (``check_fresh_or_resume``, ``what`` names it), ``resume`` without one is refused, and a
+    new run does not replace finished ``results`` without ``overwrite``."""
+    check_fresh_or_resume([progress], resume=resume, overwrite=overwrite, what=what)
+    if resume and not progress.exists():
+        raise RunFileError(
+            f"--resume: {progress} does not exist, so there is no interrupted run on {out} to continue (a "
+            "finished run deletes it); drop --resume"
+        )
+    if not resume:
+        check_not_replacing(results, overwrite=overwrite)
 
 
 def lock_path(path: str | os.PathLike) -> Path:

@@ -88,38 +88,22 @@ def _interrupt_hint(args: argparse.Namespace) -> str | None:
 @reports_errors(interrupt_hint=_interrupt_hint)
 def run(args: argparse.Namespace) -> int:
     from retmask.methods.mudaf.score_progress import progress_dir
-    from retmask.runfiles import (
-        RunFileError,
-        RunLock,
-        check_fresh_or_resume,
-        check_not_replacing,
-        check_writable,
-    )
+    from retmask.runfiles import RunLock, check_progress_run, check_writable
 
     check_writable(args.out, what="--out")
-    for path, what in (
-        (args.plot, "--plot"),
-        (args.out.with_name(args.out.stem + ".run.json"), "run record"),
-    ):
+    record = args.out.with_name(args.out.stem + ".run.json")
+    for path, what in ((args.plot, "--plot"), (record, "run record")):
         if path is not None:
             check_writable(path, what=what)
     with RunLock(args.out):
-        progress = progress_dir(args.out)
-        check_fresh_or_resume(
-            [progress],
+        check_progress_run(
+            args.out,
+            progress_dir(args.out),
+            [args.out, record],
             resume=args.resume,
             overwrite=args.overwrite,
             what="an interrupted run's scored examples",
         )
-        if args.resume and not progress.exists():
-            raise RunFileError(
-                f"--resume: {progress} does not exist, so there is no interrupted run on {args.out} to "
-                "continue (a finished run deletes it); drop --resume"
-            )
-        if not args.resume:
-            check_not_replacing(
-                [args.out, args.out.with_name(args.out.stem + ".run.json")], overwrite=args.overwrite
-            )
         return _run(args)
 
 

@@ -150,13 +150,7 @@ def _interrupt_hint(args: argparse.Namespace) -> str | None:
 @reports_errors(interrupt_hint=_interrupt_hint)
 def run(args: argparse.Namespace) -> int:
     from retmask.evaluate.niah_progress import progress_path
-    from retmask.runfiles import (
-        RunFileError,
-        RunLock,
-        check_fresh_or_resume,
-        check_not_replacing,
-        check_writable,
-    )
+    from retmask.runfiles import RunFileError, RunLock, check_progress_run, check_writable
 
     if args.out is None and args.resume:
         raise RunFileError(
@@ -169,17 +163,14 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         return _run(args)
     with RunLock(args.out):
-        progress = progress_path(args.out)
-        check_fresh_or_resume(
-            [progress], resume=args.resume, overwrite=args.overwrite, what="an interrupted run's answers"
+        check_progress_run(
+            args.out,
+            progress_path(args.out),
+            [args.out],
+            resume=args.resume,
+            overwrite=args.overwrite,
+            what="an interrupted run's answers",
         )
-        if args.resume and not progress.exists():
-            raise RunFileError(
-                f"--resume: {progress} does not exist, so there is no interrupted run on {args.out} to "
-                "continue (a finished run deletes it); drop --resume"
-            )
-        if not args.resume:
-            check_not_replacing([args.out], overwrite=args.overwrite)
         return _run(args)
 
 

@@ -111,9 +111,12 @@ def evaluate_model(
     model.eval()
     lengths = cfg.lengths(model)
     depths = depth_grid(cfg.num_depths)
-    out: dict[str, Any] = {"lengths": lengths, "shape": list(model_shape(model)), "tasks": {}, "timings": {}}
-    if done is not None:
-        out = done
+    out: dict[str, Any] = done or {
+        "lengths": lengths,
+        "shape": list(model_shape(model)),
+        "tasks": {},
+        "timings": {},
+    }
     finished = set(out["tasks"])
     if "niah" in cfg.tasks and "niah" not in finished:
         start = time.perf_counter()

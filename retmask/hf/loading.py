@@ -395,7 +395,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     (out_dir / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf)}))
 
 
-def _resolve(spec: str | None, gguf_file: str | None) -> str:
+def resolve_source(spec: str | None, gguf_file: str | None) -> str:
     """Turn (spec, gguf_file) into something ``from_pretrained`` loads quickly: a hub id or a folder."""
     if spec is None and gguf_file is None:
         return str(default_model_path())
@@ -440,7 +440,7 @@ def check_model_spec(spec: str | None) -> None:
         raise _not_found(spec)
 
 
-def _auto_class(source: str) -> type:
+def model_class_for(source: str) -> type:
     """``AutoModelForCausalLM``; for a vision-language model without a causal-LM class (Mistral 3,
     Qwen2.5-VL, LLaVA, ...) ``AutoModelForImageTextToText``, whose model also runs on text alone (its
     language model is a causal LM; images are optional inputs)."""
@@ -463,7 +463,7 @@ def load_model(
     cpu_linears: bool | None = None,
 ):
     """Load ``(model, tokenizer)`` for a causal LM (or a vision-language model, whose language model runs on
-    text alone: ``_auto_class``).
+    text alone: ``model_class_for``).
 
     Args:
         spec: hub id, local HF folder, path of a ``.gguf`` file, a folder holding ``gguf_file``, a known
@@ -484,14 +484,14 @@ def load_model(
         (model in eval mode, tokenizer with a pad token set: EOS when the model defines none).
     """
     check_device(device)  # before any loading: a wrong --device fails in a second, not after the weights
-    source = _resolve(spec, gguf_file)
+    source = resolve_source(spec, gguf_file)
     if (Path(source) / _COMPLETE_MARKER).is_file():  # a cached conversion: damaged files are named here
         check_converted_folder(Path(source))
     try:
         # trust_remote_code=False, said explicitly: left unset, transformers asks on a terminal whether to
         # run the Python files a model folder ships (auto_map), and one "y" would run them.
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-        model = _auto_class(source).from_pretrained(
+        model = model_class_for(source).from_pretrained(
             source, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False
         )
     except ValueError as err:

@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from retmask.hf.export import check_zeroing_is_masking
 from retmask.hf.layers import head_layout
-from retmask.hf.loading import ModelLoadError, _auto_class, _resolve, max_context
+from retmask.hf.loading import ModelLoadError, max_context, model_class_for, resolve_source
 from retmask.hf.patch import check_supported
 
 
@@ -27,10 +27,10 @@ def model_report(spec: str | None, gguf_file: str | None = None) -> dict[str, An
     ``head_dim`` (D), ``output_projection``, ``layer_kinds`` (kind -> count), ``sliding_window``,
     ``softcap``, ``sinks``, ``max_context`` and ``zeroed_head_export`` ("exact", or why it is refused).
     """
-    source = _resolve(spec, gguf_file)
+    source = resolve_source(spec, gguf_file)
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-        model_class = _auto_class(source)
+        model_class = model_class_for(source)
     except (OSError, ValueError) as err:
         raise ModelLoadError(
             f"could not read the config of model {source!r}: {err}. Hub downloads may be unavailable here: "

@@ -151,10 +151,10 @@ def test_load_model_can_keep_torch_linears(monkeypatch):
         seen.update(kw)
         return copy.deepcopy(model)
 
-    monkeypatch.setattr(loading, "_resolve", lambda spec, gguf: "folder")
+    monkeypatch.setattr(loading, "resolve_source", lambda spec, gguf: "folder")
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda source, **kw: _Tok())
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
-    monkeypatch.setattr(loading, "_auto_class", lambda source: transformers.AutoModelForCausalLM)
+    monkeypatch.setattr(loading, "model_class_for", lambda source: transformers.AutoModelForCausalLM)
     patched, _ = loading.load_model("folder")
     kept, _ = loading.load_model("folder", cpu_linears=False)
     assert type(patched.lm_head) is CPULinear and type(kept.lm_head) is torch.nn.Linear

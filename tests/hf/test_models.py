@@ -66,8 +66,8 @@ def test_gguf_conversion_is_atomic_and_done_once(tmp_path, monkeypatch):
     assert folder.parent == tmp_path / "cache" and (folder / "model.safetensors").is_file()
     assert [p.name for p in folder.parent.iterdir() if ".tmp-" in p.name] == []  # no temp dirs left
     # Both spellings of a GGUF source resolve to the same cached folder.
-    assert models._resolve(str(gguf), None) == str(folder)
-    assert models._resolve(str(tmp_path), "m.gguf") == str(folder)
+    assert models.resolve_source(str(gguf), None) == str(folder)
+    assert models.resolve_source(str(tmp_path), "m.gguf") == str(folder)
 
 
 def test_failed_conversion_leaves_no_folder(tmp_path, monkeypatch):
@@ -160,7 +160,7 @@ def test_cache_root_honours_retmask_cache_then_xdg(monkeypatch, tmp_path):
 def test_named_models(monkeypatch, tmp_path):
     from retmask.hf import loading
 
-    assert loading._resolve("smollm2", None) == str(retmask.default_model_path())
+    assert loading.resolve_source("smollm2", None) == str(retmask.default_model_path())
 
     monkeypatch.setattr(loading, "GEMMA3_PACKAGE", "retmask_test_no_such_package")
     with pytest.raises(
