@@ -6,6 +6,7 @@ matplotlib is imported on first use, so importing a module that can plot costs n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -59,9 +60,14 @@ def short_name(name: str) -> str:
 
 
 def head_heatmap(
-    values: np.ndarray, path: str | Path, title: str = "", cbar_label: str = "retrieval score"
+    values: np.ndarray,
+    path: str | Path,
+    title: str = "",
+    cbar_label: str = "retrieval score",
+    layer_ids: Sequence[int] | None = None,
 ) -> Path:
-    """Layers × heads heatmap of ``values`` (float [L, Hq]) written as a PNG to ``path``."""
+    """Layers × heads heatmap of ``values`` (float [L, Hq]) written as a PNG to ``path``. ``layer_ids``: the
+    decoder layer of each row, for a hybrid model whose rows are its attention layers only."""
     plt = pyplot()
     values = np.asarray(values, dtype=float)
     num_layers, num_heads = values.shape
@@ -75,10 +81,14 @@ def head_heatmap(
         origin="lower",
     )
     ax.set_xlabel("head")
-    ax.set_ylabel("layer")
     ax.set_xticks(range(num_heads))
     step = max(1, num_layers // 16)
     ax.set_yticks(range(0, num_layers, step))
+    if layer_ids is None:
+        ax.set_ylabel("layer")
+    else:  # hybrid: rows are attention layers, labelled with the decoder layer they sit in
+        ax.set_ylabel("attention layer (decoder layer number)")
+        ax.set_yticklabels([str(layer_ids[i]) for i in range(0, num_layers, step)])
     if title:
         ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label=cbar_label)

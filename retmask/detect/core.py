@@ -24,6 +24,7 @@ from retmask.detect.static_passes import BUCKETS, StaticPasses
 from retmask.heads import model_shape
 from retmask.hf.capture import capture_argmax
 from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
+from retmask.hf.layers import head_layout
 from retmask.hf.patch import require_retmask
 
 # (prompt int64 [n], needle span, tokens generated so far, max draft length, earlier answers) -> draft
@@ -163,6 +164,9 @@ class FastDetector:
       accumulate in an [L, Hq] tensor read once per test. ``run(..., history=...)`` lets the drafts reuse
       the model's earlier answers to the same needle.
     * The cache appends in place (``kv_cache.GrowingLayer``): no copy of the whole cache per pass.
+    * A hybrid model (convolution, linear-attention or Mamba layers between the attention layers) keeps
+      states in its cache that cannot be rewound to an earlier position: there every test starts from an
+      empty cache and decodes one token per pass (no shared prefixes, no drafts). Same answers and counts.
     * ``static_passes=True``: verification passes of fixed shapes (a scratch tail in the cache, passes
       padded to a few sizes; ``static_passes.py``), replayed from CUDA graphs on a GPU, where a pass is
       otherwise bound by the host issuing its kernels. Same answers and counts; off by default until timed.
@@ -201,6 +205,15 @@ class FastDetector:
         # False: answers only (NIAH evaluation) -- no argmax capture, ``copies`` stays all zero.
         self.count_copies = count_copies
         self.layout = model_shape(model)
+        # Whether the cache can be cut back to an earlier position (see the class docstring).
+        self.rewinds = not head_layout(model).hybrid
+        if not self.rewinds:
+            if static_passes:
+                raise ValueError(
+                    f"static_passes needs a cache of attention layers only; '{model.config.model_type}' is a "
+                    "hybrid model (its other layers keep states that cannot be rewound): leave it off"
+                )
+            self.max_draft = 0
         # Fixed-shape verification passes (``static_passes``), replayed from CUDA graphs on a GPU.
         if static_passes and max_draft + 1 > BUCKETS[-1]:
             raise ValueError(f"static_passes takes max_draft <= {BUCKETS[-1] - 1}, got {max_draft}")
@@ -217,7 +230,7 @@ class FastDetector:
         """Bring the cache to exactly ``prefix`` (int64 [m]); returns the number of tokens computed."""
         device = self.model.device
         keep = (_lcp(self.cached, prefix) // self.chunk) * self.chunk
-        if self.cache is None:
+        if self.cache is None or not self.rewinds:
             self.cache = growing_cache(self.model) if self.static is None else self.static.new_cache()
             keep = 0
         else:
@@ -323,7 +336,10 @@ class FastDetector:
                 else:
                     self.static.commit(rows)
                 x = new[-1]
-        _crop_to(self.cache, base)
+        if self.rewinds:
+            _crop_to(self.cache, base)
+        else:
+            self.reset()
         copies = counts.cpu().numpy()  # the one read of the counts per test
         t2 = time.perf_counter()
         return TestOutcome(tokens, copies, {"prefill_s": t1 - t0, "decode_s": t2 - t1}, passes, computed)

@@ -12,6 +12,9 @@ caller throws away. :func:`last_layer_kv_only` skips that work for the duration 
   name ends in ``MLP``, which returns one tensor: Llama, Gemma, Qwen, Mistral, Phi). Mixture-of-experts
   blocks may return router outputs too and are left alone.
 
+In a hybrid model whose last decoder layer is not an attention layer, the last attention layer's output
+feeds the layers after it, whose states the cache keeps: the block changes nothing there.
+
 The cache it leaves is bit-identical to a full forward's (the K/V of every layer come from the same
 operations on the same inputs); only the call's returned hidden states and logits differ. For a model of
 L layers this saves about 1/L of the prefill (SmolLM2-135M, 30 layers: 2.9% of a 3,000-token chunked
@@ -51,6 +54,10 @@ def last_layer_kv_only(model: torch.nn.Module) -> Iterator[None]:
     module docstring): use it only around calls whose hidden states and logits are discarded. Any runtime
     head mask (shared or per batch row) is restored on exit, as is the MLP."""
     layout = head_layout(model)
+    text_config = model.config.get_text_config(decoder=True)
+    if layout.layer_ids[-1] != text_config.num_hidden_layers - 1:  # a hybrid's later layers read its output
+        yield
+        return
     attention, heads = layout.layers[-1], layout.num_heads
     old_skip = getattr(attention, "_retmask_skip", None)
     rows = getattr(attention, "_retmask_rows", None)

@@ -23,6 +23,7 @@ from retmask.detect.shard import cpu_oversubscription, dist_context, gather_resu
 from retmask.detect.stopping import stop_token_ids
 from retmask.errors import UsageError
 from retmask.heads import model_shape
+from retmask.hf.layers import head_layout
 from retmask.hf.loading import load_model, max_context, parse_dtype, peek_config
 from retmask.niah import (
     NiahTest,
@@ -619,6 +620,9 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
     timings = {"build_tests_s": build_s, "tests_s": run_s, "total_s": time.perf_counter() - t_start}
     record = _run_record(cfg, fingerprint, shape, tests, done, summary, tracker, timings)
     record["processes"] = world
+    layout = head_layout(model)
+    if layout.hybrid:  # the score rows are its attention layers; where they sit among all its layers
+        record["attention_layers"] = list(layout.layer_ids)
     if not counted:
         if rank == 0 and out is not None:
             atomic_write_json(record_path(out), record)  # the answers show why nothing counted
@@ -644,6 +648,7 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
             mean_matrix(scores, shape),
             plot,
             title=f"retrieval scores: {fingerprint['model']} ({len(counted)} tests)",
+            layer_ids=layout.layer_ids if layout.hybrid else None,
         )
     log(format_summary(summary, total_tests=len(done)))
     return DetectResult(scores, summary, record, done)

@@ -28,6 +28,7 @@ class ArgmaxCapture:
         require_retmask(model, "capture_argmax")
         self.model = model
         self.layout = head_layout(model)
+        self._position = self.layout.positions()  # module.layer_idx -> attention layer l
         self.calls: list[torch.Tensor] = []
         self.active = False  # True only between the model's forward pre-hook and post-hook
         self._rows, self._mask_first, self._mask_select, self._mask_len = _parse_rows(rows)
@@ -71,7 +72,7 @@ class ArgmaxCapture:
         return q_len - self._mask_first, self._mask_select
 
     def record(self, layer_idx: int, argmax: torch.Tensor, kv_len: int | None = None) -> None:
-        """argmax: int64 [B, Hq, T'] of layer ``layer_idx`` for the current call (for a per-batch-row
+        """argmax: int64 [B, Hq, T'] of the attention module with ``layer_idx`` for the current call (for a per-batch-row
         selection: [B, Hq, S - first], from which each batch row's own rows are gathered here), as indices
         into the ``kv_len`` keys the layer saw."""
         if kv_len is not None and self._sequence_end is not None and self._sequence_end > kv_len:
@@ -89,7 +90,7 @@ class ArgmaxCapture:
                 self._row_pad = self._row_pad.to(argmax.device)
             index = self._row_index[:, None, :].expand(batch, heads, -1)  # [B, Hq, T']
             argmax = argmax.gather(2, index).masked_fill(self._row_pad[:, None, :], -1)
-        self._current[layer_idx] = argmax
+        self._current[self._position[layer_idx]] = argmax
 
     # -- hooks on the model ------------------------------------------------------------------------
     def _start(self, module, args, kwargs):

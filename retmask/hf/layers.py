@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from retmask.heads.layout import attention_layer_ids
+
 # Names of the projection that maps an attention layer's concatenated head outputs back to the hidden
 # size, in the order they are looked for: Llama-like models, GPT-NeoX / Phi, OPT / GPT-J, GPT-2.
 OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj")
@@ -53,14 +55,19 @@ def output_norms(attention: torch.nn.Module) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class HeadLayout:
-    """Head geometry of a model: ``layers[l]`` is the attention module with ``layer_idx == l`` and
-    ``projections[l]`` its output projection (``o_proj``, or its other names: ``OUTPUT_PROJECTIONS``).
+    """Head geometry of a model: ``layers[l]`` is its l-th softmax-attention module, in layer order, and
+    ``projections[l]`` that module's output projection (``o_proj``, or its other names:
+    ``OUTPUT_PROJECTIONS``). ``layer_ids[l]`` is the decoder layer it sits in (its ``layer_idx``): l itself
+    in a model whose every layer is attention; in a hybrid model (convolution, linear-attention or Mamba
+    layers between the attention layers) only the attention layers are counted, and every [L, Hq] array of
+    retmask is indexed by attention layer.
 
-    num_layers: L; num_heads: Hq (query heads per layer); kv_heads: Hkv (key / value heads per layer);
-    head_dim: D (output-projection inputs per head).
+    num_layers: L (attention layers); num_heads: Hq (query heads per layer); kv_heads: Hkv (key / value
+    heads per layer); head_dim: D (output-projection inputs per head).
     """
 
     layers: tuple[torch.nn.Module, ...]
+    layer_ids: tuple[int, ...]
     projections: tuple[torch.nn.Module, ...]
     projection_name: str  # the projections' attribute name, e.g. "o_proj"
     num_heads: int
@@ -77,9 +84,26 @@ class HeadLayout:
         """[L, Hq]"""
         return (self.num_layers, self.num_heads)
 
+    @property
+    def hybrid(self) -> bool:
+        """True if the model has layers other than these attention layers (its cache then holds states
+        that cannot be rewound to an earlier position)."""
+        return self.layer_ids != tuple(range(self.num_layers))
+
+    def positions(self) -> dict[int, int]:
+        """``layer_idx`` of each attention module -> its attention-layer index l."""
+        return {layer_idx: i for i, layer_idx in enumerate(self.layer_ids)}
+
 
 def _is_attention(module: torch.nn.Module) -> bool:
-    return isinstance(getattr(module, "layer_idx", None), int) and output_projection_name(module) is not None
+    """A softmax-attention module of transformers: a ``layer_idx``, an output projection, and the
+    ``is_causal`` flag the attention functions read. Convolution, linear-attention and Mamba mixers of hybrid
+    models have the first two but not the flag."""
+    return (
+        isinstance(getattr(module, "layer_idx", None), int)
+        and isinstance(getattr(module, "is_causal", None), bool)
+        and output_projection_name(module) is not None
+    )
 
 
 def head_layout(model: torch.nn.Module) -> HeadLayout:
@@ -99,14 +123,15 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
             f"model '{model_type}': its layers hold attention modules of different kinds ({', '.join(kinds)}), "
             "e.g. linear and softmax attention; retmask needs the same softmax attention in every layer"
         )
-    by_layer = {m.layer_idx: m for m in found}
-    if sorted(by_layer) != list(range(len(found))):
-        raise ValueError(
-            f"model '{model_type}': attention layer indices {sorted(m.layer_idx for m in found)} are not "
-            "0..L-1 with one module each; head masks cannot be mapped to layers"
-        )
     # a vision-language model (Gemma 3 from 4B, ...) keeps the language model's geometry in its text config
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    by_layer = {m.layer_idx: m for m in found}
+    layer_ids = attention_layer_ids(text_config)
+    if sorted(by_layer) != list(layer_ids) or len(by_layer) != len(found):
+        raise ValueError(
+            f"model '{model_type}': its attention modules sit in layers {sorted(m.layer_idx for m in found)}, "
+            f"but its config puts attention in layers {list(layer_ids)}; head masks cannot be mapped to layers"
+        )
     num_heads = getattr(text_config, "num_attention_heads", None)
     name = output_projection_name(found[0])
     inputs = projection_inputs(getattr(found[0], name))
@@ -127,9 +152,10 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
         raise ValueError(
             f"model '{model_type}': num_key_value_groups = {groups!r} does not divide its {num_heads} query heads"
         )
-    layers = tuple(by_layer[i] for i in range(len(found)))
+    layers = tuple(by_layer[i] for i in layer_ids)
     return HeadLayout(
         layers=layers,
+        layer_ids=layer_ids,
         projections=tuple(getattr(m, name) for m in layers),
         projection_name=name,
         num_heads=int(num_heads),
@@ -142,8 +168,14 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
 def decoder_layers(model: torch.nn.Module, layout: HeadLayout | None = None) -> tuple[torch.nn.Module, ...]:
     """The block around each attention module (``model.model.layers[l]`` in Llama-like models): the module
     that holds ``layout.layers[l]`` as a direct child, where these blocks are the L entries of one
-    ``nn.ModuleList`` in layer order. Raises ValueError for a model built otherwise."""
+    ``nn.ModuleList`` in layer order. Raises ValueError for a model built otherwise, and for a hybrid model
+    (its attention blocks are not its whole stack)."""
     layout = layout or head_layout(model)
+    if layout.hybrid:
+        raise ValueError(
+            f"model '{layout.model_type}': its decoder layers {list(layout.layer_ids)} hold attention and its "
+            "other layers do not; it is not a stack of attention blocks"
+        )
     parent_of = {id(child): module for module in model.modules() for child in module.children()}
     missing = [i for i, attn in enumerate(layout.layers) if id(attn) not in parent_of]
     if missing:

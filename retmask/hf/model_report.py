@@ -49,7 +49,8 @@ def model_report(spec: str | None, gguf_file: str | None = None) -> dict[str, An
         return {**report, "supported": False, "problem": str(err)}
     layout = head_layout(model)
     text = config.get_text_config(decoder=True)
-    kinds = Counter(getattr(text, "layer_types", None) or ["full_attention"] * layout.num_layers)
+    listed = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
+    kinds = Counter(listed or ["full_attention"] * layout.num_layers)
     try:
         check_zeroing_is_masking(layout)
         export = "exact"
@@ -60,6 +61,8 @@ def model_report(spec: str | None, gguf_file: str | None = None) -> dict[str, An
         "supported": True,
         "problem": None,
         "layers": layout.num_layers,
+        # a hybrid model's heads sit in some of its layers only: their decoder layer numbers
+        "attention_layers": list(layout.layer_ids) if layout.hybrid else None,
         "query_heads": layout.num_heads,
         "kv_heads": layout.kv_heads,
         "head_dim": layout.head_dim,
@@ -85,12 +88,18 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     window = f" (window {report['sliding_window']})" if "sliding_attention" in report["layer_kinds"] else ""
     features = [f"logit soft-capping {report['softcap']}"] * (report["softcap"] is not None)
     features += ["attention sinks"] * report["sinks"]
+    hybrid = report["attention_layers"] is not None
+    layers = f"{report['layers']} {'attention ' * hybrid}layers"
+    placed = [
+        f"  {'attention layers':18} {report['attention_layers']} (score rows l = 0..{report['layers'] - 1})"
+    ]
     return [
         *lines,
         f"  {'retmask attention':18} supported",
-        f"  {'heads':18} {report['layers']} layers x {report['query_heads']} query heads, {report['kv_heads']} KV "
+        f"  {'heads':18} {layers} x {report['query_heads']} query heads, {report['kv_heads']} KV "
         f"heads, head dim {report['head_dim']} (output projection {report['output_projection']})",
         f"  {'layer kinds':18} {kinds}{window}",
+        *placed * hybrid,
         f"  {'features':18} {', '.join(features) or 'none beyond causal attention'}",
         f"  {'context':18} {report['max_context']} tokens",
         f"  {'zeroed-head export':18} {report['zeroed_head_export']}",

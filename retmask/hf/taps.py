@@ -61,6 +61,7 @@ class QKTap:
                 f"{num_layers}-layer model (or None for all layers)"
             )
         self.layers = chosen
+        self._position = self.layout.positions()  # module.layer_idx -> attention layer l
         self.query_rows = _check_rows(query_rows)
         self.q: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
@@ -79,7 +80,8 @@ class QKTap:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        """query: [B, Hq, S, D] (a view); key: [B, Hkv, N, D]; kept with their autograd graph.
+        """The tensors of the attention module with ``layer_idx``, kept under its attention layer l.
+        query: [B, Hq, S, D] (a view); key: [B, Hkv, N, D]; kept with their autograd graph.
         window / softcap / sinks ([Hq]): the layer's attention features as passed to the kernel, or None."""
         rows = self.query_rows
         if rows is not None:
@@ -87,10 +89,11 @@ class QKTap:
                 query = query[:, :, -min(rows, query.shape[2]) :].clone()
             else:
                 query = _gather_rows(query, rows)
-        self.q[layer_idx] = query
-        self.k[layer_idx] = key
-        self.scaling[layer_idx] = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
-        self.features[layer_idx] = {"window": window, "softcap": softcap, "sinks": sinks}
+        layer = self._position[layer_idx]
+        self.q[layer] = query
+        self.k[layer] = key
+        self.scaling[layer] = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
+        self.features[layer] = {"window": window, "softcap": softcap, "sinks": sinks}
         self.num_kv_groups = query.shape[1] // key.shape[1]
 
     def clear(self) -> None:

@@ -43,7 +43,8 @@ def _save_config(folder, tokenizer, arch: str, **overrides) -> str:
 
 def test_env_model_reports_support_and_layout_from_the_config_alone(tmp_path, tiny_dir, capsys):
     """No weights in the folders: the report builds the model on the meta device. A local/global model
-    (Gemma 3), a model whose zeroed-head export is refused (BitNet) and an unsupported one (BLOOM: exit 2)."""
+    (Gemma 3), a model whose zeroed-head export is refused (BitNet), a hybrid (Qwen3.5) and an unsupported
+    one (BLOOM: exit 2)."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
@@ -63,6 +64,13 @@ def test_env_model_reports_support_and_layout_from_the_config_alone(tmp_path, ti
         report["zeroed_head_export"].startswith("refused: model 'bitnet'")
         and "attn_sub_norm" in report["zeroed_head_export"]
     )
+    from tests.hf.test_architectures import HYBRIDS
+
+    qwen35 = _save_config(tmp_path / "qwen3_5", tokenizer, "qwen3_5_text", **HYBRIDS["qwen3_5_text"])
+    assert main(["env", "--model", qwen35]) == 0  # a hybrid: its heads are in 2 of its 4 layers
+    out = capsys.readouterr().out
+    assert "2 attention layers x 4 query heads" in out and "2 linear_attention, 2 full_attention" in out
+    assert "attention layers   [1, 2] (score rows l = 0..1)" in out
     assert main(["env", "--model", _save_config(tmp_path / "bloom", tokenizer, "bloom", n_head=4)]) == 2
     assert "not supported: model 'bloom' cannot use retmask attention" in capsys.readouterr().out
     assert main(["env", "--model", str(tmp_path / "missing")]) == 2

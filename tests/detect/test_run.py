@@ -236,3 +236,42 @@ def test_span_missed_tests_count_as_zeros_like_the_published_script(tmp_path, em
 
     with pytest.raises(DetectError, match="no test could run.*--span-miss zeros runs them"):
         run_detect(DetectConfig(**kw, span_miss="skip"), tmp_path / "skip" / "s.json", **quiet)
+
+
+def test_hybrid_model_detects_end_to_end(tmp_path, monkeypatch):
+    """A hybrid model (LFM2: convolution layers 0 and 2, attention layers 1 and 3) through the whole driver:
+    scores for its 2 attention layers x 4 heads, the run record saying where those layers sit, and the
+    heatmap labelled with them. A random model answers nothing, so every test is counted here
+    (RECALL_THRESHOLD below 0) to reach the outputs of a counted run."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    import retmask
+    import retmask.detect.run as detect_run
+    from tests.hf.conftest import tiny_config
+    from tests.hf.test_architectures import HYBRIDS
+
+    tok = AutoTokenizer.from_pretrained(str(retmask.default_model_path()))
+    monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(detect_run, "RECALL_THRESHOLD", -1.0)
+    torch.manual_seed(0)
+    config = tiny_config(
+        "lfm2", vocab_size=len(tok), max_position_embeddings=1024, pad_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, **HYBRIDS["lfm2"],
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="retmask").eval()
+    cfg = DetectConfig(
+        needles=str(needles_file(tmp_path, 1)), min_len=400, max_len=400, num_lengths=1, num_depths=2,
+        max_new_tokens=4,
+    )  # fmt: skip
+    out, plot = tmp_path / "s.json", tmp_path / "heads.png"
+    result = run_detect(
+        cfg, out, plot=plot, model=model, tokenizer=tok, progress_bar=False, log=lambda *a: None
+    )
+    record = json.loads(out.with_name("s.run.json").read_text())
+    assert record["attention_layers"] == [1, 3] and (record["layers"], record["query_heads"]) == (2, 4)
+    assert sorted(json.loads(out.read_text())) == sorted(
+        f"{layer}-{h}" for layer in range(2) for h in range(4)
+    )
+    assert record["tests_counted"] == 2 and all(len(s) == 2 for s in result.scores.values())
+    assert plot.stat().st_size > 0

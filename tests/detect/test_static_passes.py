@@ -72,6 +72,15 @@ def test_buckets_and_refusals():
         FastDetector(tiny_llama(), {2}, max_draft=65, static_passes=True)
     with pytest.raises(ValueError, match="DynamicSlidingWindowLayer.*static_passes=False"):
         StaticPasses(tiny_local_global())
+    import transformers
+
+    import retmask
+    from tests.hf.conftest import tiny_config
+    from tests.hf.test_architectures import HYBRIDS
+
+    lfm2 = transformers.AutoModelForCausalLM.from_config(tiny_config("lfm2", **HYBRIDS["lfm2"]))
+    with pytest.raises(ValueError, match="'lfm2' is a hybrid model .*leave it off"):
+        FastDetector(retmask.patch(lfm2.eval()), {2}, static_passes=True)
 
 
 def test_static_passes_do_not_read_uninitialised_slots(monkeypatch):

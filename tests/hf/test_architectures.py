@@ -61,6 +61,33 @@ ARCHITECTURES = {
     ),  # fmt: skip
 }
 
+# Hybrid models: attention layers between convolution, linear-attention (gated DeltaNet) or Mamba-2 layers;
+# only the attention layers hold heads ([L, Hq] counts them). The Qwen3.5 config ends on a linear layer.
+_GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)
+_CONV_ATTN = ["conv", "full_attention"] * 2
+_LINEAR_FULL = ["linear_attention", "full_attention"] * 2
+HYBRIDS = {
+    "lfm2": dict(num_hidden_layers=4, layer_types=_CONV_ATTN),
+    "lfm2_moe": dict(num_hidden_layers=4, layer_types=_CONV_ATTN, num_dense_layers=1, **_MOE),
+    "qwen3_5_text": dict(
+        num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "full_attention", "linear_attention"],
+        **_GDN,
+    ),
+    "qwen3_5_moe_text": dict(num_hidden_layers=4, layer_types=_LINEAR_FULL, shared_expert_intermediate_size=32,
+                             **_GDN, **_MOE),
+    "qwen3_next": dict(num_hidden_layers=4, layer_types=_LINEAR_FULL, shared_expert_intermediate_size=32, **_GDN,
+                       **_MOE),
+    "olmo_hybrid": dict(num_hidden_layers=4, layer_types=_LINEAR_FULL, linear_num_key_heads=2,
+                        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16),
+    "granitemoehybrid": dict(num_hidden_layers=4, layer_types=["mamba", "attention"] * 2, num_local_experts=0,
+                             shared_intermediate_size=64, **_MAMBA2),
+    "nemotron_h": dict(num_hidden_layers=4, hybrid_override_pattern="M*-*", mamba_num_heads=4, mamba_head_dim=32,
+                       ssm_state_size=8, n_groups=1, chunk_size=8),
+}  # fmt: skip
+ARCHITECTURES.update(HYBRIDS)
+
 
 # The padding of the test batch's second row. Gemma 3n takes the square root of each row's mean square
 # (AltUp), whose gradient is NaN at an exactly zero row: a left-padding row without any key is one, as
@@ -77,12 +104,30 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_at
                patch_size=14)  # fmt: skip
 
 
-def _text(vocab: int, **extra) -> dict:
-    return dict(
+def _text(vocab: int, **overrides) -> dict:
+    base = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=False, **extra,
+        eos_token_id=2, tie_word_embeddings=False,
     )  # fmt: skip
+    return {**base, **overrides}
+
+
+def _qwen_vl(config_class: type, vocab: int, **text) -> transformers.PretrainedConfig:
+    """A Qwen vision-language config: multimodal rotary sections (of D / 2 = 8 frequencies) for time, height
+    and width; image, video and vision-start tokens at the vocabulary's end."""
+    return config_class(
+        text_config=_text(
+            vocab,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
+            **text,
+        ),
+        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64),
+        image_token_id=vocab - 1,
+        video_token_id=vocab - 2,
+        vision_start_token_id=vocab - 3,
+        tie_word_embeddings=False,
+    )
 
 
 VISION_LANGUAGE = {  # name -> config of a text vocabulary of the given size; image token = vocab - 1
@@ -107,17 +152,9 @@ VISION_LANGUAGE = {  # name -> config of a text vocabulary of the given size; im
         image_token_index=vocab - 1,
         tie_word_embeddings=False,
     ),  # fmt: skip
-    # multimodal rotary sections (of D / 2 = 8 frequencies) for time, height and width
-    "qwen2_5_vl": lambda vocab=VOCAB: transformers.Qwen2_5_VLConfig(
-        text_config=_text(
-            vocab, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
-        ),
-        vision_config=dict(depth=2, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64),
-        image_token_id=vocab - 1,
-        video_token_id=vocab - 2,
-        vision_start_token_id=vocab - 3,
-        tie_word_embeddings=False,
-    ),  # fmt: skip
+    "qwen2_5_vl": lambda vocab=VOCAB: _qwen_vl(transformers.Qwen2_5_VLConfig, vocab),
+    # a hybrid: gated-DeltaNet layers 0 and 3, attention layers 1 and 2
+    "qwen3_5": lambda vocab=VOCAB: _qwen_vl(transformers.Qwen3_5Config, vocab, **HYBRIDS["qwen3_5_text"]),
 }
 
 

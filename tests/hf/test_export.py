@@ -18,11 +18,16 @@ from .conftest import random_batch, tiny_model
 HEADS = [(0, 2), (1, 1)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "olmo2", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "gpt2", "gpt_neox", "qwen3_5_text"])
 def test_export_reload_with_plain_transformers(arch, tmp_path):
     # llama: with o_proj.bias (must stay intact); olmo2: tied embeddings (save_pretrained drops the copy);
-    # gpt2: a Conv1D c_proj (weight [in, out]: the heads are rows); gpt_neox: the projection named "dense".
-    extra = {"llama": {"attention_bias": True}, "olmo2": {"tie_word_embeddings": True}}.get(arch, {})
+    # gpt2: a Conv1D c_proj (weight [in, out]: the heads are rows); gpt_neox: the projection named "dense";
+    # qwen3_5_text: a hybrid, whose attention layer 0 is decoder layer 1 (gated DeltaNet layers 0 and 3).
+    from .test_architectures import HYBRIDS
+
+    extra = {"llama": {"attention_bias": True}, "olmo2": {"tie_word_embeddings": True}, **HYBRIDS}.get(
+        arch, {}
+    )
     model = tiny_model(arch, **extra)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     out = retmask.export_masked(model, HEADS, tmp_path / "masked")

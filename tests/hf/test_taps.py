@@ -90,3 +90,30 @@ def test_bad_arguments_are_clear():
     eager = tiny_model("llama", attn="eager")
     with pytest.raises(ValueError, match="retmask attention"):
         tap_qk(eager)
+
+
+@torch.no_grad()
+def test_tap_on_a_hybrid_model_keys_layers_by_attention_layer():
+    """LFM2 with convolution layers 0 and 2: tap layer 1 is the attention of decoder layer 3, and its q / k
+    give eager attention's weights of that layer."""
+    import transformers
+
+    import retmask
+
+    from .conftest import tiny_config, with_attn
+    from .test_architectures import HYBRIDS
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("lfm2", **HYBRIDS["lfm2"])).eval()
+    model = retmask.patch(model)
+    ids, _ = random_batch(1, 9)
+    with tap_qk(model, layers=[1]) as tap:
+        model(input_ids=ids)
+    assert sorted(tap.q) == [1]
+    weights = with_attn(model, "eager")(input_ids=ids, output_attentions=True).attentions[1]  # [1, Hq, 9, 9]
+    k = tap.k[1].repeat_interleave(tap.num_kv_groups, dim=1)
+    logits = (tap.q[1] @ k.transpose(-1, -2)) * tap.scaling[1]
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    torch.testing.assert_close(
+        logits.masked_fill(~causal, float("-inf")).softmax(-1), weights, atol=1e-5, rtol=1e-4
+    )

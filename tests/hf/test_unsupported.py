@@ -82,9 +82,11 @@ def test_patch_switches_and_rejects_non_interface_models():
         retmask.patch(mla)
 
 
-def test_layers_of_other_attention_kinds_are_refused_by_name():
-    """MiniMax interleaves linear-attention layers (an out_proj) with softmax ones (an o_proj): refused by its
-    layer kinds, and its layout (which other helpers read) names the two module classes."""
+def test_hybrids_outside_the_tested_ones_are_refused_by_name():
+    """MiniMax's linear-attention layers (an out_proj, but no is_causal) are not counted as attention layers,
+    yet MiniMax is refused, with the reason: its eager output_attentions lists those layers too, which the
+    step-by-step oracle would misread. Falcon-H1 runs Mamba and attention in parallel in every layer (layer
+    kind "hybrid"): refused by that kind."""
     from retmask.hf.layers import head_layout
 
     config = tiny_config(
@@ -92,9 +94,20 @@ def test_layers_of_other_attention_kinds_are_refused_by_name():
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config)
+    assert head_layout(model).layer_ids == (1, 3) and head_layout(model).hybrid
     with pytest.raises(
-        ValueError, match=r"'minimax' cannot use retmask attention: its layers use \['linear_attention'\]"
+        ValueError, match=r"'minimax' cannot use retmask attention: its linear-attention layers report"
     ):
         retmask.patch(model)
-    with pytest.raises(ValueError, match="attention modules of different kinds .*MiniMaxAttention"):
-        head_layout(model)
+    jamba = transformers.AutoModelForCausalLM.from_config(
+        tiny_config("jamba", num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1)
+    )
+    with pytest.raises(
+        ValueError, match=r"'jamba' cannot use retmask attention: its Mamba layers give other"
+    ):
+        retmask.patch(jamba)
+    falcon = transformers.AutoConfig.for_model("falcon_h1", num_hidden_layers=2)
+    from retmask.heads.layout import attention_layer_ids
+
+    with pytest.raises(ValueError, match=r"its layers use \['hybrid'\] attention"):
+        attention_layer_ids(falcon)
