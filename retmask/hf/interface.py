@@ -222,6 +222,21 @@ def _autocast_inputs(
     return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
+def _one_head_dim(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k [.., Dqk] and v [.., Dv] zero-padded to one head dim max(Dqk, Dv), which the kernel takes for
+    all three (multi-head latent attention: DeepSeek-V2/V3 have Dqk = 192, Dv = 128). Exact: zero lanes add
+    nothing to a q.k dot product, and the output's extra lanes are the weighted sum of zeros, cut off by
+    the caller. The padded copy of v costs as much as the model's own expansion of its compressed cache
+    into per-head keys and values, which it does on every call."""
+    dim = max(query.shape[-1], value.shape[-1])
+    pad = torch.nn.functional.pad
+    if value.shape[-1] < dim:
+        return query, key, pad(value, (0, dim - value.shape[-1]))
+    return pad(query, (0, dim - query.shape[-1])), pad(key, (0, dim - key.shape[-1])), value
+
+
 def retmask_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -256,6 +271,11 @@ def retmask_attention(
     compiling = torch.compiler.is_compiling()
     skip, rows, tap, recorder = _layer_state(module, compiling)
     query, key, value = _autocast_inputs(query, key, value)
+    value_dim = value.shape[-1]
+    if value_dim != query.shape[-1]:  # multi-head latent attention (see _one_head_dim)
+        if scaling is None:  # the default scale of the unpadded query
+            scaling = query.shape[-1] ** -0.5
+        query, key, value = _one_head_dim(query, key, value)
     B, _, S, _ = query.shape
     kpm = None
     if attention_mask is not None:
@@ -290,6 +310,8 @@ def retmask_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
             window=window, softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, out_layout="bmhd",
         )  # fmt: skip
+    if out.shape[-1] != value_dim:  # drop the padded lanes (multi-head latent attention)
+        out = out[..., :value_dim]
     # out is a view of a contiguous [B, S, Hq, D] tensor ("bmhd"): contiguous() copies nothing
     return out.transpose(1, 2).contiguous(), None
 

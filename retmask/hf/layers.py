@@ -53,6 +53,13 @@ def output_norms(attention: torch.nn.Module) -> tuple[str, ...]:
     )
 
 
+def is_latent_attention(attention: torch.nn.Module) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): the cache holds one compressed latent per
+    token, which ``kv_b_proj`` expands into every query head's own key and value on each call; query / key
+    heads are wider than value heads (``qk_head_dim`` 192 against ``v_head_dim`` 128 in DeepSeek-V3)."""
+    return isinstance(getattr(attention, "kv_b_proj", None), torch.nn.Module)
+
+
 @dataclass(frozen=True)
 class HeadLayout:
     """Head geometry of a model: ``layers[l]`` is its l-th softmax-attention module, in layer order, and
@@ -63,7 +70,8 @@ class HeadLayout:
     retmask is indexed by attention layer.
 
     num_layers: L (attention layers); num_heads: Hq (query heads per layer); kv_heads: Hkv (key / value
-    heads per layer); head_dim: D (output-projection inputs per head).
+    heads per layer; in multi-head latent attention one per query head, as the attention sees them);
+    head_dim: D (output-projection inputs per head: the value head dim).
     """
 
     layers: tuple[torch.nn.Module, ...]
@@ -74,6 +82,7 @@ class HeadLayout:
     kv_heads: int
     head_dim: int
     model_type: str
+    latent_kv: bool = False  # multi-head latent attention: the cache holds a compressed latent, not KV heads
 
     @property
     def num_layers(self) -> int:
@@ -147,7 +156,9 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
     # Hkv as the attention computes it: transformers' attention functions repeat each KV head
     # num_key_value_groups times, and a module without that attribute has one KV head per query head. The
     # config can disagree: GPT-BigCode's multi_query is not reflected in num_key_value_heads.
-    groups = getattr(found[0], "num_key_value_groups", 1)
+    # Multi-head latent attention expands its keys and values to one head per query head on every call.
+    latent = is_latent_attention(found[0])
+    groups = 1 if latent else getattr(found[0], "num_key_value_groups", 1)
     if not isinstance(groups, int) or groups < 1 or num_heads % groups:
         raise ValueError(
             f"model '{model_type}': num_key_value_groups = {groups!r} does not divide its {num_heads} query heads"
@@ -162,6 +173,7 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
         kv_heads=int(num_heads) // groups,
         head_dim=int(head_dim),
         model_type=model_type,
+        latent_kv=latent,
     )
 
 

@@ -71,6 +71,7 @@ def model_report(spec: str | None, gguf_file: str | None = None) -> dict[str, An
         "sliding_window": getattr(text, "sliding_window", None),
         "softcap": getattr(text, "attn_logit_softcapping", None),
         "sinks": hasattr(layout.layers[0], "sinks"),
+        "latent_attention": layout.latent_kv,
         "max_context": max_context(model),
         "zeroed_head_export": export,
     }
@@ -88,6 +89,9 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     window = f" (window {report['sliding_window']})" if "sliding_attention" in report["layer_kinds"] else ""
     features = [f"logit soft-capping {report['softcap']}"] * (report["softcap"] is not None)
     features += ["attention sinks"] * report["sinks"]
+    features += ["multi-head latent attention (one compressed latent per token in the cache)"] * report[
+        "latent_attention"
+    ]
     hybrid = report["attention_layers"] is not None
     layers = f"{report['layers']} {'attention ' * hybrid}layers"
     placed = [

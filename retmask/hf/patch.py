@@ -13,14 +13,24 @@ TESTED = (
     "(soft-capping), Gemma 3 (local/global layers, head dim 256), Gemma 3n, Cohere 2, gpt-oss (sinks), GPT-2, GPT-NeoX, "
     "GPT-J, CodeGen, OPT, Phi, Phi-3, StarCoder 1/2, Persimmon, Gemma, Granite, Mixtral, Qwen2/3-MoE, OLMoE, "
     "SmolLM3, GLM-4, Nemotron, EXAONE 4, Helium; the attention layers of hybrid models: LFM2, Qwen3.5 (dense, MoE), "
-    "Qwen3-Next, Granite 4.0-H, Nemotron-H, OLMo hybrid"
+    "Qwen3-Next, Granite 4.0-H, Nemotron-H, OLMo hybrid, Kimi Linear; multi-head latent attention: DeepSeek-V2/V3, "
+    "MiniCPM3"
 )
 
 # Model types whose attention modules call the attention function registered under the model's
 # ``attn_implementation`` (through ``ALL_ATTENTION_FUNCTIONS``) although their class does not declare it with
 # ``_supports_attention_backend``: each is tested against eager attention in tests/hf/test_architectures.py.
 ROUTED_WITHOUT_FLAG = frozenset(
-    {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid", "nemotron_h"}
+    {
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "olmo_hybrid",
+        "nemotron_h",
+        "kimi_linear",
+    }
 )
 
 # Hybrid models whose attention layers run on retmask attention but whose other layers break what retmask
@@ -63,17 +73,9 @@ def check_supported(model: torch.nn.Module) -> None:
             except ValueError as err:
                 raise _fail(model_type, str(err)) from None
     try:
-        layout = head_layout(model)
+        head_layout(model)
     except ValueError as err:
         raise _fail(model_type, str(err)) from None
-    attention = layout.layers[0]
-    qk_dim, v_dim = getattr(attention, "qk_head_dim", None), getattr(attention, "v_head_dim", None)
-    if qk_dim is not None and v_dim is not None and qk_dim != v_dim:  # DeepSeek-V2/V3, MiniCPM3
-        raise _fail(
-            model_type,
-            f"its queries and keys have {qk_dim} dims per head and its values {v_dim} (multi-head latent "
-            "attention); the kernel takes one head dim for all three",
-        )
 
 
 def patch(model: torch.nn.Module) -> torch.nn.Module:

@@ -278,30 +278,44 @@ def test_fast_detector_cache_holds_no_more_than_the_longest_test_needs():
 
 
 # the seed of the random weights, where seed 0 gives a model that never copies on these prompts
-COPYING_SEED = {"qwen3_5_text": 1, "qwen3_next": 1, "nemotron_h": 1}
+COPYING_SEED = {"qwen3_5_text": 1, "qwen3_next": 1, "nemotron_h": 1, "deepseek_v2": 3, "minicpm3": 0}
 
 
 @pytest.mark.parametrize(
     "arch",
-    ["gpt2", "gpt_neox", "mistral3", "lfm2", "qwen3_5_text", "qwen3_next", "nemotron_h"],
+    [
+        "gpt2",
+        "gpt_neox",
+        "mistral3",
+        "lfm2",
+        "qwen3_5_text",
+        "qwen3_next",
+        "nemotron_h",
+        "deepseek_v2",
+        "minicpm3",
+    ],
 )
 def test_other_architectures_fast_equals_oracle(arch):
     """Detection on attention modules built unlike Llama's (GPT-2: Conv1D projections and learned positions;
     GPT-NeoX: fused QKV, partial rotary, an output projection named "dense"), on a vision-language
     model's language model (Mistral 3, text only) and on hybrid models (attention layers between
     convolution, gated-DeltaNet and Mamba-2 layers: a fresh cache per test, one token per pass, the
-    prefill in chunks continuing the layers' states): the oracle's answers and copy counts."""
+    prefill in chunks continuing the layers' states) and on multi-head latent attention (DeepSeek-V2,
+    MiniCPM3: query / key and value heads of different widths, a cache of compressed latents): the
+    oracle's answers and copy counts."""
     import transformers
 
     import retmask
     from tests.hf.conftest import tiny_config
-    from tests.hf.test_architectures import HYBRIDS, VISION_LANGUAGE
+    from tests.hf.test_architectures import HYBRIDS, LATENT, VISION_LANGUAGE
 
     torch.manual_seed(COPYING_SEED.get(arch, 0))
     if arch in VISION_LANGUAGE:
         # image token 19: never in the prompts (ids 1..15)
         model = transformers.AutoModelForImageTextToText.from_config(VISION_LANGUAGE[arch](vocab=20))
     else:
-        config = tiny_config(arch, vocab_size=16, max_position_embeddings=1024, **HYBRIDS.get(arch, {}))
+        config = tiny_config(
+            arch, vocab_size=16, max_position_embeddings=1024, **{**HYBRIDS, **LATENT}.get(arch, {})
+        )
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     assert_fast_equals_oracle(retmask.patch(model.eval()), tiny_prompts(seed=2))

@@ -88,6 +88,36 @@ HYBRIDS = {
 }  # fmt: skip
 ARCHITECTURES.update(HYBRIDS)
 
+# Multi-head latent attention: keys and values expanded per call from a compressed latent; query / key heads
+# 24 wide (16 without rotary + 8 with), value heads 16 (DeepSeek) or 32 (MiniCPM3 here: wider than q / k).
+_MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    head_dim=8,
+)
+_DEEPSEEK_MOE = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
+LATENT = {
+    "deepseek_v2": dict(_MLA, **_DEEPSEEK_MOE),
+    "deepseek_v3": dict(_MLA, n_group=1, topk_group=1, **_DEEPSEEK_MOE),
+    "minicpm3": dict(_MLA, q_lora_rank=16, v_head_dim=32),
+}  # fmt: skip
+ARCHITECTURES.update(LATENT)
+# Kimi Linear: both, latent attention layers between its linear-attention (delta rule) layers
+ARCHITECTURES["kimi_linear"] = dict(
+    _MLA, num_hidden_layers=4, layer_types=_LINEAR_FULL, num_experts=4, num_experts_per_token=2,
+    moe_intermediate_size=32, linear_head_dim=8, linear_num_heads=4, mlp_layer_types=["dense"] + ["sparse"] * 3,
+)  # fmt: skip
+
 
 # The padding of the test batch's second row. Gemma 3n takes the square root of each row's mean square
 # (AltUp), whose gradient is NaN at an exactly zero row: a left-padding row without any key is one, as

@@ -250,3 +250,32 @@ def test_routine_arguments_do_not_hide_a_problem_beside_them(extra, problem):
         else:
             with pytest.raises(problem):
                 retmask_attention(module, q, k, v, None, **routine, **extra)
+
+
+@pytest.mark.parametrize("qk_dim, v_dim", [(24, 16), (24, 32)])
+def test_query_key_and_value_heads_of_different_widths(qk_dim, v_dim):
+    """Multi-head latent attention gives the attention function q / k heads of one width and v heads of
+    another: the output (v's width) and its gradients equal SDPA's, which takes them natively, with the
+    default scale of the unpadded query."""
+    from retmask.hf.interface import retmask_attention
+
+    module = tiny_model_attention()
+    gen = torch.Generator().manual_seed(qk_dim + v_dim)
+    q = torch.randn(2, 4, 7, qk_dim, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 7, qk_dim, generator=gen, requires_grad=True)
+    v = torch.randn(2, 2, 7, v_dim, generator=gen, requires_grad=True)
+    out, _ = retmask_attention(module, q, k, v, None, scaling=None)  # [B, S, Hq, Dv]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    grad = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(want.transpose(1, 2), (q, k, v), grad)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def tiny_model_attention() -> torch.nn.Module:
+    """The first attention module of a tiny Llama on retmask attention (the attention function's module)."""
+    config = tiny_config("llama")
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="retmask")
+    return model.model.layers[0].self_attn

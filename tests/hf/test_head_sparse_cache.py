@@ -490,3 +490,21 @@ def test_bad_input_errors_name_the_fix(tmp_path):
     with pytest.raises(NotImplementedError, match="cannot be rolled back"):
         cache.crop(-2)
     assert isinstance(cache.layers[0], HeadSparseLayer) and not cache.is_croppable
+
+
+def test_hybrid_and_latent_attention_models_are_refused_by_name():
+    """A hybrid's convolution / recurrent layers keep states, not KV heads; multi-head latent attention
+    caches one compressed latent per token for all heads: no KV head to keep or drop in either."""
+    from tests.hf.test_architectures import HYBRIDS, LATENT
+
+    torch.manual_seed(0)
+    lfm2 = transformers.AutoModelForCausalLM.from_config(
+        tiny_config("lfm2", **HYBRIDS["lfm2"]), attn_implementation="retmask"
+    )
+    with pytest.raises(ValueError, match=r"'lfm2' has cache layers of kind \['LinearAttentionLayer'\]"):
+        retmask.head_sparse_cache(lfm2, full_heads=[(0, 0)], window=4)
+    deepseek = transformers.AutoModelForCausalLM.from_config(
+        tiny_config("deepseek_v2", **LATENT["deepseek_v2"]), attn_implementation="retmask"
+    )
+    with pytest.raises(ValueError, match=r"'deepseek_v2' uses multi-head latent attention.*no KV heads"):
+        retmask.head_sparse_cache(deepseek, full_heads=[(0, 0)], window=4)

@@ -152,6 +152,11 @@ def head_sparse_cache(
             "a head-sparse cache to prune; use the model's default cache"
         )
     heads = head_layout(model)
+    if heads.latent_kv:
+        raise ValueError(
+            f"model '{config.model_type}' uses multi-head latent attention: its cache holds one compressed "
+            "latent per token, shared by all heads, so there are no KV heads to keep or drop"
+        )
     num_q, num_kv = heads.num_heads, heads.kv_heads
     layout = KVLayout(int(config.num_hidden_layers), num_q, num_kv, global_layers)
     chosen = full_kv_heads(layout, scores=scores, budget=budget, tau=tau, full_heads=full_heads)
