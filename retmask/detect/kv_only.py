@@ -54,8 +54,7 @@ def last_layer_kv_only(model: torch.nn.Module) -> Iterator[None]:
     module docstring): use it only around calls whose hidden states and logits are discarded. Any runtime
     head mask (shared or per batch row) is restored on exit, as is the MLP."""
     layout = head_layout(model)
-    text_config = model.config.get_text_config(decoder=True)
-    if layout.layer_ids[-1] != text_config.num_hidden_layers - 1:  # a hybrid's later layers read its output
+    if layout.layer_ids[-1] != layout.total_layers - 1:  # a hybrid's later layers read its output
         yield
         return
     attention, heads = layout.layers[-1], layout.num_heads

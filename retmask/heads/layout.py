@@ -15,8 +15,8 @@ HEADLESS_LAYER_TYPES = frozenset({"conv", "linear_attention", "mlp", "moe"})
 
 def attention_layer_ids(config: Any) -> tuple[int, ...]:
     """The decoder layers of a (text) config that hold attention heads: all ``num_hidden_layers`` of them,
-    or in a hybrid model those whose ``layer_types`` (or ``layers_block_type``) entry is an attention kind. Raises ValueError for a
-    layer kind that is neither known attention nor known to have no heads."""
+    or in a hybrid model those whose ``layer_types`` (or ``layers_block_type``) entry is an attention
+    kind. Raises ValueError for a layer kind that is neither known attention nor known to have no heads."""
     num_layers = int(config.num_hidden_layers)
     kinds = list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
     if not kinds:
@@ -24,8 +24,9 @@ def attention_layer_ids(config: Any) -> tuple[int, ...]:
     unknown = sorted(set(kinds) - ATTENTION_LAYER_TYPES - HEADLESS_LAYER_TYPES)
     if unknown:
         raise ValueError(
-            f"its layers use {unknown} attention; retmask computes full and sliding-window causal attention "
-            f"({', '.join(sorted(ATTENTION_LAYER_TYPES))}) between layers of kinds {sorted(HEADLESS_LAYER_TYPES)}"
+            f"its layers use {unknown} attention; retmask computes full and sliding-window causal "
+            f"attention ({', '.join(sorted(ATTENTION_LAYER_TYPES))}) beside layers of kinds "
+            f"{sorted(HEADLESS_LAYER_TYPES)}"
         )
     return tuple(i for i, kind in enumerate(kinds[:num_layers]) if kind in ATTENTION_LAYER_TYPES)
 

@@ -72,9 +72,9 @@ class ArgmaxCapture:
         return q_len - self._mask_first, self._mask_select
 
     def record(self, layer_idx: int, argmax: torch.Tensor, kv_len: int | None = None) -> None:
-        """argmax: int64 [B, Hq, T'] of the attention module with ``layer_idx`` for the current call (for a per-batch-row
-        selection: [B, Hq, S - first], from which each batch row's own rows are gathered here), as indices
-        into the ``kv_len`` keys the layer saw."""
+        """argmax: int64 [B, Hq, T'] of the attention module with ``layer_idx`` for the current call (for a
+        per-batch-row selection: [B, Hq, S - first], from which each batch row's own rows are gathered
+        here), as indices into the ``kv_len`` keys the layer saw."""
         if kv_len is not None and self._sequence_end is not None and self._sequence_end > kv_len:
             # A sliding-window cache gave this layer only the last kv_len keys of the sequence.
             argmax = torch.where(argmax >= 0, argmax + (self._sequence_end - kv_len), argmax)

@@ -66,7 +66,7 @@ class HeadLayout:
     ``projections[l]`` that module's output projection (``o_proj``, or its other names:
     ``OUTPUT_PROJECTIONS``). ``layer_ids[l]`` is the decoder layer it sits in (its ``layer_idx``): l itself
     in a model whose every layer is attention; in a hybrid model (convolution, linear-attention or Mamba
-    layers between the attention layers) only the attention layers are counted, and every [L, Hq] array of
+    layers besides the attention layers) only the attention layers are counted, and every [L, Hq] array of
     retmask is indexed by attention layer.
 
     num_layers: L (attention layers); num_heads: Hq (query heads per layer); kv_heads: Hkv (key / value
@@ -82,6 +82,7 @@ class HeadLayout:
     kv_heads: int
     head_dim: int
     model_type: str
+    total_layers: int  # decoder layers, attention or not
     latent_kv: bool = False  # multi-head latent attention: the cache holds a compressed latent, not KV heads
 
     @property
@@ -97,7 +98,7 @@ class HeadLayout:
     def hybrid(self) -> bool:
         """True if the model has layers other than these attention layers (its cache then holds states
         that cannot be rewound to an earlier position)."""
-        return self.layer_ids != tuple(range(self.num_layers))
+        return self.num_layers != self.total_layers
 
     def positions(self) -> dict[int, int]:
         """``layer_idx`` of each attention module -> its attention-layer index l."""
@@ -173,6 +174,7 @@ def head_layout(model: torch.nn.Module) -> HeadLayout:
         kv_heads=int(num_heads) // groups,
         head_dim=int(head_dim),
         model_type=model_type,
+        total_layers=int(text_config.num_hidden_layers),
         latent_kv=latent,
     )
 

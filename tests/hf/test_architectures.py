@@ -307,3 +307,25 @@ def test_load_model_takes_a_vision_language_folder(tmp_path):
     loaded, _ = retmask.load_model(str(tmp_path / "vlm"), cpu_linears=False)
     assert type(loaded).__name__ == "Mistral3ForConditionalGeneration" and uses_retmask(loaded)
     assert head_layout(loaded).shape == (2, 4) and model_shape(loaded) == (2, 4)
+
+
+def test_a_hybrid_whose_attention_layers_come_first_is_still_hybrid():
+    """Nemotron-H with attention in layers 0 and 1, then a Mamba-2 and an MLP layer: the attention layers
+    are numbered 0..L-1 as in a plain model, but its cache holds a state that cannot be cut back, so
+    detection gives each test a fresh cache (crop would fail on the Mamba layer) and equals the oracle."""
+    import numpy as np
+
+    from retmask.detect import FastDetector, oracle_detect
+
+    torch.manual_seed(0)
+    config = tiny_config("nemotron_h", **dict(HYBRIDS["nemotron_h"], hybrid_override_pattern="**M-"))
+    model = retmask.patch(transformers.AutoModelForCausalLM.from_config(config).eval())
+    layout = head_layout(model)
+    assert layout.layer_ids == (0, 1) and layout.total_layers == 4 and layout.hybrid
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 128, size=60)
+    fast = FastDetector(model, {2}, max_new_tokens=6, chunk=16)
+    for end in (50, 60):  # the second prompt extends the first: a shared prefix the cache must not reuse
+        got = fast.run(prompt[:end], (10, 20))
+        want = oracle_detect(model, prompt[:end], (10, 20), {2}, max_new_tokens=6, prefill_impl="retmask")
+        assert got.tokens == want.tokens and (got.copies == want.copies).all()
