@@ -20,6 +20,7 @@ import torch
 from retmask.detect.drafts import next_draft_cap, propose_draft
 from retmask.detect.kv_only import last_layer_kv_only
 from retmask.detect.prefill_chunk import resolve_prefill_chunk
+from retmask.detect.state_snapshots import LayerStates, rewind, take
 from retmask.detect.static_passes import BUCKETS, StaticPasses
 from retmask.heads import model_shape
 from retmask.hf.capture import capture_argmax
@@ -164,9 +165,12 @@ class FastDetector:
       accumulate in an [L, Hq] tensor read once per test. ``run(..., history=...)`` lets the drafts reuse
       the model's earlier answers to the same needle.
     * The cache appends in place (``kv_cache.GrowingLayer``): no copy of the whole cache per pass.
-    * A hybrid model (convolution, linear-attention or Mamba layers between the attention layers) keeps
-      states in its cache that cannot be rewound to an earlier position: there every test starts from an
-      empty cache and decodes one token per pass (no shared prefixes, no drafts). Same answers and counts.
+    * A hybrid model (convolution, linear-attention or Mamba layers besides the attention layers) keeps
+      running states in its cache that cannot be cut back to an earlier position: the prefill keeps a copy
+      of them at every chunk boundary (``state_snapshots``), so shared prefixes are reused as above. A
+      pass with a draft keeps them too: when a draft token is rejected, the states go back to before the
+      pass and the accepted rows are fed again (one more pass, whose outputs are not read). Same answers
+      and counts.
     * ``static_passes=True``: verification passes of fixed shapes (a scratch tail in the cache, passes
       padded to a few sizes; ``static_passes.py``), replayed from CUDA graphs on a GPU, where a pass is
       otherwise bound by the host issuing its kernels. Same answers and counts; off by default until timed.
@@ -205,15 +209,15 @@ class FastDetector:
         # False: answers only (NIAH evaluation) -- no argmax capture, ``copies`` stays all zero.
         self.count_copies = count_copies
         self.layout = model_shape(model)
-        # Whether the cache can be cut back to an earlier position (see the class docstring).
-        self.rewinds = not head_layout(model).hybrid
-        if not self.rewinds:
+        # A hybrid's cache holds running states, rewound through copies (see the class docstring).
+        self.hybrid = head_layout(model).hybrid
+        self.states: dict[int, list[LayerStates]] = {}  # hybrid: position -> running states there
+        if self.hybrid:
             if static_passes:
                 raise ValueError(
                     f"static_passes needs a cache of attention layers only; '{model.config.model_type}' is a "
                     "hybrid model (its other layers keep states that cannot be rewound): leave it off"
                 )
-            self.max_draft = 0
         # Fixed-shape verification passes (``static_passes``), replayed from CUDA graphs on a GPU.
         if static_passes and max_draft + 1 > BUCKETS[-1]:
             raise ValueError(f"static_passes takes max_draft <= {BUCKETS[-1] - 1}, got {max_draft}")
@@ -224,15 +228,22 @@ class FastDetector:
     def reset(self) -> None:
         self.cache = None
         self.cached = np.zeros(0, dtype=np.int64)
+        self.states = {}
 
     @torch.no_grad()
     def _prefill(self, prefix: np.ndarray) -> int:
         """Bring the cache to exactly ``prefix`` (int64 [m]); returns the number of tokens computed."""
         device = self.model.device
         keep = (_lcp(self.cached, prefix) // self.chunk) * self.chunk
-        if self.cache is None or not self.rewinds:
+        if self.hybrid:  # back to the last position whose running states were kept
+            keep = max((p for p in self.states if p <= keep), default=0)
+        if self.cache is None or (self.hybrid and keep == 0):
             self.cache = growing_cache(self.model) if self.static is None else self.static.new_cache()
+            self.states = {}
             keep = 0
+        elif self.hybrid:
+            rewind(self.cache, keep, self.states[keep])
+            self.states = {p: states for p, states in self.states.items() if p <= keep}
         else:
             _crop_to(self.cache, keep)
         # The longest this test can make the cache: its prompt and every decoded token (a pass feeds at
@@ -254,6 +265,8 @@ class FastDetector:
                     use_cache=True,
                     logits_to_keep=1,
                 )
+                if self.hybrid and b % self.chunk == 0:
+                    self.states[b] = take(self.cache)
         self.cached = prefix
         return len(prefix) - keep
 
@@ -302,6 +315,8 @@ class FastDetector:
                 limit = min(remaining - 1, draft_cap)
                 draft = self.draft_fn(prompt, span, tokens, limit, history)[:limit]
                 past = self.cache.get_seq_length()
+                # a hybrid's running states before a pass with a draft, to undo rejected draft tokens
+                before = take(self.cache) if self.hybrid and draft else None
                 if self.static is None:
                     inp = torch.tensor([[x, *draft]], dtype=torch.long, device=device)
                     logits = self.model(
@@ -331,15 +346,22 @@ class FastDetector:
                     hit = (idx >= s) & (idx < e) & (prompt_t[idx.clamp(0, n - 1)] == ys)
                     counts += hit.sum(-1)
                 tokens += new
-                if self.static is None:
-                    _crop_to(self.cache, past + rows)  # drop the KV of rejected draft tokens
-                else:
+                if self.static is not None:
                     self.static.commit(rows)
+                elif before is None:
+                    _crop_to(self.cache, past + rows)  # drop the KV of rejected draft tokens
+                elif rows < len(draft) + 1 and not stopped and len(tokens) < self.max_new_tokens:
+                    # The running states took in the rejected draft tokens too: back to before the pass,
+                    # then the accepted rows again (their outputs are known; only the states are needed).
+                    rewind(self.cache, past, before)
+                    self.model(
+                        input_ids=inp[:, :rows], **cache_kwargs(self.model, self.cache), use_cache=True,
+                        logits_to_keep=1,
+                    )  # fmt: skip
+                    passes += 1
                 x = new[-1]
-        if self.rewinds:
+        if not self.hybrid:  # a hybrid's next prefill rewinds through its kept states instead
             _crop_to(self.cache, base)
-        else:
-            self.reset()
         copies = counts.cpu().numpy()  # the one read of the counts per test
         t2 = time.perf_counter()
         return TestOutcome(tokens, copies, {"prefill_s": t1 - t0, "decode_s": t2 - t1}, passes, computed)

@@ -239,16 +239,19 @@ def tiny_local_global(window: int = 24):
 
 def assert_fast_equals_oracle(model, prompts) -> None:
     """The fast path's answers and copy counts equal the oracle's on ``prompts`` run in both orders (prefix
-    reuse both ways), 20 new tokens at most; the model copies at least once."""
+    reuse both ways: some prompt tokens come from the cache), 20 new tokens at most; the model copies at
+    least once."""
     fast = FastDetector(model, {2}, max_new_tokens=20, chunk=64)
-    total = 0
+    total = reused = 0
     for prompt, span in prompts + prompts[::-1]:
         want = oracle_detect(model, prompt, span, {2}, max_new_tokens=20, prefill_impl="retmask")
         got = fast.run(prompt, span)
         assert got.tokens == want.tokens
         np.testing.assert_array_equal(got.copies, want.copies)
         total += int(want.copies.sum())
+        reused += len(prompt) - 1 - got.prefill_tokens
     assert total > 0, "the tiny model should copy sometimes, or this test proves nothing"
+    assert reused > 0, "the prompts share prefixes: the cache should have served some of them"
 
 
 def test_local_global_model_fast_equals_oracle():
@@ -299,8 +302,8 @@ def test_other_architectures_fast_equals_oracle(arch):
     """Detection on attention modules built unlike Llama's (GPT-2: Conv1D projections and learned positions;
     GPT-NeoX: fused QKV, partial rotary, an output projection named "dense"), on a vision-language
     model's language model (Mistral 3, text only) and on hybrid models (attention layers between
-    convolution, gated-DeltaNet and Mamba-2 layers: a fresh cache per test, one token per pass, the
-    prefill in chunks continuing the layers' states) and on multi-head latent attention (DeepSeek-V2,
+    convolution, gated-DeltaNet and Mamba-2 layers: shared prefixes through copies of those layers'
+    states, one token per pass, the prefill in chunks continuing the states) and on multi-head latent attention (DeepSeek-V2,
     MiniCPM3: query / key and value heads of different widths, a cache of compressed latents): the
     oracle's answers and copy counts."""
     import transformers
@@ -319,3 +322,31 @@ def test_other_architectures_fast_equals_oracle(arch):
         )
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     assert_fast_equals_oracle(retmask.patch(model.eval()), tiny_prompts(seed=2))
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5_text"])
+def test_hybrid_drafts_equal_oracle(arch):
+    """Drafts on a hybrid: a rejected draft token has entered the convolution / gated-DeltaNet states, which
+    go back to before the pass (the accepted rows fed again). Garbage and half-right histories reject
+    drafts; the test's own answer as history is accepted whole in one pass."""
+    import transformers
+
+    import retmask
+    from tests.hf.conftest import tiny_config
+    from tests.hf.test_architectures import HYBRIDS
+
+    torch.manual_seed(COPYING_SEED.get(arch, 0))
+    config = tiny_config(arch, vocab_size=16, max_position_embeddings=1024, **HYBRIDS[arch])
+    model = retmask.patch(transformers.AutoModelForCausalLM.from_config(config).eval())
+    rng = np.random.default_rng(4)
+    fast = FastDetector(model, {2}, max_new_tokens=20, chunk=64)
+    for prompt, span in tiny_prompts(seed=2)[:3]:
+        want = oracle_detect(model, prompt, span, {2}, max_new_tokens=20, prefill_impl="retmask")
+        own = want.tokens
+        half = own[: len(own) // 2] + rng.integers(3, 16, size=10).tolist()
+        for history in ([own], [half], [rng.integers(3, 16, size=25).tolist()]):
+            got = fast.run(prompt, span, history)
+            assert got.tokens == want.tokens
+            np.testing.assert_array_equal(got.copies, want.copies)
+            if history == [own]:
+                assert got.passes == 1

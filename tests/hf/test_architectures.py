@@ -312,7 +312,8 @@ def test_load_model_takes_a_vision_language_folder(tmp_path):
 def test_a_hybrid_whose_attention_layers_come_first_is_still_hybrid():
     """Nemotron-H with attention in layers 0 and 1, then a Mamba-2 and an MLP layer: the attention layers
     are numbered 0..L-1 as in a plain model, but its cache holds a state that cannot be cut back, so
-    detection gives each test a fresh cache (crop would fail on the Mamba layer) and equals the oracle."""
+    detection rewinds it through kept copies of that state (a crop would fail on the Mamba layer), reuses
+    the shared prefix and equals the oracle."""
     import numpy as np
 
     from retmask.detect import FastDetector, oracle_detect
@@ -325,7 +326,10 @@ def test_a_hybrid_whose_attention_layers_come_first_is_still_hybrid():
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 128, size=60)
     fast = FastDetector(model, {2}, max_new_tokens=6, chunk=16)
-    for end in (50, 60):  # the second prompt extends the first: a shared prefix the cache must not reuse
+    computed = []
+    for end in (50, 60):  # the second prompt extends the first: 48 tokens (3 chunks) come from the cache
         got = fast.run(prompt[:end], (10, 20))
         want = oracle_detect(model, prompt[:end], (10, 20), {2}, max_new_tokens=6, prefill_impl="retmask")
         assert got.tokens == want.tokens and (got.copies == want.copies).all()
+        computed.append(got.prefill_tokens)
+    assert computed == [49, 59 - 48]
