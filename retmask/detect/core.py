@@ -216,7 +216,8 @@ class FastDetector:
             if static_passes:
                 raise ValueError(
                     f"static_passes needs a cache of attention layers only; '{model.config.model_type}' is a "
-                    "hybrid model (its other layers keep states that cannot be rewound): leave it off"
+                    "hybrid model (its other layers keep running states, which fixed-shape passes do not "
+                    "rewind): leave it off"
                 )
         # Fixed-shape verification passes (``static_passes``), replayed from CUDA graphs on a GPU.
         if static_passes and max_draft + 1 > BUCKETS[-1]:
