@@ -28,6 +28,10 @@ from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
 from retmask.hf.layers import head_layout
 from retmask.hf.patch import require_retmask
 
+# A hybrid model's running states are copied at most this many times per prompt (state_snapshots.py):
+# e.g. 32 x 20 MB for 18 gated-DeltaNet layers of 16 value heads of 128 x 128 in float32.
+MAX_KEPT_STATES = 32
+
 # (prompt int64 [n], needle span, tokens generated so far, max draft length, earlier answers) -> draft
 DraftFn = Callable[[np.ndarray, tuple[int, int], list[int], int, Sequence[list[int]]], list[int]]
 
@@ -167,7 +171,8 @@ class FastDetector:
     * The cache appends in place (``kv_cache.GrowingLayer``): no copy of the whole cache per pass.
     * A hybrid model (convolution, linear-attention or Mamba layers besides the attention layers) keeps
       running states in its cache that cannot be cut back to an earlier position: the prefill keeps a copy
-      of them at every chunk boundary (``state_snapshots``), so shared prefixes are reused as above. A
+      of them at chunk boundaries (``state_snapshots``; every chunk, or every few chunks so that a prompt
+      keeps at most ``MAX_KEPT_STATES``), so shared prefixes are reused as above. A
       pass with a draft keeps them too: when a draft token is rejected, the states go back to before the
       pass and the accepted rows are fed again (one more pass, whose outputs are not read). Same answers
       and counts.
@@ -255,6 +260,10 @@ class FastDetector:
         else:  # a fixed buffer with room for the passes' tail, grown now if this test needs more
             self.static.ensure_capacity(longest)
         ids = torch.as_tensor(prefix, dtype=torch.long, device=device)
+        # A hybrid keeps its running states at most MAX_KEPT_STATES times per prompt (their memory), at
+        # multiples of whole chunks: a long prompt is reused in coarser steps.
+        chunks = -(-len(prefix) // self.chunk)
+        state_every = self.chunk * max(1, -(-chunks // MAX_KEPT_STATES))
         # The prefill needs no argmax: any attention implementation may compute it (``prefill_impl``). Its
         # outputs are discarded, so the last layer only writes its K/V (``last_layer_kv_only``).
         with attn_implementation(self.model, self.prefill_impl), last_layer_kv_only(self.model):
@@ -266,7 +275,7 @@ class FastDetector:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                if self.hybrid and b % self.chunk == 0:
+                if self.hybrid and b % state_every == 0:
                     self.states[b] = take(self.cache)
         self.cached = prefix
         return len(prefix) - keep

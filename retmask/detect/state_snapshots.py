@@ -8,8 +8,8 @@ the prompt prefix two tests share), so for a hybrid it keeps copies of those sta
 may rewind to (the chunk boundaries of the prefill) and puts one back when it rewinds there.
 
 A state at position p (``take``) is a clone of every non-attention layer's tensors after the first p
-tokens. Memory: one state per chunk boundary of the cached prompt, e.g. about 20 MB each for a model with
-18 gated-DeltaNet layers of 16 value heads of 128 x 128 (float32).
+tokens: about 20 MB for a model with 18 gated-DeltaNet layers of 16 value heads of 128 x 128 (float32).
+Detection keeps at most ``core.MAX_KEPT_STATES`` of them per prompt.
 """
 
 from __future__ import annotations

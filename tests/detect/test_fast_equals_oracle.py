@@ -350,3 +350,30 @@ def test_hybrid_drafts_equal_oracle(arch):
             np.testing.assert_array_equal(got.copies, want.copies)
             if history == [own]:
                 assert got.passes == 1
+
+
+def test_hybrid_keeps_at_most_max_kept_states_per_prompt():
+    """A 299-token prefill in 8-token chunks (38 chunks) keeps LFM2's convolution states every 2 chunks (at
+    most MAX_KEPT_STATES = 32 copies); a prompt sharing its first 100 tokens resumes from position 96,
+    the last kept one, and still equals the oracle."""
+    import transformers
+
+    import retmask
+    from retmask.detect.core import MAX_KEPT_STATES
+    from tests.hf.conftest import tiny_config
+    from tests.hf.test_architectures import HYBRIDS
+
+    torch.manual_seed(0)
+    config = tiny_config("lfm2", vocab_size=16, max_position_embeddings=1024, **HYBRIDS["lfm2"])
+    model = retmask.patch(transformers.AutoModelForCausalLM.from_config(config).eval())
+    rng = np.random.default_rng(5)
+    first = rng.integers(3, 16, size=300)
+    second = np.concatenate([first[:100], rng.integers(3, 16, size=150)])
+    fast = FastDetector(model, {2}, max_new_tokens=8, chunk=8)
+    fast.run(first, (10, 20))
+    assert sorted(fast.states) == list(range(16, 299, 16)) and len(fast.states) <= MAX_KEPT_STATES
+    got = fast.run(second, (10, 20))
+    want = oracle_detect(model, second, (10, 20), {2}, max_new_tokens=8, prefill_impl="retmask")
+    assert got.prefill_tokens == len(second) - 1 - 96
+    assert got.tokens == want.tokens
+    np.testing.assert_array_equal(got.copies, want.copies)
