@@ -122,6 +122,8 @@ def main() -> None:
         "--report", action="store_true", help="only re-render the .md/.png of --out from its .json"
     )
     args = ap.parse_args()
+    if args.chunk < 1 or args.needles < 1:
+        ap.error(f"--chunk and --needles must be >= 1, got {args.chunk} and {args.needles}")
     machine = machine_description()
     out = Path(args.out) if args.out else RESULTS / f"hybrid_detect_{cpu_kind(machine)}"
     if args.report:
@@ -140,6 +142,8 @@ def main() -> None:
         tok, load_needles()[: args.needles], default_haystack_text(), lengths, depths, chat=chat
     )
     tests = [t for t in built if not t.skip_reason]
+    if not tests:
+        ap.error(f"no runnable test in lengths {lengths} x depths {depths}: use longer lengths")
     model = hybrid_model(len(tok))
     stops = stop_token_ids(tok, model)
     with torch.no_grad():  # untimed warm-up (thread pool, allocator)

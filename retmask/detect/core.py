@@ -213,9 +213,10 @@ class FastDetector:
         self.prefill_impl = prefill_impl
         # False: answers only (NIAH evaluation) -- no argmax capture, ``copies`` stays all zero.
         self.count_copies = count_copies
-        self.layout = model_shape(model)
+        layout = head_layout(model)
+        self.layout = layout.shape
         # A hybrid's cache holds running states, rewound through copies (see the class docstring).
-        self.hybrid = head_layout(model).hybrid
+        self.hybrid = layout.hybrid
         self.states: dict[int, list[LayerStates]] = {}  # hybrid: position -> running states there
         if self.hybrid:
             if static_passes:

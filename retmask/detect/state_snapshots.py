@@ -22,10 +22,6 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerM
 LayerStates = tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None
 
 
-def _stateful(layer: object) -> bool:
-    return isinstance(layer, LinearAttentionCacheLayerMixin)
-
-
 def take(cache) -> list[LayerStates]:
     """Copies of the running states of ``cache``'s non-attention layers (a ``DynamicCache``)."""
 
@@ -33,7 +29,9 @@ def take(cache) -> list[LayerStates]:
         return {i: t.clone() for i, t in states.items() if t is not None}
 
     return [
-        (copies(layer.conv_states), copies(layer.recurrent_states)) if _stateful(layer) else None
+        (copies(layer.conv_states), copies(layer.recurrent_states))
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+        else None
         for layer in cache.layers
     ]
 

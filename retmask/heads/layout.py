@@ -13,12 +13,18 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 HEADLESS_LAYER_TYPES = frozenset({"conv", "linear_attention", "mlp", "moe"})
 
 
+def layer_kinds(config: Any) -> list[str]:
+    """A (text) config's kind of each layer (``layer_types``, or ``layers_block_type`` in some hybrid
+    models); [] when it lists none (every layer is full attention)."""
+    return list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
+
+
 def attention_layer_ids(config: Any) -> tuple[int, ...]:
     """The decoder layers of a (text) config that hold attention heads: all ``num_hidden_layers`` of them,
     or in a hybrid model those whose ``layer_types`` (or ``layers_block_type``) entry is an attention
     kind. Raises ValueError for a layer kind that is neither known attention nor known to have no heads."""
     num_layers = int(config.num_hidden_layers)
-    kinds = list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
+    kinds = layer_kinds(config)
     if not kinds:
         return tuple(range(num_layers))
     unknown = sorted(set(kinds) - ATTENTION_LAYER_TYPES - HEADLESS_LAYER_TYPES)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from retmask.heads.layout import layer_kinds
 from retmask.hf.export import check_zeroing_is_masking
 from retmask.hf.layers import head_layout
 from retmask.hf.loading import ModelLoadError, max_context, model_class_for, resolve_source
@@ -49,8 +50,7 @@ def model_report(spec: str | None, gguf_file: str | None = None) -> dict[str, An
         return {**report, "supported": False, "problem": str(err)}
     layout = head_layout(model)
     text = config.get_text_config(decoder=True)
-    listed = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
-    kinds = Counter(listed or ["full_attention"] * layout.num_layers)
+    kinds = Counter(layer_kinds(text) or ["full_attention"] * layout.num_layers)
     try:
         check_zeroing_is_masking(layout)
         export = "exact"
