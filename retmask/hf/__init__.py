@@ -13,6 +13,7 @@ taps.py       post-RoPE q/k taps with autograd (``tap_qk``)
 loading.py    ``load_model``: hub id, local folder, GGUF (converted once and cached), embedded default
 linears.py    ``patch_linears``: float32 CPU linears on torch's BLAS or oneDNN, whichever is measured faster
 export.py     ``export_masked``: a checkpoint with the masked heads' output-projection (o_proj) inputs zeroed
+requirements.py  the transformers releases retmask runs on, checked at import
 sparse_kv/    ``head_sparse_cache``: every key for retrieval KV heads, sink + window keys for the others
 
     model, tok = retmask.load_model()                       # embedded SmolLM2, attn "retmask"
@@ -22,20 +23,26 @@ sparse_kv/    ``head_sparse_cache``: every key for retrieval KV heads, sink + wi
         model.generate(**batch)                             # = the o_proj-zeroed checkpoint's output
     retmask.export_masked(model, [(3, 1), (7, 4)], "out/")  # that checkpoint, for plain transformers
 
-Limits (each raises a clear error instead of computing something else): chunked attention, query / key
-heads wider than value heads (multi-head latent attention), attention dropout in training, custom 4D masks,
-packed sequences, paged caches, a compiled multi-token call into a static KV cache (generate compiles decode
-steps only), ``output_attentions=True`` (use ``capture_argmax``), a zeroed-head export of a model that
-normalises its heads' joint output before the output projection (BitNet).
+Limits (each raises a clear error instead of computing something else): chunked attention, attention
+dropout in training, custom 4D masks, packed sequences, paged caches, a compiled multi-token call into a
+static KV cache (generate compiles decode steps only), ``output_attentions=True`` (use ``capture_argmax``),
+a zeroed-head export of a model that normalises its heads' joint output before the output projection
+(BitNet), transformers releases older than the range retmask declares (``requirements.py``).
 """
 
 from __future__ import annotations
+
+import transformers
 
 from retmask.hf.capture import ArgmaxCapture, capture_argmax
 from retmask.hf.heads import clear_head_mask, head_mask, set_head_mask
 from retmask.hf.interface import NAME, register, retmask_attention, retmask_mask
 from retmask.hf.layers import HeadLayout, head_layout
 from retmask.hf.patch import check_supported, patch
+from retmask.hf.requirements import check_transformers, declared_range
+
+# Older releases import fine and fail at the first forward (the mask function's arguments): stop here.
+check_transformers(transformers.__version__, declared_range())
 
 __all__ = [
     "NAME",
