@@ -13,7 +13,7 @@ taps.py       post-RoPE q/k taps with autograd (``tap_qk``)
 loading.py    ``load_model``: hub id, local folder, GGUF (converted once and cached), embedded default
 linears.py    ``patch_linears``: float32 CPU linears on torch's BLAS or oneDNN, whichever is measured faster
 export.py     ``export_masked``: a checkpoint with the masked heads' output-projection (o_proj) inputs zeroed
-requirements.py  the transformers releases retmask runs on, checked at import
+requirements.py  the releases of transformers (checked at import), accelerate and gguf retmask runs on
 sparse_kv/    ``head_sparse_cache``: every key for retrieval KV heads, sink + window keys for the others
 
     model, tok = retmask.load_model()                       # embedded SmolLM2, attn "retmask"
@@ -39,10 +39,10 @@ from retmask.hf.heads import clear_head_mask, head_mask, set_head_mask
 from retmask.hf.interface import NAME, register, retmask_attention, retmask_mask
 from retmask.hf.layers import HeadLayout, head_layout
 from retmask.hf.patch import check_supported, patch
-from retmask.hf.requirements import check_transformers, declared_range
+from retmask.hf.requirements import check_release, declared_range
 
 # Older releases import fine and fail at the first forward (the mask function's arguments): stop here.
-check_transformers(transformers.__version__, declared_range())
+check_release("transformers", transformers.__version__, declared_range("transformers"))
 
 __all__ = [
     "NAME",

