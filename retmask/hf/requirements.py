@@ -23,6 +23,8 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from retmask.errors import UsageError
+
 # What goes wrong below each checked package's range, for the error message.
 WHY = {
     "transformers": "older releases call the attention mask function differently and route fewer models "
@@ -30,6 +32,10 @@ WHY = {
     "accelerate": "transformers reads GGUF files only with accelerate 1.1 or newer",
     "gguf": "transformers reads GGUF files with it",
 }
+
+
+class UnsupportedReleaseError(ImportError, UsageError):
+    """A dependency missing or older than retmask's range; a ``UsageError``, so commands print it in one line."""
 
 
 class UntestedReleaseWarning(UserWarning):
@@ -59,8 +65,8 @@ def installed_version(package: str) -> str | None:
 
 
 def check_release(package: str, found: str | None, allowed: SpecifierSet | None) -> None:
-    """Raise ``ImportError`` when ``package`` is missing (``found`` None) or older than ``allowed``
-    permits, warn when it is newer; nothing when it is inside, or when there is no range to check against."""
+    """Raise ``UnsupportedReleaseError`` (an ``ImportError``) when ``package`` is missing (``found`` None)
+    or older than ``allowed`` permits, warn when it is newer; nothing when it is inside, or when there is no range to check against."""
     if allowed is None or (found is not None and allowed.contains(found, prereleases=True)):
         return
     lower_bounds = [spec for spec in allowed if spec.operator in (">=", ">", "==", "~=", "===")]
@@ -69,9 +75,13 @@ def check_release(package: str, found: str | None, allowed: SpecifierSet | None)
     fix = f'pip install "{package}{written}"'
     why = WHY.get(package, "")
     if found is None:
-        raise ImportError(f"retmask needs {package}{written}, which is not installed ({why}). Fix: {fix}")
+        raise UnsupportedReleaseError(
+            f"retmask needs {package}{written}, which is not installed ({why}). Fix: {fix}"
+        )
     if any(not spec.contains(Version(found), prereleases=True) for spec in lower_bounds):
-        raise ImportError(f"retmask needs {package}{written}, found {package} {found}: {why}. Fix: {fix}")
+        raise UnsupportedReleaseError(
+            f"retmask needs {package}{written}, found {package} {found}: {why}. Fix: {fix}"
+        )
     warnings.warn(
         f"retmask was tested with {package}{written}, found {package} {found}: it may work; if it fails, {fix}",
         UntestedReleaseWarning,

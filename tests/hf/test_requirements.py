@@ -14,9 +14,16 @@ import transformers
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from retmask.errors import UsageError
 from retmask.hf import loading
 from retmask.hf.loading import ModelLoadError
-from retmask.hf.requirements import UntestedReleaseWarning, check_release, declared_range, installed_version
+from retmask.hf.requirements import (
+    UnsupportedReleaseError,
+    UntestedReleaseWarning,
+    check_release,
+    declared_range,
+    installed_version,
+)
 
 PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
 RANGE = SpecifierSet(">=5.24,<6")
@@ -35,8 +42,11 @@ def test_installed_metadata_declares_the_pyproject_range_and_it_holds_here(packa
 @pytest.mark.parametrize("found", ["5.0.0", "5.23.0", "4.57.6", "5.24.0.dev0"])
 def test_an_older_release_raises_naming_the_fix(found):
     fix = 'pip install "transformers>=5.24,<6"'
-    with pytest.raises(ImportError, match=rf"found transformers {found}: older releases .*Fix: {fix}"):
+    with pytest.raises(
+        UnsupportedReleaseError, match=rf"found transformers {found}: older .*Fix: {fix}"
+    ) as err:
         check_release("transformers", found, RANGE)
+    assert isinstance(err.value, ImportError) and isinstance(err.value, UsageError)
 
 
 def test_a_missing_package_raises_naming_the_fix():
@@ -60,11 +70,23 @@ def test_a_release_inside_the_range_passes_silently(found):
         check_release("transformers", "1.0", None)  # no metadata (a source tree on sys.path): no check
 
 
-def test_importing_retmask_hf_under_an_old_release_fails_with_the_fix():
-    code = "import transformers\ntransformers.__version__ = '5.3.0'\nimport retmask.hf\n"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0
-    assert "ImportError: retmask needs transformers>=5.24,<6, found transformers 5.3.0" in run.stderr
+def test_a_command_under_an_old_release_prints_the_fix_in_one_line():
+    """Importing ``retmask.hf`` checks the release; a command reports it as a usage error (exit 2)."""
+    code = (
+        "import sys, transformers\n"
+        "transformers.__version__ = '5.3.0'\n"
+        "from retmask.cli import main\n"
+        "sys.exit(main(['detect', '--out', sys.argv[1], '--max-len', '600', '--min-len', '500']))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, "/nonexistent/s.json"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2, run.stderr
+    fix = 'pip install "transformers>=5.24,<6"'
+    assert (
+        "retmask detect: error: retmask needs transformers>=5.24,<6, found transformers 5.3.0" in run.stderr
+    )
+    assert fix in run.stderr and "Traceback" not in run.stderr
 
 
 def test_gguf_conversion_under_an_old_accelerate_names_it_not_a_damaged_file(tmp_path, monkeypatch):
