@@ -20,7 +20,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="print the machine (CPU, flags, kernel build, versions, GPU) and the path of every kind of call",
         description=(
             "Print what retmask runs on this machine: the CPU model and its SIMD flags, the kernel build it "
-            "runs, the versions of torch, transformers, TRL and Triton, the GPU if any, the RETMASK_* "
+            "runs, the versions of torch, transformers, TRL and Triton, the GPU if any, the releases of "
+            "torch, transformers, accelerate and gguf against the ranges retmask needs, the RETMASK_* "
             "settings in effect, and for each kind of attention call the project makes (prefill, chunk, "
             "verification, decode, backward; per dtype) the path it takes and why, and whether the CPU "
             "speed-ups (linears, LM head) are on. Run records of detect and training embed the same "
@@ -42,6 +43,11 @@ def _lines(description: dict[str, Any]) -> list[str]:
     for key, value in description["machine"].items():
         shown = " ".join(value) if isinstance(value, list) else value
         lines.append(f"  {key:18} {shown}")
+    lines.append("dependencies (installed, retmask's range, where it stands):")
+    for package, entry in description["dependencies"].items():
+        found, allowed, where = entry["installed"] or "-", entry["range"] or "-", entry["status"]
+        fix = f'  pip install "{package}{allowed}"' if where in ("missing", "older", "newer") else ""
+        lines.append(f"  {package:18} {found:14} {allowed:12} {where}{fix}")
     lines.append("settings:")
     for key, value in description["settings"].items():
         lines.append(f"  {key:22} {value or '(unset)'}")
@@ -58,6 +64,7 @@ def _lines(description: dict[str, Any]) -> list[str]:
 
 @reports_errors(interrupt_hint=None)
 def run(args: argparse.Namespace) -> int:
+    from retmask import requirements
     from retmask.kernels import describe
 
     try:
@@ -65,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:  # a bad RETMASK_* setting
         print(f"retmask env: error: {err}", file=sys.stderr)
         return 2
+    # After the machine, before the settings (the order the lines print in).
+    description = {
+        "machine": description.pop("machine"),
+        "dependencies": requirements.report(),
+        **description,
+    }
     lines = _lines(description)
     if args.model is not None or args.gguf_file is not None:
         from retmask.hf.model_report import model_report, report_lines

@@ -13,7 +13,6 @@ taps.py       post-RoPE q/k taps with autograd (``tap_qk``)
 loading.py    ``load_model``: hub id, local folder, GGUF (converted once and cached), embedded default
 linears.py    ``patch_linears``: float32 CPU linears on torch's BLAS or oneDNN, whichever is measured faster
 export.py     ``export_masked``: a checkpoint with the masked heads' output-projection (o_proj) inputs zeroed
-requirements.py  the releases of transformers (checked at import), accelerate and gguf retmask runs on
 sparse_kv/    ``head_sparse_cache``: every key for retrieval KV heads, sink + window keys for the others
 
     model, tok = retmask.load_model()                       # embedded SmolLM2, attn "retmask"
@@ -27,7 +26,7 @@ Limits (each raises a clear error instead of computing something else): chunked 
 dropout in training, custom 4D masks, packed sequences, paged caches, a compiled multi-token call into a
 static KV cache (generate compiles decode steps only), ``output_attentions=True`` (use ``capture_argmax``),
 a zeroed-head export of a model that normalises its heads' joint output before the output projection
-(BitNet), transformers releases older than the range retmask declares (``requirements.py``).
+(BitNet), transformers releases older than the range retmask declares (``retmask/requirements.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from retmask.hf.heads import clear_head_mask, head_mask, set_head_mask
 from retmask.hf.interface import NAME, register, retmask_attention, retmask_mask
 from retmask.hf.layers import HeadLayout, head_layout
 from retmask.hf.patch import check_supported, patch
-from retmask.hf.requirements import check_release, declared_range
+from retmask.requirements import check_release, declared_range
 
 # Older releases import fine and fail at the first forward (the mask function's arguments): stop here.
 check_release("transformers", transformers.__version__, declared_range("transformers"))

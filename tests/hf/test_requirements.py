@@ -17,7 +17,7 @@ from packaging.specifiers import SpecifierSet
 from retmask.errors import UsageError
 from retmask.hf import loading
 from retmask.hf.loading import ModelLoadError
-from retmask.hf.requirements import (
+from retmask.requirements import (
     UnsupportedReleaseError,
     UntestedReleaseWarning,
     check_release,
@@ -94,7 +94,7 @@ def test_gguf_conversion_under_an_old_accelerate_names_it_not_a_damaged_file(tmp
     monkeypatch.setenv("RETMASK_CACHE", str(tmp_path / "cache"))
     real = installed_version
     monkeypatch.setattr(
-        "retmask.hf.requirements.installed_version", lambda p: "1.0.0" if p == "accelerate" else real(p)
+        "retmask.requirements.installed_version", lambda p: "1.0.0" if p == "accelerate" else real(p)
     )
     gguf = tmp_path / "model.gguf"
     with open(loading.embedded_gguf_path(), "rb") as f:

@@ -1,5 +1,5 @@
 """The releases of its dependencies retmask runs on: the ranges its package metadata declares, checked where
-they matter.
+they matter and shown by ``retmask env``.
 
 pip enforces the ranges when it installs retmask, but a later ``pip install transformers==X`` only warns, and
 outside them retmask fails in ways that do not name the cause: transformers 5.0-5.5 call the mask function
@@ -11,13 +11,14 @@ a GGUF file checks accelerate and gguf: a release older than the range raises, n
 warns (not tested; it may work).
 
 The ranges are written once, in ``pyproject.toml`` (``[project] dependencies``), and read back from the
-installed metadata, so these checks and pip's cannot disagree.
+installed metadata, so these checks and pip's cannot disagree. Nothing here imports torch or transformers.
 """
 
 from __future__ import annotations
 
 import warnings
 from importlib import metadata
+from typing import Literal
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -32,6 +33,10 @@ WHY = {
     "accelerate": "transformers reads GGUF files only with accelerate 1.1 or newer",
     "gguf": "transformers reads GGUF files with it",
 }
+# The dependencies ``retmask env`` reports against their ranges.
+REPORTED = ("torch", "transformers", "accelerate", "gguf")
+
+Status = Literal["ok", "missing", "older", "newer", "no range"]
 
 
 class UnsupportedReleaseError(ImportError, UsageError):
@@ -64,26 +69,50 @@ def installed_version(package: str) -> str | None:
         return None
 
 
+def _lower_bounds(allowed: SpecifierSet) -> list:
+    return [spec for spec in allowed if spec.operator in (">=", ">", "==", "~=", "===")]
+
+
+def written(allowed: SpecifierSet) -> str:
+    """``allowed`` with its lower bounds first (">=5.24,<6"); packaging's own str() sorts them the other way."""
+    lower = _lower_bounds(allowed)
+    return ",".join(map(str, lower + [spec for spec in allowed if spec not in lower]))
+
+
+def status(found: str | None, allowed: SpecifierSet | None) -> Status:
+    """Where release ``found`` (None: not installed) stands against ``allowed``."""
+    if allowed is None:
+        return "no range"
+    if found is None:
+        return "missing"
+    if allowed.contains(found, prereleases=True):
+        return "ok"
+    version = Version(found)
+    return (
+        "older" if any(not s.contains(version, prereleases=True) for s in _lower_bounds(allowed)) else "newer"
+    )
+
+
 def check_release(package: str, found: str | None, allowed: SpecifierSet | None) -> None:
     """Raise ``UnsupportedReleaseError`` (an ``ImportError``) when ``package`` is missing (``found`` None)
-    or older than ``allowed`` permits, warn when it is newer; nothing when it is inside, or when there is no range to check against."""
-    if allowed is None or (found is not None and allowed.contains(found, prereleases=True)):
+    or older than ``allowed`` permits, warn when it is newer; nothing when it is inside, or when there is no
+    range to check against."""
+    where = status(found, allowed)
+    if where in ("ok", "no range"):
         return
-    lower_bounds = [spec for spec in allowed if spec.operator in (">=", ">", "==", "~=", "===")]
-    # Lower bounds first (">=5.24,<6"); packaging's own str() sorts them the other way round.
-    written = ",".join(map(str, lower_bounds + [spec for spec in allowed if spec not in lower_bounds]))
-    fix = f'pip install "{package}{written}"'
+    fix = f'pip install "{package}{written(allowed)}"'
     why = WHY.get(package, "")
-    if found is None:
+    if where == "missing":
         raise UnsupportedReleaseError(
-            f"retmask needs {package}{written}, which is not installed ({why}). Fix: {fix}"
+            f"retmask needs {package}{written(allowed)}, which is not installed ({why}). Fix: {fix}"
         )
-    if any(not spec.contains(Version(found), prereleases=True) for spec in lower_bounds):
+    if where == "older":
         raise UnsupportedReleaseError(
-            f"retmask needs {package}{written}, found {package} {found}: {why}. Fix: {fix}"
+            f"retmask needs {package}{written(allowed)}, found {package} {found}: {why}. Fix: {fix}"
         )
     warnings.warn(
-        f"retmask was tested with {package}{written}, found {package} {found}: it may work; if it fails, {fix}",
+        f"retmask was tested with {package}{written(allowed)}, found {package} {found}: it may work; "
+        f"if it fails, {fix}",
         UntestedReleaseWarning,
         stacklevel=3,
     )
@@ -92,3 +121,16 @@ def check_release(package: str, found: str | None, allowed: SpecifierSet | None)
 def check_installed(package: str) -> None:
     """``check_release`` for the installed ``package`` against the range retmask declares for it."""
     check_release(package, installed_version(package), declared_range(package))
+
+
+def report(packages: tuple[str, ...] = REPORTED) -> dict[str, dict[str, str | None]]:
+    """For ``retmask env``: each package's installed release, retmask's range for it and where it stands."""
+    out: dict[str, dict[str, str | None]] = {}
+    for package in packages:
+        found, allowed = installed_version(package), declared_range(package)
+        out[package] = {
+            "installed": found,
+            "range": written(allowed) if allowed is not None else None,
+            "status": status(found, allowed),
+        }
+    return out
