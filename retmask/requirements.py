@@ -32,9 +32,14 @@ WHY = {
     "through the attention interface",
     "accelerate": "transformers reads GGUF files only with accelerate 1.1 or newer",
     "gguf": "transformers reads GGUF files with it",
+    "trl": "retmask's DPO and SFT training run on TRL's trainers",
+    "datasets": "TRL's trainers take their data as a datasets Dataset",
 }
-# The dependencies ``retmask env`` reports against their ranges.
-REPORTED = ("torch", "transformers", "accelerate", "gguf")
+# The dependencies ``retmask env`` reports against their ranges: (package, the extra that brings it or None).
+REPORTED = (
+    ("torch", None), ("transformers", None), ("accelerate", None), ("gguf", None), ("trl", "train"),
+    ("datasets", "train"), ("triton", "triton"),
+)  # fmt: skip
 
 Status = Literal["ok", "missing", "older", "newer", "no range"]
 
@@ -47,16 +52,19 @@ class UntestedReleaseWarning(UserWarning):
     """An installed dependency is newer than the range retmask was tested with."""
 
 
-def declared_range(package: str) -> SpecifierSet | None:
-    """The version range retmask's installed metadata declares for ``package``; None when retmask's
-    metadata is not installed (the source tree on ``sys.path`` without ``pip install``) or names none."""
+def declared_range(package: str, extra: str | None = None) -> SpecifierSet | None:
+    """The version range retmask's installed metadata declares for ``package`` (among the dependencies of
+    the optional ``extra``, e.g. "train", when given); None when retmask's metadata is not installed (the
+    source tree on ``sys.path`` without ``pip install``) or names none."""
     try:
         requires = metadata.requires("retmask") or []
     except metadata.PackageNotFoundError:
         return None
     for line in requires:
         requirement = Requirement(line)
-        if requirement.name == package and requirement.marker is None:
+        if requirement.name != package:
+            continue
+        if requirement.marker is None if extra is None else requirement.marker.evaluate({"extra": extra}):
             return requirement.specifier
     return None
 
@@ -93,14 +101,18 @@ def status(found: str | None, allowed: SpecifierSet | None) -> Status:
     )
 
 
-def check_release(package: str, found: str | None, allowed: SpecifierSet | None) -> None:
+def check_release(
+    package: str, found: str | None, allowed: SpecifierSet | None, extra: str | None = None
+) -> None:
     """Raise ``UnsupportedReleaseError`` (an ``ImportError``) when ``package`` is missing (``found`` None)
     or older than ``allowed`` permits, warn when it is newer; nothing when it is inside, or when there is no
-    range to check against."""
+    range to check against. ``extra``: the optional dependency group that brings it, named in the fix."""
     where = status(found, allowed)
     if where in ("ok", "no range"):
         return
     fix = f'pip install "{package}{written(allowed)}"'
+    if extra is not None:
+        fix += f' (it comes with retmask\'s "{extra}" extra)'
     why = WHY.get(package, "")
     if where == "missing":
         raise UnsupportedReleaseError(
@@ -118,16 +130,18 @@ def check_release(package: str, found: str | None, allowed: SpecifierSet | None)
     )
 
 
-def check_installed(package: str) -> None:
-    """``check_release`` for the installed ``package`` against the range retmask declares for it."""
-    check_release(package, installed_version(package), declared_range(package))
+def check_installed(package: str, extra: str | None = None) -> None:
+    """``check_release`` for the installed ``package`` against the range retmask declares for it (in the
+    optional ``extra``, when given)."""
+    check_release(package, installed_version(package), declared_range(package, extra), extra)
 
 
-def report(packages: tuple[str, ...] = REPORTED) -> dict[str, dict[str, str | None]]:
-    """For ``retmask env``: each package's installed release, retmask's range for it and where it stands."""
+def report(packages: tuple[tuple[str, str | None], ...] = REPORTED) -> dict[str, dict[str, str | None]]:
+    """For ``retmask env``: each package's installed release, retmask's range for it and where it stands
+    (an optional one that is not installed is "missing" too: the commands that need it say so)."""
     out: dict[str, dict[str, str | None]] = {}
-    for package in packages:
-        found, allowed = installed_version(package), declared_range(package)
+    for package, extra in packages:
+        found, allowed = installed_version(package), declared_range(package, extra)
         out[package] = {
             "installed": found,
             "range": written(allowed) if allowed is not None else None,

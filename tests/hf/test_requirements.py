@@ -17,6 +17,7 @@ from packaging.specifiers import SpecifierSet
 from retmask.errors import UsageError
 from retmask.hf import loading
 from retmask.hf.loading import ModelLoadError
+from retmask.methods.retmask.dpo import train_dpo, train_sft
 from retmask.requirements import (
     UnsupportedReleaseError,
     UntestedReleaseWarning,
@@ -29,12 +30,16 @@ PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
 RANGE = SpecifierSet(">=5.24,<6")
 
 
-@pytest.mark.parametrize("package", ["transformers", "accelerate", "gguf"])
-def test_installed_metadata_declares_the_pyproject_range_and_it_holds_here(package):
+@pytest.mark.parametrize(
+    ("package", "extra"),
+    [("transformers", None), ("accelerate", None), ("gguf", None), ("trl", "train"), ("datasets", "train")],
+)
+def test_installed_metadata_declares_the_pyproject_range_and_it_holds_here(package, extra):
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
-    dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    dependencies = project["dependencies"] if extra is None else project["optional-dependencies"][extra]
     (declared,) = [Requirement(d).specifier for d in dependencies if Requirement(d).name == package]
-    assert declared_range(package) == declared
+    assert declared_range(package, extra) == declared
     assert declared.contains(installed_version(package), prereleases=True)
     assert declared.contains(transformers.__version__) or package != "transformers"
 
@@ -47,6 +52,16 @@ def test_an_older_release_raises_naming_the_fix(found):
     ) as err:
         check_release("transformers", found, RANGE)
     assert isinstance(err.value, ImportError) and isinstance(err.value, UsageError)
+
+
+@pytest.mark.parametrize("train", [train_dpo, train_sft])
+def test_training_without_trl_names_the_train_extra(train, monkeypatch, tmp_path):
+    real = installed_version
+    monkeypatch.setattr("retmask.requirements.installed_version", lambda p: None if p == "trl" else real(p))
+    fix = r'pip install "trl>=1.16" \(it comes with retmask\'s "train" extra\)'
+    with pytest.raises(UnsupportedReleaseError, match=rf"needs trl>=1.16, which is not installed .*{fix}"):
+        train(tmp_path / "pairs.jsonl", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_package_raises_naming_the_fix():

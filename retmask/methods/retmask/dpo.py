@@ -35,6 +35,7 @@ from retmask.methods.retmask.fused_head import (
 from retmask.methods.retmask.pairs import Pairs, PairsError, drop_unfinished, read_pairs_file
 from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
 from retmask.methods.training_guards import FiniteTrainingGuard, staged_model_save
+from retmask.requirements import check_installed
 from retmask.runfiles import atomic_write_json, check_writable
 
 
@@ -63,6 +64,13 @@ def _use_cpu(device: str) -> bool:
             "and --device cuda"
         )
     return False
+
+
+def _check_training_packages() -> None:
+    """TRL and datasets come with retmask's "train" extra: a missing or older one is named, with the fix,
+    before anything is imported from it or loaded."""
+    for package in ("trl", "datasets"):
+        check_installed(package, extra="train")
 
 
 def _read_pairs(path: str | Path, cfg: TrainConfig, sides: tuple[str, ...]) -> tuple[Pairs, int]:
@@ -161,6 +169,7 @@ def train_dpo(
     """DPO on a pairs file (sigmoid loss, β = ``cfg.beta``). Loads policy and reference with
     ``retmask.load_model(model_spec)`` unless ``model``/``ref_model``/``tokenizer`` are given. ``resume``:
     continue from the newest checkpoint in ``out`` (written with ``cfg.save_every``)."""
+    _check_training_packages()
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -208,6 +217,7 @@ def train_sft(
 ) -> TrainResult:
     """The SFT baseline: supervised training on the chosen responses only (loss on the response).
     ``resume``: as in :func:`train_dpo`."""
+    _check_training_packages()
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
