@@ -138,7 +138,7 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
     from transformers import DynamicCache
 
     import retmask
-    from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
+    from retmask.hf.kv_cache import growing_cache, reserve
 
     implementation, option = CASES[case]
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
@@ -164,13 +164,13 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
         spent: list[float] = []
         try:
             with torch.no_grad(), capture, launches:
-                out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
+                out = model(input_ids=prompt, cache=cache, use_cache=True)
                 token = out.logits[:, -1:].argmax(-1)
                 sync()
                 with timed_attention(model, implementation, spent):
                     t0 = time.perf_counter()
                     for _ in range(steps):
-                        out = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True)
+                        out = model(input_ids=token, cache=cache, use_cache=True)
                         token = out.logits[:, -1:].argmax(-1)
                     sync()
                     seconds = time.perf_counter() - t0
@@ -189,8 +189,6 @@ def graph_decode_case(
     compiled step and one cache for every round: a new cache would be new addresses, a new recording)."""
     from transformers import StaticCache
 
-    from retmask.hf.kv_cache import cache_kwargs
-
     cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 1)
     step = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
@@ -198,12 +196,12 @@ def graph_decode_case(
         model.set_attn_implementation(implementation)
         cache.reset()
         with torch.no_grad():
-            out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True)
+            out = model(input_ids=prompt, cache=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(steps):
-                out = step(input_ids=token, **cache_kwargs(model, cache), use_cache=True)
+                out = step(input_ids=token, cache=cache, use_cache=True)
                 token = out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t0

@@ -53,7 +53,7 @@ import retmask  # noqa: E402,F401  (registers the retmask attention)
 from retmask.detect.core import attn_implementation  # noqa: E402
 from retmask.detect.kv_only import last_layer_kv_only  # noqa: E402
 from retmask.detect.prefill_chunk import resolve_prefill_chunk  # noqa: E402
-from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve  # noqa: E402
+from retmask.hf.kv_cache import growing_cache, reserve  # noqa: E402
 from retmask.hf.loading import load_model, parse_dtype  # noqa: E402
 from retmask.kernels import describe as describe_kernels  # noqa: E402
 
@@ -70,7 +70,7 @@ def detect_prefill(model, ids: torch.Tensor, impl: str, chunk: int) -> float:
         for a in range(0, n, chunk):
             model(
                 input_ids=ids[:, a : a + chunk],
-                **cache_kwargs(model, cache),
+                cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )

@@ -140,7 +140,6 @@ def decode_run(
     """A callable that prefills (untimed), decodes ``args.steps`` greedy tokens and returns seconds per token;
     it appends the attention and kernel seconds per token to ``attention`` and ``kernel`` and sets
     ``held[case]`` to the cache's bytes."""
-    from retmask.hf.kv_cache import cache_kwargs
 
     implementation = implementation_of(case)
 
@@ -150,12 +149,12 @@ def decode_run(
         spent: list[float] = []
         in_kernel: list[float] = []
         with torch.no_grad():
-            out = model(input_ids=prompt, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+            out = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
             token = out.logits[:, -1:].argmax(-1)
             with timed_attention(model, implementation, spent), timed_kernel(in_kernel):
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    out = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True)
+                    out = model(input_ids=token, cache=cache, use_cache=True)
                     token = out.logits[:, -1:].argmax(-1)
                 seconds = time.perf_counter() - t0
         attention.append(sum(spent) / args.steps)
@@ -171,8 +170,6 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     """One generation of ``config["case"]`` in this fresh process: peak RSS above the loaded model."""
     from transformers import GenerationConfig
 
-    from retmask.hf.kv_cache import cache_kwargs
-
     args = argparse.Namespace(**config["args"])
     args.scores = Path(args.scores)
     model, prompt = load(args)
@@ -186,7 +183,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
         warm = prompt[:, :32]
         model.generate(
             input_ids=warm, attention_mask=torch.ones_like(warm), generation_config=generation,
-            **cache_kwargs(model, make_cache(model, case, args, warm.shape[1] + args.steps)),
+            cache=make_cache(model, case, args, warm.shape[1] + args.steps),
         )  # fmt: skip
     peak = PeakMemory()
     peak.start()
@@ -194,7 +191,7 @@ def worker(config: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         model.generate(
             input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=generation,
-            **cache_kwargs(model, cache),
+            cache=cache,
         )  # fmt: skip
     return {"peak_bytes": peak.stop(), "exact": peak.exact, "held_bytes": cache_bytes(cache)}
 

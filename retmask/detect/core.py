@@ -24,7 +24,7 @@ from retmask.detect.state_snapshots import LayerStates, rewind, take
 from retmask.detect.static_passes import BUCKETS, StaticPasses
 from retmask.heads import model_shape
 from retmask.hf.capture import capture_argmax
-from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
+from retmask.hf.kv_cache import growing_cache, reserve
 from retmask.hf.layers import head_layout
 from retmask.hf.patch import require_retmask
 
@@ -104,7 +104,7 @@ def oracle_detect(
         keep = 0 if prompt_logits else 1  # 0 = all positions
         model(
             input_ids=prompt[None, :-1].to(device),
-            **cache_kwargs(model, cache),
+            cache=cache,
             use_cache=True,
             logits_to_keep=keep,
         )
@@ -115,7 +115,7 @@ def oracle_detect(
         for _ in range(max_new_tokens):
             out = model(
                 input_ids=x[None].to(device),
-                **cache_kwargs(model, cache),
+                cache=cache,
                 use_cache=True,
                 output_attentions=True,
             )
@@ -272,7 +272,7 @@ class FastDetector:
                 b = min(len(prefix), a - a % self.chunk + self.chunk)
                 self.model(
                     input_ids=ids[None, a:b],
-                    **cache_kwargs(self.model, self.cache),
+                    cache=self.cache,
                     use_cache=True,
                     logits_to_keep=1,
                 )
@@ -330,9 +330,7 @@ class FastDetector:
                 before = take(self.cache) if self.hybrid and draft else None
                 if self.static is None:
                     inp = torch.tensor([[x, *draft]], dtype=torch.long, device=device)
-                    logits = self.model(
-                        input_ids=inp, **cache_kwargs(self.model, self.cache), use_cache=True
-                    ).logits[0]
+                    logits = self.model(input_ids=inp, cache=self.cache, use_cache=True).logits[0]
                     argmax = None if cap is None else cap.last[:, 0]  # int64 [L, Hq, rows of the pass]
                 else:
                     logits, argmax = self.static.run([x, *draft], cap)
@@ -366,7 +364,7 @@ class FastDetector:
                     # then the accepted rows again (their outputs are known; only the states are needed).
                     rewind(self.cache, past, before)
                     self.model(
-                        input_ids=inp[:, :rows], **cache_kwargs(self.model, self.cache), use_cache=True,
+                        input_ids=inp[:, :rows], cache=self.cache, use_cache=True,
                         logits_to_keep=1,
                     )  # fmt: skip
                     passes += 1

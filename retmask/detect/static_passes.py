@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from retmask.hf.kv_cache import TailLayer, cache_kwargs, growing_cache
+from retmask.hf.kv_cache import TailLayer, growing_cache
 
 BUCKETS = (2, 3, 5, 9, 17, 33, 65)  # rows per pass: the fed token + drafts of up to 1, 2, 4, ... 64 tokens
 CAPACITY_STEP = 1024  # positions
@@ -138,7 +138,7 @@ class StaticPasses:
         mask = ((slots < length) | (slots >= capacity - rows))[None]  # cached part and tail: bool [1, C]
         out = self.model(
             input_ids=header[None, :rows], position_ids=positions, attention_mask=mask,
-            **cache_kwargs(self.model, self.cache), use_cache=True,
+            cache=self.cache, use_cache=True,
         )  # fmt: skip
         return out.logits, None
 

@@ -141,9 +141,7 @@ def _sequence_end(args: tuple, kwargs: dict) -> int | None:
         inputs = args[0]
     if inputs is None or inputs.dim() < 2:
         return None
-    cache = kwargs.get("cache")  # the argument's name since transformers renamed it, past_key_values before
-    if cache is None:
-        cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache")
     past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
     return past + int(inputs.shape[1])
 

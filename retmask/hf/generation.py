@@ -24,7 +24,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from retmask.hf.heads import head_mask as masked_heads
-from retmask.hf.kv_cache import cache_kwargs, growing_cache, reserve
+from retmask.hf.kv_cache import growing_cache, reserve
 from retmask.hf.layers import decoder_layers
 from retmask.hf.shared_prefill import share_next_prefill, shared_layers
 
@@ -73,7 +73,7 @@ def generate_copies(
             scope.enter_context(
                 share_next_prefill(model, input_ids.shape[0], copies, split, head_mask, cache)
             )
-        return model.generate(**kwargs, **cache_kwargs(model, cache))
+        return model.generate(**kwargs, cache=cache)
 
 
 @contextlib.contextmanager

@@ -16,10 +16,6 @@ of the same capacity from the filled part.
 
 from __future__ import annotations
 
-import functools
-import inspect
-from typing import Any
-
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -219,16 +215,3 @@ def growing_cache(model, layer: type[GrowingLayer] = GrowingLayer) -> DynamicCac
         layer() if type(old) in (DynamicLayer, DynamicSlidingWindowLayer) else old for old in cache.layers
     ]
     return cache
-
-
-def cache_kwargs(model: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
-    """``{name: cache}`` for ``model``'s forward and ``generate``: ``cache`` in the transformers releases that
-    renamed the argument (it warns about ``past_key_values`` there), ``past_key_values`` before."""
-    return {_cache_argument(type(model)): cache}
-
-
-@functools.cache
-def _cache_argument(model_class: type) -> str:
-    """The cache argument's name in ``model_class.forward`` (read once per class: detection calls
-    ``cache_kwargs`` on every forward pass)."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"

@@ -24,11 +24,9 @@ def _chunked_prefill(model, ids: torch.Tensor, chunk: int, kv_only: bool):
         for a in range(0, ids.shape[1], chunk):
             if kv_only:
                 with last_layer_kv_only(model):
-                    logits = model(
-                        input_ids=ids[:, a : a + chunk], past_key_values=cache, use_cache=True
-                    ).logits
+                    logits = model(input_ids=ids[:, a : a + chunk], cache=cache, use_cache=True).logits
             else:
-                logits = model(input_ids=ids[:, a : a + chunk], past_key_values=cache, use_cache=True).logits
+                logits = model(input_ids=ids[:, a : a + chunk], cache=cache, use_cache=True).logits
     return cache, logits
 
 

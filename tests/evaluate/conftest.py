@@ -28,11 +28,11 @@ def greedy_reference(model, prompt_ids, stop_ids, max_new_tokens: int) -> list[i
     stop token (included) or ``max_new_tokens``. Any runtime head mask of ``model`` applies."""
     ids = torch.as_tensor(prompt_ids, dtype=torch.long)[None]
     cache = transformers.DynamicCache(config=model.config)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, cache=cache, use_cache=True)
     tokens: list[int] = []
     while True:
         y = int(out.logits[0, -1].argmax())
         tokens.append(y)
         if y in stop_ids or len(tokens) >= max_new_tokens:
             return tokens
-        out = model(input_ids=torch.tensor([[y]]), past_key_values=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([[y]]), cache=cache, use_cache=True)

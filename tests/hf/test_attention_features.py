@@ -15,7 +15,6 @@ import transformers
 from transformers import DynamicCache
 
 import retmask
-from retmask.hf.kv_cache import cache_kwargs
 
 from ..device import TEST_DEVICE
 from .conftest import assert_argmax_matches, random_batch, tiny_config, with_attn, zeroed_copy
@@ -105,9 +104,7 @@ def test_generate_equals_eager(feature_arch):
 
 def _eager_step(model, ids, mask, cache):
     with torch.no_grad():
-        out = model(
-            input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, output_attentions=True
-        )
+        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, output_attentions=True)
     return out.attentions
 
 
@@ -122,7 +119,7 @@ def test_capture_equals_eager_argmax_prefill_chunk_decode(feature_arch):
     for start, stop in steps:
         chunk, seen = ids[:, start:stop], mask[:, :stop]
         with retmask.capture_argmax(model, rows=None) as cap, torch.no_grad():
-            model(input_ids=chunk, attention_mask=seen, **cache_kwargs(model, ours), use_cache=True)
+            model(input_ids=chunk, attention_mask=seen, cache=ours, use_cache=True)
         weights = _eager_step(eager, chunk, seen, theirs)
         for layer, w in enumerate(weights):  # w: [B, Hq, S, kv_len of this layer]
             offset = stop - w.shape[-1]  # keys a sliding cache dropped

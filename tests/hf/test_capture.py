@@ -14,7 +14,7 @@ from .conftest import assert_argmax_matches, random_batch, tiny_model, with_attn
 def eager_attentions(model, ids, mask, past=None):
     """Per-layer eager attention weights [B, Hq, S, N] (stacked: [L, B, Hq, S, N])."""
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=past, use_cache=past is not None,
+        out = model(input_ids=ids, attention_mask=mask, cache=past, use_cache=past is not None,
                     output_attentions=True)  # fmt: skip
     return torch.stack(out.attentions), out
 
@@ -96,18 +96,18 @@ def test_capture_decode_steps_and_chunk_against_cache(arch):
 
     past = DynamicCache(config=model.config)
     with retmask.capture_argmax(model, rows=1) as cap, torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=past, use_cache=True)  # prefill
+        model(input_ids=ids, attention_mask=mask, cache=past, use_cache=True)  # prefill
         for t in range(2):  # two decode steps with the cache
             n = 10 + t + 1
             model(
                 input_ids=steps[:, t : t + 1],
                 attention_mask=full_mask[:, :n],
-                past_key_values=past,
+                cache=past,
                 use_cache=True,
             )
         # a chunk of 3 tokens verified against the cache in one call, argmax of all 3 rows
     with retmask.capture_argmax(model, rows=3) as chunk, torch.no_grad():
-        model(input_ids=steps[:, 2:5], attention_mask=full_mask, past_key_values=past, use_cache=True)
+        model(input_ids=steps[:, 2:5], attention_mask=full_mask, cache=past, use_cache=True)
     assert len(cap.calls) == 3
     assert_argmax_matches(cap.calls[0], weights[:, :, :, 9:10, :10])
     for t in range(2):

@@ -22,7 +22,6 @@ from transformers.masking_utils import AttentionMaskInterface
 import retmask
 from retmask.heads.keys import SelectionError
 from retmask.hf.interface import retmask_mask
-from retmask.hf.kv_cache import cache_kwargs
 from retmask.hf.sparse_kv import attention as sparse_attention_module
 from retmask.hf.sparse_kv.layer import HeadSparseLayer
 from retmask.hf.sparse_kv.policy import KVLayout, full_kv_heads
@@ -132,7 +131,7 @@ def reference_of(model, full: list[tuple[int, int]], sinks: int = S) -> transfor
 
 def step(model, ids, mask, cache):
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache)).logits
+        return model(input_ids=ids, attention_mask=mask, use_cache=True, cache=cache).logits
 
 
 def run_steps(model, cache, ids, mask, chunks: list[int], decode: int) -> list[torch.Tensor]:
@@ -222,7 +221,7 @@ def test_generate_equals_masked_eager(arch):
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     cache = retmask.head_sparse_cache(model, full_heads=MIXED[arch], window=W, sink_tokens=S)
     with torch.no_grad():
-        got = model.generate(**kw, **cache_kwargs(model, cache))
+        got = model.generate(**kw, cache=cache)
         want = ref.generate(**kw)
     assert torch.equal(got, want)
     assert cache.get_seq_length() == 27  # 20 + 8 - 1 (the last token is never fed back)
@@ -238,7 +237,7 @@ def test_sampling_and_beams_equal_masked_eager():
         cache = retmask.head_sparse_cache(model, full_heads=MIXED["qwen2"], window=W, sink_tokens=S)
         with torch.no_grad():
             torch.manual_seed(5)
-            got = model.generate(**kw, **cache_kwargs(model, cache))
+            got = model.generate(**kw, cache=cache)
             torch.manual_seed(5)
             want = ref.generate(**kw)
         assert torch.equal(got, want), extra

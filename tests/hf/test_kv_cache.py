@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from retmask.hf.kv_cache import GrowingLayer, cache_kwargs, growing_cache, reserve
+from retmask.hf.kv_cache import GrowingLayer, growing_cache, reserve
 from tests.tiny import tiny_llama
 
 
@@ -37,9 +37,9 @@ def test_growing_cache_equals_dynamic_cache(impl):
                 assert ours.get_seq_length() == ref.get_seq_length()
                 continue
             x = ids[:, a:b]
-            want = model(input_ids=x, **cache_kwargs(model, ref), use_cache=True).logits
+            want = model(input_ids=x, cache=ref, use_cache=True).logits
             _poison_spare_capacity(ours)
-            got = model(input_ids=x, **cache_kwargs(model, ours), use_cache=True).logits
+            got = model(input_ids=x, cache=ours, use_cache=True).logits
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert ours.get_seq_length() == ref.get_seq_length()
@@ -117,7 +117,7 @@ def test_beam_search_on_the_growing_cache_equals_the_dynamic_cache():
     kw = dict(max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=2)
     with torch.no_grad():
         want = model.generate(input_ids=ids, **kw)
-        got = model.generate(input_ids=ids, **kw, **cache_kwargs(model, growing_cache(model)))
+        got = model.generate(input_ids=ids, **kw, cache=growing_cache(model))
     assert torch.equal(got, want)
 
 

@@ -15,7 +15,6 @@ from transformers import CompileConfig
 
 import retmask
 from retmask.hf.interface import retmask_mask
-from retmask.hf.kv_cache import cache_kwargs
 
 from .conftest import random_batch, tiny_model, with_attn
 from .test_attention_features import FEATURE_ARCHS, feature_model
@@ -68,11 +67,9 @@ def test_static_cache_logits_of_a_prefill_and_decode_step_equal_sdpa():
     for m in (model, sdpa):
         cache = transformers.StaticCache(config=m.config, max_cache_len=16)
         with torch.no_grad():
-            first = m(input_ids=ids, attention_mask=mask, **cache_kwargs(m, cache), use_cache=True).logits
+            first = m(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits
             step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            step = m(
-                input_ids=ids[:, -1:], attention_mask=step_mask, **cache_kwargs(m, cache), use_cache=True
-            )
+            step = m(input_ids=ids[:, -1:], attention_mask=step_mask, cache=cache, use_cache=True)
         logits.append((first, step.logits))
     for got, want in zip(logits[0], logits[1], strict=True):
         valid = mask.bool() if got.shape[1] > 1 else torch.ones_like(got[..., 0], dtype=torch.bool)
@@ -119,12 +116,12 @@ def test_compiled_decode_step_builds_its_static_mask_in_the_graph():
     static = transformers.StaticCache(config=model.config, max_cache_len=16)
     dynamic = transformers.DynamicCache(config=model.config)
     with torch.no_grad():
-        x = model(input_ids=ids, **cache_kwargs(model, static), use_cache=True).logits[:, -1:].argmax(-1)
-        model(input_ids=ids, **cache_kwargs(model, dynamic), use_cache=True)
+        x = model(input_ids=ids, cache=static, use_cache=True).logits[:, -1:].argmax(-1)
+        model(input_ids=ids, cache=dynamic, use_cache=True)
         counters.clear()
         for _ in range(5):
-            got = step(input_ids=x, **cache_kwargs(model, static), use_cache=True).logits
-            want = model(input_ids=x, **cache_kwargs(model, dynamic), use_cache=True).logits
+            got = step(input_ids=x, cache=static, use_cache=True).logits
+            want = model(input_ids=x, cache=dynamic, use_cache=True).logits
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             x = want[:, -1:].argmax(-1)
     assert counters["stats"]["unique_graphs"] == 1
@@ -137,7 +134,7 @@ def test_compiled_prefill_into_a_static_cache_is_refused_with_the_fix():
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     cache = transformers.StaticCache(config=model.config, max_cache_len=16)
     with pytest.raises(Exception, match="run the prefill uncompiled"), torch.no_grad():
-        compiled(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+        compiled(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
 
 
 def test_static_cache_mask_longer_than_the_buffer_is_refused():

@@ -411,8 +411,8 @@ def test_compiled_llama_kv_cache_prefill_and_decode():
         got, want = compiled(input_ids=ids, use_cache=True), model(input_ids=ids, use_cache=True)
         _assert_logits_close(got.logits, want.logits)
         step = ids[:, -1:]
-        got = compiled(input_ids=step, past_key_values=got.past_key_values, use_cache=True).logits
-        want = model(input_ids=step, past_key_values=want.past_key_values, use_cache=True).logits
+        got = compiled(input_ids=step, cache=got.cache, use_cache=True).logits
+        want = model(input_ids=step, cache=want.cache, use_cache=True).logits
         _assert_logits_close(got, want)
 
 

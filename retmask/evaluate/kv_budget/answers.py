@@ -119,7 +119,6 @@ def run_config(
 
     import retmask
     from retmask.hf.generation import _only_config
-    from retmask.hf.kv_cache import cache_kwargs
 
     eos = sorted(int(i) for i in stop_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -152,7 +151,7 @@ def run_config(
             t0 = time.perf_counter()
             out = model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                **cache_kwargs(model, cache),
+                cache=cache,
             )  # fmt: skip
             seconds = time.perf_counter() - t0
             tokens = out[0, ids.shape[1] :].tolist()

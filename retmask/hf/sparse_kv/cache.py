@@ -1,7 +1,7 @@
 """``retmask.head_sparse_cache(model, ...)``: a KV cache that keeps every key only for retrieval heads.
 
     cache = retmask.head_sparse_cache(model, scores="scores.json", budget=0.25, window=1024, sink_tokens=4)
-    model.generate(**batch, past_key_values=cache, max_new_tokens=64)   # a new cache for every call
+    model.generate(**batch, cache=cache, max_new_tokens=64)             # a new cache for every call
     cache.memory_bytes(), cache.full_cache_bytes()                      # held vs a DynamicCache's
 
 Layers: each global (full-attention) layer gets a ``HeadSparseLayer`` (``layer.py``): the full KV heads
@@ -104,8 +104,8 @@ def head_sparse_cache(
     max_length: int | None = None,
     prefill: str = "windowed",
 ) -> HeadSparseCache:
-    """A head-sparse KV cache for ``model`` (on retmask attention), for ``model.generate(...,
-    past_key_values=cache)`` or forward calls. Make a new one for every ``generate`` call.
+    """A head-sparse KV cache for ``model`` (on retmask attention), for ``model.generate(..., cache=cache)``
+    or forward calls. Make a new one for every ``generate`` call.
 
     Args:
         scores: a scores file (``retmask detect``'s JSON) or mapping, for ``budget`` / ``tau``.
