@@ -6,23 +6,19 @@ Steps (each a ``retmask`` command, run as a subprocess; finished steps are skipp
   2. ``retmask generate``: chosen / rejected pairs for the first ``--instructions`` shipped instructions,
      in fp32, once: both trainings see the same pairs.
   3. ``retmask train`` in ``--dtype float32`` and ``--dtype bfloat16`` (bf16 autocast over fp32 master
-     weights and optimizer state, as the Trainer's ``bf16=True``), each with ``--lm-head-positions
-     labelled`` (retmask's default: TRL's fused LM head projects only the completion positions) and ``all``
-     (TRL's own CPU behaviour: every position); in both dtypes with the CPU speed-ups off
-     (``RETMASK_CPU_SPEEDUPS=0``: torch's ``nn.Linear`` and TRL's own CPU kernel for the fused LM head,
-     instead of retmask's linears and ``CPUChunkedLogProb``: one switch, so no longer separate
-     torch-linears and trl-head variants); and in both dtypes with the attention backward on PyTorch SDPA
-     (in fp32; in bf16 on fp32 copies: what the CPU attention's autograd ran before retmask's C++
-     backward; forced in the subprocess by this script's ``--retmask-with-backward``, see
-     ``common.force_cpu_backward``) instead of the C++ backward. Same pairs, seed, order and steps. The
-     eight variants run in A B ... H H ... B A order (``--repeats 2``, default) so that drift of the shared
-     machine hits all alike.
+     weights and optimizer state, as the Trainer's ``bf16=True``); in both dtypes with the CPU speed-ups
+     off (``RETMASK_CPU_SPEEDUPS=0``: torch's ``nn.Linear`` instead of retmask's linears); and in both
+     dtypes with the attention backward on PyTorch SDPA (in fp32; in bf16 on fp32 copies: what the CPU
+     attention's autograd ran before retmask's C++ backward; forced in the subprocess by this script's
+     ``--retmask-with-backward``, see ``common.force_cpu_backward``) instead of the C++ backward. Same
+     pairs, seed, order and steps. The six variants run in A B ... F F ... B A order (``--repeats 2``,
+     default) so that drift of the shared machine hits all alike.
      Each run's ``retmask_train.json`` gives the per-step losses and the seconds per optimizer step.
 
 The learning rate defaults to 2e-5, 40x the published 5e-7: at 5e-7 the loss barely leaves ln 2 in a few
 steps and any two curves "match". On a CPU without native bf16 (no AMX-BF16 / AVX512-BF16) torch emulates
-bf16 matmuls; retmask's linears and LM head multiply the bf16-rounded operands in fp32 there, so a bf16
-step costs about an fp32 one and gains nothing; ``--dtype auto`` keeps fp32 on such CPUs.
+bf16 matmuls; retmask's linears multiply the bf16-rounded operands in fp32 there (TRL's LM head stays
+emulated), so a bf16 step gains nothing; ``--dtype auto`` keeps fp32 on such CPUs.
 
 Writes bench/results/train_dtype_<cpu kind>.{md,json,png}.
 
@@ -57,9 +53,8 @@ from retmask.runfiles import atomic_write_text  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 SCORES = RESULTS / "smollm2_scores.json"
 DTYPES = ("float32", "bfloat16")
-POSITIONS = ("labelled", "all")  # retmask's default first, then TRL's own CPU path
-# The CPU speed-ups off (RETMASK_CPU_SPEEDUPS=0): torch's nn.Linear and TRL's own fused-LM-head kernel on
-# the CPU, what a user without retmask runs, instead of retmask's linears and CPUChunkedLogProb.
+# The CPU speed-ups off (RETMASK_CPU_SPEEDUPS=0): torch's nn.Linear, what a user without retmask runs,
+# instead of retmask's linears.
 NO_SPEEDUPS = {d: f"{d}/no-speedups" for d in DTYPES}
 # The attention backward on PyTorch SDPA (fp32: in fp32; bf16: on fp32 copies) instead of retmask's C++
 # backward.
@@ -69,19 +64,15 @@ SDPA_BACKWARD = {"float32": "float32/sdpa-backward", "bfloat16": "bfloat16/sdpa-
 DEFAULT_ENV = {SWITCH_ENV: "1"}
 OPTION_ENV = {"": {}, "no-speedups": {SWITCH_ENV: "0"}, "sdpa-backward": {}, "sdpa-fp32-backward": {}}
 OPTION_BACKWARD = {"sdpa-backward": "sdpa", "sdpa-fp32-backward": "sdpa_fp32"}
-VARIANTS = (
-    tuple((d, p) for p in POSITIONS for d in DTYPES)
-    + tuple((NO_SPEEDUPS[d], "labelled") for d in DTYPES)
-    + tuple((SDPA_BACKWARD[d], "labelled") for d in DTYPES)
-)
+VARIANTS = DTYPES + tuple(NO_SPEEDUPS.values()) + tuple(SDPA_BACKWARD.values())
 
 
-def schedule(repeats: int) -> list[tuple[str, str, int]]:
-    """(dtype, lm-head positions, repeat) in A B C D D C B A ... order: drift hits every variant alike."""
+def schedule(repeats: int) -> list[tuple[str, int]]:
+    """(variant, repeat) in A B C D D C B A ... order: drift hits every variant alike."""
     order = []
     for r in range(repeats):
         variants = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
-        order += [(d, p, r) for d, p in variants]
+        order += [(v, r) for v in variants]
     return order
 
 
@@ -90,9 +81,7 @@ def per_step(summary: dict, key: str) -> list[float]:
     return [float(h[key]) for h in summary["log_history"] if key in h and "loss" in h]
 
 
-def plot(
-    path: Path, losses: dict[str, list[float]], step_median: dict[tuple[str, str], float], title: str
-) -> None:
+def plot(path: Path, losses: dict[str, list[float]], step_median: dict[str, float], title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,11 +95,8 @@ def plot(
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
     x = np.arange(len(DTYPES))
-    for i, (positions, color) in enumerate(zip(POSITIONS, ("tab:green", "tab:gray"), strict=True)):
-        heights = [step_median[d, positions] for d in DTYPES]
-        ax_time.bar(x + (i - 0.5) * 0.38, heights, width=0.38, color=color, label=f"LM head: {positions}")
+    ax_time.bar(x, [step_median[d] for d in DTYPES], width=0.5, color="tab:green")
     ax_time.set_xticks(x, list(DTYPES))
-    ax_time.legend(fontsize=8)
     ax_time.set_ylabel("seconds per optimizer step (median of runs)")
     ax_time.grid(axis="y", alpha=0.3)
     save_figure(fig, path, title)
@@ -157,65 +143,50 @@ def main() -> None:
     run_step([*py, "generate", "--heads", str(heads), "--out", str(pairs), "--limit", str(args.instructions),
               "--max-new-tokens", str(args.max_new_tokens), "--dtype", "float32", "--no-progress", "--resume"],
              None, log)  # fmt: skip
-    every: dict[tuple[str, str], list[dict]] = {v: [] for v in VARIANTS}
-    for variant, positions, r in schedule(args.repeats):
+    every: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for variant, r in schedule(args.repeats):
         dtype, _, option = variant.partition("/")
-        out = w / f"train_{variant.replace('/', '_')}_{positions}_{r}"
+        out = w / f"train_{variant.replace('/', '_')}_{r}"
         os.environ.update(DEFAULT_ENV)
         os.environ.update(OPTION_ENV[option])  # the subprocess inherits it
         backward = OPTION_BACKWARD.get(option)
         cmd = [sys.executable, __file__, "--retmask-with-backward", backward] if backward else py
         run_step([*cmd, "train", "--pairs", str(pairs), "--out", str(out), "--dtype", dtype,
-                  "--lm-head-positions", positions, "--max-steps", str(args.steps),
+                  "--max-steps", str(args.steps),
                   "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum), "--lr", str(args.lr),
                   "--seed", "0", "--overwrite"],
                  out / "retmask_train.json", log)  # fmt: skip
-        every[variant, positions].append(json.loads((out / "retmask_train.json").read_text()))
+        every[variant].append(json.loads((out / "retmask_train.json").read_text()))
     os.environ.update(DEFAULT_ENV)
-    runs = {d: every[d, "labelled"] for d in DTYPES}  # the loss comparison: retmask's default head
+    runs = {d: every[d] for d in DTYPES}  # the loss comparison: retmask's defaults
 
     # Runs of one variant are the same computation: their losses must agree (a check of the bench itself).
     losses = {d: runs[d][0]["losses"] for d in DTYPES}
-    repeat_equal = {
-        f"{d} {p}": all(x["losses"] == every[d, p][0]["losses"] for x in every[d, p]) for d, p in VARIANTS
-    }
+    repeat_equal = {v: all(x["losses"] == every[v][0]["losses"] for x in every[v]) for v in VARIANTS}
     margins = {d: per_step(runs[d][0], "rewards/margins") for d in DTYPES}
     step_s = {d: [x["seconds_per_step"] for x in runs[d]] for d in DTYPES}
     step_median = {v: float(np.median([x["seconds_per_step"] for x in every[v]])) for v in VARIANTS}
     n = min(len(losses[d]) for d in DTYPES)
     diff = np.abs(np.array(losses["bfloat16"][:n]) - np.array(losses["float32"][:n]))
     drop = {d: losses[d][0] - losses[d][n - 1] for d in DTYPES}
-    ratio = step_median["bfloat16", "labelled"] / step_median["float32", "labelled"]
-    # The head's positions change which rows one GEMM computes, not the loss: how far apart are the curves?
-    head_diff = {
-        d: float(np.max(np.abs(np.array(losses[d][:n]) - np.array(every[d, "all"][0]["losses"][:n]))))
-        for d in DTYPES
-    }
+    ratio = step_median["bfloat16"] / step_median["float32"]
 
     def against(other: dict[str, str]) -> dict[str, dict[str, float]]:
-        """Each dtype's default run against the variant ``other[dtype]`` (same pairs, head positions)."""
+        """Each dtype's default run against the variant ``other[dtype]`` (same pairs)."""
         return {
             d: {
-                "other_s": step_median[other[d], "labelled"],
-                "ratio": step_median[d, "labelled"] / step_median[other[d], "labelled"],
+                "other_s": step_median[other[d]],
+                "ratio": step_median[d] / step_median[other[d]],
                 "max_abs_loss_diff": float(
-                    np.max(
-                        np.abs(
-                            np.array(losses[d][:n]) - np.array(every[other[d], "labelled"][0]["losses"][:n])
-                        )
-                    )
+                    np.max(np.abs(np.array(losses[d][:n]) - np.array(every[other[d]][0]["losses"][:n])))
                 ),
             }
             for d in DTYPES
         }
 
-    no_speedups = against(NO_SPEEDUPS)  # retmask's CPU linears and LM head against torch's and TRL's
+    no_speedups = against(NO_SPEEDUPS)  # retmask's CPU linears against torch's
     sdpa_backward = against(SDPA_BACKWARD)  # retmask's C++ attention backward against SDPA's
-    time_rows = [
-        [p, f"{step_median['float32', p]:.2f}", f"{step_median['bfloat16', p]:.2f}",
-         f"{step_median['bfloat16', p] / step_median['float32', p]:.2f}x"]
-        for p in POSITIONS
-    ]  # fmt: skip
+    time_rows = [[f"{step_median['float32']:.2f}", f"{step_median['bfloat16']:.2f}", f"{ratio:.2f}x"]]
 
     stats = json.loads(stats_path(pairs).read_text())
     rows = [
@@ -246,17 +217,12 @@ def main() -> None:
         if args.repeats > 1
         else "- One run per variant (`--repeats 1`): the step times are single measurements.",
         "",
-        "Seconds per optimizer step (median of runs) by the positions TRL's fused LM head projects: `labelled` "
-        "(retmask's default, the completion tokens only, as TRL does on CUDA) and `all` (TRL 1.16's path on "
-        "every other device: prompt and padding too).",
+        "Seconds per optimizer step (median of runs):",
         "",
-        markdown_table(["LM head positions", "fp32 s/step", "bf16 s/step", "bf16 / fp32"], time_rows),
+        markdown_table(["fp32 s/step", "bf16 s/step", "bf16 / fp32"], time_rows),
         "",
-        f"- **bf16 / fp32 = {ratio:.2f}x** with retmask's default head; `labelled` / `all`: fp32 "
-        f"{step_median['float32', 'labelled'] / step_median['float32', 'all']:.2f}x, bf16 "
-        f"{step_median['bfloat16', 'labelled'] / step_median['bfloat16', 'all']:.2f}x.",
-        "- The CPU speed-ups off (`RETMASK_CPU_SPEEDUPS=0`, head `labelled`: torch's `nn.Linear` and TRL's own "
-        "CPU kernel for the fused LM head, instead of retmask's linears and `CPUChunkedLogProb`): "
+        f"- **bf16 / fp32 = {ratio:.2f}x**.",
+        "- The CPU speed-ups off (`RETMASK_CPU_SPEEDUPS=0`: torch's `nn.Linear` instead of retmask's linears): "
         + "; ".join(
             f"{d} {no_speedups[d]['other_s']:.2f} s/step, with the speed-ups {no_speedups[d]['ratio']:.2f}x of it "
             f"(largest |Δ loss| {no_speedups[d]['max_abs_loss_diff']:.2e})"
@@ -271,8 +237,6 @@ def main() -> None:
             for d in DTYPES
         )
         + ".",
-        f"- Largest |Δ loss| between `labelled` and `all` over {n} steps: fp32 {head_diff['float32']:.2e}, "
-        f"bf16 {head_diff['bfloat16']:.2e} (the same losses computed on fewer GEMM rows; bf16 rounds differently).",
         "",
         f"![loss curves]({stem.name}.png)",
         "",
@@ -283,9 +247,7 @@ def main() -> None:
         "machine": machine, "args": {k: str(v) for k, v in vars(args).items()}, "pairs": stats.get("pairs"),
         "losses": losses, "margins": margins, "seconds_per_step": step_s, "bf16_over_fp32_step": ratio,
         "max_abs_loss_diff": float(diff.max()), "repeat_equal": repeat_equal, "commands": log,
-        "seconds_per_step_median": {f"{d} {p}": t for (d, p), t in step_median.items()},
-        "losses_all_positions": {d: every[d, "all"][0]["losses"] for d in DTYPES},
-        "max_abs_loss_diff_labelled_vs_all": head_diff,
+        "seconds_per_step_median": step_median,
         "speedups_vs_no_speedups": no_speedups,
         "cpp_backward_vs_sdpa_backward": sdpa_backward,
     }  # fmt: skip

@@ -66,5 +66,4 @@ fi
 # the heads of the pages written before --heads (comparable across CPU kinds measured earlier)
 step generate-masks-random python bench/bench_generate_masks.py --heads random
 step attention-backward python bench/bench_attention_backward.py
-step lm-head python bench/bench_lm_head.py
 echo "pages written: bench/results/*_$kind*"

@@ -23,7 +23,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "runs, the GPU if any, the releases of its dependencies (torch, transformers, TRL, Triton, ...) "
             "against the ranges retmask needs, the RETMASK_* settings in effect, and for each kind of "
             "attention call the project makes (prefill, chunk, verification, decode, backward; per dtype) the"
-            " path it takes and why, and whether the CPU speed-ups (linears, LM head) are on. Run records of "
+            " path it takes and why, and whether the CPU speed-ups (linears) are on. Run records of "
             "detect and training embed the same description. Include its output when you report a bug or a "
             "speed. With --model, also whether that model runs on retmask attention and its head layout, read"
             " from its config alone (no weights are loaded); the exit status is 2 when it does not."

@@ -27,7 +27,6 @@ from retmask.commands.common import (
     reports_errors,
 )
 from retmask.heads.selection import SelectionError
-from retmask.methods.retmask.fused_head import LM_HEAD_POSITIONS
 from retmask.methods.retmask.pairs import PairsError
 from retmask.methods.retmask.train_config import TrainConfig
 
@@ -88,10 +87,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_device_arg(p, help="where to train: cpu or cuda (the Trainer's first visible GPU; pick one "
                            "with CUDA_VISIBLE_DEVICES)")  # fmt: skip
     p.add_argument("--sft", action="store_true", help="SFT on the chosen responses only (the SFT baseline)")
-    p.add_argument("--lm-head-positions", choices=LM_HEAD_POSITIONS, default=d.lm_head_positions,
-                   help="DPO on a CPU: project only the completion positions through TRL's fused LM head "
-                        "(labelled: what TRL does on CUDA) or every position (all: what TRL does on a CPU, "
-                        "slower)")  # fmt: skip
     p.add_argument("--telemetry-every", type=positive_int, metavar="N",
                    help="every N optimizer steps (and at step 0 and the end) probe the retrieval score of the masked "
                         "heads vs the other heads (logged as retrieval/*; telemetry.json/.png in --out)")  # fmt: skip
@@ -145,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum, max_length=args.max_length, seed=args.seed,
         gradient_checkpointing=args.gradient_checkpointing, beta=args.beta,
         dtype=resolve_training_dtype("bfloat16" if args.bf16 else args.dtype, args.device),
-        lm_head_positions=args.lm_head_positions, device=args.device, drop_unfinished=args.drop_unfinished,
+        device=args.device, drop_unfinished=args.drop_unfinished,
         save_every=args.save_every,
     )  # fmt: skip
     try:

@@ -7,12 +7,10 @@ What they are (each is exact: the same numbers as the code it replaces, up to su
   call, cached in ``<cache>/cpu_linears.json`` under a key of the CPU, torch and oneDNN versions).
 * ``half_matmul``: bf16 / fp16 linears on a CPU without native half-precision GEMMs (where torch emulates
   them slowly) as fp32 products of the rounded operands, rounded once.
-* ``logprob``: the LM head of DPO training as chunked log-probabilities that never build the
-  ``[tokens, vocab]`` logits (``CPUChunkedLogProb``, in place of TRL's fused head on CPU tensors).
 
-``hf.loading.load_model`` patches a CPU model's linears (``hf.linears.patch_linears``) and ``retmask
-train`` enters the LM head when these are on. ``RETMASK_CPU_SPEEDUPS=0`` turns all of them off: torch's
-linears, TRL's LM head, exactly what a user without retmask runs. ``retmask env`` says which are on.
+``hf.loading.load_model`` patches a CPU model's linears (``hf.linears.patch_linears``) when these are on.
+``RETMASK_CPU_SPEEDUPS=0`` turns all of them off: torch's linears, exactly what a user without retmask
+runs. ``retmask env`` says which are on.
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ def describe() -> dict[str, Any]:
     on = enabled()
     if not on:
         why = f"${SWITCH_ENV}=0"
-        return {"enabled": False, "linears": f"torch's ({why})", "half_precision_linears": f"torch's ({why})",
-                "lm_head": f"TRL's ({why})"}  # fmt: skip
+        return {"enabled": False, "linears": f"torch's ({why})", "half_precision_linears": f"torch's ({why})"}
     from .half_matmul import native_half_matmul
     from .linear import decisions, onednn_available
 
@@ -62,5 +59,4 @@ def describe() -> dict[str, Any]:
         "linears": linears,
         "linear_decisions": decided,
         "half_precision_linears": f"bf16: {half}",
-        "lm_head": "retmask's chunked log-probabilities on CPU tensors (training)",
     }

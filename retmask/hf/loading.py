@@ -96,9 +96,9 @@ class EmulatedBf16Warning(UserWarning):
 
 EMULATED_BF16 = (
     "--dtype bfloat16 on a CPU without native bf16 (no AMX-BF16 or AVX512-BF16): torch emulates bf16 "
-    "matmuls here. retmask's linear layers (32 rows or more) and its CPU LM head multiply the bf16-rounded "
-    "operands in fp32 instead, so a run gives bf16's numbers at about float32's cost (a DPO step 1.02x "
-    "the float32 step on an AVX2 CPU), never faster; other bf16 matmuls stay emulated. --dtype auto picks float32 on this CPU."
+    "matmuls here. retmask's linear layers (32 rows or more) multiply the bf16-rounded operands in fp32 "
+    "instead; other bf16 matmuls (a training step's LM head among them) stay emulated. A run gives bf16's "
+    "numbers, never faster than float32; --dtype auto picks float32 on this CPU."
 )
 
 

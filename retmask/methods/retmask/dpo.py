@@ -27,11 +27,6 @@ from typing import Any
 from retmask import kernels
 from retmask.hf.loading import ModelLoadError, check_device, load_model
 from retmask.methods import checkpoints
-from retmask.methods.retmask.fused_head import (
-    check_positions,
-    cpu_lm_head,
-    labelled_positions_only,
-)
 from retmask.methods.retmask.pairs import Pairs, PairsError, drop_unfinished, read_pairs_file
 from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
 from retmask.methods.training_guards import FiniteTrainingGuard, staged_model_save
@@ -123,7 +118,7 @@ def _resume_point(
 
 
 def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pairs, lengths: LengthReport,
-            seconds: float, mode: str, lm_head: str | None = None, dropped: int = 0) -> TrainResult:  # fmt: skip
+            seconds: float, mode: str, dropped: int = 0) -> TrainResult:  # fmt: skip
     """Save the trained model + tokenizer and a ``retmask_train.json`` summary in ``out``, whole or not at
     all: staged in a hidden folder and renamed in, the summary last (``staged_model_save``); files the run
     wrote during training (telemetry) stay. A full disk is ``cannot write OUT: ...`` and leaves ``out`` as
@@ -137,8 +132,6 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
         "config": asdict(cfg), "lengths": asdict(lengths),
         "log_history": trainer.state.log_history,  # every logged entry (losses, rewards, retrieval/* telemetry)
     }  # fmt: skip
-    if lm_head is not None:
-        summary["lm_head"] = lm_head  # who computed the fused LM head's log-probabilities on the CPU
     summary["kernels"] = kernels.describe()  # the machine, and the path each kind of call took on it
     with staged_model_save(out, last=("retmask_train.json",)) as staged:
         trainer.save_model(str(staged))
@@ -174,7 +167,6 @@ def train_dpo(
     from trl import DPOConfig, DPOTrainer
 
     cfg = cfg or TrainConfig()
-    check_positions(cfg.lm_head_positions)  # before loading anything, like the pairs file
     kernels.check_settings()  # a bad $RETMASK_* setting fails here, not at the first step
     pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen", "rejected"))  # before loading: fails fast
     check_writable(out, what="output folder", directory=True)  # likewise: not after minutes of loading
@@ -197,10 +189,9 @@ def train_dpo(
     _bind(trainer, callbacks)
     _watch(trainer, cfg)
     start = time.perf_counter()
-    with labelled_positions_only(cfg.lm_head_positions), cpu_lm_head() as head:
-        _train(trainer, out, cfg, settings, checkpoint)
+    _train(trainer, out, cfg, settings, checkpoint)
     return _finish(
-        trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo", head, dropped
+        trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo", dropped=dropped
     )
 
 

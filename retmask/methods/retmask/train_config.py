@@ -46,9 +46,6 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # TRL 1.16 turns it on by default (as activation_checkpointing); not needed for small models on CPU
     beta: float = 0.1  # DPO only
     dtype: str = "float32"  # or "bfloat16": bf16 autocast, float32 master weights (Trainer's bf16=True)
-    # DPO on a CPU: "labelled" projects only completion positions through TRL's fused LM head (as TRL does
-    # on CUDA); "all" keeps TRL's CPU behaviour of projecting every position (see ``fused_head``).
-    lm_head_positions: str = "labelled"
     # "cpu" or "cuda" (the Trainer places the model itself; on CUDA its first visible GPU)
     device: str = "cpu"
     # train only on pairs whose responses ended by themselves (DPO: both; SFT: the chosen one), not at the
