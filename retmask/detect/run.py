@@ -337,14 +337,13 @@ def environment() -> dict[str, str]:
     """Versions that decide a run's numbers besides its config: Python, the libraries that tokenise and
     compute, retmask itself, and the GPU where one ran."""
     import platform
-    from importlib import metadata
+
+    from retmask.requirements import installed_version
 
     env = {"python": platform.python_version()}
     for name in ("retmask", "torch", "transformers", "tokenizers", "triton"):
-        try:
-            env[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
+        if (version := installed_version(name)) is not None:
+            env[name] = version
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env

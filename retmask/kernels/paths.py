@@ -66,6 +66,8 @@ from typing import Any
 
 import torch
 
+from retmask.requirements import installed_version
+
 CPU_PATH_ENV = "RETMASK_CPU_PATH"
 CPU_PATHS = ("cpp", "bf16dot", "blocked")
 
@@ -168,15 +170,6 @@ WHY_CPU = {
 }
 
 
-def _version(module: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(module)
-    except Exception:  # noqa: BLE001 (not installed, or no metadata)
-        return "not installed"
-
-
 def _gpu() -> str:
     if not torch.cuda.is_available():
         return "none"
@@ -216,9 +209,9 @@ def describe() -> dict[str, Any]:
         "gpu": _gpu(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "trl": _version("trl"),
-        "triton": _version("triton"),
+        "transformers": installed_version("transformers") or "not installed",
+        "trl": installed_version("trl") or "not installed",
+        "triton": installed_version("triton") or "not installed",
     }
     forced = forced_cpu_path()
     build = cpu.selected_isa()
