@@ -213,7 +213,8 @@ def main() -> None:
     title = f"fp32 linears, oneDNN vs torch's BLAS ({common.cpu_label(machine)}, {machine['simd']})"
     lines = [f"# {title}", "", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), ""]
     lines += [
-        "oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`) against what `nn.Linear` runs",
+        "oneDNN's fp32 inner product (`aten::mkldnn_linear`, with the copies into and out of oneDNN's layout)",
+        "against what `nn.Linear` runs",
         f"(torch's BLAS: {torch.backends.mkl.is_available() and 'MKL' or 'not MKL'}), interleaved, median; "
         "ratio = oneDNN time / torch time (< 1: oneDNN faster). 'retmask' = what",
         "`retmask.cpu_speedups.linear` decides for the shape on this machine (own proxy, rows by kind: "

@@ -22,8 +22,9 @@ from functools import cache
 import torch
 
 from retmask.cpuinfo import cpu_flags
+from retmask.eager_state import plain_eager
 
-from .linear import linear, ordinary_dispatch
+from .linear import linear
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Fewer input rows than this keep torch's own half-precision linear: its emulated matrix-vector products
@@ -114,7 +115,7 @@ def emulated_linear_dtype(
             return None
     elif weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
         return None
-    if native_half_matmul(dtype) or not ordinary_dispatch():
+    if native_half_matmul(dtype) or not plain_eager(x, weight, bias):
         return None
     return dtype
 

@@ -22,22 +22,26 @@ and cached (the measurements: bench/RESULTS.md, "fp32 linears"):
 
 Only plain float32 CPU calls are concerned: another dtype or device, an input or weight that is not a
 plain tensor, CPU autocast (which must see ``F.linear`` to cast it), ``torch.compile`` tracing, a
-dispatch or function mode, a functorch transform or forward-mode AD all go to ``F.linear`` unchanged.
-The gradient is exact either way (the same products, another summation order); there is no double
+function mode, a functorch transform or forward-mode AD all go to ``F.linear`` unchanged
+(``eager_state.plain_eager``). A dispatch mode, which torch offers no public query for, sees
+``aten::mkldnn_linear``; torch's FLOP counter counts it through a formula registered here. The gradient is exact either way (the same products, another summation order); there is no double
 backward through oneDNN. :func:`decisions` lists what this process used, for run records and pages.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from functools import cache
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
 from retmask.cpuinfo import cpu_identity
+from retmask.eager_state import plain_eager
 
 from . import enabled
 from .decisions import DecisionCache, DecisionStore, interleaved_medians
@@ -48,7 +52,7 @@ PROXY_ROWS = {"gemv": 1, "gemm": 128, "backward": 256, "backward-long": 1024}
 LONG_BACKWARD_ROWS = 1024
 AGREE_TOL = 1e-5  # |onednn - torch| / max |torch| on a proxy call (fp32 rounding of K <= ~16K terms)
 CACHE_FILE = "cpu_linears.json"
-_FORMAT = 1
+_FORMAT = 2  # 2: oneDNN through aten::mkldnn_linear, layout copies included in the times
 
 log = logging.getLogger("retmask.kernels")
 
@@ -71,7 +75,7 @@ class LinearCase(NamedTuple):
 
 @cache
 def onednn_available() -> bool:
-    """Whether this torch has oneDNN's fp32 linear (``torch.ops.mkldnn._linear_pointwise``) and it runs."""
+    """Whether this torch has oneDNN's fp32 linear (``aten::mkldnn_linear``) and it runs."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -91,17 +95,32 @@ def onednn_available() -> bool:
     return works
 
 
+def _mkldnn_linear_flops(x_shape, weight_shape, *_args, out_shape=None, **_kwargs) -> int:
+    """FLOPs of ``aten::mkldnn_linear`` for torch's FLOP counter: x [rows, in] @ weight [out, in]^T."""
+    return 2 * math.prod(x_shape[:-1]) * weight_shape[0] * weight_shape[1]
+
+
+try:  # so that FlopCounterMode counts this module's linears as it counts aten's
+    register_flop_formula(torch.ops.aten.mkldnn_linear)(_mkldnn_linear_flops)
+except RuntimeError:  # "duplicate registrations": a torch release with a formula of its own
+    pass
+
+
 # ---- the two products through oneDNN ----------------------------------------------------------------
 
 
 def _onednn_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T + bias through oneDNN's inner product. x: [..., in] float32; weight: [out, in];
-    bias: [out] or None -> [..., out]. oneDNN wants unit-stride rows: other layouts are copied first."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    """x @ weight^T + bias through oneDNN's inner product (``aten::mkldnn_linear``). x: [..., in]
+    float32; weight: [out, in]; bias: [out] or None -> [..., out] (dense, contiguous).
+
+    The operator takes its input in oneDNN's own layout and returns its output in it: both are copied
+    (``Tensor.to_mkldnn`` / ``to_dense``), a cost the per-case measurement includes. The weight is read
+    in place; oneDNN wants it with unit-stride rows."""
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.aten.mkldnn_linear(rows.to_mkldnn(), weight, bias).to_dense()
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _backward_products(
@@ -164,20 +183,7 @@ def _plain_fp32_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
         return False
-    return not torch.is_autocast_enabled("cpu") and ordinary_dispatch()
-
-
-def ordinary_dispatch() -> bool:
-    """Whether a call may run other ops than the one it stands for: not while ``torch.compile`` traces,
-    nor under anything that should see aten::linear itself (a dispatch or function mode such as a FLOP
-    counter, a functorch transform, forward-mode AD)."""
-    return not (
-        torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._are_functorch_transforms_active()
-        or torch.autograd.forward_ad._current_level >= 0
-    )
+    return not torch.is_autocast_enabled("cpu") and plain_eager(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

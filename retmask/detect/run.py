@@ -122,7 +122,7 @@ def _fingerprint(
         "model": cfg.model or "embedded:SmolLM2-135M-Instruct",
         "gguf_file": cfg.gguf_file,
         "dtype": cfg.dtype,
-        "model_name_or_path": str(getattr(model.config, "_name_or_path", "")),
+        "model_name_or_path": str(getattr(model.config, "name_or_path", "")),
         "needles": [n.to_dict() for n in needles],
         "haystack_sha256": hashlib.sha256(haystack_text.encode("utf-8")).hexdigest(),
         "lengths": lengths,

@@ -275,7 +275,7 @@ def run_ablation(
     try:
         full = complete_scores(scores, shape)
     except SelectionError as err:
-        raise AblationError(f"{err} (model: {model_name or model.config._name_or_path})") from None
+        raise AblationError(f"{err} (model: {model_name or model.config.name_or_path})") from None
     ks = parse_ks(ks)
     pool = random_pool(full, random_from, tau)
     check_ks(ks, full, pool, shape, tau)

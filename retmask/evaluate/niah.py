@@ -177,7 +177,7 @@ def grid_fingerprint(
         precision["device"] = str(param.device)
     return {
         **precision,
-        "model": model_name or str(getattr(model.config, "_name_or_path", "")),
+        "model": model_name or str(getattr(model.config, "name_or_path", "")),
         "lengths": [int(x) for x in lengths],
         "depths": [int(x) for x in depths],
         "needles": [n.to_dict() for n in needles],
@@ -309,7 +309,7 @@ def evaluate_niah(
     heads_list = [] if mask is None else [[int(a), int(b)] for a, b in mask.nonzero().tolist()]
     meta = {
         "prompt_style": style,
-        "model": str(getattr(model.config, "_name_or_path", "")),
+        "model": str(getattr(model.config, "name_or_path", "")),
         "shape": list(model_shape(model)),
         "heads": heads_list,
         "grid": {"lengths": lengths, "depths": depths, "needles": len(needle_list), "tests": len(tests)},

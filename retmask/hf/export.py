@@ -144,7 +144,7 @@ def masking_record(
     record: dict[str, Any] = {
         "edit": f"{projection} input features of each masked head set to 0 (the head contributes nothing)",
         "num_masked_heads": len(masked),
-        "base_model": getattr(model.config, "_name_or_path", None) or None,
+        "base_model": getattr(model.config, "name_or_path", None) or None,
         "retmask_version": __version__,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }

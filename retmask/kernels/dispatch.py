@@ -14,7 +14,10 @@ Backends (``backend=``):
 ``attention`` validates and normalises its arguments here (plain Python: under ``torch.compile`` it runs
 at trace time), then calls the ``torch.ops.retmask.attention_fwd`` operator (``ops.py``), whose
 registered autograd formula supplies the backward. The reference backend runs plain torch ops; a plain
-eager call that records no autograd graph runs the operator's body directly (``ops.eager_direct``).
+eager call that records no autograd graph runs the operator's body directly (``ops.eager_direct``); a
+call under a ``torch.func`` transform (vmap, grad, jvp...) or with a forward-mode tangent runs the
+reference, whose plain torch ops have the batching and forward-mode rules the operator lacks
+(``eager_state.transformed``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import os
 from typing import Literal
 
 import torch
+
+from retmask.eager_state import transformed
 
 from .ops import LSE_BACKENDS, attention_fwd, backend_module, eager_direct, forward_impl
 from .reference import reference_attention
@@ -164,6 +169,14 @@ def attention(
         out, argmax, _ = forward_impl(
             q, k, v, key_padding_mask, skip_heads, sinks, causal, scale, rows, window, softcap, name, False,
             sink_tokens, heads_last=heads_last,
+        )  # fmt: skip
+    elif not torch.compiler.is_compiling() and transformed(q, k, v, sinks):
+        # torch.func transforms and forward-mode AD: the operator has neither batching nor forward-mode
+        # rules (a jvp through it would come out zero), the plain-torch reference has all of them.
+        out, argmax = reference_attention(
+            q, k, v, causal=causal, sm_scale=scale, key_padding_mask=key_padding_mask,
+            skip_heads=skip_heads, argmax_rows=rows, window=window, softcap=softcap, sinks=sinks,
+            sink_tokens=sink_tokens,
         )  # fmt: skip
     else:
         # The log-sum-exp is only kept for a backend's own backward, and only when a gradient is wanted.

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from retmask.eager_state import plain_eager
+
 from . import paths
 from .chunked import chunked_grads
 from .cpu import backend as cpu
@@ -261,24 +263,11 @@ def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_h
     return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes, strict=True))
 
 
-def _untraced() -> bool:
-    """Outside any tracer, dispatch / function mode, functorch transform or forward-AD level: what
-    ``_plain_eager`` and ``eager_direct`` ask of the state, apart from their tensors. Read from torch's
-    dispatcher state (``torch._C``): torch has no public query for an active dispatch mode or functorch
-    transform."""
-    return not (
-        torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._are_functorch_transforms_active()
-    )
-
-
 def _plain_eager(*tensors: torch.Tensor) -> bool:
-    """Plain tensors outside any tracer, dispatch / function mode or functorch transform: what the C++
-    backward (which reads the data) and ``eager_direct`` need. AOTAutograd traces the backward with fake
-    tensors and without ``is_compiling()``, hence the type check."""
-    return _untraced() and all(type(t) is torch.Tensor for t in tensors)
+    """Plain tensors in plain eager execution (``eager_state.plain_eager``): what the C++ backward (which
+    reads the data) and ``eager_direct`` need. AOTAutograd traces the backward with fake tensors and
+    without ``is_compiling()``, hence the type check."""
+    return all(type(t) is torch.Tensor for t in tensors) and plain_eager(*tensors)
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, key_padding_mask, skip_heads, sinks, causal, sm_scale, window,
@@ -347,18 +336,16 @@ attention_bwd = torch.ops.retmask.attention_bwd.default
 def eager_direct(*tensors: torch.Tensor | None) -> bool:
     """Whether ``attention`` may run ``forward_impl`` itself instead of dispatching ``attention_fwd``.
 
-    Only where nothing could tell the difference: plain eager execution on plain tensors with no
-    autograd graph to record (no_grad, inference_mode, or no input requiring grad) and no tracer,
-    dispatch / function mode, functorch transform or forward-AD level that should see the operator.
+    Only where nothing could tell the difference: plain tensors with no autograd graph to record
+    (no_grad, inference_mode, or no input requiring grad) in plain eager execution (no tracer, function
+    mode, functorch transform or forward-mode tangent: ``eager_state.plain_eager``; a dispatch mode has
+    no public query and sees the operators the body calls).
     The computation is the same function either way; this skips the dispatcher round trip (the Python
     Autograd kernel, redispatch, boxing ten arguments twice), about two thirds of a decode call's wrapper
     time.
     """
-    # dynamo / export fold is_compiling() to a constant while tracing; forward AD must see the operator too
-    if not _untraced() or torch.autograd.forward_ad._current_level >= 0:
-        return False
     grad_enabled = torch.is_grad_enabled()
     for t in tensors:  # a loop, not any() over a generator: this runs on every decode step of every layer
         if t is not None and (type(t) is not torch.Tensor or (grad_enabled and t.requires_grad)):
             return False
-    return True
+    return plain_eager(*tensors)

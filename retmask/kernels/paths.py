@@ -144,7 +144,8 @@ def cpu_backward_path(dtype: torch.dtype, *, built: bool, traced: bool, window: 
                       softcap: float | None, sinks: torch.Tensor | None) -> str:  # fmt: skip
     """The CPU backward path ("kernel", "chunked", "sdpa_fp32" or "sdpa") of a call of ``dtype``, by the
     rule of the module docstring. ``built``: ``retmask._C`` is built; ``traced``: the call is seen by a
-    tracer (fake tensors, ``torch.compile``, a dispatch mode), where the C++ kernel cannot read the data.
+    tracer or transform (fake tensors, ``torch.compile``, ``torch.func``), where the C++ kernel cannot
+    read the data.
     Sink tokens need no argument of their own: they come with a window, which takes the window's path
     ("kernel" eager, "chunked" traced); both compute them."""
     if softcap is not None or sinks is not None:

@@ -138,13 +138,28 @@ def test_other_calls_go_to_f_linear(onednn, monkeypatch):
         out = linear_cpu.linear(x, w, b)
     assert out.dtype == torch.bfloat16
     assert torch.equal(linear_cpu.linear(x[0, 0], w, b), F.linear(x[0, 0], w, b))
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:  # a dispatch mode must see aten's linear
-        linear_cpu.linear(x, w, b)
-    assert counter.get_total_flops() == 2 * 3 * 5 * 4 * 8
+    with torch.device("cpu"):  # a torch function mode must see F.linear
+        assert torch.equal(linear_cpu.linear(x, w, b), F.linear(x, w, b))
     grad_w = torch.func.grad(lambda w_: linear_cpu.linear(x, w_, b).sum())(w)  # a functorch transform
     torch.testing.assert_close(grad_w, x.reshape(-1, 8).sum(0).expand(4, 8))
+    with torch.autograd.forward_ad.dual_level():  # forward-mode AD: the tangent comes through
+        dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
+        tangent = torch.autograd.forward_ad.unpack_dual(linear_cpu.linear(dual, w, b)).tangent
+    torch.testing.assert_close(tangent, F.linear(torch.ones_like(x), w))
+
+
+def test_flop_counter_counts_onednn_linears(onednn):
+    """A dispatch mode has no public query: it sees oneDNN's operator, which torch's FLOP counter counts
+    as it counts aten's linear, forward and backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, b = _inputs((3, 5), 8, 4, True, seed=7)
+    w.requires_grad_(True)
+    with FlopCounterMode(display=False) as counter:
+        linear_cpu.linear(x, w, b).sum().backward()
+    with FlopCounterMode(display=False) as want:
+        F.linear(x, w.detach().requires_grad_(True), b).sum().backward()
+    assert counter.get_total_flops() == want.get_total_flops() == 2 * (2 * 3 * 5 * 4 * 8)
 
 
 def test_speedups_off_never_calls_onednn(monkeypatch):

@@ -156,6 +156,35 @@ def test_backward_under_a_dispatch_mode():
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
 
 
+def test_torch_func_transforms_run_the_reference():
+    """vmap, grad and jvp (and forward-mode AD) see plain torch ops: batched results equal per-row calls,
+    grad equals autograd's, and a jvp equals the directional derivative (the operator would give 0)."""
+    q, k, v, kpm, skip, causal, rows = _case_inputs(CASES[1], requires_grad=False)
+    kw = dict(causal=causal, key_padding_mask=kpm, skip_heads=skip, backend="cpu")
+
+    def out_of(q_):
+        return attention(q_, k, v, **kw)
+
+    batched = torch.func.vmap(out_of)(torch.stack([q, 0.5 * q]))
+    torch.testing.assert_close(batched[0], out_of(q), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(batched[1], out_of(0.5 * q), atol=2e-5, rtol=2e-5)
+    weights = torch.randn(out_of(q).shape, generator=torch.Generator().manual_seed(3))
+    grad = torch.func.grad(lambda q_: (out_of(q_) * weights).sum())(q)
+    q_ = q.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad((out_of(q_) * weights).sum(), q_)
+    torch.testing.assert_close(grad, want, atol=2e-5, rtol=2e-5)
+    direction = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+    _, tangent = torch.func.jvp(out_of, (q,), (direction,))
+    ref_kw = dict(causal=causal, key_padding_mask=kpm, skip_heads=skip)
+    _, want = torch.func.jvp(lambda q_: reference_attention(q_, k, v, **ref_kw)[0], (q,), (direction,))
+    torch.testing.assert_close(tangent, want, atol=1e-5, rtol=1e-5)
+    assert tangent.abs().max() > 0.1  # the operator's jvp would be all zeros
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, direction)
+        fw_tangent = torch.autograd.forward_ad.unpack_dual(out_of(dual)).tangent
+    torch.testing.assert_close(fw_tangent, want, atol=1e-5, rtol=1e-5)
+
+
 def test_no_double_backward():
     q, k, v, *_ = _case_inputs(CASES[0])
     out = attention(q, k, v, backend="cpu")
@@ -192,12 +221,17 @@ def test_eager_shortcut_only_without_autograd_or_modes(count_op_calls):
     assert len(count_op_calls) == 1 and through_op[0].requires_grad and not through_op[1].requires_grad
     torch.testing.assert_close(through_op[0], direct[0], rtol=0, atol=0)
     assert torch.equal(through_op[1], direct[1])
-    with torch.no_grad(), _OpLog() as log:  # a dispatch mode must see the operator
+    with torch.no_grad(), torch.device("cpu"):  # a torch function mode must see the operator
         attention(q, k, v, backend="cpu", **kw)
-    assert len(count_op_calls) == 2 and FWD in log.ops
-    with torch.no_grad(), torch.device("cpu"):  # so must a torch function mode
-        attention(q, k, v, backend="cpu", **kw)
-    assert len(count_op_calls) == 3
+    assert len(count_op_calls) == 2
+    with torch.autograd.forward_ad.dual_level(), torch.no_grad():  # forward-mode AD: the reference
+        dual_q = torch.autograd.forward_ad.make_dual(q.detach(), torch.ones_like(q))
+        attention(dual_q, k.detach(), v.detach(), backend="cpu", **kw)
+    assert len(count_op_calls) == 2
+    with torch.no_grad(), _OpLog() as log:  # a dispatch mode has no public query: the body runs directly
+        under_mode = attention(q, k, v, backend="cpu", **kw)
+    assert len(count_op_calls) == 2 and FWD not in log.ops
+    torch.testing.assert_close(under_mode[0], direct[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=["mha", "gqa_pad_skip", "decode"])

@@ -112,7 +112,7 @@ def _resume_point(
     if model_spec is not None:
         name = str(model_spec)
     else:  # a model object, or the embedded default model that load_model(None) loads
-        name = str(getattr(model.config, "_name_or_path", "")) if model is not None else "default"
+        name = str(getattr(model.config, "name_or_path", "")) if model is not None else "default"
     settings = checkpoints.training_settings(mode, cfg, pairs_path, name)
     return settings, checkpoints.resume_point(out, settings, PairsError) if resume else None
 

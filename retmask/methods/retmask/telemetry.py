@@ -58,12 +58,11 @@ def _history_entry(step: int, logged: dict[str, Any]) -> dict[str, Any]:
 
 
 def unwrap(model: Any) -> Any:
-    """The bare model under DDP / accelerate / torch.compile wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
-            return model
-        model = inner
+    """The bare model under DDP / DataParallel / DeepSpeed / FSDP / torch.compile wrappers (accelerate's
+    ``extract_model_from_parallel``, what the trainer itself uses)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model, keep_torch_compile=False)
 
 
 class RetrievalTelemetry(TrainerCallback):

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import retmask
 from retmask.cli import main as cli
@@ -85,11 +86,8 @@ def test_probe_restores_train_mode_and_matches_direct(tiny, monkeypatch):
 def test_unwrap_and_errors(tiny, pairs_with_heads, tmp_path):
     model, _ = tiny
 
-    class Wrapper:
-        def __init__(self, m):
-            self.module = m
-
-    assert unwrap(Wrapper(Wrapper(model))) is model
+    assert unwrap(torch.compile(torch.nn.DataParallel(model))) is model
+    assert unwrap(model) is model
     with pytest.raises(ValueError, match="positive"):
         RetrievalTelemetry(HEADS, 0)
     with pytest.raises(ValueError, match="masked heads"):
