@@ -24,8 +24,9 @@ Only plain float32 CPU calls are concerned: another dtype or device, an input or
 plain tensor, CPU autocast (which must see ``F.linear`` to cast it), ``torch.compile`` tracing, a
 function mode, a functorch transform or forward-mode AD all go to ``F.linear`` unchanged
 (``eager_state.plain_eager``). A dispatch mode, which torch offers no public query for, sees
-``aten::mkldnn_linear``; torch's FLOP counter counts it through a formula registered here. The gradient is exact either way (the same products, another summation order); there is no double
-backward through oneDNN. :func:`decisions` lists what this process used, for run records and pages.
+``aten::mkldnn_linear``; torch's FLOP counter counts it through a formula registered here. The gradient
+is exact either way (the same products, another summation order); there is no double backward through
+oneDNN. :func:`decisions` lists what this process used, for run records and pages.
 """
 
 from __future__ import annotations
