@@ -265,8 +265,8 @@ def _sdpa_grads(grad_out, q, k, v, *, causal, sm_scale, key_padding_mask, skip_h
 
 def _plain_eager(*tensors: torch.Tensor) -> bool:
     """Plain tensors in plain eager execution (``eager_state.plain_eager``): what the C++ backward (which
-    reads the data) and ``eager_direct`` need. AOTAutograd traces the backward with fake tensors and
-    without ``is_compiling()``, hence the type check."""
+    reads the data) needs. AOTAutograd traces the backward with fake tensors and without
+    ``is_compiling()``, hence the type check."""
     return all(type(t) is torch.Tensor for t in tensors) and plain_eager(*tensors)
 
 
