@@ -23,6 +23,9 @@
 #          32K and 64K tokens (reference procedure, fast path, fast path with CUDA-graph passes, both fast
 #          paths again with the passes in the split-key kernel: what decides paths.SPLIT_KEY_ROWS) and a DPO
 #          step at 8K through SDPA and retmask, with peak memory (page in OUTDIR; ~16 GB of weights);
+#   gemma  bench_gemma3_prefill.py: a Gemma-3-270M-shaped model (random weights, bf16: the optional package
+#          is too large to carry) at 4K, 16K and 32K: `retmask detect`'s prefill against SDPA's forward of
+#          the same model, per part (page in OUTDIR);
 #   model  the embedded SmolLM2-135M-Instruct on the GPU: `retmask detect` on the default grid (dtype auto,
 #          i.e. bf16, and float32; bf16 again with --static-passes, compared with `retmask compare`), and
 #          bench_detect.py (reference-style detection vs ours, bf16, also with --static-passes-side) with
@@ -159,6 +162,13 @@ for stage in $stages; do
         grep -E "^\| [0-9a-z]" "$out"/llama8b_*.md 2>/dev/null | cut -d: -f2- | cut -c1-120
         tail -3 "$out/scale.log"
         ;;
+    gemma)
+        timeout "${GEMMA_TIMEOUT:-240}" $py bench/bench_gemma3_prefill.py --device cuda --weights random \
+            --dtype bfloat16 --lengths ${GEMMA_LENGTHS:-4096,16384,32768} --out "$out" >"$out/gemma.log" 2>&1
+        rc=$?
+        grep -E "^\| [0-9a-zA-Z]" "$out"/gemma3_prefill_*.md 2>/dev/null | cut -d: -f2- | cut -c1-120
+        tail -3 "$out/gemma.log"
+        ;;
     model)
         rc=0
         if [ $have_model = 0 ]; then
@@ -195,7 +205,7 @@ for stage in $stages; do
         fi
         ;;
     *)
-        echo "unknown stage $stage (env, tests, tune, bench, decode, step, graph, scale, model)" >&2
+        echo "unknown stage $stage (env, tests, tune, bench, decode, step, graph, scale, gemma, model)" >&2
         rc=2
         ;;
     esac
