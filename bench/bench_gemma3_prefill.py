@@ -8,8 +8,8 @@ tokens, interleaved (A B B A) after one untimed call each:
   the published detection script does before it decodes;
 * ``sdpa, last logits``: the same forward, logits of the last position only;
 * ``retmask detect prefill``: what ``retmask detect`` runs: the prompt in chunks (the device's default,
-  256 tokens on a CPU) into a reserved cache, the retmask attention, no logits but the last, the last
-  layer writing only its K/V;
+  256 tokens on a CPU) into a reserved cache, the retmask attention, the last layer writing only its
+  K/V and the LM head skipped (``retmask.detect.kv_only``);
 * ``retmask one pass``: the same in one pass (chunk = N);
 * ``sdpa detect prefill``: the chunked path with SDPA attention (``retmask detect --prefill-impl sdpa``).
 
@@ -62,7 +62,7 @@ from common import (  # noqa: E402
 import retmask  # noqa: E402,F401  (registers the retmask attention)
 from retmask.commands.argtypes import positive_int  # noqa: E402
 from retmask.detect.core import attn_implementation  # noqa: E402
-from retmask.detect.kv_only import last_layer_kv_only  # noqa: E402
+from retmask.detect.kv_only import kv_only  # noqa: E402
 from retmask.detect.prefill_chunk import resolve_prefill_chunk  # noqa: E402
 from retmask.hf.kv_cache import growing_cache, reserve  # noqa: E402
 from retmask.hf.loading import load_model, parse_dtype  # noqa: E402
@@ -117,7 +117,7 @@ def detect_prefill(model, ids: torch.Tensor, impl: str, chunk: int) -> float:
     reserve(cache, n + 64)  # as detect: the cache is sized once for the prompt and the answer
     sync(ids.device)
     t0 = time.perf_counter()
-    with torch.no_grad(), attn_implementation(model, impl), last_layer_kv_only(model):
+    with torch.no_grad(), attn_implementation(model, impl), kv_only(model):
         for a in range(0, n, chunk):
             model(
                 input_ids=ids[:, a : a + chunk],
@@ -179,7 +179,7 @@ class PartTimer:
             elif leaf == "embed_tokens":
                 self._time(module, "embedding")
             elif leaf == "lm_head":
-                self._time(module, "LM head (last position)")
+                self._time(module, "LM head (skipped: zeros)")
         inner = interface.retmask_attention
 
         def timed(module, *args, **kwargs):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from retmask.detect.drafts import next_draft_cap, propose_draft
-from retmask.detect.kv_only import last_layer_kv_only
+from retmask.detect.kv_only import kv_only
 from retmask.detect.prefill_chunk import resolve_prefill_chunk
 from retmask.detect.state_snapshots import LayerStates, rewind, take
 from retmask.detect.static_passes import BUCKETS, StaticPasses
@@ -161,8 +161,8 @@ class FastDetector:
       prefix, computed in chunks aligned to absolute multiples of ``chunk`` positions and reused only in
       whole chunks, so every KV entry is computed by the same call shapes whatever ran before: a test's
       result does not depend on the order of tests (resume and sharding reproduce it exactly).
-    * No logits for prompt positions (``logits_to_keep=1`` in the prefill), and of the last layer the
-      prefill computes only the K/V (``kv_only.last_layer_kv_only``): nothing reads the prefill's outputs.
+    * No logits in the prefill (the LM head returns zeros, ``logits_to_keep=1`` keeps them one row), and
+      of the last layer it computes only the K/V (``kv_only.kv_only``): nothing reads its outputs.
     * Greedy answer by prompt-lookup verification: feed ``[x, d_1..d_k]``, accept the longest draft prefix
       equal to the greedy tokens plus one; the argmax of the accepted rows is captured in the same pass by
       the fused kernel (``retmask.capture_argmax``) and checked against the tokens on the device; counts
@@ -266,8 +266,8 @@ class FastDetector:
         chunks = -(-len(prefix) // self.chunk)
         state_every = self.chunk * max(1, -(-chunks // MAX_KEPT_STATES))
         # The prefill needs no argmax: any attention implementation may compute it (``prefill_impl``). Its
-        # outputs are discarded, so the last layer only writes its K/V (``last_layer_kv_only``).
-        with attn_implementation(self.model, self.prefill_impl), last_layer_kv_only(self.model):
+        # outputs are discarded, so the last layer only writes its K/V and the LM head is skipped (``kv_only``).
+        with attn_implementation(self.model, self.prefill_impl), kv_only(self.model):
             for a in range(keep, len(prefix), self.chunk):
                 b = min(len(prefix), a - a % self.chunk + self.chunk)
                 self.model(
