@@ -55,6 +55,7 @@ from common import (  # noqa: E402
     mem_available_bytes,
     page_tail,
     save_figure,
+    sync_device,
     text_table,
     write_page,
 )
@@ -99,12 +100,6 @@ def build_model(weights: str, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a wall-clock time covers it (nothing on a CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def free_memory_bytes(device: torch.device) -> int:
     """Bytes free for new tensors on ``device``: the GPU's free memory, or the host's available memory."""
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else mem_available_bytes()
@@ -115,7 +110,7 @@ def detect_prefill(model, ids: torch.Tensor, impl: str, chunk: int) -> float:
     n = ids.shape[1]
     cache = growing_cache(model)
     reserve(cache, n + 64)  # as detect: the cache is sized once for the prompt and the answer
-    sync(ids.device)
+    sync_device(ids.device)
     t0 = time.perf_counter()
     with torch.no_grad(), attn_implementation(model, impl), kv_only(model):
         for a in range(0, n, chunk):
@@ -125,17 +120,17 @@ def detect_prefill(model, ids: torch.Tensor, impl: str, chunk: int) -> float:
                 use_cache=True,
                 logits_to_keep=1,
             )
-    sync(ids.device)
+    sync_device(ids.device)
     return time.perf_counter() - t0
 
 
 def sdpa_forward(model, ids: torch.Tensor, logits_to_keep: int) -> float:
     """Seconds of one SDPA forward of the whole prompt (``logits_to_keep=0``: every position's logits)."""
-    sync(ids.device)
+    sync_device(ids.device)
     t0 = time.perf_counter()
     with torch.no_grad(), attn_implementation(model, "sdpa"):
         model(input_ids=ids, use_cache=True, logits_to_keep=logits_to_keep)
-    sync(ids.device)
+    sync_device(ids.device)
     return time.perf_counter() - t0
 
 
@@ -154,11 +149,11 @@ class PartTimer:
 
     def _time(self, module: torch.nn.Module, part: str) -> None:
         def pre(mod, args):
-            sync(self.device)
+            sync_device(self.device)
             self._starts[id(mod)] = time.perf_counter()
 
         def post(mod, args, out):
-            sync(self.device)
+            sync_device(self.device)
             self.seconds[part] += time.perf_counter() - self._starts.pop(id(mod))
 
         self._handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
@@ -184,10 +179,10 @@ class PartTimer:
 
         def timed(module, *args, **kwargs):
             kind = "local (window 512)" if getattr(module, "sliding_window", None) else "global"
-            sync(self.device)
+            sync_device(self.device)
             t0 = time.perf_counter()
             out = inner(module, *args, **kwargs)
-            sync(self.device)
+            sync_device(self.device)
             self.seconds[f"attention, {kind} layers"] += time.perf_counter() - t0
             return out
 

@@ -55,6 +55,7 @@ from common import (  # noqa: E402
     page_tail,
     save_figure,
     split_key_rows,
+    sync_device,
     write_page,
 )
 
@@ -84,11 +85,6 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _peak_reset(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -109,11 +105,11 @@ def _measured(
     device: torch.device, run: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> tuple[Any, float, float | None]:
     """(result, seconds, peak GiB) of ``run(*args, **kwargs)``."""
-    _sync(device)
+    sync_device(device)
     _peak_reset(device)
     t0 = time.perf_counter()
     result = run(*args, **kwargs)
-    _sync(device)
+    sync_device(device)
     return result, time.perf_counter() - t0, _peak_gb(device)
 
 

@@ -208,6 +208,14 @@ def time_calls(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
     return times
 
 
+def sync_device(device: Any) -> None:
+    """Wait for a CUDA device's queued work, so that a wall-clock time covers it (nothing on a CPU)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def interleaved(calls: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
     """Seconds of each call in A B B A ... order (so that drift of the machine hits all alike), after one
     untimed call each; every call returns its own seconds (it may leave its setup out)."""
