@@ -70,20 +70,36 @@ def _zero_logits(vocab: int) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 @contextmanager
+def _forward_replaced(
+    module: torch.nn.Module | None, forward: Callable[..., torch.Tensor] | None
+) -> Iterator[None]:
+    """``module`` (None: nothing) runs ``forward`` inside the block: an instance attribute shadows the class's
+    forward. On exit the module's own instance ``forward`` is back, if it had one (accelerate's hooks wrap a
+    module that way), or the class's."""
+    if module is None:
+        yield
+        return
+    own = vars(module).get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+@contextmanager
 def kv_only(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, forward calls of ``model`` compute only the K/V of its last decoder layer and no
     logits (see the module docstring): use it only around calls whose hidden states and logits are
     discarded. Any runtime head mask (shared or per batch row) is restored on exit, as are the MLP and the
     LM head."""
     head = _linear_head(model)
-    if head is not None:
-        head.forward = _zero_logits(head.out_features)  # an instance attribute shadows the class's forward
-    try:
-        with _last_layer_kv_only(model):
-            yield
-    finally:
-        if head is not None:
-            del head.forward
+    zero_logits = _zero_logits(head.out_features) if head is not None else None
+    with _forward_replaced(head, zero_logits), _last_layer_kv_only(model):
+        yield
 
 
 @contextmanager
@@ -101,11 +117,8 @@ def _last_layer_kv_only(model: torch.nn.Module) -> Iterator[None]:
     shape = (rows, heads) if rows is not None else (heads,)  # a per-row mask keeps its batch check
     mlp = _dense_mlp(_decoder_layer_of(model, attention))
     attention._retmask_skip = torch.ones(shape, dtype=torch.bool, device=device)
-    if mlp is not None:
-        mlp.forward = _zeros_like_input  # an instance attribute shadows the class's forward
     try:
-        yield
+        with _forward_replaced(mlp, _zeros_like_input):
+            yield
     finally:
         attention._retmask_skip = old_skip
-        if mlp is not None:
-            del mlp.forward

@@ -105,3 +105,25 @@ def test_a_per_row_head_mask_keeps_its_batch_check_and_is_restored():
         with pytest.raises(ValueError, match="per-row head mask was set for batch size 2"):
             model(input_ids=ids[:1])
     torch.testing.assert_close(last._retmask_skip, before, rtol=0, atol=0)
+
+
+def test_an_instance_forward_of_the_head_and_mlp_is_restored():
+    """A module whose forward is already an instance attribute (accelerate's hooks wrap modules that way)
+    gets that forward back after the block, not the class's."""
+    model = tiny_llama(vocab=50, layers=3)
+    wrapped = []
+    for module in (model.lm_head, model.model.layers[-1].mlp):
+        inner = module.forward
+
+        def forward(*args, _inner=inner, _module=module, **kwargs):
+            wrapped.append(type(_module).__name__)
+            return _inner(*args, **kwargs)
+
+        module.forward = forward
+    ids = torch.randint(3, 50, (1, 12), generator=torch.Generator().manual_seed(0)).to(model.device)
+    with torch.no_grad(), kv_only(model):
+        model(input_ids=ids)
+    assert wrapped == []  # inside the block neither wrapper ran: the zeros did
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert sorted(wrapped) == ["Linear", "LlamaMLP"] and logits.any()
