@@ -61,7 +61,7 @@ from common import (  # noqa: E402
 )
 
 import retmask  # noqa: E402,F401  (registers the retmask attention)
-from retmask.commands.argtypes import positive_int  # noqa: E402
+from retmask.commands.argtypes import positive_int, token_count  # noqa: E402
 from retmask.detect.core import attn_implementation  # noqa: E402
 from retmask.detect.kv_only import kv_only  # noqa: E402
 from retmask.detect.prefill_chunk import resolve_prefill_chunk  # noqa: E402
@@ -225,8 +225,9 @@ def all_logits_bytes(model, n: int) -> int:
 
 
 def lengths_list(text: str) -> list[int]:
-    """``"4096,16384"`` -> ``[4096, 16384]``; each length an integer >= 1 (argparse type)."""
-    return [positive_int(x) for x in text.split(",")]
+    """``"4096,16384"`` -> ``[4096, 16384]``; each length a token count (argparse type: >= 1 and below
+    ``argtypes.MAX_TOKENS``)."""
+    return [token_count(x) for x in text.split(",")]
 
 
 def main() -> None:
