@@ -1,9 +1,10 @@
 // Entry point of the fused CPU attention kernel (attention_cpu.h): checks the arguments, then runs the
 // build of the kernel (attention_cpu_kernel.h) for the widest instruction set this CPU has.
 //
-// The kernel is compiled four times into the one extension: AVX-512 + AVX512-BF16 (the AVX-512 build with
-// native bf16 dot products), AVX-512 (16 fp32 lanes), AVX2 + FMA (8 lanes) and generic (8-lane vectors for
-// whatever the compiler flags allow; the only build off x86). The choice
+// The kernel (and the linear kernel of linear_cpu.h, whose build is chosen the same way) is compiled four
+// times into the one extension: AVX-512 + AVX512-BF16 (the AVX-512 build with native bf16 dot products),
+// AVX-512 (16 fp32 lanes), AVX2 + FMA (8 lanes) and generic (8-lane vectors for whatever the compiler flags
+// allow; the only build off x86). The choice
 // is made here, at run time, from the CPU's feature bits, so one build of retmask._C runs on every x86 CPU
 // and uses its vector width: no -march=native, and no illegal instruction when a build moves to another
 // machine. A caller may ask for a narrower build by name (AttentionFwdArgs::isa), e.g. to compare them.
@@ -24,6 +25,7 @@
 
 #include "attention_cpu.h"
 #include "attention_cpu_internal.h"
+#include "linear_cpu.h"
 
 namespace {
 
@@ -131,6 +133,7 @@ struct Build {
     int lanes;
     RunFn run;
     RunBwdFn run_bwd;
+    retmask::detail::LinearRowsFn linear_rows;  // the linear kernel of the same build (linear_cpu.h)
 };
 
 // The builds this CPU can run, widest first.
@@ -140,12 +143,16 @@ const std::vector<Build>& builds() {
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_cpu_init();
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"))
-            v.push_back({"avx512bf16", 16, retmask::detail::avx512bf16::run, retmask::detail::avx512bf16::run_bwd});
-        if (__builtin_cpu_supports("avx512f")) v.push_back({"avx512", 16, retmask::detail::avx512::run, retmask::detail::avx512::run_bwd});
+            v.push_back({"avx512bf16", 16, retmask::detail::avx512bf16::run, retmask::detail::avx512bf16::run_bwd,
+                         retmask::detail::avx512bf16::linear_rows});
+        if (__builtin_cpu_supports("avx512f")) v.push_back({"avx512", 16, retmask::detail::avx512::run, retmask::detail::avx512::run_bwd,
+                         retmask::detail::avx512::linear_rows});
         if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-            v.push_back({"avx2", 8, retmask::detail::avx2::run, retmask::detail::avx2::run_bwd});
+            v.push_back({"avx2", 8, retmask::detail::avx2::run, retmask::detail::avx2::run_bwd,
+                         retmask::detail::avx2::linear_rows});
 #endif
-        v.push_back({"generic", 8, retmask::detail::generic::run, retmask::detail::generic::run_bwd});
+        v.push_back({"generic", 8, retmask::detail::generic::run, retmask::detail::generic::run_bwd,
+                         retmask::detail::generic::linear_rows});
         return v;
     }();
     return list;
@@ -175,6 +182,8 @@ int resolve_threads(int requested) {
 }  // namespace
 
 namespace retmask {
+
+detail::LinearRowsFn detail::linear_rows_build(const std::string& isa) { return pick(isa).linear_rows; }
 
 std::vector<std::pair<std::string, int>> cpu_builds() {
     std::vector<std::pair<std::string, int>> out;

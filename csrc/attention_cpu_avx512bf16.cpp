@@ -1,4 +1,5 @@
-// The avx512bf16 build of the fused CPU attention kernel (attention_cpu_kernel.h): the avx512 build plus
+// The avx512bf16 build of the fused CPU attention kernel (attention_cpu_kernel.h) and of the linear kernel
+// (linear_cpu_kernel.h): the avx512 build plus
 // AVX512-BF16, whose vdpbf16ps runs the bf16dot lanes layout natively (two bf16 multiply-adds per fp32
 // lane and instruction); every other path compiles as in the avx512 build. attention_cpu.cpp calls it
 // only on CPUs that report AVX-512F and AVX512-BF16.
@@ -28,6 +29,7 @@
 #endif
 
 #include "attention_cpu_internal.h"
+#include "linear_cpu.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC push_options
@@ -37,11 +39,13 @@
 #define RETMASK_BF16_DOT 1
 #include "attention_cpu_kernel.h"
 #include "attention_bwd_cpu_kernel.h"
+#include "linear_cpu_kernel.h"
 #pragma GCC pop_options
 #else
 // Not x86: this build does not exist (attention_cpu.cpp never lists it); the symbol keeps the link whole.
 namespace retmask::detail::avx512bf16 {
 void run(const KernelArgs&, DType, int) {}
 void run_bwd(const BwdKernelArgs&, DType, int) {}
+void linear_rows(const LinearKernelArgs&, DType, int) {}
 }  // namespace retmask::detail::avx512bf16
 #endif

@@ -1,4 +1,5 @@
-// retmask._C: the pybind11 binding of the fused CPU attention kernel (attention_cpu.h).
+// retmask._C: the pybind11 binding of the fused CPU attention kernel (attention_cpu.h) and of the CPU linear
+// kernel for few input rows (linear_cpu.h).
 //
 // No torch headers: tensors arrive as (data pointer, dtype code, shape, strides) tuples of plain integers,
 // so the module builds against any torch (or none) and never links libtorch. The binding checks what the
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "linear_cpu.h"
 
 namespace py = pybind11;
 
@@ -247,6 +249,47 @@ void attention_bwd(const TensorArg& dout_arg, const TensorArg& q_arg, const Tens
     retmask::attention_bwd_cpu(a);  // std::invalid_argument -> ValueError, std::bad_alloc -> MemoryError
 }
 
+// A [rows, cols] matrix argument whose columns have unit stride (any row stride); returns the row stride.
+int64_t unit_column_stride(const Tensor& t) {
+    if (t.shape[1] > 1 && t.strides[1] != 1)
+        bad(t.name, "needs unit stride along its last dim, got strides " + dims_str(t.strides));
+    return t.strides[0];
+}
+
+void linear_rows(const TensorArg& x_arg, const TensorArg& w_arg, const std::optional<TensorArg>& bias_arg,
+                 const TensorArg& y_arg, int num_threads, const std::string& isa) {
+    const Tensor x = unpack("x", x_arg, 2, -1);
+    if (x.dtype != static_cast<int>(DType::Float32) && x.dtype != static_cast<int>(DType::BFloat16))
+        bad("x", "dtype " + dtype_str(x.dtype) + ", expected float32 or bfloat16");
+    const Tensor w = unpack("weight", w_arg, 2, x.dtype);
+    const int64_t rows = x.shape[0], K = x.shape[1], N = w.shape[0];
+    expect_shape(w, {N, K}, "[N, K] with K of x");
+    const Tensor y = unpack("y", y_arg, 2, x.dtype);
+    expect_shape(y, {rows, N}, "[rows of x, N of weight]");
+    if (rows > 0 && N > 0) expect_contiguous(y);  // an empty tensor's strides are arbitrary
+
+    retmask::LinearArgs a;
+    a.dtype = static_cast<DType>(x.dtype);
+    a.x = reinterpret_cast<const void*>(x.ptr);
+    a.weight = reinterpret_cast<const void*>(w.ptr);
+    a.y = reinterpret_cast<void*>(y.ptr);
+    a.rows = rows;
+    a.N = N;
+    a.K = K;
+    a.x_stride = unit_column_stride(x);
+    a.w_stride = unit_column_stride(w);
+    if (bias_arg) {
+        const Tensor b = unpack("bias", *bias_arg, 1, x.dtype);
+        expect_shape(b, {N}, "[N]");
+        expect_contiguous(b);
+        a.bias = reinterpret_cast<const void*>(b.ptr);
+    }
+    a.num_threads = num_threads;
+    a.isa = isa;
+    py::gil_scoped_release no_gil;
+    retmask::linear_rows_cpu(a);  // std::invalid_argument -> ValueError
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -300,6 +343,15 @@ num_threads: OpenMP threads (<= 0: the OpenMP default; small calls run on one); 
 window: int >= 1, the sliding window of attention_fwd (needs causal; only the keys a block of rows sees
 are visited), 0 = none; sink_tokens: the sink tokens of attention_fwd (needs window), 0 = none.
 Raises ValueError naming a bad argument, MemoryError if scratch memory cannot be allocated.)doc");
+    m.def("linear_rows", &linear_rows, py::arg("x"), py::arg("weight"), py::arg("bias").none(true), py::arg("y"),
+          py::arg("num_threads") = 0, py::arg("isa") = "",
+          R"doc(y = x @ weight^T (+ bias) for few input rows, reading the weight once, in place.
+
+Tensors as in attention_fwd: x [rows, K] and weight [N, K] with unit stride along K (any row stride),
+bias [N] contiguous or None, y [rows, N] contiguous; one dtype, float32 or bfloat16. Sums in fp32
+(bfloat16: rounded to the nearest even once). Writes every element of y. num_threads: OpenMP threads for
+calls large enough to split (<= 0: the OpenMP default); isa: as in attention_fwd.
+Raises ValueError naming a bad argument.)doc");
     // The kernel's builds this CPU runs, widest first: ((name, fp32 lanes), ...); the first is the default.
     py::list builds;
     for (const auto& [name, lanes] : retmask::cpu_builds()) builds.append(py::make_tuple(name, lanes));

@@ -2,9 +2,11 @@
 
 What they are (each is exact: the same numbers as the code it replaces, up to summation order):
 
-* ``linear``: float32 linear layers on torch's BLAS or oneDNN, whichever this machine runs faster for
-  the layer's shape; the one measured choice of the project (measured once per case on a small proxy
-  call, cached in ``<cache>/cpu_linears.json`` under a key of the CPU, torch and oneDNN versions).
+* ``linear``: float32 linear layers on torch's BLAS, oneDNN or retmask's few-row kernel (``rows_kernel``:
+  one to a few input rows, as in a decode step; float32 and bfloat16), whichever this machine runs
+  fastest for the layer's shape; the one measured choice of the project (measured once per case on a
+  small proxy call, cached in ``<cache>/cpu_linears.json`` under a key of the CPU, torch and oneDNN
+  versions).
 * ``half_matmul``: bf16 / fp16 linears on a CPU without native half-precision GEMMs (where torch emulates
   them slowly) as fp32 products of the rounded operands, rounded once.
 
@@ -42,13 +44,14 @@ def describe() -> dict[str, Any]:
     if not on:
         why = f"${SWITCH_ENV}=0"
         return {"enabled": False, "linears": f"torch's ({why})", "half_precision_linears": f"torch's ({why})"}
+    from . import rows_kernel
     from .half_matmul import native_half_matmul
-    from .linear import decisions, onednn_available
+    from .linear import FEW_ROWS, decisions, onednn_available
 
     decided = {name: d["backend"] for name, d in decisions().items()}
-    linears = "float32: torch's BLAS or oneDNN, measured per layer shape on this machine"
-    if not onednn_available():
-        linears = "float32: torch's BLAS (this torch has no working oneDNN fp32 linear)"
+    candidates = ["torch's BLAS"] + ["oneDNN"] * onednn_available()
+    rows = f"; 1-{FEW_ROWS} rows (float32, bfloat16) also retmask's few-row kernel" * rows_kernel.available()
+    linears = f"float32: {' or '.join(candidates)}{rows}, measured per layer shape on this machine"
     half = (
         "native (torch's own)"
         if native_half_matmul(torch.bfloat16)

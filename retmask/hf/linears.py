@@ -1,13 +1,13 @@
-"""``patch_linears(model)``: the model's float32 CPU linears on the backend this machine runs faster.
+"""``patch_linears(model)``: the model's CPU linears on the backend this machine runs fastest.
 
 Each plain ``torch.nn.Linear`` of the model becomes a :class:`CPULinear` (its class is swapped in place:
 same parameters, hooks, state dict and ``isinstance``), whose forward is
-``retmask.cpu_speedups.linear.linear``: torch's BLAS or oneDNN, measured once per layer shape on this
-machine (see that module). A bf16 / fp16 call
-(bf16 weights, or CPU autocast) on a CPU without native half-precision GEMMs, where torch would emulate
-them at up to 100x the fp32 time, runs as fp32 products of the rounded operands, rounded after
-(``retmask.cpu_speedups.half_matmul.emulated_linear``: the same numbers). Anything else (native bf16, CUDA,
-``torch.compile``) runs ``F.linear`` as before.
+``retmask.cpu_speedups.linear.linear``: torch's BLAS, oneDNN or, for one to a few input rows (a decode
+step), retmask's few-row kernel, measured once per layer shape on this machine (see that module). A bf16 /
+fp16 call (bf16 weights, or CPU autocast) on a CPU without native half-precision GEMMs, where torch would
+emulate them at up to 100x the fp32 time, runs as fp32 products of the rounded operands, rounded after
+(``retmask.cpu_speedups.half_matmul.emulated_linear``: the same numbers). Native bf16 calls of more rows,
+CUDA and ``torch.compile`` run ``F.linear`` as before.
 Subclasses of ``nn.Linear`` (LoRA layers, quantised linears) are left alone. ``unpatch_linears`` swaps
 the classes back. ``load_model`` patches every model it loads for the CPU unless the CPU speed-ups are
 off (``RETMASK_CPU_SPEEDUPS=0``, see ``retmask.cpu_speedups``).
@@ -25,7 +25,8 @@ from retmask.cpu_speedups.linear import linear
 
 
 class CPULinear(torch.nn.Linear):
-    """``nn.Linear`` whose float32 CPU forward runs on the backend measured faster on this machine."""
+    """``nn.Linear`` whose float32 (and few-row bfloat16) CPU forward runs on the backend measured fastest on
+    this machine."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's argument name)
         half = emulated_linear_dtype(input, self.weight, self.bias)

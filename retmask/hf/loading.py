@@ -482,7 +482,8 @@ def load_model(
         device: where to put the model.
         attn_implementation: "retmask" (default) or any transformers name ("sdpa", "eager", ...).
         cpu_linears: on a CPU, run the linear layers with the CPU speed-ups (``retmask.cpu_speedups``:
-            float32 on torch's BLAS or oneDNN, measured once per layer shape and cached; bf16 / fp16 as
+            float32 on torch's BLAS, oneDNN or retmask's few-row kernel (which also runs bf16 decode
+            steps), measured once per layer shape and cached; bf16 / fp16 as
             fp32 products where the CPU has no native half-precision GEMM; ``retmask.hf.linears``);
             False keeps torch's ``nn.Linear``; None (default): on unless ``RETMASK_CPU_SPEEDUPS=0``.
 

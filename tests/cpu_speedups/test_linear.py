@@ -1,6 +1,7 @@
-"""float32 CPU linears on oneDNN or torch's BLAS (retmask.cpu_speedups.linear): the oneDNN products against
-a float64 reference (forward and every gradient, awkward shapes and layouts), which calls are left to
-F.linear, the measured decision (fake clock), its disk cache and the switch that turns it off.
+"""CPU linears on torch's, oneDNN's or retmask's few-row kernel (retmask.cpu_speedups.linear): the oneDNN and
+retmask products against a float64 reference (forward and every gradient, awkward shapes and layouts),
+which calls are left to F.linear, the measured decision (fake clock), its disk cache and the switch that
+turns it off. The kernel itself: test_rows_kernel.py.
 """
 
 from __future__ import annotations
@@ -21,12 +22,22 @@ from . import fake_clock
 @pytest.fixture
 def onednn(monkeypatch):
     """Every case decided for oneDNN (what the measurement picks where it is faster)."""
-    monkeypatch.setattr(linear_cpu, "_backends", _AlwaysOneDNN())
+    monkeypatch.setattr(linear_cpu, "_backends", _Always("onednn"))
 
 
-class _AlwaysOneDNN(dict):
+@pytest.fixture
+def retmask_kernel(monkeypatch):
+    """Every case decided for retmask's few-row kernel."""
+    monkeypatch.setattr(linear_cpu, "_backends", _Always("retmask"))
+
+
+class _Always(dict):
+    def __init__(self, backend: str):
+        super().__init__()
+        self.backend = backend
+
     def get(self, case, default=None):
-        return "onednn"
+        return self.backend
 
 
 @pytest.fixture
@@ -79,6 +90,69 @@ def test_forward_and_gradients_match_float64(onednn, monkeypatch, lead, n_in, n_
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
     for got, want in zip(params, ref, strict=True):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5)
+
+
+FEW_SHAPES = [  # (leading dims of x, in, out, bias): the row counts retmask's kernel is a candidate for
+    ((1, 1), 19, 37, True),
+    ((3,), 33, 20, False),
+    ((2, 4), 64, 48, True),
+    ((1, 1, 1), 576, 192, False),
+]
+
+
+@pytest.mark.parametrize(("lead", "n_in", "n_out", "bias"), FEW_SHAPES)
+def test_rows_kernel_forward_and_gradients_match_float64(
+    retmask_kernel, monkeypatch, lead, n_in, n_out, bias
+):
+    """The forward on retmask's kernel, the gradients through torch's or oneDNN's products."""
+    calls = []
+    real = linear_cpu._rows_forward
+    monkeypatch.setattr(linear_cpu, "FORWARDS", {"retmask": lambda *a: calls.append(1) or real(*a)})
+    monkeypatch.setattr(
+        linear_cpu, "backend_for", lambda case: "retmask" if case.kind in ("gemv", "few") else "torch"
+    )
+    x, w, b = _inputs(lead, n_in, n_out, bias, seed=n_out)
+    params = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
+    y = linear_cpu.linear(params[0], params[1], params[2] if bias else None)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    y.backward(grad)
+    assert calls, "the forced retmask backend did not run"
+    ref = [t.double().requires_grad_() for t in (x, w, b) if t is not None]
+    y_ref = F.linear(ref[0], ref[1], ref[2] if bias else None)
+    y_ref.backward(grad.double())
+    assert y.dtype == torch.float32 and y.shape == y_ref.shape
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(params, ref, strict=True):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # without an autograd graph: the kernel directly
+        torch.testing.assert_close(linear_cpu.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_kernel_in_bfloat16_matches_torch(retmask_kernel):
+    """bfloat16 calls of few rows: within one bf16 step of torch's own bf16 linear, gradients too."""
+    x, w, b = (t.bfloat16() for t in _inputs((2, 3), 64, 40, True, seed=6))
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = linear_cpu.linear(xg, wg, b)
+    assert y.dtype == torch.bfloat16
+    y.float().pow(2).sum().backward()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_ref = F.linear(xr, wr, b)
+    y_ref.float().pow(2).sum().backward()
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(xg.grad.float(), xr.grad.float(), rtol=2**-6, atol=2e-2)
+    torch.testing.assert_close(wg.grad.float(), wr.grad.float(), rtol=2**-6, atol=2e-2)
+
+
+def test_which_calls_are_decided_in_bfloat16(auto, monkeypatch):
+    """bfloat16: one row and up to FEW_ROWS rows are decided (retmask's kernel is a candidate); more rows
+    are torch's own linear without a decision."""
+    seen = []
+    monkeypatch.setattr(linear_cpu, "backend_for", lambda case: seen.append(case) or "torch")
+    w = torch.randn(12, 16).bfloat16()
+    for rows in (1, linear_cpu.FEW_ROWS, linear_cpu.FEW_ROWS + 1):
+        x = torch.randn(rows, 16).bfloat16()
+        assert torch.equal(linear_cpu.linear(x, w), F.linear(x, w))
+    assert [(c.kind, c.dtype) for c in seen] == [("gemv", "bfloat16"), ("few", "bfloat16")]
 
 
 @pytest.mark.parametrize("backward_backend", ["onednn", "torch"])
@@ -148,18 +222,20 @@ def test_other_calls_go_to_f_linear(onednn, monkeypatch):
     torch.testing.assert_close(tangent, F.linear(torch.ones_like(x), w))
 
 
-def test_flop_counter_counts_onednn_linears(onednn):
-    """A dispatch mode has no public query: it sees oneDNN's operator, which torch's FLOP counter counts
-    as it counts aten's linear, forward and backward."""
+@pytest.mark.parametrize("backend", ["onednn", "retmask"])
+def test_flop_counter_counts_the_other_backends(monkeypatch, backend):
+    """A dispatch mode has no public query: it sees oneDNN's operator or retmask::linear_rows, which
+    torch's FLOP counter counts as it counts aten's linear, forward and backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    x, w, b = _inputs((3, 5), 8, 4, True, seed=7)
+    monkeypatch.setattr(linear_cpu, "_backends", _Always(backend))
+    x, w, b = _inputs((3, 1), 8, 4, True, seed=7)
     w.requires_grad_(True)
     with FlopCounterMode(display=False) as counter:
         linear_cpu.linear(x, w, b).sum().backward()
     with FlopCounterMode(display=False) as want:
         F.linear(x, w.detach().requires_grad_(True), b).sum().backward()
-    assert counter.get_total_flops() == want.get_total_flops() == 2 * (2 * 3 * 5 * 4 * 8)
+    assert counter.get_total_flops() == want.get_total_flops() == 2 * (2 * 3 * 4 * 8)
 
 
 def test_speedups_off_never_calls_onednn(monkeypatch):
@@ -198,6 +274,9 @@ class FakeClock(fake_clock.FakeClock):
         return tuple(r + self.perturb for r in result) if backend == "onednn" else result
 
 
+FEW_CASE = linear_cpu.LinearCase(48, 32, True, "few", 1)
+
+
 CASE = linear_cpu.LinearCase(48, 32, True, "gemm", 1)
 
 
@@ -209,8 +288,37 @@ def test_decision_rule(auto, monkeypatch, onednn_s, want):
     monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
     decision = linear_cpu.measure(CASE, clock.run)
     assert decision["backend"] == want
-    assert decision["ratio"] == pytest.approx(onednn_s)
+    assert decision["ratios"] == {"onednn": pytest.approx(onednn_s)}
     assert decision["calls"] >= 3 and clock.calls.count("torch") == clock.calls.count("onednn")
+
+
+@pytest.mark.parametrize(
+    ("onednn_s", "retmask_s", "want"),
+    [
+        (0.5, 0.4, "retmask"),
+        (0.4, 0.5, "onednn"),
+        (0.95, 0.85, "retmask"),
+        (0.95, 0.92, "torch"),
+        (2.0, 3.0, "torch"),
+    ],
+)
+def test_decision_rule_of_three_candidates(auto, monkeypatch, onednn_s, retmask_s, want):
+    """The fastest backend at <= MAX_RATIO of torch's time; torch's on a near tie."""
+    clock = FakeClock({"torch": 1.0, "onednn": onednn_s, "retmask": retmask_s})
+    monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
+    assert linear_cpu.candidates(FEW_CASE) == ("torch", "onednn", "retmask")
+    decision = linear_cpu.measure(FEW_CASE, clock.run)
+    assert decision["backend"] == want
+    assert decision["ratios"] == {"onednn": pytest.approx(onednn_s), "retmask": pytest.approx(retmask_s)}
+
+
+def test_a_disagreeing_candidate_is_rejected_and_another_may_win(auto, monkeypatch, caplog):
+    clock = FakeClock({"torch": 1.0, "onednn": 0.1, "retmask": 0.5}, perturb_onednn=1e-2)
+    monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
+    with caplog.at_level(logging.WARNING, logger="retmask.kernels"):
+        decision = linear_cpu.measure(FEW_CASE, clock.run)
+    assert decision["backend"] == "retmask" and set(decision["rejected"]) == {"onednn"}
+    assert "onednn" not in decision["times_s"] and "the onednn linear disagrees" in caplog.text
 
 
 def test_disagreeing_onednn_is_rejected(auto, monkeypatch, caplog):
@@ -218,17 +326,26 @@ def test_disagreeing_onednn_is_rejected(auto, monkeypatch, caplog):
     monkeypatch.setattr(decision_cache.time, "perf_counter", clock.perf_counter)
     with caplog.at_level(logging.WARNING, logger="retmask.kernels"):
         decision = linear_cpu.measure(CASE, clock.run)
-    assert decision["backend"] == "torch" and "differs by" in decision["rejected"]
+    assert decision["backend"] == "torch" and "differs by" in decision["rejected"]["onednn"]
     assert "disagrees" in caplog.text
 
 
-@pytest.mark.parametrize("kind", ["gemv", "gemm", "backward", "backward-long"])
-def test_real_measurement_agrees_and_decides(auto, kind):
-    """On this machine's real backends: oneDNN agrees with torch on every kind of proxy, and a decision is
-    one of the two with both times recorded."""
-    decision = linear_cpu.measure(linear_cpu.LinearCase(96, 80, kind != "gemm", kind, 1))
-    assert decision["rejected"] is None
-    assert decision["backend"] in ("torch", "onednn") and set(decision["times_s"]) == {"torch", "onednn"}
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [("gemv", "float32"), ("few", "float32"), ("gemm", "float32"), ("backward", "float32"),
+     ("backward-long", "float32"), ("gemv", "bfloat16"), ("few", "bfloat16")],
+)  # fmt: skip
+def test_real_measurement_agrees_and_decides(auto, kind, dtype):
+    """On this machine's real backends: every candidate agrees with torch on its kind of proxy, and the
+    decision is one of them with all times recorded (retmask's kernel is a candidate for gemv and few)."""
+    case = linear_cpu.LinearCase(96, 80, kind != "gemm", kind, 1, dtype)
+    want = {"torch", "onednn"} if dtype == "float32" else {"torch"}
+    if kind in ("gemv", "few"):
+        want.add("retmask")
+    assert set(linear_cpu.candidates(case)) == want
+    decision = linear_cpu.measure(case)
+    assert decision["rejected"] == {}
+    assert decision["backend"] in want and set(decision["times_s"]) == want
 
 
 def test_decisions_are_cached_on_disk_and_reused(auto, monkeypatch):
@@ -236,11 +353,11 @@ def test_decisions_are_cached_on_disk_and_reused(auto, monkeypatch):
 
     def fake_measure(case, run=None):
         measured.append(case)
-        return {"backend": "onednn", "times_s": {"torch": 1.0, "onednn": 0.5}, "ratio": 0.5, "rejected": None,
-                "calls": 3, "proxy": "fake"}  # fmt: skip
+        return {"backend": "onednn", "times_s": {"torch": 1.0, "onednn": 0.5}, "ratios": {"onednn": 0.5},
+                "rejected": {}, "calls": 3, "proxy": "fake"}  # fmt: skip
 
     monkeypatch.setattr(linear_cpu, "measure", fake_measure)
-    x, w = torch.randn(5, 32), torch.randn(48, 32)
+    x, w = torch.randn(12, 32), torch.randn(48, 32)
     out = linear_cpu.linear(x, w)
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
     linear_cpu.linear(x, w)
@@ -260,8 +377,24 @@ def test_decisions_are_cached_on_disk_and_reused(auto, monkeypatch):
 def test_a_torn_cache_file_is_measured_again(auto, monkeypatch, caplog):
     auto.parent.mkdir(parents=True)
     auto.write_text('{"format": 1, "machi')
-    monkeypatch.setattr(linear_cpu, "measure", lambda case, run=None: {"backend": "torch", "ratio": 1.0})
+    monkeypatch.setattr(linear_cpu, "measure", lambda case, run=None: {"backend": "torch", "ratios": {}})
     with caplog.at_level(logging.WARNING, logger="retmask.kernels"):
         linear_cpu.linear(torch.randn(3, 4), torch.randn(2, 4))
     assert "ignoring the linear backend cache" in caplog.text
     assert json.loads(auto.read_text())["format"] == linear_cpu._FORMAT
+
+
+def test_a_cached_rows_kernel_decision_needs_the_kernel(auto, monkeypatch):
+    """A stored "retmask" decision from a build with the few-row kernel is measured again by a process
+    whose retmask._C lacks it (an older build), instead of calling a missing function."""
+    x, w = torch.randn(1, 32), torch.randn(48, 32)
+    monkeypatch.setattr(linear_cpu, "measure", lambda case, run=None: {"backend": "retmask", "ratios": {}})
+    torch.testing.assert_close(linear_cpu.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    linear_cpu.clear_memory()
+    monkeypatch.setattr(linear_cpu.rows_kernel, "available", lambda: False)
+    remeasured = []
+    monkeypatch.setattr(
+        linear_cpu, "measure", lambda case, run=None: remeasured.append(case) or {"backend": "torch"}
+    )
+    assert torch.equal(linear_cpu.linear(x, w), F.linear(x, w))
+    assert len(remeasured) == 1 and "retmask" not in linear_cpu.candidates(remeasured[0])
