@@ -184,7 +184,9 @@ def _rows_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-FORWARDS = {"onednn": _onednn_forward, "retmask": _rows_forward}  # the backends other than torch's
+def _forward(backend: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The forward of ``backend``, "onednn" or "retmask" (torch's is ``F.linear``)."""
+    return _onednn_forward(x, weight, bias) if backend == "onednn" else _rows_forward(x, weight, bias)
 
 
 class _MeasuredLinear(torch.autograd.Function):
@@ -198,7 +200,7 @@ class _MeasuredLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return FORWARDS[backend](x, weight, bias)
+        return _forward(backend, x, weight, bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -262,7 +264,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     )
     if needs_grad:
         return _MeasuredLinear.apply(x, weight, bias, backend)
-    return FORWARDS[backend](x, weight, bias)
+    return _forward(backend, x, weight, bias)
 
 
 # ---- measuring and caching ---------------------------------------------------------------------------
@@ -337,7 +339,7 @@ def run_backend(backend: str, call: dict[str, torch.Tensor]) -> tuple[torch.Tens
         return _backward_products(call["grad"], call["x"], call["weight"], backend == "onednn", True, True)
     if backend == "torch":
         return (F.linear(call["x"], call["weight"], call["bias"]),)
-    return (FORWARDS[backend](call["x"], call["weight"], call["bias"]),)
+    return (_forward(backend, call["x"], call["weight"], call["bias"]),)
 
 
 def disagreement(torch_result: tuple, other_result: tuple, tol: float = AGREE_TOL["float32"]) -> str | None:

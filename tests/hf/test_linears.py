@@ -1,5 +1,5 @@
-"""``patch_linears``: a model's nn.Linear layers on retmask's float32 CPU linear (oneDNN forced here) give
-torch's logits, generations and gradients; the swap keeps parameters, state dict, hooks, deep copies and
+"""``patch_linears``: a model's nn.Linear layers on retmask's float32 CPU linear (oneDNN or the few-row kernel
+forced here) give torch's logits, generations and gradients; the swap keeps parameters, state dict, hooks, deep copies and
 subclasses intact and can be undone; ``load_model`` applies it on the CPU."""
 
 from __future__ import annotations
@@ -22,6 +22,20 @@ def onednn(monkeypatch):
     calls = []
     real = linear_cpu._onednn_forward
     monkeypatch.setattr(linear_cpu, "_onednn_forward", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.fixture(params=["onednn", "retmask"])
+def other_backend(request, monkeypatch):
+    """oneDNN for every call, or retmask's few-row kernel where it is a candidate (the decode steps of a
+    small batch) and torch's elsewhere; the calls of the forced backend are counted."""
+    backend = request.param
+    monkeypatch.setattr(linear_cpu, "backend_for",
+                        lambda case: backend if backend == "onednn" or case.kind in ("gemv", "few") else "torch")  # fmt: skip
+    calls = []
+    name = "_onednn_forward" if backend == "onednn" else "_rows_forward"
+    real = getattr(linear_cpu, name)
+    monkeypatch.setattr(linear_cpu, name, lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -52,7 +66,7 @@ def test_patch_swaps_plain_linears_only_and_undoes():
     assert unpatch_linears(model) == n and all(type(m) is torch.nn.Linear for m in _linears(model))
 
 
-def test_patched_model_gives_torch_logits_generation_and_gradients(onednn):
+def test_patched_model_gives_torch_logits_generation_and_gradients(other_backend):
     model = tiny_model("llama")
     plain = copy.deepcopy(model)
     patch_linears(model)
@@ -62,7 +76,6 @@ def test_patched_model_gives_torch_logits_generation_and_gradients(onednn):
     with torch.no_grad():
         got = model(input_ids=ids, attention_mask=mask).logits
         want = plain(input_ids=ids, attention_mask=mask).logits
-    assert onednn, "oneDNN never ran"
     assert hooked == [got.shape]
     valid = mask.bool()
     torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=1e-4)
@@ -72,6 +85,7 @@ def test_patched_model_gives_torch_logits_generation_and_gradients(onednn):
             model.generate(input_ids=ids, attention_mask=mask, **kw),
             plain.generate(input_ids=ids, attention_mask=mask, **kw),
         )
+    assert other_backend, "the forced backend never ran"
     model.train(), plain.train()
     for m in (model, plain):
         m(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(~valid, -100)).loss.backward()
