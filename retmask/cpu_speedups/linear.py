@@ -16,7 +16,9 @@ measured there once per case and cached (the measurements: bench/RESULTS.md, "fp
 * Its candidates (:func:`candidates`): torch's linear; oneDNN's inner product for float32; retmask's
   kernel for "gemv" and "few". bfloat16 calls of more rows are torch's (its oneDNN) without a decision.
 * Its proxy: seeded random inputs, the case's weight shape and ``PROXY_ROWS[kind]`` rows; the candidates
-  interleaved, median of at least 3 calls each.
+  interleaved, median of at least 3 calls each. For "gemv" and "few" each call sweeps copies of the
+  weight (``STREAM_BYTES`` in all), so that it is read from memory as in a decode step: a weight that
+  stays in cache across calls favours other code than one streamed once per token.
 * Another backend replaces torch's linear only at <= ``MAX_RATIO`` of its time (the fastest such one):
   on a near tie torch's stays.
 * Each candidate must first agree with torch's linear on the proxy (max |difference| within
@@ -60,6 +62,13 @@ MAX_RATIO = 0.9
 FEW_ROWS = 8
 PROXY_ROWS = {"gemv": 1, "few": 4, "gemm": 128, "backward": 256, "backward-long": 1024}
 ROWS_KERNEL_KINDS = ("gemv", "few")
+# The proxies of these kinds read their weight from memory, as a decode step does (a model's weights are
+# far larger than the last-level cache, so each layer's are evicted before the next token): each call
+# runs on the next of several copies of the weight, STREAM_BYTES in all (3x this project's 32 MB L3s),
+# at most STREAM_COPIES of them.
+STREAM_KINDS = ("gemv", "few")
+STREAM_BYTES = 96 * 2**20
+STREAM_COPIES = 256
 LONG_BACKWARD_ROWS = 1024
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # |candidate - torch| / max |torch| on a proxy call: fp32 rounding of K <= ~16K terms; bf16 outputs rounded
@@ -312,12 +321,13 @@ def clear_memory() -> None:
     _backends.clear()
 
 
-Runner = Callable[[str, dict[str, torch.Tensor]], Any]  # (backend, proxy tensors) -> result
+Runner = Callable[[str, dict[str, Any]], Any]  # (backend, proxy call) -> result
 
 
-def proxy_call(case: LinearCase) -> dict[str, torch.Tensor]:
+def proxy_call(case: LinearCase) -> dict[str, Any]:
     """Seeded random x [rows, in], weight [out, in], bias [out] or None (in the case's dtype) and, for
-    "backward", the output gradient [rows, out] of the small call that stands for ``case``."""
+    "backward", the output gradient [rows, out] of the small call that stands for ``case``; for the
+    ``STREAM_KINDS``, "weights": the weight and copies of it, swept by each call (see the constants)."""
     rows = PROXY_ROWS[case.kind]
     dtype = getattr(torch, case.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -330,16 +340,23 @@ def proxy_call(case: LinearCase) -> dict[str, torch.Tensor]:
     }
     if case.kind.startswith("backward"):
         call["grad"] = torch.randn(rows, case.out_features, generator=gen).to(dtype)
+    if case.kind in STREAM_KINDS:
+        nbytes = max(1, call["weight"].numel() * call["weight"].element_size())
+        copies = min(STREAM_COPIES, -(-STREAM_BYTES // nbytes))
+        call["weights"] = [call["weight"]] + [call["weight"].clone() for _ in range(copies - 1)]
     return call
 
 
-def run_backend(backend: str, call: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The proxy's products on ``backend``: (y,) forward, (grad_x, grad_w) for a backward proxy."""
+def run_backend(backend: str, call: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The proxy's products on ``backend``: (y,) forward (one y per weight of a sweep), (grad_x, grad_w) for a
+    backward proxy."""
     if "grad" in call:
         return _backward_products(call["grad"], call["x"], call["weight"], backend == "onednn", True, True)
+    x, bias = call["x"], call["bias"]
+    weights = call.get("weights", [call["weight"]])
     if backend == "torch":
-        return (F.linear(call["x"], call["weight"], call["bias"]),)
-    return (_forward(backend, call["x"], call["weight"], call["bias"]),)
+        return tuple(F.linear(x, w, bias) for w in weights)
+    return tuple(_forward(backend, x, w, bias) for w in weights)
 
 
 def disagreement(torch_result: tuple, other_result: tuple, tol: float = AGREE_TOL["float32"]) -> str | None:
@@ -383,7 +400,8 @@ def measure(case: LinearCase, run: Runner = run_backend, *, min_calls: int = 3, 
         "ratios": ratios,
         "rejected": rejected,
         "calls": n,
-        "proxy": f"{PROXY_ROWS[case.kind]} rows, {case.kind}",
+        "proxy": f"{PROXY_ROWS[case.kind]} rows, {case.kind}"
+        + (f", {len(call['weights'])} copies of the weight" if "weights" in call else ""),
     }
 
 

@@ -398,3 +398,22 @@ def test_a_cached_rows_kernel_decision_needs_the_kernel(auto, monkeypatch):
     )
     assert torch.equal(linear_cpu.linear(x, w), F.linear(x, w))
     assert len(remeasured) == 1 and "retmask" not in linear_cpu.candidates(remeasured[0])
+
+
+@pytest.mark.parametrize(
+    ("kind", "streams"), [("gemv", True), ("few", True), ("gemm", False), ("backward", False)]
+)
+def test_decode_kinds_read_their_proxy_weight_from_memory(kind, streams):
+    """gemv / few proxies sweep copies of the weight (distinct memory, equal values, STREAM_BYTES in all or
+    STREAM_COPIES of them), as a decode step reads each layer's weight once per token; the others reuse one."""
+    small, large = (linear_cpu.proxy_call(linear_cpu.LinearCase(n, 576, False, kind, 1)) for n in (8, 1536))
+    if not streams:
+        assert "weights" not in small and "weights" not in large
+        return
+    assert len(small["weights"]) == linear_cpu.STREAM_COPIES  # 18 KB: the copy count caps the sweep
+    weights = large["weights"]
+    assert sum(w.numel() * w.element_size() for w in weights) >= linear_cpu.STREAM_BYTES
+    assert len({w.data_ptr() for w in weights}) == len(weights)
+    assert all(torch.equal(w, weights[0]) for w in weights)
+    ys = linear_cpu.run_backend("torch", large)
+    assert len(ys) == len(weights) and all(torch.equal(y, ys[0]) for y in ys)
