@@ -242,7 +242,7 @@ def plot(path: Path, cells: list[dict[str, Any]], stream_cells: list[dict[str, A
     panels.append(("weights streamed from memory", stream_cells))
     fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.6), sharey=True)
     for ax, (name, mine) in zip(axes, panels, strict=True):
-        labels = [f"{c['model'][:5]} {c['layer']}\n{c['dtype'][:4]} {c['rows']}" for c in mine]
+        labels = [f"{c['model'][:5]} {c['layer']} {c['dtype'][:4]} {c['rows']}" for c in mine]
         for j, backend in enumerate(("onednn", "retmask")):
             xs = [i + (j - 0.5) * 0.4 for i, c in enumerate(mine) if backend in c["ratios"]]
             ys = [c["ratios"][backend] for c in mine if backend in c["ratios"]]
