@@ -72,51 +72,30 @@ SHAPES = [  # (leading dims of x, in, out, bias)
 ]
 
 
-@pytest.mark.parametrize(("lead", "n_in", "n_out", "bias"), SHAPES)
-def test_forward_and_gradients_match_float64(onednn, monkeypatch, lead, n_in, n_out, bias):
-    calls = []
-    real = linear_cpu._onednn_forward
-    monkeypatch.setattr(linear_cpu, "_onednn_forward", lambda *a: calls.append(1) or real(*a))
-    x, w, b = _inputs(lead, n_in, n_out, bias, seed=n_in)
-    params = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
-    y = linear_cpu.linear(params[0], params[1], params[2] if bias else None)
-    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
-    y.backward(grad)
-    assert calls, "the forced oneDNN backend did not run"
-    ref = [t.double().requires_grad_() for t in (x, w, b) if t is not None]
-    y_ref = F.linear(ref[0], ref[1], ref[2] if bias else None)
-    y_ref.backward(grad.double())
-    assert y.dtype == torch.float32 and y.shape == y_ref.shape
-    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
-    for got, want in zip(params, ref, strict=True):
-        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5)
-
-
 FEW_SHAPES = [  # (leading dims of x, in, out, bias): the row counts retmask's kernel is a candidate for
     ((1, 1), 19, 37, True),
     ((3,), 33, 20, False),
     ((2, 4), 64, 48, True),
     ((1, 1, 1), 576, 192, False),
 ]
+CASES = [("onednn", *shape) for shape in SHAPES] + [("retmask", *shape) for shape in FEW_SHAPES]
 
 
-@pytest.mark.parametrize(("lead", "n_in", "n_out", "bias"), FEW_SHAPES)
-def test_rows_kernel_forward_and_gradients_match_float64(
-    retmask_kernel, monkeypatch, lead, n_in, n_out, bias
-):
-    """The forward on retmask's kernel, the gradients through torch's or oneDNN's products."""
+@pytest.mark.parametrize(("backend", "lead", "n_in", "n_out", "bias"), CASES)
+def test_forward_and_gradients_match_float64(monkeypatch, backend, lead, n_in, n_out, bias):
+    """The forward on the forced backend (oneDNN, or retmask's kernel at the row counts it takes), the
+    gradients through torch's or oneDNN's products; without an autograd graph the backend directly."""
     calls = []
-    real = linear_cpu._rows_forward
-    monkeypatch.setattr(linear_cpu, "_rows_forward", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(
-        linear_cpu, "backend_for", lambda case: "retmask" if case.kind in ("gemv", "few") else "torch"
-    )
-    x, w, b = _inputs(lead, n_in, n_out, bias, seed=n_out)
+    name = "_onednn_forward" if backend == "onednn" else "_rows_forward"
+    real = getattr(linear_cpu, name)
+    monkeypatch.setattr(linear_cpu, name, lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(linear_cpu, "_backends", _Always(backend))
+    x, w, b = _inputs(lead, n_in, n_out, bias, seed=n_in)
     params = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
     y = linear_cpu.linear(params[0], params[1], params[2] if bias else None)
-    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
     y.backward(grad)
-    assert calls, "the forced retmask backend did not run"
+    assert calls, f"the forced {backend} backend did not run"
     ref = [t.double().requires_grad_() for t in (x, w, b) if t is not None]
     y_ref = F.linear(ref[0], ref[1], ref[2] if bias else None)
     y_ref.backward(grad.double())
@@ -124,8 +103,10 @@ def test_rows_kernel_forward_and_gradients_match_float64(
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
     for got, want in zip(params, ref, strict=True):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5)
-    with torch.no_grad():  # without an autograd graph: the kernel directly
+    calls.clear()
+    with torch.no_grad():
         torch.testing.assert_close(linear_cpu.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert calls
 
 
 def test_rows_kernel_in_bfloat16_matches_torch(retmask_kernel):
