@@ -16,6 +16,10 @@ weights: the time of a step does not depend on the weights) or of the config in 
 - ``retmask, half heads masked``: ``retmask.set_head_mask`` with every odd query head of every layer off;
 - ``retmask, growing cache``: our attention with the in-place KV cache detection and generation use
   (``retmask.hf.kv_cache.growing_cache``); every case above uses transformers' ``DynamicCache``;
+- ``retmask, CPU linears`` (CPU only): our attention with the linear layers of the CPU speed-ups
+  (``retmask.hf.linears.patch_linears``: the backend measured fastest per layer shape, for one row
+  retmask's few-row kernel where it wins), as ``retmask.load_model`` gives them on a CPU; every other case
+  runs torch's ``nn.Linear``;
 - ``retmask, cached launch`` (CUDA only): ``retmask`` with the Triton kernels launched through retmask's
   launcher cache instead of Triton's JIT entry (``retmask.kernels.triton.launch``);
 - ``sdpa, static cache, CUDA graph`` / ``retmask, static cache, CUDA graph`` (CUDA only): a ``StaticCache``
@@ -78,6 +82,7 @@ CASES = {
     "retmask+argmax": ("retmask", "argmax"),
     "retmask, half heads masked": ("retmask", "mask"),
     "retmask, growing cache": ("retmask", "growing cache"),
+    "retmask, CPU linears": ("retmask", "cpu linears"),
     "retmask, cached launch": ("retmask", "cached launch"),
     "sdpa, static cache, CUDA graph": ("sdpa", "graph"),
     "retmask, static cache, CUDA graph": ("retmask", "graph"),
@@ -139,6 +144,7 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
 
     import retmask
     from retmask.hf.kv_cache import growing_cache, reserve
+    from retmask.hf.linears import patch_linears, unpatch_linears
 
     implementation, option = CASES[case]
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
@@ -154,6 +160,8 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
         model.set_attn_implementation(implementation)
         if option == "mask":
             retmask.set_head_mask(model, half_masked)
+        if option == "cpu linears":
+            patch_linears(model)
         if option == "growing cache":
             cache = growing_cache(model)
             reserve(cache, prompt.shape[1] + steps)
@@ -177,6 +185,8 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
         finally:
             if option == "mask":
                 retmask.clear_head_mask(model)
+            if option == "cpu linears":
+                unpatch_linears(model)
         return seconds / steps, sum(spent) / steps
 
     return run
@@ -317,7 +327,10 @@ def main() -> None:
     cuda_only = ("graph", "cached launch")  # CUDA graphs; Triton launches
     if not graphs and any(CASES[c][1] in cuda_only for c in args.cases or []):
         ap.error("the CUDA graph and cached-launch cases need --device cuda")
-    cases = [c for c in cases if graphs or CASES[c][1] not in cuda_only]
+    if graphs and any(CASES[c][1] == "cpu linears" for c in args.cases or []):
+        ap.error("the CPU-linears case needs --device cpu")
+    device_only = ("cpu linears",) if graphs else cuda_only  # the cases this device cannot run
+    cases = [c for c in cases if CASES[c][1] not in device_only]
     model, name = build_model(args.config, device, DTYPES[args.dtype])
     machine = machine_description()
     where = gpu_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else cpu_kind(machine)
