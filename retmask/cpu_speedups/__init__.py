@@ -49,9 +49,10 @@ def describe() -> dict[str, Any]:
     from .linear import FEW_ROWS, decisions, onednn_available
 
     decided = {name: d["backend"] for name, d in decisions().items()}
-    candidates = ["torch's BLAS"] + ["oneDNN"] * onednn_available()
-    rows = f"; 1-{FEW_ROWS} rows (float32, bfloat16) also retmask's few-row kernel" * rows_kernel.available()
-    linears = f"float32: {' or '.join(candidates)}{rows}, measured per layer shape on this machine"
+    linears = "float32: torch's BLAS or oneDNN" if onednn_available() else "float32: torch's BLAS"
+    if rows_kernel.available():
+        linears += f"; 1-{FEW_ROWS} rows (float32, bfloat16) also retmask's few-row kernel"
+    linears += ", measured per layer shape on this machine"
     half = (
         "native (torch's own)"
         if native_half_matmul(torch.bfloat16)

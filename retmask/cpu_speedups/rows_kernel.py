@@ -21,8 +21,6 @@ from torch.utils.flop_counter import register_flop_formula
 
 from retmask.kernels.cpu import backend as cpu_backend
 
-DTYPES = (torch.float32, torch.bfloat16)
-
 
 def available() -> bool:
     """Whether ``retmask._C`` is built and has the linear kernel (an older build may lack it)."""
@@ -35,7 +33,7 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, isa
     """y = x @ weight^T + bias through the pybind11 binding, on the build ``isa`` ("" = the widest).
 
     x: [rows, K], weight: [N, K] (unit stride along K: other layouts are copied), bias: [N] or None, all
-    of one dtype in ``DTYPES`` -> y: [rows, N] contiguous. ``threads``: OpenMP threads (default torch's
+    of one dtype, float32 or bfloat16 -> y: [rows, N] contiguous. ``threads``: OpenMP threads (default torch's
     ``get_num_threads()``). Raises ValueError naming a bad argument."""
     lib = cpu_backend._library()
     if x.shape[-1] > 1 and x.stride(-1) != 1:
