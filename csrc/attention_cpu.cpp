@@ -1,5 +1,6 @@
-// Entry point of the fused CPU attention kernel (attention_cpu.h): checks the arguments, then runs the
-// build of the kernel (attention_cpu_kernel.h) for the widest instruction set this CPU has.
+// Entry points of the fused CPU attention kernel (attention_cpu.h) and of the few-row linear kernel
+// (linear_cpu.h): check the arguments, then run the build of the kernel (attention_cpu_kernel.h,
+// linear_cpu_kernel.h) for the widest instruction set this CPU has.
 //
 // The kernel (and the linear kernel of linear_cpu.h, whose build is chosen the same way) is compiled four
 // times into the one extension: AVX-512 + AVX512-BF16 (the AVX-512 build with native bf16 dot products),
@@ -125,6 +126,22 @@ void check(const retmask::AttentionBwdArgs& p) {
     }
 }
 
+void check(const retmask::LinearArgs& p) {
+    using retmask::DType;
+    if (p.dtype != DType::Float32 && p.dtype != DType::BFloat16)
+        bad("dtype", "code " + str(static_cast<int>(p.dtype)) + " is not float32 (0) or bfloat16 (2)");
+    if (p.rows < 0) bad("rows", str(p.rows) + " input rows, need >= 0");
+    if (p.N < 0) bad("N", str(p.N) + " output features, need >= 0");
+    if (p.K < 0) bad("K", str(p.K) + " input features, need >= 0");
+    if (p.rows > 1 && p.x_stride < p.K) bad("x", "row stride " + str(p.x_stride) + " < K = " + str(p.K));
+    if (p.N > 1 && p.w_stride < p.K) bad("weight", "row stride " + str(p.w_stride) + " < K = " + str(p.K));
+    if (p.rows > 0 && p.N > 0) {
+        if (!p.y) bad("y", "null data pointer");
+        if (p.K > 0 && !p.x) bad("x", "null data pointer");
+        if (p.K > 0 && !p.weight) bad("weight", "null data pointer");
+    }
+}
+
 using RunFn = void (*)(const KernelArgs&, retmask::DType, int);
 using RunBwdFn = void (*)(const retmask::detail::BwdKernelArgs&, retmask::DType, int);
 
@@ -133,7 +150,7 @@ struct Build {
     int lanes;
     RunFn run;
     RunBwdFn run_bwd;
-    retmask::detail::LinearRowsFn linear_rows;  // the linear kernel of the same build (linear_cpu.h)
+    retmask::detail::LinearRowsFn linear_rows;  // the few-row linear kernel of this build
 };
 
 // The builds this CPU can run, widest first.
@@ -183,8 +200,6 @@ int resolve_threads(int requested) {
 
 namespace retmask {
 
-detail::LinearRowsFn detail::linear_rows_build(const std::string& isa) { return pick(isa).linear_rows; }
-
 std::vector<std::pair<std::string, int>> cpu_builds() {
     std::vector<std::pair<std::string, int>> out;
     for (const Build& b : builds()) out.emplace_back(b.name, b.lanes);
@@ -228,6 +243,14 @@ void attention_bwd_cpu(const AttentionBwdArgs& p) {
     // five products of 2 * M * N * D flops per query head (half of them when causal)
     if (10 * p.B * p.Hq * p.M * p.N * p.D < BWD_SERIAL_FLOPS) threads = 1;
     build.run_bwd(a, p.dtype, threads);
+}
+
+void linear_rows_cpu(const LinearArgs& p) {
+    check(p);
+    const Build& build = pick(p.isa);  // an unknown name is an error even for empty inputs
+    if (p.rows == 0 || p.N == 0) return;
+    build.linear_rows({p.x, p.weight, p.bias, p.y, p.rows, p.N, p.K, p.x_stride, p.w_stride}, p.dtype,
+                      resolve_threads(p.num_threads));
 }
 
 }  // namespace retmask

@@ -1,5 +1,6 @@
-// The CPU linear kernel for few input rows (linear_cpu.cpp and its per-ISA builds, linear_cpu_kernel.h) as
-// its Python binding (module.cpp) calls it: y = x W^T (+ bias) with the weight read once, in place.
+// The CPU linear kernel for few input rows as its Python binding (module.cpp) calls it: y = x W^T (+ bias)
+// with the weight read once, in place. Entry point in attention_cpu.cpp (beside the attention kernel's,
+// sharing its choice of build); the per-ISA builds of linear_cpu_kernel.h.
 // Plain C++17: no Python and no torch headers.
 #pragma once
 
@@ -29,7 +30,7 @@ void linear_rows_cpu(const LinearArgs& args);
 
 namespace detail {
 
-// What linear_cpu.cpp hands to a build, checked: the fields of LinearArgs without the dispatch ones.
+// What linear_rows_cpu hands to a build, checked: the fields of LinearArgs without the dispatch ones.
 struct LinearKernelArgs {
     const void *x, *weight, *bias;
     void* y;
@@ -51,10 +52,6 @@ void linear_rows(const LinearKernelArgs& a, DType dtype, int threads);
 }
 
 using LinearRowsFn = void (*)(const LinearKernelArgs&, DType, int);
-
-// The linear_rows of the build named isa ("" = the widest this CPU runs; std::invalid_argument naming
-// the builds for a name this CPU cannot run): the same choice as the attention kernel's.
-LinearRowsFn linear_rows_build(const std::string& isa);
 
 }  // namespace detail
 }  // namespace retmask
