@@ -8,7 +8,8 @@ the prompt prefix two tests share), so for a hybrid it keeps copies of those sta
 may rewind to (the chunk boundaries of the prefill) and puts one back when it rewinds there.
 
 A state at position p (``take``) is a clone of every non-attention layer's tensors after the first p
-tokens: about 20 MB for a model with 18 gated-DeltaNet layers of 16 value heads of 128 x 128 (float32).
+tokens, with the layer's token count where it keeps one (transformers 5.25 on: ``cumulative_length_linear``,
+which ``get_seq_length`` reports and the next call's positions start from): about 20 MB for a model with 18 gated-DeltaNet layers of 16 value heads of 128 x 128 (float32).
 Detection keeps at most ``core.MAX_KEPT_STATES`` of them per prompt.
 """
 
@@ -18,8 +19,11 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 # per layer of the cache: None for an attention layer or a layer that caches nothing (a feed-forward-only
-# layer), else (conv states, recurrent states) by state index
-LayerStates = tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None
+# layer), else (conv states, recurrent states) by state index and the layer's token count (None where the
+# transformers release keeps none)
+LayerStates = tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], torch.Tensor | None] | None
+# The attribute of a non-attention layer's token count (transformers 5.25 on)
+TOKEN_COUNT = "cumulative_length_linear"
 
 
 def take(cache) -> list[LayerStates]:
@@ -28,8 +32,12 @@ def take(cache) -> list[LayerStates]:
     def copies(states: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor]:
         return {i: t.clone() for i, t in states.items() if t is not None}
 
+    def count(layer) -> torch.Tensor | None:
+        tokens = getattr(layer, TOKEN_COUNT, None)
+        return tokens.clone() if isinstance(tokens, torch.Tensor) else None
+
     return [
-        (copies(layer.conv_states), copies(layer.recurrent_states))
+        (copies(layer.conv_states), copies(layer.recurrent_states), count(layer))
         if isinstance(layer, LinearAttentionCacheLayerMixin)
         else None
         for layer in cache.layers
@@ -39,7 +47,7 @@ def take(cache) -> list[LayerStates]:
 def rewind(cache, length: int, states: list[LayerStates]) -> None:
     """Bring ``cache`` back to its first ``length`` positions: its attention layers drop the later keys
     and values, its other layers get ``states`` (taken at ``length``) copied back into their tensors (which
-    the layers update in place), so ``states`` can be put back again."""
+    the layers update in place), token count included, so ``states`` can be put back again."""
     for layer, saved in zip(cache.layers, states, strict=True):
         if saved is None:
             if isinstance(layer, CacheLayerMixin):  # keys and values
@@ -47,11 +55,13 @@ def rewind(cache, length: int, states: list[LayerStates]) -> None:
                 if remove > 0:
                     layer.crop(-remove)
             continue
-        conv, recurrent = saved
+        conv, recurrent, tokens = saved
         for i, t in conv.items():
             layer.conv_states[i].copy_(t)
         for i, t in recurrent.items():
             layer.recurrent_states[i].copy_(t)
+        if tokens is not None:
+            getattr(layer, TOKEN_COUNT).copy_(tokens)
 
 
 __all__ = ["LayerStates", "rewind", "take"]
