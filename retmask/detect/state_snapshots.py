@@ -9,7 +9,8 @@ may rewind to (the chunk boundaries of the prefill) and puts one back when it re
 
 A state at position p (``take``) is a clone of every non-attention layer's tensors after the first p
 tokens, with the layer's token count where it keeps one (transformers 5.25 on: ``cumulative_length_linear``,
-which ``get_seq_length`` reports and the next call's positions start from): about 20 MB for a model with 18 gated-DeltaNet layers of 16 value heads of 128 x 128 (float32).
+which ``get_seq_length`` reports and the next call's positions start from): about 20 MB for a model with
+18 gated-DeltaNet layers of 16 value heads of 128 x 128 (float32).
 Detection keeps at most ``core.MAX_KEPT_STATES`` of them per prompt.
 """
 
