@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_kind, cpu_label, fmt_bytes, machine_description, markdown_table, save_figure  # noqa: E402
 
-from retmask.detect import FastDetector  # noqa: E402
+from retmask.detect import FastDetector, state_snapshots  # noqa: E402
 from retmask.detect.answers import prefix_order  # noqa: E402
 from retmask.runfiles import atomic_write_text  # noqa: E402
 
@@ -59,14 +59,7 @@ def hybrid_model(vocab: int):
 
 def state_bytes(detector: FastDetector) -> int:
     """Bytes of the running states ``detector`` keeps (all positions)."""
-    return sum(
-        t.numel() * t.element_size()
-        for states in detector.states.values()
-        for layer in states
-        if layer is not None
-        for part in layer
-        for t in part.values()
-    )
+    return sum(state_snapshots.nbytes(states) for states in detector.states.values())
 
 
 def measure(model, tests, stops, chunk: int) -> dict[str, dict[str, float]]:

@@ -45,6 +45,18 @@ def take(cache) -> list[LayerStates]:
     ]
 
 
+def nbytes(states: list[LayerStates]) -> int:
+    """Bytes held by ``states`` (from ``take``): every copied conv and recurrent state and token count."""
+    total = 0
+    for saved in states:
+        if saved is None:
+            continue
+        conv, recurrent, tokens = saved
+        kept = [*conv.values(), *recurrent.values(), *([tokens] if tokens is not None else [])]
+        total += sum(t.numel() * t.element_size() for t in kept)
+    return total
+
+
 def rewind(cache, length: int, states: list[LayerStates]) -> None:
     """Bring ``cache`` back to its first ``length`` positions: its attention layers drop the later keys
     and values, its other layers get ``states`` (taken at ``length``) copied back into their tensors (which
@@ -65,4 +77,4 @@ def rewind(cache, length: int, states: list[LayerStates]) -> None:
             getattr(layer, TOKEN_COUNT).copy_(tokens)
 
 
-__all__ = ["LayerStates", "rewind", "take"]
+__all__ = ["LayerStates", "nbytes", "rewind", "take"]

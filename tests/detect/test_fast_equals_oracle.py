@@ -359,6 +359,7 @@ def test_hybrid_keeps_at_most_max_kept_states_per_prompt():
     import transformers
 
     import retmask
+    from retmask.detect import state_snapshots
     from retmask.detect.core import MAX_KEPT_STATES
     from tests.hf.conftest import tiny_config
     from tests.hf.test_architectures import HYBRIDS
@@ -372,6 +373,10 @@ def test_hybrid_keeps_at_most_max_kept_states_per_prompt():
     fast = FastDetector(model, {2}, max_new_tokens=8, chunk=8)
     fast.run(first, (10, 20))
     assert sorted(fast.states) == list(range(16, 299, 16)) and len(fast.states) <= MAX_KEPT_STATES
+    # every kept tensor is a clone with a storage of its own: their storages are what the states hold
+    kept = [t for layer in fast.states[96] if layer for part in layer[:2] for t in part.values()]
+    kept += [layer[2] for layer in fast.states[96] if layer and layer[2] is not None]
+    assert kept and state_snapshots.nbytes(fast.states[96]) == sum(t.untyped_storage().nbytes() for t in kept)
     got = fast.run(second, (10, 20))
     want = oracle_detect(model, second, (10, 20), {2}, max_new_tokens=8, prefill_impl="retmask")
     assert got.prefill_tokens == len(second) - 1 - 96
