@@ -47,14 +47,11 @@ def take(cache) -> list[LayerStates]:
 
 def nbytes(states: list[LayerStates]) -> int:
     """Bytes held by ``states`` (from ``take``): every copied conv and recurrent state and token count."""
-    total = 0
-    for saved in states:
-        if saved is None:
-            continue
-        conv, recurrent, tokens = saved
-        kept = [*conv.values(), *recurrent.values(), *([tokens] if tokens is not None else [])]
-        total += sum(t.numel() * t.element_size() for t in kept)
-    return total
+    return sum(
+        sum(t.nbytes for t in (*conv.values(), *recurrent.values()))
+        + (tokens.nbytes if tokens is not None else 0)
+        for conv, recurrent, tokens in filter(None, states)
+    )
 
 
 def rewind(cache, length: int, states: list[LayerStates]) -> None:
