@@ -144,7 +144,7 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
 
     import retmask
     from retmask.hf.kv_cache import growing_cache, reserve
-    from retmask.hf.linears import patch_linears, unpatch_linears
+    from retmask.hf.linears import decide_linears, patch_linears, unpatch_linears
 
     implementation, option = CASES[case]
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
@@ -162,6 +162,7 @@ def decode_case(model, case: str, prompt: torch.Tensor, steps: int) -> Callable[
             retmask.set_head_mask(model, half_masked)
         if option == "cpu linears":
             patch_linears(model)
+            decide_linears(model)  # a new case measured inside the timed steps would be charged to them
         if option == "growing cache":
             cache = growing_cache(model)
             reserve(cache, prompt.shape[1] + steps)

@@ -38,7 +38,7 @@ from retmask.detect.prefill_chunk import resolve_prefill_chunk  # noqa: E402
 from retmask.detect.run import RECALL_THRESHOLD, environment  # noqa: E402
 from retmask.detect.scores import head_scores, mean_matrix  # noqa: E402
 from retmask.heads.compare import compare_scores, score_table  # noqa: E402
-from retmask.hf.linears import torch_linears  # noqa: E402
+from retmask.hf.linears import decide_linears, torch_linears  # noqa: E402
 from retmask.kernels import describe as describe_kernels  # noqa: E402
 from retmask.niah import (  # noqa: E402
     build_tests,
@@ -207,6 +207,7 @@ def main() -> None:
         where = gpu_slug(machine["gpu"]) if on_gpu else cpu_kind(machine)
         args.tag = f"detect_{where}{dtype_suffix(dtype)}"
     model, tok = retmask.load_model(args.model, dtype=getattr(torch, dtype), device=args.device)
+    decide_linears(model)  # measured here, not by whichever timed pass first runs a new linear case
     model_name = args.model or "embedded SmolLM2-135M-Instruct"
     needles = load_needles()[: args.needles]
     chat = resolve_prompt_style(tok, args.prompt_style) == "chat"
@@ -382,7 +383,8 @@ def main() -> None:
         + f". Fast: `retmask detect`'s path (tests in prefix order, prefill chunk {chunk}, drafts from earlier "
         "answers to the same needle"
         + (
-            "; float32 linears on the backend `retmask.cpu_speedups.linear` measured faster"
+            "; float32 linears on the backend `retmask.cpu_speedups.linear` measured faster, for every case "
+            "before the timed tests"
             if not on_gpu and dtype == "float32"
             else ""
         )

@@ -60,6 +60,7 @@ import retmask  # noqa: E402
 from retmask.heads.selection import load_scores, select_threshold  # noqa: E402
 from retmask.hf.export import zero_heads_  # noqa: E402
 from retmask.hf.generation import generate_copies  # noqa: E402
+from retmask.hf.linears import decide_linears  # noqa: E402
 from retmask.hf.loading import parse_dtype  # noqa: E402
 from retmask.methods.retmask.instructions import load_instructions  # noqa: E402
 from retmask.plotting import save_figure as save_png  # noqa: E402
@@ -143,6 +144,7 @@ def main() -> None:
     dtype_name = str(dtype).removeprefix("torch.")
 
     model, tok = retmask.load_model(dtype=dtype)  # retmask attention
+    decide_linears(model)  # measured here, not by whichever timed call first runs a new linear case
     tok.padding_side = "left"
     eos, pad = tok.eos_token_id, tok.pad_token_id
     L, Hq = model.config.num_hidden_layers, model.config.num_attention_heads

@@ -98,10 +98,12 @@ def implementation_of(case: str) -> str:
 def load(args: argparse.Namespace) -> tuple[Any, torch.Tensor]:
     """The embedded model and a ``[batch, prompt]`` prompt of haystack tokens (the same in every row)."""
     import retmask
+    from retmask.hf.linears import decide_linears
     from retmask.niah import load_haystack
     from retmask.niah.haystack import haystack_token_ids
 
     model, tokenizer = retmask.load_model()
+    decide_linears(model)  # measured here, not by whichever timed call first runs a new linear case
     ids = haystack_token_ids(tokenizer, load_haystack(None), args.prompt)[: args.prompt]
     return model, torch.tensor([ids] * args.batch, dtype=torch.long)
 

@@ -441,10 +441,12 @@ def load_niah_grid(
     ``depths`` x the first ``needles`` shipped needles (prompt style auto), and the model's stop tokens."""
     import retmask
     from retmask.detect import stop_token_ids
+    from retmask.hf.linears import decide_linears
     from retmask.hf.loading import parse_dtype
     from retmask.niah import build_tests, default_haystack_text, load_needles, resolve_prompt_style
 
     model, tok = retmask.load_model(model_spec, dtype=parse_dtype(dtype))
+    decide_linears(model)  # measured here, not by whichever timed call first runs a new linear case
     chat = resolve_prompt_style(tok, "auto") == "chat"
     built = build_tests(
         tok, load_needles()[:needles], default_haystack_text(), list(lengths), list(depths), chat=chat

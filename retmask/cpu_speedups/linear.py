@@ -253,6 +253,18 @@ def _decided_dtype(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return dtype
 
 
+def forward_cases(out_features: int, in_features: int, bias: bool, dtype: torch.dtype) -> list[LinearCase]:
+    """Every forward case under which ``linear`` can decide a CPU call of a layer [out, in] in ``dtype``
+    at the current thread count: float32 one row, a few and more rows; bfloat16 one row and a few (more
+    rows are torch's without a decision, ``_decided_dtype``); none for other dtypes."""
+    name = DTYPES.get(dtype)
+    if name is None:
+        return []
+    kinds = ("gemv", "few", "gemm") if name == "float32" else ("gemv", "few")
+    threads = torch.get_num_threads()
+    return [LinearCase(out_features, in_features, bias, kind, threads, name) for kind in kinds]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, on float32 / bfloat16 CPU calls through the backend this machine
     runs fastest for the case.

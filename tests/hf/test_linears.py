@@ -11,7 +11,7 @@ import torch
 
 from retmask.cpu_speedups import half_matmul
 from retmask.cpu_speedups import linear as linear_cpu
-from retmask.hf.linears import CPULinear, patch_linears, torch_linears, unpatch_linears
+from retmask.hf.linears import CPULinear, decide_linears, patch_linears, torch_linears, unpatch_linears
 
 from .conftest import random_batch, tiny_model
 
@@ -92,6 +92,51 @@ def test_patched_model_gives_torch_logits_generation_and_gradients(other_backend
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Every case ``linear`` measures (its decision: torch's), with the decisions in memory forgotten before
+    and after, so that neither another test's nor these fake ones leak."""
+    linear_cpu.clear_memory()
+    cases = []
+    monkeypatch.setattr(linear_cpu, "candidates", lambda case: ("torch", "onednn"))
+    monkeypatch.setattr(linear_cpu, "choose", lambda case: cases.append(case) or {"backend": "torch"})
+    yield cases
+    linear_cpu.clear_memory()
+
+
+@pytest.mark.parametrize(
+    "dtype,native", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
+def test_decide_linears_leaves_no_measurement_to_the_calls(measured, monkeypatch, dtype, native):
+    """decide_linears measures each layer shape's forward cases once (float32: one row, a few, many; bf16:
+    one and a few, and on a CPU without native bf16 the float32 products of many rows), and afterwards
+    calls of one, a few and many rows of a patched model measure nothing."""
+    monkeypatch.setattr(half_matmul, "native_half_matmul", lambda dtype: native)
+    monkeypatch.setattr("retmask.hf.linears.native_half_matmul", lambda dtype: native)
+    model = tiny_model("llama").cpu().to(dtype)
+    patch_linears(model)
+    threads = torch.get_num_threads()
+    kinds = [("gemv", dtype), ("few", dtype), ("gemm", dtype)]
+    if dtype == torch.bfloat16:
+        kinds = kinds[:2] + ([] if native else [("gemm", torch.float32)])
+    want = {
+        linear_cpu.LinearCase(
+            m.out_features, m.in_features, m.bias is not None, kind, threads, linear_cpu.DTYPES[dt]
+        )
+        for m in _linears(model)
+        for kind, dt in kinds
+    }
+    decided = decide_linears(model)
+    assert set(measured) == want and len(measured) == len(want)
+    assert decided == {case.name(): "torch" for case in want}
+    measured.clear()
+    with torch.no_grad():
+        for batch, seq in ((1, 1), (1, 5), (2, 24)):  # one row, a few, many (>= EMULATE_MIN_ROWS)
+            model(input_ids=random_batch(batch, seq)[0].cpu())
+    assert measured == []
+    assert decide_linears(model) == decided and measured == []  # memoised: nothing measured again
 
 
 def test_bf16_autocast_training_still_casts(onednn, monkeypatch):
