@@ -24,6 +24,7 @@ from retmask.detect.stopping import stop_token_ids
 from retmask.errors import UsageError
 from retmask.heads import model_shape
 from retmask.hf.layers import head_layout
+from retmask.hf.linears import decide_linears
 from retmask.hf.loading import load_model, max_context, parse_dtype, peek_config
 from retmask.niah import (
     NiahTest,
@@ -585,6 +586,9 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
                 progress_file, {"version": PROGRESS_VERSION, "fingerprint": fingerprint, "results": d}
             )
 
+    # Every case of the model's CPU linears decided now (read from this machine's cache, or measured once):
+    # otherwise the first pass of each new row count measures one inside a test's time and the ETA.
+    decide_linears(model)
     detector = FastDetector(
         model,
         stop_token_ids(tokenizer, model),

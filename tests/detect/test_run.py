@@ -129,6 +129,35 @@ def test_speed_options_change_speed_not_results(option, tmp_path, embedded, embe
 
 
 @pytest.mark.embedded
+def test_cpu_linears_are_decided_before_the_first_test(tmp_path, embedded, monkeypatch):
+    """No test's time (nor the ETA) includes deciding a CPU linear case: every case the model's linears
+    can take is decided (read from the cache or measured) before the first test runs."""
+    from retmask.cpu_speedups import linear as linear_cpu
+    from retmask.detect.core import FastDetector
+
+    model, tok = embedded
+    events = []
+    run, choose = FastDetector.run, linear_cpu.choose
+    monkeypatch.setattr(
+        FastDetector, "run", lambda self, *a, **k: events.append("test") or run(self, *a, **k)
+    )
+    monkeypatch.setattr(linear_cpu, "choose", lambda case: events.append(case.kind) or choose(case))
+    linear_cpu.clear_memory()  # the decisions held in memory: each is asked for again (the disk cache stays)
+    cfg = DetectConfig(needles=str(needles_file(tmp_path, 1)), min_len=350, max_len=350, num_lengths=1,
+                       num_depths=1, chunk=128)  # fmt: skip
+    try:
+        run_detect(
+            cfg, tmp_path / "s.json", model=model, tokenizer=tok, progress_bar=False, log=lambda *a, **k: None
+        )
+    finally:
+        linear_cpu.clear_memory()
+    assert "test" in events
+    first = events.index("test")
+    assert {"gemv", "few", "gemm"} <= set(events[:first])
+    assert set(events[first:]) == {"test"}, events[first:]
+
+
+@pytest.mark.embedded
 def test_context_longer_than_model_fails_before_work(tmp_path, embedded, capsys):
     model, tok = embedded
     cfg = DetectConfig(protocol="wu2024")
