@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "For each instruction (first user turn, chat template), sample a chosen response from the model "
             "and a rejected one with the heads of --heads masked, both in the same batches (per-row head "
             "masks on one model copy); or, with --rejected-model, from a second model (the Smaller-Model "
-            "baseline). Writes TRL's conversational preference format (JSONL) and <out>.stats.json."
+            "baseline). Writes TRL's conversational preference format (JSONL) and <stem>.stats.json beside it."
         ),
         epilog=example(
             "retmask generate --model smollm2 --heads runs/heads.json --out runs/pairs.jsonl --limit 64"
