@@ -92,14 +92,16 @@ def run(args: argparse.Namespace) -> int:
 
     check_writable(args.out, what="--out")
     record = args.out.with_name(args.out.stem + ".run.json")
-    for path, what in ((args.plot, "--plot"), (record, "run record")):
+    # --masses: <out stem>.masses.npz is one of the run's results (checked, and not replaced unasked, like them)
+    masses = args.out.with_name(args.out.stem + ".masses.npz") if args.masses else None
+    for path, what in ((args.plot, "--plot"), (record, "run record"), (masses, "--masses file")):
         if path is not None:
             check_writable(path, what=what)
     with RunLock(args.out):
         check_progress_run(
             args.out,
             progress_dir(args.out),
-            [args.out, record],
+            [args.out, record, *([masses] if masses else [])],
             resume=args.resume,
             overwrite=args.overwrite,
             what="an interrupted run's scored examples",

@@ -18,6 +18,7 @@ Per head: the means over examples; ``R_h`` = mean F1.
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,7 +36,7 @@ from retmask.hf.taps import tap_qk
 from retmask.methods.mudaf.config import MDQAScoreConfig
 from retmask.methods.mudaf.mdqa import MDQAError, MDQAExample, build_prompt, example_from_json
 from retmask.plotting import head_heatmap
-from retmask.runfiles import atomic_write_json
+from retmask.runfiles import atomic_write_bytes, atomic_write_json
 
 
 @dataclass
@@ -329,7 +330,8 @@ def write_scores(
 ) -> dict[str, Path]:
     """Write ``out`` (scores JSON), ``<out stem>.run.json`` (record), optionally a heatmap PNG and, with
     ``masses``, ``<out stem>.masses.npz`` (every example's float32 [L, Hq, P] masses and golden indices, to
-    re-score at another ε without the model)."""
+    re-score at another ε without the model). Every file is written atomically; one the machine refuses (a
+    full disk) is an ``OutputWriteError`` naming it, and the files written before it stay."""
     out = Path(out)
     atomic_write_json(out, scores.scores_json())
     record = out.with_name(out.stem + ".run.json")
@@ -337,11 +339,11 @@ def write_scores(
     paths = {"scores": out, "record": record}
     if masses:
         npz = out.with_name(out.stem + ".masses.npz")
-        tmp = npz.with_name(f".{npz.stem}.tmp.npz")
         arrays = {f"masses_{i}": m for i, m in enumerate(scores.masses)}
         golden = np.array([",".join(map(str, g)) for g in scores.golden])
-        np.savez_compressed(tmp, example_ids=np.array(scores.example_ids), golden=golden, **arrays)
-        tmp.replace(npz)
+        buf = io.BytesIO()  # built in memory, then written like every other output (atomic, errors named)
+        np.savez_compressed(buf, example_ids=np.array(scores.example_ids), golden=golden, **arrays)
+        atomic_write_bytes(npz, buf.getvalue())
         paths["masses"] = npz
     if plot is not None:
         n = len(scores.example_ids)
