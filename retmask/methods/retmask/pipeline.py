@@ -49,6 +49,7 @@ from retmask.methods.retmask.train_config import TrainConfig
 from retmask.runfiles import (
     JsonFile,
     RunLock,
+    atomic_write_bytes,
     atomic_write_json,
     check_writable,
     digest,
@@ -226,10 +227,11 @@ class Pipeline:
         c = self.cfg
         if c.scores is not None:
             load_scores(c.scores)  # a wrong file fails here, with its name
-            shutil.copyfile(c.scores, out)
+            # copied atomically: a full disk names the copy and leaves no torn one
+            atomic_write_bytes(out, Path(c.scores).read_bytes())
             run = Path(c.scores).with_name(Path(c.scores).stem + ".run.json")
             if run.is_file():
-                shutil.copyfile(run, out.with_name("scores.run.json"))
+                atomic_write_bytes(out.with_name("scores.run.json"), run.read_bytes())
             return {"source": str(c.scores)}
         cfg = DetectConfig(model=c.model, protocol=c.protocol, min_len=c.detect_min_len, max_len=c.detect_max_len,
                            num_lengths=c.detect_lengths, num_depths=c.detect_depths, dtype=c.dtype, device=c.device)  # fmt: skip
