@@ -40,6 +40,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "The whole RetMask recipe. Each stage is skipped when run_dir/pipeline.json records it done with the "
             "same settings and inputs; an interrupted stage resumes (detect, generate, eval) or restarts (train). "
+            "A stage run before with other settings is refused, since running it again deletes its outputs and "
+            "the later stages': pass --overwrite to run the pipeline again from it, or choose a new --run-dir. "
             "Defaults: the embedded SmolLM2 takes about 17 minutes on 2 CPU cores (detection about 5)."
         ),
         epilog=example(
@@ -170,7 +172,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="run every stage again, deleting the run dir's earlier outputs",
+        help="run the stages again, deleting their earlier outputs: from the first stage recorded with other "
+        "settings (the earlier stages are kept), or every stage when none was",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (the stage log lines remain)")
     p.set_defaults(func=run)

@@ -13,9 +13,12 @@ Layout of ``run_dir``::
     eval/                    report.md, eval.json, niah.png, tasks.png, shift.png (+ models/ cache)
 
 Resumption. A stage's fingerprint is the hash of its own settings and its inputs' fingerprints. A stage
-is skipped when ``pipeline.json`` records it as done with the same fingerprint and its outputs exist; a
-stage whose settings changed is cleared and rerun, and so is everything after it (their fingerprints
-change with it). A stage interrupted mid-way restarts through its own resume mechanism where one exists:
+is skipped when ``pipeline.json`` records it as done with the same fingerprint and its outputs exist. A
+stage recorded with other settings is refused before any work (:class:`StageSettingsChanged`, naming the
+stage and what changed): running it again would delete its outputs and those of every stage after it
+(their fingerprints change with it), a trained model among them. ``overwrite`` runs it again, and every
+stage after it; earlier stages whose settings did not change are kept (with no stage changed, every stage
+runs again). A stage interrupted mid-way restarts through its own resume mechanism where one exists:
 detection continues from its progress file, generation from its pairs file (no pair lost or repeated),
 evaluation from its per-model cache, training from its newest checkpoint when ``save_every`` keeps them
 (``retmask.methods.checkpoints``; by default it restarts: the short default run saves no checkpoints).
@@ -48,16 +51,23 @@ from retmask.methods.retmask.telemetry import RetrievalTelemetry
 from retmask.methods.retmask.train_config import TrainConfig
 from retmask.runfiles import (
     JsonFile,
+    RunFileError,
     RunLock,
     atomic_write_bytes,
     atomic_write_json,
     check_writable,
     digest,
     file_digest,
+    settings_diff,
     without_default_dtype,
 )
 
 VERSION = 1
+
+
+class StageSettingsChanged(PipelineError, RunFileError):
+    """A stage recorded in ``pipeline.json`` with other settings than this run's: running it again would
+    delete its outputs (and the later stages'), so it takes ``--overwrite`` (or a new run dir)."""
 
 
 def stratified(instructions: list, n: int) -> list:
@@ -109,10 +119,15 @@ class Pipeline:
         self.dir = Path(run_dir)
         self.progress = progress
         self.log = log
+        self.overwrite = overwrite
         self.state_path = self.dir / "pipeline.json"
         self.state: dict[str, Any] = {"version": VERSION, "stages": {}}
-        if self.state_path.is_file() and not overwrite:  # --overwrite: no stage is up to date or resumable
-            self.state = read_state(self.state_path)
+        if self.state_path.is_file():
+            try:
+                self.state = read_state(self.state_path)
+            except RunFileError:
+                if not overwrite:
+                    raise  # --overwrite: a damaged state is started over
         self.state["config"] = asdict(cfg)
         self.fingerprints: dict[str, str] = {}
 
@@ -187,7 +202,52 @@ class Pipeline:
         with RunLock(self.state_path, flag="--run-dir"):
             return self._run(stop_after)
 
+    def stage_in_the_way(self, stop_after: str | None = None) -> tuple[str, str] | None:
+        """``(stage, why)`` for the first stage (up to ``stop_after``) whose outputs this run would delete
+        unasked: ``pipeline.json`` records it with another fingerprint than this run's (its settings changed,
+        or an earlier stage's since it ran), or records no run of it while its folder holds files (a run dir
+        whose ``pipeline.json`` was removed). None: no such stage."""
+        for name in STAGES:
+            fp = self.fingerprint(name)  # every stage's, in order: a stage's includes the earlier ones'
+            rec = self.state["stages"].get(name)
+            if rec is not None and rec["fingerprint"] != fp:
+                saved = rec.get("config")
+                diff = settings_diff(saved, self.stage_config(name)) if isinstance(saved, dict) else []
+                if diff:
+                    return name, f"was run with other settings ({'; '.join(diff)})"
+                return name, "was run with the same settings, but before an earlier stage ran with other ones"
+            if rec is None and _holds_files(self.dir / name):
+                return name, f"holds files that {self.state_path} records no run of"
+            if name == stop_after:
+                break
+        return None
+
+    def check_settings(self, stop_after: str | None = None) -> None:
+        """Before any work: refuse to run a stage again whose outputs were made with other settings, unless
+        ``overwrite`` (which runs it, and every stage after it, again; earlier stages are kept; with no stage
+        in the way, every stage up to ``stop_after`` runs again). A rerun would delete its outputs and the
+        later stages', a trained model among them."""
+        found = self.stage_in_the_way(stop_after)
+        if self.overwrite:
+            if found is None:  # nothing changed: every stage (up to stop_after) runs again
+                for name in STAGES[: STAGES.index(stop_after) + 1 if stop_after else len(STAGES)]:
+                    self.state["stages"].pop(name, None)
+            return
+        if found is None:
+            return
+        name, why = found
+        last = STAGES.index(stop_after) if stop_after else len(STAGES) - 1
+        lost = [
+            str(self.dir / s) for s in STAGES[STAGES.index(name) : last + 1] if _holds_files(self.dir / s)
+        ]
+        deletes = f"; running it again deletes {', '.join(lost)}" if lost else ""
+        raise StageSettingsChanged(
+            f"the {name} stage of {self.dir} {why}{deletes}; pass --overwrite to run the pipeline again from "
+            f"{name}, or choose a new --run-dir to keep this run"
+        )
+
     def _run(self, stop_after: str | None) -> dict:
+        self.check_settings(stop_after)
         self.dir.mkdir(parents=True, exist_ok=True)
         total = time.perf_counter()
         for name in STAGES:
@@ -372,12 +432,19 @@ def _shape(spec: str | None) -> list[int]:
     return list(model_shape(cfg))
 
 
+def _holds_files(path: Path) -> bool:
+    """``path`` exists and is not an empty folder."""
+    return path.exists() and not (path.is_dir() and not any(path.iterdir()))
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def run_pipeline(cfg: PipelineConfig, run_dir: str | Path, *, stop_after: str | None = None, progress: bool = True,
                  log=print, overwrite: bool = False) -> dict:  # fmt: skip
-    """Run (or resume) the pipeline; returns the ``pipeline.json`` content. ``overwrite``: every stage runs
-    again (its earlier outputs deleted first), as in a fresh run dir."""
+    """Run (or resume) the pipeline; returns the ``pipeline.json`` content. A stage recorded with other
+    settings is refused (:class:`StageSettingsChanged`) unless ``overwrite``, which runs it and every later
+    stage again (their earlier outputs deleted first); with no stage changed, ``overwrite`` runs every stage
+    again, as in a fresh run dir."""
     return Pipeline(cfg, run_dir, progress=progress, log=log, overwrite=overwrite).run(stop_after)

@@ -128,13 +128,17 @@ def test_pipeline_runs_all_stages_and_resumes_after_crashes(tiny_dir, tmp_path, 
     assert ev["models"][0]["fingerprint"] != ev["models"][1]["fingerprint"]  # training changed the weights
     assert json.loads((run_dir / "train" / "model" / "retmask_train.json").read_text())["steps"] == 2
 
-    # 4) nothing to do; 5) a train setting changes: train and eval rerun, the rest is kept
+    # 4) nothing to do; 5) a train setting changes: refused, the trained model kept; with --overwrite train
+    # (and, without --stop-after, eval) rerun and the rest is kept
     logs.clear()
     run_pipeline(cfg, run_dir, progress=False, log=logs.append)
     assert stages_run(logs) == [] and sum("skipped" in s for s in logs) == 5
     logs.clear()
     cfg2 = PipelineConfig(model=str(tiny_dir), **{**TINY, "lr": 2e-3})
-    run_pipeline(cfg2, run_dir, progress=False, log=logs.append, stop_after="train")
+    with pytest.raises(ValueError, match=r"the train stage of .* \(lr: 0.001 -> 0.002\)"):
+        run_pipeline(cfg2, run_dir, progress=False, log=logs.append, stop_after="train")
+    assert stages_run(logs) == [] and (run_dir / "train" / "model" / "config.json").exists()
+    run_pipeline(cfg2, run_dir, progress=False, log=logs.append, stop_after="train", overwrite=True)
     assert stages_run(logs) == ["train"]
 
 

@@ -1,5 +1,6 @@
-"""`retmask pipeline` outputs and up-front checks, without a model run: the copy of --scores is atomic and a
-full disk names it."""
+"""`retmask pipeline` outputs and up-front checks, without a model run (--scores, the later stages stubbed):
+the copy of --scores is atomic and a full disk names it; a stage recorded with other settings is refused
+before any work, naming what changed, and redone from there with --overwrite."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 import retmask.runfiles as runfiles
 from retmask.cli import main as cli
+from retmask.methods.retmask.pipeline import Pipeline, PipelineConfig, StageSettingsChanged, run_pipeline
 
 
 @pytest.fixture
@@ -52,3 +54,84 @@ def test_the_scores_copy_is_atomic_and_a_full_disk_names_it(tmp_path, scores, mo
     assert pipeline(run_dir, "--scores", str(scores), "--stop-after", "detect") == 0
     assert out.read_text() == scores.read_text()
     assert (run_dir / "detect" / "scores.run.json").read_text() == (tmp_path / "good.run.json").read_text()
+
+
+def test_a_stage_run_with_other_settings_is_refused_before_any_work(tmp_path, scores, capsys):
+    run_dir = tmp_path / "P0"
+    argv = ["--scores", str(scores), "--stop-after", "mask"]
+    assert pipeline(run_dir, *argv, "--top-k", "1") == 0
+    (run_dir / "mask" / "notes.txt").write_text("mine")
+    heads = (run_dir / "mask" / "heads.json").read_text()
+    state = (run_dir / "pipeline.json").read_text()
+    capsys.readouterr()
+
+    assert pipeline(run_dir, *argv, "--top-k", "2") == 2
+    err = capsys.readouterr().err
+    assert (
+        f"retmask pipeline: error: the mask stage of {run_dir} was run with other settings (top_k: 1 -> 2); "
+        f"running it again deletes {run_dir / 'mask'}; pass --overwrite to run the pipeline again from mask, "
+        "or choose a new --run-dir" in err
+    )
+    assert (run_dir / "mask" / "notes.txt").read_text() == "mine"  # nothing touched
+    assert (run_dir / "mask" / "heads.json").read_text() == heads
+    assert (run_dir / "pipeline.json").read_text() == state
+
+    # --overwrite: from the changed stage on; the detection, whose settings did not change, is kept
+    assert pipeline(run_dir, *argv, "--top-k", "2", "--overwrite") == 0
+    printed = capsys.readouterr().out
+    assert "[pipeline] detect: up to date" in printed and "[pipeline] mask: running" in printed
+    assert json.loads((run_dir / "mask" / "heads.json").read_text())["num_heads"] == 2
+    assert not (run_dir / "mask" / "notes.txt").exists()
+
+    # a stage folder pipeline.json does not know of (the file removed) is not deleted unasked either
+    (run_dir / "pipeline.json").unlink()
+    assert pipeline(run_dir, *argv, "--top-k", "2") == 2
+    assert (
+        f"the detect stage of {run_dir} holds files that {run_dir / 'pipeline.json'} records no run of"
+        in (capsys.readouterr().err)
+    )
+    assert pipeline(run_dir, *argv, "--top-k", "2", "--overwrite") == 0
+
+
+def stub_later_stages(monkeypatch):
+    """generate, train and eval write their outputs only (no model)."""
+
+    def stub(name):
+        def run(self, resume):
+            for path in self.outputs(name):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(name)
+
+        return run
+
+    for name in ("generate", "train", "eval"):
+        monkeypatch.setattr(Pipeline, f"_{name}", stub(name))
+
+
+def test_a_trained_model_is_not_deleted_unasked(tmp_path, scores, monkeypatch):
+    stub_later_stages(monkeypatch)
+    run_dir = tmp_path / "P0"
+    cfg = PipelineConfig(scores=str(scores), threshold=None, top_k=1)
+    quiet = dict(progress=False, log=lambda *a: None)
+    run_pipeline(cfg, run_dir, **quiet)
+    model = run_dir / "train" / "model" / "retmask_train.json"
+    assert model.read_text() == "train"
+
+    with pytest.raises(StageSettingsChanged) as err:
+        run_pipeline(PipelineConfig(scores=str(scores), threshold=None, top_k=1, lr=1e-6), run_dir, **quiet)
+    assert "the train stage of" in str(err.value) and "lr: 5e-07 -> 1e-06" in str(err.value)
+    assert f"deletes {run_dir / 'train'}, {run_dir / 'eval'};" in str(err.value)
+    assert model.read_text() == "train"
+
+    # an earlier stage redone with --overwrite up to mask: the later ones' inputs changed, still refused
+    other = PipelineConfig(scores=str(scores), threshold=None, top_k=2)
+    run_pipeline(other, run_dir, stop_after="mask", overwrite=True, **quiet)
+    with pytest.raises(StageSettingsChanged, match="the generate stage of .* was run with the same settings, but "
+                       "before an earlier stage ran with other ones"):  # fmt: skip
+        run_pipeline(other, run_dir, **quiet)
+    assert model.read_text() == "train"
+    logs: list[str] = []
+    run_pipeline(other, run_dir, progress=False, log=logs.append, overwrite=True)
+    assert [s for s in logs if "running" in s] == [
+        f"[pipeline] {s}: running" for s in ("generate", "train", "eval")
+    ]
