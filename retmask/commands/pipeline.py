@@ -74,9 +74,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--scores", help="reuse this retrieval-scores JSON (skips the detection)")
     p.add_argument("--stop-after", choices=STAGES, help="stop after this stage (run again to continue)")
     g = p.add_argument_group("detect")
-    g.add_argument("--protocol", default=d.protocol, choices=sorted(PROTOCOLS),
+    # default None (the config's protocol is used), so a --protocol given with --scores can be refused
+    g.add_argument("--protocol", choices=sorted(PROTOCOLS),
                    help="detection grid preset: " + "; ".join(f"{k}: {v.description}" for k, v in PROTOCOLS.items())
-                   + " (default: default, 96 tests with the 6 shipped needles)")  # fmt: skip
+                   + f" (default: {d.protocol}, 96 tests with the 6 shipped needles)")  # fmt: skip
     g.add_argument(
         "--detect-min-len", type=token_count, help="shortest context, tokens (default: the protocol's)"
     )
@@ -188,7 +189,7 @@ def check_pipeline_grids(args: argparse.Namespace) -> None:
 
     if args.scores is None:  # the pipeline detects the heads itself
         resolve_grid(
-            args.protocol, min_len=args.detect_min_len, max_len=args.detect_max_len,
+            _protocol(args), min_len=args.detect_min_len, max_len=args.detect_max_len,
             num_lengths=args.detect_lengths, num_depths=args.detect_depths,
             flags={"min_len": "--detect-min-len", "max_len": "--detect-max-len",
                    "num_lengths": "--detect-lengths", "num_depths": "--detect-depths"},
@@ -200,6 +201,45 @@ def check_pipeline_grids(args: argparse.Namespace) -> None:
                "num_lengths": "--eval-lengths", "num_depths": "--eval-depths"},
         defaults=set() if args.eval_max_len is not None else {"max_len"}, default_note=" (the default cap)",
     )  # fmt: skip
+
+
+DETECT_FLAGS = ("protocol", "detect_min_len", "detect_max_len", "detect_lengths", "detect_depths")
+
+
+def _protocol(args: argparse.Namespace) -> str:
+    """--protocol, or the configuration's default when it was not given."""
+    return args.protocol if args.protocol is not None else PipelineConfig.protocol
+
+
+def _reaches(args: argparse.Namespace, stage: str) -> bool:
+    """Whether this run goes as far as ``stage`` (``--stop-after`` is not before it)."""
+    return args.stop_after is None or STAGES.index(args.stop_after) >= STAGES.index(stage)
+
+
+def check_pipeline_inputs(args: argparse.Namespace) -> None:
+    """Flags that would be ignored or fail only at a later stage, refused before the run dir is set up or a
+    model loads: the detection's flags with --scores (which replaces the detection), --instructions that
+    cannot be read (when the run reaches generate), an --eval-cache that is not a writable folder."""
+    from retmask.errors import UsageError
+    from retmask.methods.retmask.instructions import InstructionError, load_instructions
+    from retmask.runfiles import check_writable
+
+    given = [f"--{name.replace('_', '-')}" for name in DETECT_FLAGS if getattr(args, name) is not None]
+    if args.scores is not None and given:
+        one = len(given) == 1
+        names = given[0] if one else f"{', '.join(given[:-1])} and {given[-1]}"
+        them = "it" if one else "them"
+        raise UsageError(
+            f"{names} {'sets' if one else 'set'} up the detection, which --scores replaces (the heads come from "
+            f"its scores file); drop {them}, or drop --scores to detect the heads with {them}"
+        )
+    if _reaches(args, "generate"):
+        try:
+            load_instructions(args.instructions)
+        except InstructionError as e:
+            raise UsageError(f"--instructions: {e}") from None
+    if args.eval_cache is not None:
+        check_writable(args.eval_cache, what="--eval-cache", directory=True)
 
 
 @reports_errors(interrupt_hint="run the same command again to resume")
@@ -220,11 +260,12 @@ def run(args: argparse.Namespace) -> int:
         except (SelectionError, OSError) as e:
             print(f"retmask pipeline: error: --scores: {e}", file=sys.stderr)
             return 2
+    check_pipeline_inputs(args)
     check_pipeline_grids(args)
     threshold = args.threshold if args.threshold is not None else (None if args.top_k is not None else 0.1)
     cfg = PipelineConfig(
         model=args.model, dtype=resolve_training_dtype(args.dtype, args.device), device=args.device, baseline=args.baseline, rejected_model=args.rejected_model,
-        scores=args.scores, protocol=args.protocol,
+        scores=args.scores, protocol=_protocol(args),
         detect_min_len=args.detect_min_len, detect_max_len=args.detect_max_len, detect_lengths=args.detect_lengths,
         detect_depths=args.detect_depths, threshold=threshold, top_k=args.top_k, mask_seed=args.mask_seed,
         instructions=args.instructions, num_instructions=args.num_instructions, temperature=args.temperature,

@@ -1,6 +1,7 @@
 """`retmask pipeline` outputs and up-front checks, without a model run (--scores, the later stages stubbed):
 the copy of --scores is atomic and a full disk names it; a stage recorded with other settings is refused
-before any work, naming what changed, and redone from there with --overwrite."""
+before any work, naming what changed, and redone from there with --overwrite; flags that would fail late or
+be ignored are refused up front."""
 
 from __future__ import annotations
 
@@ -135,3 +136,40 @@ def test_a_trained_model_is_not_deleted_unasked(tmp_path, scores, monkeypatch):
     assert [s for s in logs if "running" in s] == [
         f"[pipeline] {s}: running" for s in ("generate", "train", "eval")
     ]
+
+
+def test_inputs_that_would_fail_late_or_be_ignored_are_refused_up_front(tmp_path, scores, capsys):
+    run_dir = tmp_path / "P0"
+    base = ["--scores", str(scores), "--top-k", "1"]
+
+    assert pipeline(run_dir, *base, "--instructions", str(tmp_path / "nope.jsonl")) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"retmask pipeline: error: --instructions: instruction file {tmp_path / 'nope.jsonl'} does not exist"
+        in err
+    )
+    assert not run_dir.exists()  # before the detection (here: the copy of --scores)
+
+    cache = tmp_path / "cache"
+    cache.write_text("a file")
+    assert pipeline(run_dir, *base, "--stop-after", "mask", "--eval-cache", str(cache)) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"retmask pipeline: error: --eval-cache {cache} is an existing file, not a folder; choose a folder"
+        in err
+    )
+    assert not run_dir.exists()
+
+    for flags, named in ((["--protocol", "default"], "--protocol sets"),
+                         (["--detect-lengths", "2", "--detect-min-len", "500"], "--detect-min-len and --detect-lengths set")):  # fmt: skip
+        assert pipeline(run_dir, *base, "--stop-after", "mask", *flags) == 2
+        err = capsys.readouterr().err
+        assert f"retmask pipeline: error: {named} up the detection, which --scores replaces" in err
+        assert "drop --scores to detect the heads with" in err
+    assert not run_dir.exists()
+
+    # the instructions are read only by a run that reaches generate; the protocol's default still applies
+    assert (
+        pipeline(run_dir, *base, "--stop-after", "mask", "--instructions", str(tmp_path / "nope.jsonl")) == 0
+    )
+    assert json.loads((run_dir / "pipeline.json").read_text())["config"]["protocol"] == "default"
