@@ -493,6 +493,34 @@ def check_writable(path: str | os.PathLike, *, what: str = "output", directory: 
     return path
 
 
+def check_distinct_paths(
+    outputs: Mapping[str, str | os.PathLike | None],
+    inputs: Mapping[str, str | os.PathLike | None] | None = None,
+) -> None:
+    """Refuse, before any work, two outputs that name the same file, or an output that names an input:
+    the later write would replace the earlier one (a heatmap over the scores) or the input. Keys are what
+    the message calls each path (``"--out"``, ``"run record"``); None entries are ignored. Paths are
+    compared after resolving symbolic links and ``..``."""
+
+    def resolved(paths: Mapping[str, str | os.PathLike | None]) -> list[tuple[str, Path]]:
+        return [(name, Path(os.path.realpath(p))) for name, p in paths.items() if p is not None]
+
+    seen: dict[Path, str] = {}
+    for name, path in resolved(outputs):
+        if path in seen:
+            raise RunFileError(
+                f"{seen[path]} and {name} name the same file {path}: one would overwrite the other; give "
+                "them different paths"
+            )
+        seen[path] = name
+    for name, path in resolved(inputs or {}):
+        if path in seen:
+            raise RunFileError(
+                f"{seen[path]} {path} is also the {name} input: writing it would replace the input; give "
+                f"{seen[path]} another path"
+            )
+
+
 def check_fresh_or_resume(
     paths: Iterable[str | os.PathLike],
     *,

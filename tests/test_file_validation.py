@@ -155,11 +155,11 @@ def test_scores_above_one_load_with_a_warning_beyond_rounding(tmp_path):
 
     path = tmp_path / "s.json"
     # the published llama-2-7b-80k file holds 1.0000000000000002 (sums of 1/n): no warning
-    path.write_text(json.dumps({"0-0": [1.0000000000000002, 1.0], "0-1": [0.2]}))
+    path.write_text(json.dumps({"0-0": [1.0000000000000002, 1.0], "0-1": [0.2, 0.2]}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_scores(path)[(0, 0)] == pytest.approx(1.0)
-    path.write_text(json.dumps({"0-0": [1.5, 1.0], "0-1": [0.2], "1-3": [1.25]}))
+    path.write_text(json.dumps({"0-0": [1.5, 1.0], "0-1": [0.2, 0.2], "1-3": [1.25, 0.5]}))
     above = r"2 score\(s\) above 1 in 2 head\(s\) \(largest 1.5 for head '0-0'; heads: 0-0, 1-3\)"
     with pytest.warns(ScoreAboveOneWarning, match=above) as w:
         scores = load_scores(path)

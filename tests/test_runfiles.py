@@ -17,6 +17,7 @@ from retmask.errors import UsageError
 from retmask.runfiles import (
     RunFileError,
     RunLock,
+    check_distinct_paths,
     check_fresh_or_resume,
     check_writable,
     lock_path,
@@ -57,6 +58,23 @@ def test_check_writable(tmp_path):
         check_writable(ro / "new" / "out.json", what="--out")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".retmask")] == []  # no probe left
     assert issubclass(RunFileError, UsageError) and issubclass(RunFileError, ValueError)
+
+
+def test_check_distinct_paths(tmp_path):
+    (tmp_path / "sub").mkdir()
+    check_distinct_paths({"--out": tmp_path / "s.json", "--plot": tmp_path / "s.png", "--json": None})
+    with pytest.raises(
+        UsageError, match=r"--out and --plot name the same file .*s\.png: one would overwrite"
+    ):
+        check_distinct_paths({"--out": tmp_path / "s.png", "--plot": tmp_path / "sub" / ".." / "s.png"})
+    (tmp_path / "link").symlink_to(tmp_path / "sub")
+    with pytest.raises(UsageError, match="--out .* is also the --scores input: writing it would replace"):
+        check_distinct_paths(
+            {"--out": tmp_path / "link" / "x.json"}, {"--scores": tmp_path / "sub" / "x.json"}
+        )
+    check_distinct_paths(
+        {"--out": tmp_path / "x.json"}, {"--scores": tmp_path / "sub" / "x.json", "--n": None}
+    )
 
 
 def test_check_fresh_or_resume(tmp_path):

@@ -35,7 +35,7 @@ DEFAULT_NEEDLES = 2
 
 # The K curve's flags default to None (not given), so --each can refuse them rather than ignore them; their
 # values when not given (--tau's is the library's NON_RETRIEVAL_TAU, imported with the ablation code).
-CURVE_DEFAULTS = {"k": "0,5,10,20,40", "seeds": 3, "random_from": "all"}
+CURVE_DEFAULTS = {"k": "0,5,10,20,40", "seeds": 3, "seed": 0, "random_from": "all"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -71,7 +71,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help=f"random-head draws per K (default: {CURVE_DEFAULTS['seeds']})",
     )
-    p.add_argument("--seed", type=seed_int, default=0, help="first seed (draws use seed, seed+1, ...)")
+    p.add_argument(
+        "--seed",
+        type=seed_int,
+        default=None,
+        help=f"first seed (draws use seed, seed+1, ...; default: {CURVE_DEFAULTS['seed']})",
+    )
     p.add_argument(
         "--random-from",
         default=None,

@@ -140,3 +140,18 @@ def png_path(text: str) -> Path:
 
 
 png_path.__name__ = "PNG path"  # argparse's fallback message says "invalid PNG path value"
+
+
+def file_stem(text: str) -> str:
+    """A ``--prefix``: the stem of output file names inside ``--out-dir``, so a plain name. A path
+    (``../x``, ``a/b``) would write outside the folder or beside its lock; an empty name or one starting
+    with a dot gives hidden files (``.configs``)."""
+    if not text or text.startswith(".") or "/" in text or "\\" in text or "\0" in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a plain file name: the prefix names files inside --out-dir; give a name without "
+            "a slash that does not start with a dot (e.g. 'run2')"
+        )
+    return text
+
+
+file_stem.__name__ = "file name prefix"

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from retmask.commands.argtypes import depth_count, length_count, positive_int, token_count
+from retmask.commands.argtypes import depth_count, file_stem, length_count, positive_int, token_count
 from retmask.errors import UsageError
 from retmask.model_names import NAMED_MODELS
 
@@ -53,14 +53,16 @@ def add_device_arg(
 
 
 def check_device_arg(device: str, command: str) -> None:
-    """A wrong or missing ``--device`` as a usage error naming it (before any loading); one line on stderr
-    when a command runs on the CPU although a CUDA GPU is visible (cpu is every command's default, so a
-    GPU is used only when asked for)."""
+    """A wrong or missing ``--device``, or a bad ``$RETMASK_*`` setting, as a usage error naming it (before
+    any loading or output); one line on stderr when a command runs on the CPU although a CUDA GPU is
+    visible (cpu is every command's default, so a GPU is used only when asked for)."""
     import torch
 
     from retmask.hf.loading import check_device
+    from retmask.kernels.paths import check_settings
 
     check_device(device)
+    check_settings()
     if torch.device(device).type == "cpu" and torch.cuda.is_available():
         print(f"retmask {command}: running on the CPU; a CUDA GPU is available: pass --device cuda to use it",
               file=sys.stderr)  # fmt: skip
@@ -242,7 +244,7 @@ def add_configuration_run_args(p: argparse.ArgumentParser, *, name: str) -> None
     --no-progress of a command that runs a list of configurations, each saved as it completes
     (``ablate``, ``kv``)."""
     p.add_argument("--out-dir", type=Path, default=Path("runs") / name, help="folder for the outputs")
-    p.add_argument("--prefix", default=name, help="file name stem of the outputs")
+    p.add_argument("--prefix", type=file_stem, default=name, help="file name stem of the outputs")
     p.add_argument(
         "--resume", action="store_true", help="skip configurations already saved by the same settings"
     )

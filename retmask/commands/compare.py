@@ -80,11 +80,14 @@ def run(args: argparse.Namespace) -> int:
     """Run ``retmask compare``; returns the process exit code."""
     from retmask.heads import SelectionError, load_scores
     from retmask.heads.compare import compare_scores, format_comparison, score_matrix
-    from retmask.runfiles import atomic_write_json, check_writable
+    from retmask.runfiles import atomic_write_json, check_distinct_paths, check_writable
 
     try:
         paths = [args.base, *args.others]
         labels = labels_for(paths, args.labels)
+        check_distinct_paths(
+            {"--json": args.json, "--plot": args.plot}, {f"compared file {p}": p for p in paths}
+        )
         for path, what in ((args.json, "--json"), (args.plot, "--plot")):
             if path is not None:
                 check_writable(path, what=what)

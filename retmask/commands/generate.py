@@ -137,6 +137,11 @@ def _run(args: argparse.Namespace) -> int:
         # "auto" resolved once, for the device: recorded and used for both models
         dtype = resolve_dtype_name(args.dtype, args.device)
         check_model_spec(args.rejected_model)  # a typo fails before the policy model is loaded
+        # the inputs read before any model loads (a missing file fails in a second); the heads are checked
+        # against the model's shape and the instructions' lengths with its tokenizer once it has loaded
+        if args.heads is not None:
+            read_heads(args.heads)
+        load_instructions(args.instructions, args.limit, column=args.column)
         model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype), device=args.device)
         check_generation_budget(args, model)
         heads = rejected_model = rejected_tokenizer = None

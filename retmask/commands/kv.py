@@ -39,6 +39,7 @@ DEFAULT_GRID = {"num_lengths": 3, "num_depths": 3}
 DEFAULT_NEEDLES = 2
 DEFAULT_POLICIES = "retrieval,random,non-retrieval,streaming,full"
 DEFAULT_BUDGETS = "0.1,0.2,0.3"
+DEFAULT_SEEDS, DEFAULT_SEED = 3, 0  # random-policy draws per budget, and the first one's seed
 
 sink_count = int_range(0, cap=MAX_TOKENS, why="more tokens than any model's context")
 
@@ -91,8 +92,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--budgets",
         type=_list_type("parse_budgets"),
-        default=DEFAULT_BUDGETS,
-        help="comma-separated fractions in (0, 1] of the KV heads (not query heads) kept full",
+        default=None,
+        help="comma-separated fractions in (0, 1] of the KV heads (not query heads) kept full, for the "
+        f"retrieval, random and non-retrieval policies (default: {DEFAULT_BUDGETS})",
     )
     p.add_argument(
         "--policies",
@@ -119,8 +121,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "work bounded from the first token); full: the prompt is computed with every key in every head and "
         "the cache is pruned after it, so only the answer's tokens see the pruned cache",
     )
-    p.add_argument("--seeds", type=draw_count, default=3, help="random-policy draws per budget")
-    p.add_argument("--seed", type=seed_int, default=0, help="first seed of the draws (then seed+1, ...)")
+    # None = not given: a policy list without the random policy refuses them rather than ignoring them
+    p.add_argument(
+        "--seeds",
+        type=draw_count,
+        default=None,
+        help=f"random-policy draws per budget (default: {DEFAULT_SEEDS})",
+    )
+    p.add_argument(
+        "--seed",
+        type=seed_int,
+        default=None,
+        help=f"first seed of the random draws (then seed+1, ...; default: {DEFAULT_SEED})",
+    )
     p.add_argument(
         "--tasks",
         type=_list_type("parse_names", ("niah", "kv"), "task"),
@@ -138,6 +151,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _as_list(value: Any, parse: Any) -> Any:
     """A flag's value: argparse applies ``type`` to a string default too, but not to one set in code."""
     return parse(value) if isinstance(value, str) else value
+
+
+def check_policy_flags(args: argparse.Namespace, policies: list[str]) -> None:
+    """Refuse flags the chosen policies would ignore: --budgets without a budgeted policy, --seeds / --seed
+    without the random one."""
+    from retmask.evaluate.kv_budget.plan import BUDGET_POLICIES
+
+    if args.budgets is not None and not any(p in BUDGET_POLICIES for p in policies):
+        raise UsageError(
+            f"--budgets applies to the {', '.join(BUDGET_POLICIES)} policies, and --policies has none of them; "
+            "drop --budgets or add one of those policies"
+        )
+    given = [flag for flag, value in (("--seeds", args.seeds), ("--seed", args.seed)) if value is not None]
+    if given and "random" not in policies:
+        raise UsageError(
+            f"{' and '.join(given)} only set the random policy's draws, and --policies does not include it; "
+            f"drop {' and '.join(given)} or add random"
+        )
 
 
 @reports_errors()
@@ -171,7 +202,10 @@ def _run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     policies = _as_list(args.policies, lambda s: parse_names(s, POLICIES, "policy"))
-    budgets = _as_list(args.budgets, parse_budgets)
+    check_policy_flags(args, policies)
+    budgets = _as_list(args.budgets if args.budgets is not None else DEFAULT_BUDGETS, parse_budgets)
+    args.seeds = DEFAULT_SEEDS if args.seeds is None else args.seeds
+    args.seed = DEFAULT_SEED if args.seed is None else args.seed
     tasks = _as_list(args.tasks, lambda s: parse_names(s, TASKS, "task"))
     configs = args.out_dir / f"{args.prefix}.configs"  # checked again (with the settings) by run_kv_budget
     earlier = [configs] if configs.is_dir() and any(configs.glob("*.json")) else []
@@ -188,7 +222,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.scores is not None:
             load_scores(args.scores)  # readable and well-formed now; its shape is checked with the model
         if not any(p in BUDGET_POLICIES for p in policies):
-            budgets = []
+            budgets = []  # streaming and full have no budget
         total = len(plan(policies, budgets, args.seeds, args.seed))
         lengths, depths = grid_from_args(args)
         check_window(args.window, args.sink_tokens, lengths)

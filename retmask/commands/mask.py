@@ -6,6 +6,7 @@ Register with ``retmask.commands.mask.add_parser(subparsers)``; the parser's ``f
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     import retmask
     from retmask.hf.export import check_zeroing_is_masking
     from retmask.hf.layers import head_layout
-    from retmask.runfiles import check_not_replacing, check_writable
+    from retmask.runfiles import check_distinct_paths, check_not_replacing, check_writable
 
     try:
         export_only = {"--model": args.model, "--gguf-file": args.gguf_file}
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{', '.join(given)} only matter(s) with --export DIR; add --export or drop them"
             )
         scores = load_scores(args.scores)
+        check_distinct_paths({"--out": args.out}, {"--scores": args.scores})
         check_writable(args.out, what="--out")
         check_not_replacing([args.out], overwrite=args.overwrite)
         if args.model_shape is not None and args.model_shape[0] * args.model_shape[1] > MAX_HEADS:
@@ -118,6 +120,13 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.export is not None:  # before the model is loaded: a wrong folder fails in a second
             check_export_target(args.export)
+            out, export = Path(os.path.realpath(args.out)), Path(os.path.realpath(args.export))
+            if export in out.parents:
+                raise SelectionError(
+                    f"--out {args.out} lies inside the --export folder {args.export}, which the export writes "
+                    "whole and must not exist yet; write the heads file elsewhere (the export keeps a "
+                    "record of the zeroed heads in its config.json)"
+                )
         shape = list(args.model_shape) if args.model_shape is not None else None
         model = tokenizer = None
         if args.export is not None:

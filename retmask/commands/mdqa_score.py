@@ -88,12 +88,16 @@ def _interrupt_hint(args: argparse.Namespace) -> str | None:
 @reports_errors(interrupt_hint=_interrupt_hint)
 def run(args: argparse.Namespace) -> int:
     from retmask.methods.mudaf.score_progress import progress_dir
-    from retmask.runfiles import RunLock, check_progress_run, check_writable
+    from retmask.runfiles import RunLock, check_distinct_paths, check_progress_run, check_writable
 
-    check_writable(args.out, what="--out")
     record = args.out.with_name(args.out.stem + ".run.json")
     # --masses: <out stem>.masses.npz is one of the run's results (checked, and not replaced unasked, like them)
     masses = args.out.with_name(args.out.stem + ".masses.npz") if args.masses else None
+    check_distinct_paths(
+        {"--out": args.out, "--plot": args.plot, "the run record": record, "the --masses file": masses},
+        {"--data": args.data},
+    )
+    check_writable(args.out, what="--out")
     for path, what in ((args.plot, "--plot"), (record, "run record"), (masses, "--masses file")):
         if path is not None:
             check_writable(path, what=what)

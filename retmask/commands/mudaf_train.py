@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -136,36 +137,36 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import retmask
-    from retmask.heads.selection import SelectionError, write_heads
+    from retmask.heads.selection import SelectionError, load_scores, read_heads, write_heads
     from retmask.hf.layers import head_layout
     from retmask.hf.precision import resolve_training_dtype
-    from retmask.kernels import check_settings
     from retmask.methods.mudaf.mdqa import MDQAError, load_mdqa
     from retmask.methods.mudaf.train import MuDAFConfig, train_mudaf
 
-    try:
-        check_settings()  # a bad $RETMASK_* setting fails before any loading
-    except ValueError as e:
-        print(f"retmask mudaf-train: error: {e}", file=sys.stderr)
-        return 2
     try:
         if args.limit is not None and args.limit < 1:
             raise MDQAError(f"--limit must be >= 1, got {args.limit}")
         if not args.vanilla_sft and args.heads is None and args.scores is None:
             raise MDQAError("MuDAF needs target heads: --heads heads.json or --scores mdqa_scores.json")
-        check_device_arg(args.device, "mudaf-train")
+        check_device_arg(args.device, "mudaf-train")  # and the $RETMASK_* settings
         dtype = resolve_training_dtype(args.dtype, args.device)  # before loading: a bad value fails fast
-        examples = load_mdqa(args.data, limit=args.limit)
-        # float32 master weights whatever --dtype says
-        model, tokenizer = retmask.load_model(args.model, device=args.device)
-        selection = select(args, list(head_layout(model).shape))
         cfg = MuDAFConfig(
-            heads=list(selection.heads) if selection else [], lambda_con=args.lambda_con, alpha=args.alpha,
+            lambda_con=args.lambda_con, alpha=args.alpha,
             vanilla_sft=args.vanilla_sft, temperature=args.temperature, similarity=args.similarity,
             learning_rate=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
             max_steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
             max_length=args.max_length, seed=args.seed, save_every=args.save_every, dtype=dtype,
         )  # fmt: skip
+        cfg.check(heads=False)  # the heads are known once the model has loaded
+        examples = load_mdqa(args.data, limit=args.limit)
+        if args.heads is not None:  # the files read before the model loads; checked against its shape after
+            read_heads(args.heads)
+        elif args.scores is not None:
+            load_scores(args.scores)
+        # float32 master weights whatever --dtype says
+        model, tokenizer = retmask.load_model(args.model, device=args.device)
+        selection = select(args, list(head_layout(model).shape))
+        cfg = dataclasses.replace(cfg, heads=list(selection.heads) if selection else [])
         cfg.check()
         if selection is not None:
             write_heads(selection, args.out / "heads.json")

@@ -78,8 +78,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def check_mask_args(args: argparse.Namespace) -> None:
-    """The mask flags' consistency (and that --scores reads), before any model is loaded."""
-    from retmask.heads.selection import SelectionError, load_scores
+    """The mask flags' consistency (and that --scores / --mask-file read), before any model is loaded; the
+    heads are checked against the model's shape once it has loaded."""
+    from retmask.heads.selection import SelectionError, load_scores, read_heads
 
     if args.mask_top is None and args.scores is not None:
         raise SelectionError("--scores is only used with --mask-top K; add --mask-top or drop --scores")
@@ -87,6 +88,8 @@ def check_mask_args(args: argparse.Namespace) -> None:
         if args.scores is None:
             raise SelectionError("--mask-top K needs --scores FILE (the scores JSON of `retmask detect`)")
         load_scores(args.scores)
+    if args.mask_file is not None:
+        read_heads(args.mask_file)
     if args.mask_random is not None and args.mask_random <= 0:
         raise SelectionError(f"--mask-random must be a positive number of heads, got {args.mask_random}")
 
@@ -150,12 +153,21 @@ def _interrupt_hint(args: argparse.Namespace) -> str | None:
 @reports_errors(interrupt_hint=_interrupt_hint)
 def run(args: argparse.Namespace) -> int:
     from retmask.evaluate.niah_progress import progress_path
-    from retmask.runfiles import RunFileError, RunLock, check_progress_run, check_writable
+    from retmask.runfiles import (
+        RunFileError,
+        RunLock,
+        check_distinct_paths,
+        check_progress_run,
+        check_writable,
+    )
 
     if args.out is None and args.resume:
         raise RunFileError(
             "--resume continues the run on --out (its progress file sits next to it); add --out"
         )
+    check_distinct_paths(
+        {"--out": args.out, "--plot": args.plot}, {"--mask-file": args.mask_file, "--scores": args.scores}
+    )
     if args.out is not None:
         check_writable(args.out, what="--out")
     if args.plot is not None:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from retmask.errors import UsageError
+
 SWITCH_ENV = "RETMASK_CPU_SPEEDUPS"
 _ON = ("", "1", "on", "true", "yes")
 _OFF = ("0", "off", "false", "no")
@@ -29,13 +31,13 @@ _OFF = ("0", "off", "false", "no")
 
 def enabled() -> bool:
     """Whether the CPU speed-ups are on: ``$RETMASK_CPU_SPEEDUPS`` unset or 1 (default), off for 0.
-    Raises ValueError naming the variable for any other value."""
+    Raises UsageError (a ValueError) naming the variable for any other value."""
     value = os.environ.get(SWITCH_ENV, "").strip().lower()
     if value in _ON:
         return True
     if value in _OFF:
         return False
-    raise ValueError(f"${SWITCH_ENV}={value!r}: set it to 1 (on, the default) or 0 (off)")
+    raise UsageError(f"${SWITCH_ENV}={value!r}: set it to 1 (on, the default) or 0 (off), or unset it")
 
 
 def describe() -> dict[str, Any]:

@@ -40,6 +40,7 @@ from retmask.runfiles import (
     JsonFile,
     RunLock,
     atomic_write_json,
+    check_distinct_paths,
     check_fresh_or_resume,
     check_same_settings,
     check_writable,
@@ -490,6 +491,7 @@ def run_detect(
     if out is None:
         return _run_detect(cfg, None, plot, resume, model, tokenizer, progress_bar, log)
     out = Path(out)
+    check_distinct_paths({"the scores file": out, "the run record": record_path(out), "the plot": plot})
     for path, what in ((out, "scores file"), (record_path(out), "run record")):
         check_writable(path, what=what)
     if plot is not None:

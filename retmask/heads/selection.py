@@ -85,6 +85,11 @@ def mean_scores(raw: Mapping[str, Any], *, source: str = "scores") -> dict[Head,
         )
     if not raw:
         raise SelectionError(f"{source}: the scores object is empty; run `retmask detect` to produce scores")
+    if "heads" in raw and "version" in raw:
+        raise SelectionError(
+            f"{source}: this is a heads file (a selection written by `retmask mask`), not retrieval scores; "
+            "pass the scores JSON written by `retmask detect`"
+        )
     out: dict[Head, float] = {}
     above: list[tuple[float, str]] = []  # (score, key) above 1 beyond rounding
     for key, values in raw.items():
@@ -123,6 +128,15 @@ def mean_scores(raw: Mapping[str, Any], *, source: str = "scores") -> dict[Head,
             f"{source}: {len(empty)} head(s) have an empty score list (e.g. {empty[0]!r}) while others have "
             "scores; a detection gives every head one score per counted test, so the file is damaged or "
             "edited: run `retmask detect` again or fix the file"
+        )
+    lengths = {len(values) for values in raw.values()}
+    if len(lengths) > 1:
+        short = min(raw, key=lambda k: len(raw[k]))
+        long = max(raw, key=lambda k: len(raw[k]))
+        raise SelectionError(
+            f"{source}: the heads have score lists of different lengths ({short!r}: {len(raw[short])}, "
+            f"{long!r}: {len(raw[long])}); a detection gives every head one score per counted test, so the "
+            "file is damaged, edited or merged from several runs: run `retmask detect` again or fix the file"
         )
     if above:
         worst: dict[str, float] = {}

@@ -40,6 +40,7 @@ from retmask.cpu_speedups.half_matmul import native_half_matmul
 from retmask.errors import UsageError
 from retmask.hf.linears import patch_linears
 from retmask.hf.patch import check_supported  # importing retmask.hf registers "retmask" with transformers
+from retmask.kernels.paths import check_settings
 from retmask.model_names import NAMED_MODELS  # short names (--model smollm2), listed by every --help
 from retmask.requirements import check_installed
 
@@ -491,6 +492,7 @@ def load_model(
         (model in eval mode, tokenizer with a pad token set: EOS when the model defines none).
     """
     check_device(device)  # before any loading: a wrong --device fails in a second, not after the weights
+    check_settings()  # and so does a bad $RETMASK_CPU_PATH / _ISA / _SPEEDUPS
     source = resolve_source(spec, gguf_file)
     if (Path(source) / _COMPLETE_MARKER).is_file():  # a cached conversion: damaged files are named here
         check_converted_folder(Path(source))

@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from retmask.errors import UsageError
 from retmask.requirements import installed_version
 
 CPU_PATH_ENV = "RETMASK_CPU_PATH"
@@ -74,8 +75,8 @@ CPU_PATHS = ("cpp", "bf16dot", "blocked")
 
 def check_settings() -> None:
     """Validate the environment settings of the kernels and the CPU speed-ups (``$RETMASK_CPU_PATH``,
-    ``$RETMASK_CPU_ISA``, ``$RETMASK_CPU_SPEEDUPS``): ValueError naming the variable, so that a command
-    fails before it loads anything."""
+    ``$RETMASK_CPU_ISA``, ``$RETMASK_CPU_SPEEDUPS``): UsageError (a ValueError) naming the variable, so that
+    a command fails before it loads anything (``load_model`` calls it first)."""
     from retmask import cpu_speedups
 
     from .cpu import backend as cpu
@@ -87,10 +88,10 @@ def check_settings() -> None:
 
 
 def forced_cpu_path() -> str:
-    """``$RETMASK_CPU_PATH``, or "" when unset; ValueError naming the variable for another value."""
+    """``$RETMASK_CPU_PATH``, or "" when unset; UsageError naming the variable for another value."""
     value = os.environ.get(CPU_PATH_ENV, "").strip()
     if value and value not in CPU_PATHS:
-        raise ValueError(
+        raise UsageError(
             f"${CPU_PATH_ENV} must be one of {list(CPU_PATHS)}, got {value!r}; unset it for the default"
         )
     return value

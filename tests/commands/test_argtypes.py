@@ -83,3 +83,15 @@ def test_out_of_range_flag_exits_2_at_parse_time(argv, flag, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"retmask {argv[0]}: error: argument {flag}: " in err and message in err, err
+
+
+@pytest.mark.parametrize("command", ["ablate", "kv"])
+@pytest.mark.parametrize("prefix", ["", ".", "..", ".hidden", "../../etc/x", "a/b"])
+def test_prefix_is_a_plain_file_name(command, prefix, tmp_path, capsys):
+    """--prefix names files inside --out-dir: a path would write outside it (or away from its lock), a
+    leading dot hides the outputs."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--prefix", prefix, "--out-dir", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert "argument --prefix: " in (err := capsys.readouterr().err) and "is not a plain file name" in err
+    assert list(tmp_path.iterdir()) == []

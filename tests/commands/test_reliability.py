@@ -423,6 +423,83 @@ def test_every_command_loads_its_model_on_the_device_asked_for(
     assert seen == ["cuda"]
 
 
+@pytest.mark.parametrize("command", DEVICE_COMMANDS)
+def test_a_bad_environment_setting_fails_before_the_model_loads(
+    command, tiny_dir, tmp_path, monkeypatch, capsys
+):
+    """A bad ``$RETMASK_*`` setting is one line naming the variable and its values, before any weights are
+    read: the loader checks the settings first (it used to fail at the first attention call, with a
+    traceback from some commands and a half-written pairs file from ``generate``)."""
+    monkeypatch.setenv("RETMASK_CPU_PATH", "bogus")
+    loaded = []
+    real = __import__("transformers").AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        "transformers.AutoTokenizer.from_pretrained", lambda *a, **k: loaded.append(a) or real(*a, **k)
+    )
+    before = {p.name for p in tmp_path.iterdir()}
+    argv = _command_argv(command, ["--model", str(tiny_dir)], tmp_path)
+    inputs = {p.name for p in tmp_path.iterdir()} - before
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"retmask {command}: error: $RETMASK_CPU_PATH must be one of" in err and "Traceback" not in err, (
+        err
+    )
+    assert loaded == []
+    assert {p.name for p in tmp_path.iterdir()} - before == inputs  # no outputs, progress or lock files
+
+
+def _refusals(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """Command lines a user gets wrong, each with the words its error must contain. Every one is refused
+    before a model loads (the audit found each of them failing only after the load, or not at all)."""
+    f = _inputs(tmp_path)
+    scores, heads, missing = str(f["scores"]), str(f["heads"]), str(tmp_path / "nope.json")
+    same = str(tmp_path / "same.png")
+    model = ["--model", str(tmp_path)]  # never loaded
+    return [
+        # two outputs on one file: the later write would replace the earlier (the scores by the heatmap)
+        (["detect", *model, *GRID, "--out", same, "--plot", same], "the scores file and the plot name the same file"),
+        (["compare", scores, scores, "--json", same, "--plot", same], "--json and --plot name the same file"),
+        (["niah", *model, "--out", same, "--plot", same], "--out and --plot name the same file"),
+        (["mdqa-score", *model, "--data", str(f["data"]), "--out", same, "--plot", same],
+         "--out and --plot name the same file"),
+        (["compare", scores, scores, "--json", scores], f"--json {scores} is also the compared file"),
+        # an output that replaces its own input
+        (["mask", "--scores", scores, "--top-k", "1", "--out", scores, "--overwrite"], "is also the --scores input"),
+        # the heads file would be written into the folder the export must create
+        (["mask", "--scores", scores, "--top-k", "1", "--out", str(tmp_path / "x" / "h.json"), "--export",
+          str(tmp_path / "x"), *model], "lies inside the --export folder"),
+        # input files read before the model loads
+        (["niah", *model, "--mask-file", missing], f"heads file {missing}"),
+        (["generate", *model, "--heads", missing, "--out", str(tmp_path / "p.jsonl")], f"heads file {missing}"),
+        (["generate", *model, "--heads", heads, "--instructions", str(tmp_path / "nope.jsonl"), "--out",
+          str(tmp_path / "p.jsonl")], "does not exist; give an existing .json/.jsonl/.parquet file"),
+        (["mudaf-train", *model, "--data", str(f["data"]), "--heads", missing, "--out", str(tmp_path / "m")],
+         f"heads file {missing}"),
+        (["mudaf-train", *model, "--data", str(f["data"]), "--vanilla-sft", "--alpha", "0.3", "--out",
+          str(tmp_path / "m")], "--vanilla-sft trains on the CLM loss only; drop --alpha"),
+        # flags the run would ignore
+        (["ablate", *model, "--each", "0-1", "--seed", "7", "--out-dir", str(tmp_path / "a")],
+         "--seed set the K curve, which --each replaces"),
+        (["kv", *model, "--policies", "full", "--budgets", "0.5", "--out-dir", str(tmp_path / "k")],
+         "--budgets applies to the retrieval, random, non-retrieval policies"),
+        (["kv", *model, "--policies", "full,streaming", "--seeds", "4", "--out-dir", str(tmp_path / "k")],
+         "--seeds only set the random policy's draws"),
+    ]  # fmt: skip
+
+
+def test_mistakes_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    def loader(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    _replace_loaders(monkeypatch, loader)
+    for argv, message in _refusals(tmp_path):
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"retmask {argv[0]}: error: " in err and message in err and "Traceback" not in err, (argv, err)
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before, argv  # nothing written
+
+
 def test_training_device():
     """DPO / SFT: the Trainer places the model; cpu, or the first visible GPU (another index says how)."""
     import torch

@@ -31,7 +31,8 @@ L, H = 4, 8  # fixture model shape: 32 heads
 
 
 def fixture_scores() -> dict[str, list[float]]:
-    """A published-format scores object: sparse retrieval heads, many zeros, lists of several lengths."""
+    """A published-format scores object: sparse retrieval heads, many zeros, one score per test for every
+    head (every published file has lists of one length)."""
     raw: dict[str, list[float]] = {}
     for layer in range(L):
         for head in range(H):
@@ -42,9 +43,9 @@ def fixture_scores() -> dict[str, list[float]]:
                 base = ((layer * 5 + head * 3) % 11) / 100  # 0.00 .. 0.10
                 raw[key] = [base, base + 0.02, base - 0.02 if base >= 0.02 else 0.0]
     raw["2-3"] = [0.9, 0.8, 0.85]
-    raw["1-5"] = [0.5, 0.6]
-    raw["3-0"] = [0.3, 0.2, 0.25, 0.25]
-    raw["0-7"] = [0.12, 0.1]
+    raw["1-5"] = [0.5, 0.6, 0.55]
+    raw["3-0"] = [0.3, 0.2, 0.25]
+    raw["0-7"] = [0.12, 0.1, 0.11]
     return raw
 
 
@@ -70,6 +71,24 @@ def test_one_empty_list_among_full_ones_is_refused(tmp_path):
     path = tmp_path / "edited.json"
     path.write_text(json.dumps(raw))
     with pytest.raises(SelectionError, match=r"empty score list \(e\.g\. '1-1'\).*damaged or edited"):
+        load_scores(path)
+
+
+def test_lists_of_different_lengths_are_refused(tmp_path):
+    raw = fixture_scores()
+    raw["1-1"] = raw["1-1"] + [0.0]
+    path = tmp_path / "merged.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(
+        SelectionError, match=r"different lengths \('0-0': 3, '1-1': 4\).*damaged, edited or merged"
+    ):
+        load_scores(path)
+
+
+def test_a_heads_file_given_as_scores_is_named(tmp_path):
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps({"version": 1, "heads": [[0, 1]], "num_heads": 1}))
+    with pytest.raises(SelectionError, match=r"this is a heads file .*`retmask mask`.*pass the scores JSON"):
         load_scores(path)
 
 

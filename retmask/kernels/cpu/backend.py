@@ -27,6 +27,8 @@ from types import ModuleType
 
 import torch
 
+from retmask.errors import UsageError
+
 from .. import paths
 from . import blocked as cpu_blocked
 
@@ -130,16 +132,17 @@ def builds() -> tuple[tuple[str, int], ...]:
 
 def selected_isa(isa: str | None = None) -> str:
     """The build a call runs: ``isa`` if given, else ``$RETMASK_CPU_ISA`` if set, else the widest this CPU
-    has. Raises ValueError for a name this CPU has no build for, listing the ones it has."""
+    has. Raises UsageError (a ValueError) for a name this CPU has no build for, listing the ones it has."""
     wanted = isa if isa is not None else os.environ.get(ISA_ENV, "").strip()
     lib = _library()
     if not wanted:
         return lib.builds[0][0] if lib is not None else ""
     if lib is None or wanted not in lib.names:
         source = f"${ISA_ENV}" if isa is None else "isa"
-        raise ValueError(
+        raise UsageError(
             f"{source}: {wanted!r} is not a build of the C++ kernel this CPU can run; it has "
-            f"{', '.join(name for name, _ in builds()) or 'none (retmask._C is not built)'}"
+            f"{', '.join(name for name, _ in builds()) or 'none (retmask._C is not built)'}; pick one of "
+            "those, or unset it for the widest"
         )
     return wanted
 

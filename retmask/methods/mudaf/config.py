@@ -52,7 +52,9 @@ class MuDAFConfig:
     save_every: int = 0  # optimizer steps between resume checkpoints; 0 = none
     dtype: str = "float32"  # or "bfloat16": bf16 autocast over float32 master weights
 
-    def check(self) -> None:
+    def check(self, *, heads: bool = True) -> None:
+        """MDQAError naming the setting that is out of range or in conflict; ``heads=False`` leaves out the
+        target heads (known only once the model has loaded: the command checks the rest before)."""
         if self.vanilla_sft and self.alpha not in (None, 0):
             raise MDQAError("--vanilla-sft trains on the CLM loss only; drop --alpha")
         if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
@@ -70,7 +72,7 @@ class MuDAFConfig:
             raise MDQAError(f"dtype must be float32 or bfloat16 (bf16 autocast), got {self.dtype!r}")
         if self.learning_rate <= 0 or self.warmup_steps < 0 or self.save_every < 0:
             raise MDQAError("learning rate must be > 0, warm-up steps and save-every >= 0")
-        if not self.vanilla_sft and not self.heads:
+        if heads and not self.vanilla_sft and not self.heads:
             raise MDQAError(
                 "MuDAF needs target heads: pass --heads heads.json or --scores mdqa_scores.json (sampled), "
                 "or --vanilla-sft for the CLM-only baseline"

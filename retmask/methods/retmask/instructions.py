@@ -202,7 +202,10 @@ def _records(src: str | Path) -> tuple[str, Iterator[tuple[str, Any]]]:
     suffix = path.suffix.lower()
     if suffix in LOCAL_SUFFIXES:
         if not path.is_file():
-            raise InstructionError(f"instruction file {path} does not exist")
+            raise InstructionError(
+                f"instruction file {path} does not exist; give an existing {'/'.join(LOCAL_SUFFIXES)} file, a "
+                f"datasets hub id, or {BUILTIN!r} for the shipped instructions"
+            )
         reader = {".jsonl": _jsonl_records, ".json": _json_records, ".parquet": _parquet_records}[suffix]
         return str(path), reader(path)
     if path.is_file():
