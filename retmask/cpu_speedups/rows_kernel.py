@@ -40,12 +40,14 @@ def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, isa
         x = x.contiguous()
     if weight.shape[-1] > 1 and weight.stride(-1) != 1:
         weight = weight.contiguous()
+    if bias is not None:  # a local: a copy made in the call below would be freed before the kernel reads it
+        bias = bias.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)  # int sizes: half the cost of a tuple
     codes = lib.codes
     arg = cpu_backend.tensor_arg
     lib.module.linear_rows(
         arg("x", x, codes), arg("weight", weight, codes),
-        None if bias is None else arg("bias", bias.contiguous(), codes), arg("y", y, codes),
+        None if bias is None else arg("bias", bias, codes), arg("y", y, codes),
         torch.get_num_threads() if threads is None else threads, isa,
     )  # fmt: skip
     return y

@@ -83,6 +83,19 @@ def test_strided_rows_and_a_weight_slice(isa, dtype):
     torch.testing.assert_close(y.double(), _reference(x, w, None), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_strided_bias_through_the_operator(dtype):
+    """``rows_kernel.run`` copies a strided bias before the call; the copy must outlive the call (the
+    binding keeps only its address: a copy made in the argument list was freed before the kernel read it)."""
+    x, w, b = _inputs(3, 40, 64, True, dtype, seed=7)
+    strided = torch.stack([b, torch.full_like(b, 1e4)], dim=1)[:, 0]  # every other element of a wider tensor
+    assert strided.stride() == (2,) and torch.equal(strided, b)
+    for _ in range(20):  # allocations between the copy and the kernel would reuse freed memory
+        y = rows_kernel.run(x, w, strided)
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-5}
+        torch.testing.assert_close(y.double(), _reference(x, w, b), **tol)
+
+
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_and_thread_invariance(isa, dtype):

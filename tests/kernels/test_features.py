@@ -145,9 +145,12 @@ def test_backend_matches_reference(backend, case, softcap, with_sinks):
         if (b, d) != ("triton", torch.bfloat16)
     ],
 )
-def test_backend_low_precision_features(backend, dtype):
+@pytest.mark.parametrize("sinks_dtype", ["model", torch.float32, torch.float64])
+def test_backend_low_precision_features(backend, dtype, sinks_dtype):
+    """Sinks in any float dtype: a bf16 model holds its sink logits in bf16 (the CPU backend once passed
+    the address of a temporary fp32 copy, freed before the kernel read it: garbage outputs)."""
     q, k, v = make_qkv(1, 4, 2, 48, 96, 64, dtype=dtype, seed=5)
-    sinks = torch.randn(4)
+    sinks = torch.randn(4).to(dtype if sinks_dtype == "model" else sinks_dtype)
     kw = dict(causal=True, sm_scale=0.125, window=37, softcap=6.0, sinks=sinks)
     out = attention(q, k, v, backend=backend, **kw)
     ref, _ = reference_attention(q, k, v, **kw)

@@ -160,7 +160,11 @@ def bf16_dot_native(isa: str | None = None) -> bool:
 
 
 def tensor_arg(name: str, t: torch.Tensor, codes: dict[torch.dtype, int]) -> tuple:
-    """One tensor as the binding takes it: (data pointer, dtype code, shape, strides in elements)."""
+    """One tensor as the binding takes it: (data pointer, dtype code, shape, strides in elements).
+
+    The tuple holds a raw address and no reference: ``t`` must stay referenced until the binding returns.
+    Bind a converted copy (``.contiguous()``, ``.to(...)``) to a local first; a temporary made inside the
+    call's argument list is freed as soon as this function returns, and the kernel would read freed memory."""
     code = codes.get(t.dtype)
     if code is None:
         raise ValueError(f"{name}: dtype {t.dtype} is not supported by the C++ kernel")
@@ -230,8 +234,10 @@ def cpp_forward(
         features["sink_tokens"] = min(int(sink_tokens), max(1, k.shape[2]))
     if softcap is not None:
         features["softcap"] = float(softcap)
-    if sinks is not None:
-        features["sinks"] = tensor_arg("sinks", sinks.detach().to(torch.float32).contiguous(), codes)
+    # a local: the fp32 copy must outlive the call (tensor_arg keeps only its address)
+    sinks32 = sinks.detach().to(torch.float32).contiguous() if sinks is not None else None
+    if sinks32 is not None:
+        features["sinks"] = tensor_arg("sinks", sinks32, codes)
     logits = lib.module.attention_fwd(
         tensor_arg("q", q, codes), tensor_arg("k", k, codes), tensor_arg("v", v, codes),
         tensor_arg("out", out, codes),
