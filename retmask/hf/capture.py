@@ -142,6 +142,8 @@ def _sequence_end(args: tuple, kwargs: dict) -> int | None:
     if inputs is None or inputs.dim() < 2:
         return None
     cache = kwargs.get("cache")
+    if cache is None:  # the older keyword, which transformers still takes
+        cache = kwargs.get("past_key_values")
     past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
     return past + int(inputs.shape[1])
 

@@ -120,7 +120,7 @@ def _check_features(module: torch.nn.Module, dropout: float, kwargs: dict) -> No
         raise _unsupported(_model_name(module), "an additive position bias")
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         raise _unsupported(_model_name(module), "packed sequences (cu_seq_lens)")
-    cache = kwargs.get("cache")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise _unsupported(_model_name(module), "a paged KV cache (continuous batching)")
     if kwargs.get("output_attentions"):
@@ -149,10 +149,10 @@ def _key_padding_mask(
             "(1 = token, 0 = padding) instead"
         )
     if attention_mask.shape[1] != kv_len:
-        raise _unsupported(
-            model,
-            f"a KV cache whose length ({kv_len}) differs from the padding mask's ({attention_mask.shape[1]}), "
-            "e.g. a static/compileable cache; use the default DynamicCache",
+        raise ValueError(
+            f"model '{model}': the attention_mask has {attention_mask.shape[1]} columns but attention sees "
+            f"{kv_len} keys (the cached tokens and this call's); pass a mask with one column per token, cached "
+            "ones included"
         )
     if attention_mask.shape[0] != batch:
         raise ValueError(

@@ -134,6 +134,23 @@ def test_capture_equals_eager_argmax_prefill_chunk_decode(feature_arch):
                 )
 
 
+def test_capture_reads_the_cache_under_either_keyword():
+    """transformers still takes the cache as ``past_key_values=`` (deprecated for ``cache=``): the capture
+    must see its length under either name, or a sliding layer's argmax stays window-relative."""
+    model = feature_model("mistral")
+    ids, mask = random_batch(1, 14, seed=5)
+    captured = {}
+    for keyword in ("cache", "past_key_values"):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :10], attention_mask=mask[:, :10], use_cache=True, **{keyword: cache})
+            with retmask.capture_argmax(model, rows=None) as cap:
+                model(input_ids=ids[:, 10:], attention_mask=mask, use_cache=True, **{keyword: cache})
+        captured[keyword] = cap.last
+    assert int(captured["cache"].max()) >= 10  # absolute positions past the window (WINDOW < 10)
+    assert torch.equal(captured["past_key_values"], captured["cache"])
+
+
 def layer_is_local(model, layer: int) -> bool:
     kinds = getattr(model.config, "layer_types", None)
     if kinds is None:

@@ -107,3 +107,13 @@ def test_hybrids_outside_the_tested_ones_are_refused_by_name():
 
     with pytest.raises(ValueError, match=r"its layers use \['hybrid'\] attention"):
         attention_layer_ids(falcon)
+
+
+def test_a_padding_mask_of_the_wrong_width_is_named():
+    model = tiny_model("llama")
+    ids, mask = random_batch(1, 8)
+    with (
+        pytest.raises(ValueError, match=r"attention_mask has 7 columns but attention sees 8 keys"),
+        torch.no_grad(),
+    ):
+        model(input_ids=ids, attention_mask=mask[:, 1:])
