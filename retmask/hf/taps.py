@@ -22,6 +22,7 @@ Each forward call overwrites the previous call's tensors; only the newest call i
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +30,17 @@ import torch
 
 from retmask.hf.layers import head_layout
 from retmask.hf.patch import require_retmask
+
+
+def _layer_index(x: Any) -> int:
+    """A layer index: an int (numpy and 0-d integer tensors too), never a bool or a float (``int(0.7)`` and
+    ``int(True)`` would tap layers nobody asked for)."""
+    if not isinstance(x, bool):
+        try:
+            return operator.index(x)
+        except TypeError:
+            pass
+    raise TypeError(f"tap_qk: layers must be ints, got {x!r}")
 
 
 class QKTap:
@@ -53,7 +65,11 @@ class QKTap:
         self.model = model
         self.layout = head_layout(model)
         num_layers = self.layout.num_layers
-        chosen = list(range(num_layers)) if layers is None else sorted({int(x) for x in layers})
+        if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable)):
+            raise TypeError(
+                f"tap_qk: layers must be a list of layer indices (or None for all), got {layers!r}"
+            )
+        chosen = list(range(num_layers)) if layers is None else sorted({_layer_index(x) for x in layers})
         bad = [x for x in chosen if not 0 <= x < num_layers]
         if bad or not chosen:
             raise ValueError(

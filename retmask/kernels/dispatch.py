@@ -134,6 +134,8 @@ def attention(
     backend-dependent (the full contract: ``reference.py``).
     """
     shape = check_qkv(q, k, v)
+    if not isinstance(causal, bool) or not isinstance(return_argmax, bool):  # "false" would be truthy
+        raise ValueError(f"causal and return_argmax must be bools, got {causal!r} and {return_argmax!r}")
     # Each optional argument is checked only when given: in a decode step this runs once per layer with
     # cold caches, where every function a call enters costs microseconds.
     if key_padding_mask is not None:
@@ -159,6 +161,9 @@ def attention(
         # Nothing to compute: every backend would only be handed empty buffers.
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
         argmax = torch.empty((shape.batch, shape.q_heads, 0), dtype=torch.int64, device=q.device)
+        grads = [t for t in (q, k, v, sinks) if t is not None and t.requires_grad]
+        if grads and torch.is_grad_enabled():  # still in the graph: zero gradients for every input, as SDPA
+            out = out + sum(t.sum() for t in grads) * 0
     elif name == "reference":
         out, argmax = reference_attention(
             q, k, v, causal=causal, sm_scale=scale, key_padding_mask=key_padding_mask,

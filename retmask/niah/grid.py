@@ -163,8 +163,21 @@ def check_grid_size(prompt_tokens: int, what: str) -> None:
 
 
 def check_grid_tests(num_needles: int, lengths: Sequence[int], depths: Sequence[int]) -> None:
-    """Refuse, before any prompt is built, tests whose prompts cannot fit in memory together (every prompt
-    of the grid is built before the first test runs): ``MAX_GRID_TOKENS``. Raises :class:`GridError`."""
+    """Refuse, before any prompt is built, a grid that is empty or has a length that is not a whole number of
+    tokens (0 and short ones give tests skipped as too short) or a depth outside [0, 100] (a needle would be placed, silently, where the label does not say),
+    and tests whose prompts cannot fit in memory together (every prompt of the grid is built before the
+    first test runs): ``MAX_GRID_TOKENS``. Raises :class:`GridError`."""
+    import numpy as np
+
+    if not lengths or not depths:
+        raise GridError(f"the grid needs at least one length and one depth, got lengths {list(lengths)} and "
+                        f"depths {list(depths)}")  # fmt: skip
+    for length in lengths:
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
+            raise GridError(f"context length {length!r} is not a whole number of tokens >= 0")
+    for depth in depths:
+        if isinstance(depth, bool) or not isinstance(depth, (int, float, np.number)) or not 0 <= depth <= 100:
+            raise GridError(f"depth {depth!r} is not a percentage of the context in [0, 100]")
     check_grid_size(
         num_needles * len(depths) * sum(lengths),
         f"{num_needles} needles x {len(lengths)} lengths x {len(depths)} depths",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from retmask.cpu_speedups import half_matmul
+from retmask.errors import UsageError
 from retmask.hf import loading
 from tests.kernels.test_cpu_builds import cpu_flags
 
@@ -97,3 +98,17 @@ def test_bf16_autocast_forward_and_backward_follow_sdpa():
     assert (
         want.norm() > 0 and (grad - want).norm() < 0.03 * want.norm()
     )  # bf16 rounding, not a wrong gradient
+
+
+def test_load_model_checks_its_dtype_before_loading(tmp_path):
+    """A dtype name is one of the commands' (``"auto"`` as they mean it); anything else is refused before
+    any file is read (``"bf16"`` used to fail inside transformers after the tokenizer had loaded)."""
+    from retmask.hf.loading import load_model
+
+    missing = str(tmp_path / "no-model")
+    with pytest.raises(ValueError, match=r"--dtype must be one of \['auto', 'float32'.*got 'bf16'"):
+        load_model(missing, dtype="bf16")
+    with pytest.raises(ValueError, match=r"dtype must be a floating torch.dtype .*got torch.int64"):
+        load_model(missing, dtype=torch.int64)
+    with pytest.raises(UsageError, match="does not exist"):  # a valid name gets as far as the path
+        load_model(missing, dtype="auto")

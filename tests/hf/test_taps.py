@@ -82,6 +82,12 @@ def test_bad_arguments_are_clear():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="not in 0..1"):
         tap_qk(model, layers=[2])
+    # int() would turn these into layers nobody asked for (0.7 -> 0, True -> 1, "01" -> 0 and 1)
+    for layers, message in [([0.7], "must be ints, got 0.7"), ([True], "must be ints, got True"),
+                            ("01", "must be a list of layer indices"), (1, "must be a list of layer indices")]:  # fmt: skip
+        with pytest.raises(TypeError, match=message):
+            tap_qk(model, layers=layers)
+    assert tap_qk(model, layers=[torch.tensor(1)]).layers == [1]
     with pytest.raises(ValueError, match="query_rows"):
         tap_qk(model, query_rows=0)
     ids, mask = random_batch(2, 5)

@@ -275,11 +275,20 @@ def test_empty_inputs(backend, shape):
     assert out.shape == (B, Hq, M, 8) and out.dtype == q.dtype
     assert am.shape == (B, Hq, 0) and am.dtype == torch.int64
     assert attention(q, k, v, backend=backend).shape == (B, Hq, M, 8)
+    # in a training graph: zero gradients for every input (SDPA's answer), not "does not require grad"
+    sinks = torch.randn(Hq, requires_grad=True)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    attention(q, k, v, sinks=sinks, backend=backend).sum().backward()
+    for t in (q, k, v, sinks):
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
     [
+        ({"causal": "false"}, "causal and return_argmax must be bools, got 'false'"),
+        ({"return_argmax": "no"}, "must be bools, got True and 'no'"),
         ({"sm_scale": float("nan")}, "sm_scale must be finite"),
         ({"sm_scale": math.inf}, "sm_scale must be finite"),
         ({"sm_scale": "0.1"}, "sm_scale must be a finite float"),

@@ -13,6 +13,7 @@ from retmask.niah import (
     length_grid,
     load_needles,
 )
+from retmask.niah.grid import GridError
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +54,21 @@ def test_needle_not_found_and_too_short_are_reported(tok):
     tests = build_tests(tok, [odd], default_haystack_text(), [0, 400], [50])
     assert "buffer" in tests[0].skip_reason
     assert "not found" in tests[1].skip_reason
+
+
+@pytest.mark.parametrize(
+    "lengths,depths,message",
+    [
+        ([600], [-10], r"depth -10 is not a percentage of the context in \[0, 100\]"),
+        ([600], [150], r"depth 150 is not"),
+        ([600], [float("nan")], r"depth nan is not"),
+        ([600.7], [50], r"context length 600.7 is not a whole number of tokens"),
+        ([-5], [50], r"context length -5 is not"),
+        ([], [50], r"at least one length and one depth"),
+        ([600], [], r"at least one length and one depth"),
+    ],
+)
+def test_a_grid_outside_its_bounds_is_refused(tok, lengths, depths, message):
+    """A depth outside [0, 100] used to place the needle silently elsewhere (-10 -> 90% in, labelled -10)."""
+    with pytest.raises(GridError, match=message):
+        build_tests(tok, load_needles()[:1], default_haystack_text(), lengths, depths)
