@@ -49,7 +49,8 @@ class ArgmaxCapture:
     def last(self) -> torch.Tensor:
         if not self.calls:
             raise RuntimeError(
-                "capture_argmax recorded no forward call yet: run the model inside the `with` block"
+                "capture_argmax recorded no forward call yet: run the model inside the `with` block (the model "
+                "given to capture_argmax itself: calling a submodule such as model.model records nothing)"
             )
         return self.calls[-1]
 

@@ -58,6 +58,13 @@ class GrowingLayer(DynamicLayer):
         """key_states, value_states: [B, Hkv, n, D] -> views [B, Hkv, length + n, D] of the whole cache."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self._key_buffer is not None and key_states.shape[:-2] != self._key_buffer.shape[:-2]:
+            # before any write: a smaller batch would broadcast into every row and spoil the cache
+            raise ValueError(
+                f"this cache holds keys of [batch, kv heads] = {list(self._key_buffer.shape[:-2])} but the call "
+                f"brings {list(key_states.shape[:-2])}; use a new retmask.growing_cache(model) for another "
+                "batch (or call its reset())"
+            )
         end = self._length + key_states.shape[-2]
         self._reserve(end, key_states, value_states)
         self._key_buffer[..., self._length : end, :] = key_states

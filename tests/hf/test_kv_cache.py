@@ -69,6 +69,19 @@ def test_growing_layer_views_crop_and_reset():
     assert layer.get_seq_length() == 0 and not layer.is_initialized
 
 
+def test_another_batch_is_refused_before_the_cache_is_written():
+    """A cache reused for a smaller batch used to broadcast the new keys into every row of its buffer."""
+    layer = GrowingLayer()
+    k = torch.randn(2, 2, 5, 4)
+    layer.update(k, -k)
+    with pytest.raises(
+        ValueError, match=r"holds keys of \[batch, kv heads\] = \[2, 2\] but the call brings \[1, 2\]"
+    ):
+        layer.update(k[:1, :, :1], k[:1, :, :1])
+    assert layer.get_seq_length() == 5
+    torch.testing.assert_close(layer.keys, k, rtol=0, atol=0)  # untouched
+
+
 def test_reserve_allocates_exactly_the_hint_and_never_doubles():
     cache = growing_cache(tiny_llama(vocab=50))
     reserve(cache, 1000)
