@@ -132,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
         check_fresh_or_resume(
             earlier, resume=args.resume, overwrite=args.overwrite, what="an earlier training"
         )
+        if args.resume:  # before any work: a finished run is not retrained from the base model
+            from retmask.methods.mudaf.train import check_not_finished
+
+            check_not_finished(args.out)
         return _run(args)
 
 

@@ -188,6 +188,23 @@ def _resume_settings(cfg: MuDAFConfig, examples: int) -> dict[str, Any]:
     return without_default_dtype(settings) | {"heads": [list(h) for h in cfg.heads], "examples": examples}
 
 
+def check_not_finished(out: str | Path) -> None:
+    """``--resume`` on a folder whose run finished (``mudaf_train.json`` is written last, once the model is
+    in place) is refused: resuming would retrain from the base model and replace the result."""
+    record = Path(out) / "mudaf_train.json"
+    if not record.is_file():
+        return
+    try:
+        steps = json.loads(record.read_text()).get("steps")
+        trained = f" ({steps} steps)" if isinstance(steps, int) else ""
+    except (OSError, ValueError, AttributeError):
+        trained = ""
+    raise RunFileError(
+        f"--resume: the training in {out} already finished{trained}, see {record}; there is nothing to "
+        "continue. Pass --overwrite to train again, or choose another --out"
+    )
+
+
 def _save_resume(path: Path, model, optimizer, step: int, log: list, seconds: float, settings: dict) -> None:
     """Write the resume checkpoint atomically; a full disk is ``cannot write PATH: REASON`` (the previous
     checkpoint stays)."""
@@ -244,6 +261,8 @@ def train_mudaf(
     cfg.check()
     _check_heads(model, cfg.heads)
     out = Path(out)
+    if resume:
+        check_not_finished(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -277,3 +277,26 @@ def test_clm_loss_projects_only_the_answer_rows(mdqa_examples, bpe_tokenizer):
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(ours_grads[name], p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_resume_of_a_finished_run_is_refused_before_any_work(tmp_path, mdqa_examples, bpe_tokenizer, capsys):
+    """--resume on a finished run used to retrain from the base model and replace the result (exit 0)."""
+    from retmask.runfiles import RunFileError
+
+    data = mdqa_examples[:4]
+    out = tmp_path / "done"
+    cfg = MuDAFConfig(heads=[(1, 2)], learning_rate=1e-3, max_steps=3, batch_size=2, save_every=1)
+    train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, progress=False)
+    weights = (out / "model.safetensors").read_bytes()
+    heads = tmp_path / "heads.json"
+    heads.write_text("[[1, 2]]")
+    jsonl = write_mdqa(data, tmp_path / "train.jsonl")
+    argv = ["mudaf-train", "--data", str(jsonl), "--heads", str(heads), "--out", str(out), "--steps", "1",
+            "--batch-size", "2", "--resume", "--model", str(tmp_path / "never-loaded")]  # fmt: skip
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"the training in {out} already finished (3 steps)" in err and "--overwrite" in err, err
+    assert "another --out" in err and "never-loaded" not in err  # refused before the model loads
+    with pytest.raises(RunFileError, match="already finished"):  # the API refuses too
+        train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, resume=True, progress=False)
+    assert (out / "model.safetensors").read_bytes() == weights and read_record(out)["steps"] == 3
