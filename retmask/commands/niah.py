@@ -244,11 +244,12 @@ def _run(args: argparse.Namespace) -> int:
                 f"{err} (the grid and mean are printed above; the answers are kept: the same command plus "
                 "--resume writes the result without running the tests again)"
             ) from None
-        progress_path(args.out).unlink(missing_ok=True)  # the run is finished: nothing left to resume
         print(f"result -> {args.out}", file=sys.stderr)
     if args.plot is not None:
         from retmask.plotting import short_name
 
         plot_niah(res, args.plot, args.title or f"NIAH: {short_name(name)}", mask_label(args, heads))
         print(f"heatmap -> {args.plot}", file=sys.stderr)
+    if args.out is not None:  # last: a run stopped before this point resumes to write what is missing
+        progress_path(args.out).unlink(missing_ok=True)
     return 0

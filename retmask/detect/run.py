@@ -646,8 +646,6 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
     if out is not None:
         atomic_write_json(out, scores)
         atomic_write_json(record_path(out), record)
-        for path in out.parent.glob(out.name + ".progress*.json"):  # every process's: the run is complete
-            path.unlink(missing_ok=True)
     if plot is not None:
         head_heatmap(
             mean_matrix(scores, shape),
@@ -655,5 +653,8 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
             title=f"retrieval scores: {fingerprint['model']} ({len(counted)} tests)",
             layer_ids=layout.layer_ids if layout.hybrid else None,
         )
+    if out is not None:  # last: a run killed (or out of disk) before this point resumes to write the rest
+        for path in out.parent.glob(out.name + ".progress*.json"):  # every process's: the run is complete
+            path.unlink(missing_ok=True)
     log(format_summary(summary, total_tests=len(done)))
     return DetectResult(scores, summary, record, done)

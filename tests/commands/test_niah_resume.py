@@ -139,3 +139,26 @@ def test_earlier_entries_of_another_grid_are_refused(tiny_dir, two_needles):
     entry["depth"] = 50
     with pytest.raises(ValueError, match=r"is not a runnable test of this grid"):
         evaluate_niah(model, tok, **grid, done={entry["index"]: entry})
+
+
+def test_a_run_stopped_while_plotting_resumes_to_the_plot(
+    tiny_dir, two_needles, tmp_path, capsys, monkeypatch
+):
+    """The progress file goes last: a run that fails writing its heatmap resumes without answering any test
+    again (it used to delete the progress first, leaving --overwrite, a rerun of every test, as the way out)."""
+    from retmask.runfiles import OutputWriteError
+
+    out, plot = tmp_path / "n.json", tmp_path / "n.png"
+
+    def full_disk(res, path, *args, **kwargs):
+        raise OutputWriteError(f"cannot write {path}: No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(niah_eval, "plot_niah", full_disk)
+        assert main(_argv(tiny_dir, two_needles, out, "--plot", str(plot))) == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert out.exists() and not plot.exists() and (tmp_path / "n.json.progress.json").exists()
+    handed = _tests_run(monkeypatch)
+    assert main(_argv(tiny_dir, two_needles, out, "--plot", str(plot), "--resume")) == 0
+    assert handed == [0] or handed == []  # every answer came from the progress file
+    assert plot.exists() and not (tmp_path / "n.json.progress.json").exists()

@@ -267,6 +267,41 @@ def test_span_missed_tests_count_as_zeros_like_the_published_script(tmp_path, em
         run_detect(DetectConfig(**kw, span_miss="skip"), tmp_path / "skip" / "s.json", **quiet)
 
 
+@pytest.mark.embedded
+def test_a_run_stopped_while_plotting_resumes_to_the_plot(tmp_path, embedded, monkeypatch):
+    """The progress file goes last: a run that fails (full disk, kill) while writing its heatmap resumes
+    without running any test again (it used to delete the progress first, so --resume said "already
+    finished" and only --overwrite, a rerun of every test, got the plot)."""
+    import retmask.detect.run as detect_run
+    from retmask.runfiles import OutputWriteError
+
+    model, tok = embedded
+    needles = tmp_path / "needles.jsonl"
+    needles.write_text(json.dumps(ZEBRA) + "\n")
+    cfg = DetectConfig(
+        needles=str(needles), min_len=400, max_len=400, num_lengths=1, num_depths=2, max_new_tokens=16
+    )
+    quiet = dict(model=model, tokenizer=tok, progress_bar=False, log=lambda *a, **k: None)
+    out, plot = tmp_path / "s.json", tmp_path / "s.png"
+
+    def full_disk(matrix, path, **kw):
+        raise OutputWriteError(f"cannot write {path}: No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(detect_run, "head_heatmap", full_disk)
+        with pytest.raises(OutputWriteError):
+            run_detect(cfg, out, plot=plot, **quiet)
+    assert out.exists() and not plot.exists() and list(tmp_path.glob("s.json.progress*.json"))
+    scores = out.read_text()
+
+    def no_test(*args, **kwargs):
+        raise AssertionError("a test ran again")
+
+    monkeypatch.setattr(model, "forward", no_test)
+    run_detect(cfg, out, plot=plot, resume=True, **quiet)
+    assert plot.exists() and out.read_text() == scores and not list(tmp_path.glob("s.json.progress*.json"))
+
+
 def test_hybrid_model_detects_end_to_end(tmp_path, monkeypatch):
     """A hybrid model (LFM2: convolution layers 0 and 2, attention layers 1 and 3) through the whole driver:
     scores for its 2 attention layers x 4 heads, the run record saying where those layers sit, and the
