@@ -146,6 +146,7 @@ def _run(args: argparse.Namespace) -> int:
     from retmask.hf.precision import resolve_training_dtype
     from retmask.methods.mudaf.mdqa import MDQAError, load_mdqa
     from retmask.methods.mudaf.train import MuDAFConfig, train_mudaf
+    from retmask.runfiles import file_digest
 
     try:
         if args.limit is not None and args.limit < 1:
@@ -163,6 +164,9 @@ def _run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         cfg.check(heads=False)  # the heads are known once the model has loaded
         examples = load_mdqa(args.data, limit=args.limit)
+        model_name = args.model or "embedded SmolLM2-135M-Instruct"
+        # what a resume must share besides the settings: the same data file (by content) and model
+        identity = {"data_sha256": file_digest(args.data), "model": model_name}
         if args.heads is not None:  # the files read before the model loads; checked against its shape after
             read_heads(args.heads)
         elif args.scores is not None:
@@ -176,8 +180,8 @@ def _run(args: argparse.Namespace) -> int:
             write_heads(selection, args.out / "heads.json")
         result = train_mudaf(
             model, tokenizer, examples, args.out, cfg, resume=args.resume, progress=not args.no_progress,
-            extra_record={"data": str(args.data), "model": args.model or "embedded SmolLM2-135M-Instruct",
-                          "head_selection": selection.to_json() if selection else None},
+            extra_record={"data": str(args.data), "model": model_name,
+                          "head_selection": selection.to_json() if selection else None}, identity=identity,
         )  # fmt: skip
     except (MDQAError, SelectionError) as e:
         print(f"retmask mudaf-train: error: {e}", file=sys.stderr)

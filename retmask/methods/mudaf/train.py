@@ -29,7 +29,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -182,10 +182,21 @@ def _batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
     return [order[i : i + batch_size] for i in range(0, n, batch_size)]
 
 
-def _resume_settings(cfg: MuDAFConfig, examples: int) -> dict[str, Any]:
+# identity entries the caller adds to the resume fingerprint (the command: the data file's SHA-256 and the
+# model as given); a checkpoint written before they were recorded lacks them, which is not a mismatch
+IDENTITY_KEYS = ("data_sha256", "model")
+
+
+def _resume_settings(
+    cfg: MuDAFConfig, examples: int, identity: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint (more --steps or another --save-every is fine)."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "save_every")}
-    return without_default_dtype(settings) | {"heads": [list(h) for h in cfg.heads], "examples": examples}
+    return (
+        without_default_dtype(settings)
+        | {"heads": [list(h) for h in cfg.heads], "examples": examples}
+        | dict(identity or {})
+    )
 
 
 def check_not_finished(out: str | Path) -> None:
@@ -239,7 +250,10 @@ def _load_resume(path: Path, settings: dict) -> dict:
     if not isinstance(state, dict) or not {"model", "optimizer", "step", "log", "seconds"} <= set(state):
         raise RunFileError(f"resume checkpoint {path} is not a MuDAF checkpoint; delete it to start over")
     if "settings" in state:  # checkpoints of earlier versions carry none
-        check_same_settings(state["settings"], settings, path=path,
+        saved = state["settings"]
+        if isinstance(saved, dict):  # nor, before IDENTITY_KEYS, the data file's digest and the model
+            settings = {k: v for k, v in settings.items() if k in saved or k not in IDENTITY_KEYS}
+        check_same_settings(saved, settings, path=path,
                             fix="rerun with the same flags, or --overwrite to start over")  # fmt: skip
     return state
 
@@ -254,8 +268,12 @@ def train_mudaf(
     resume: bool = False,
     progress: bool = True,
     extra_record: dict[str, Any] | None = None,
+    identity: Mapping[str, Any] | None = None,
 ) -> MuDAFResult:
-    """Train ``model`` (on retmask attention) in place for ``cfg.max_steps`` optimizer steps; save to ``out``."""
+    """Train ``model`` (on retmask attention) in place for ``cfg.max_steps`` optimizer steps; save to ``out``.
+
+    ``identity`` (keys of ``IDENTITY_KEYS``: the data file's SHA-256, the model as given) joins the settings
+    a resume must share with ``resume.pt``."""
     from tqdm.auto import tqdm
 
     cfg.check()
@@ -279,7 +297,7 @@ def train_mudaf(
     )  # fmt: skip
     step, log, spent = 0, [], 0.0
     resume_path = out / "resume.pt"
-    settings = _resume_settings(cfg, len(items))
+    settings = _resume_settings(cfg, len(items), identity)
     if resume and resume_path.is_file():
         state = _load_resume(resume_path, settings)
         model.load_state_dict(state["model"])

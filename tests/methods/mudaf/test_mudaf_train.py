@@ -122,20 +122,11 @@ def test_resume_continues_identically(tmp_path, mdqa_examples, bpe_tokenizer, mo
     cfg = MuDAFConfig(heads=[(1, 2)], learning_rate=1e-3, max_steps=4, batch_size=2, save_every=2)
     straight = tiny_llama_for(bpe_tokenizer)
     train_mudaf(straight, bpe_tokenizer, data, tmp_path / "a", cfg, progress=False)
-    calls = {"n": 0}
-    real = mudaf_mod.mudaf_losses
-
-    def crash_at_step_3(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt("simulated crash")
-        return real(*a, **k)
-
-    monkeypatch.setattr(mudaf_mod, "mudaf_losses", crash_at_step_3)
+    _crash_at_call(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, tmp_path / "b", cfg, progress=False)
     assert (tmp_path / "b" / "resume.pt").is_file()
-    monkeypatch.setattr(mudaf_mod, "mudaf_losses", real)
+    monkeypatch.undo()
     resumed = tiny_llama_for(bpe_tokenizer)
     result = train_mudaf(resumed, bpe_tokenizer, data, tmp_path / "b", cfg, resume=True, progress=False)
     assert [r["step"] for r in result.log] == [1, 2, 3, 4]
@@ -300,3 +291,60 @@ def test_resume_of_a_finished_run_is_refused_before_any_work(tmp_path, mdqa_exam
     with pytest.raises(RunFileError, match="already finished"):  # the API refuses too
         train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, resume=True, progress=False)
     assert (out / "model.safetensors").read_bytes() == weights and read_record(out)["steps"] == 3
+
+
+def _crash_at_call(monkeypatch, n: int) -> None:
+    """mudaf_losses raises KeyboardInterrupt on its n-th call (a run interrupted mid-training)."""
+    real, calls = mudaf_mod.mudaf_losses, {"n": 0}
+
+    def crash(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt("simulated crash")
+        return real(*a, **k)
+
+    monkeypatch.setattr(mudaf_mod, "mudaf_losses", crash)
+
+
+def test_resume_with_another_data_file_is_refused(
+    tmp_path, mdqa_examples, bpe_tokenizer, monkeypatch, capsys
+):
+    """The resume settings held only the example count: another --data file of the same size was accepted
+    (the first steps trained on the old data, the rest on the new)."""
+    folder = tmp_path / "tiny"
+    tiny_llama_for(bpe_tokenizer).save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    first = write_mdqa(mdqa_examples[:4], tmp_path / "a.jsonl")
+    second = write_mdqa(mdqa_examples[4:8], tmp_path / "b.jsonl")  # the same number of examples
+    out = tmp_path / "run"
+    argv = ["mudaf-train", "--model", str(folder), "--out", str(out), "--vanilla-sft", "--steps", "3",
+            "--batch-size", "2", "--save-every", "1", "--no-progress"]  # fmt: skip
+    _crash_at_call(monkeypatch, 2)
+    assert cli_main([*argv, "--data", str(first)]) == 130
+    assert (out / "resume.pt").is_file()
+    monkeypatch.undo()
+    assert cli_main([*argv, "--data", str(second), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "other settings (data_sha256: " in err and "--overwrite" in err, err
+    assert not (out / "model.safetensors").exists()
+    assert cli_main([*argv, "--data", str(first), "--resume"]) == 0, capsys.readouterr().err
+    assert [r["step"] for r in read_record(out)["log"]] == [1, 2, 3]
+
+
+def test_resume_checkpoint_without_identity_keys_still_resumes(
+    tmp_path, mdqa_examples, bpe_tokenizer, monkeypatch
+):
+    """A resume.pt written before the data digest and model joined the fingerprint is not a mismatch."""
+    data = mdqa_examples[:4]
+    cfg = MuDAFConfig(heads=[(1, 2)], learning_rate=1e-3, max_steps=2, batch_size=2, save_every=1)
+    out = tmp_path / "old"
+    _crash_at_call(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, progress=False)
+    saved = torch.load(out / "resume.pt", weights_only=True)["settings"]
+    assert "data_sha256" not in saved and "model" not in saved
+    monkeypatch.undo()
+    identity = {"data_sha256": "0" * 64, "model": "tiny"}
+    result = train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, resume=True,
+                         progress=False, identity=identity)  # fmt: skip
+    assert [r["step"] for r in result.log] == [1, 2]
