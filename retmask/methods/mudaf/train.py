@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -216,6 +218,27 @@ def check_not_finished(out: str | Path) -> None:
     )
 
 
+# the temporary names of the atomic writers of this run's files in ``out`` (``.<name>.tmp<pid>``, see
+# ``_save_resume`` and ``retmask.runfiles.atomic_write_bytes``)
+_STALE_TEMPORARY = re.compile(r"\.(resume\.pt|heads\.json)\.tmp\d+")
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Delete the temporary files a ``kill -9`` during an atomic write of ``resume.pt`` / ``heads.json`` left
+    in ``out`` (a model-sized ``.resume.pt.tmpNNN``), with one line on stderr saying so. Only names of the
+    writers' own pattern; the command calls it under the run's lock (no writer of this folder is running)."""
+    stale = sorted(
+        p for p in out.iterdir() if _STALE_TEMPORARY.fullmatch(p.name) and p.is_file() and not p.is_symlink()
+    )
+    for p in stale:
+        p.unlink(missing_ok=True)
+    if stale:
+        names = ", ".join(p.name for p in stale)
+        print(f"retmask: removed {len(stale)} temporary file(s) an interrupted write left in {out}: {names}",
+              file=sys.stderr)  # fmt: skip
+    return stale
+
+
 def _save_resume(path: Path, model, optimizer, step: int, log: list, seconds: float, settings: dict) -> None:
     """Write the resume checkpoint atomically; a full disk is ``cannot write PATH: REASON`` (the previous
     checkpoint stays)."""
@@ -285,6 +308,7 @@ def train_mudaf(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise output_error(out, err) from None
+    remove_stale_temporaries(out)
     limit = cfg.max_length if cfg.max_length is not None else max_context(model)
     items = encode(examples, tokenizer, limit)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

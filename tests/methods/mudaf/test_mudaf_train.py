@@ -306,6 +306,15 @@ def _crash_at_call(monkeypatch, n: int) -> None:
     monkeypatch.setattr(mudaf_mod, "mudaf_losses", crash)
 
 
+def _interrupted_at_step_2(monkeypatch, tokenizer, data, out) -> MuDAFConfig:
+    """A 2-step run on ``out`` interrupted after step 1's resume.pt; returns its settings."""
+    cfg = MuDAFConfig(heads=[(1, 2)], learning_rate=1e-3, max_steps=2, batch_size=2, save_every=1)
+    _crash_at_call(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        train_mudaf(tiny_llama_for(tokenizer), tokenizer, data, out, cfg, progress=False)
+    return cfg
+
+
 def test_resume_with_another_data_file_is_refused(
     tmp_path, mdqa_examples, bpe_tokenizer, monkeypatch, capsys
 ):
@@ -335,12 +344,8 @@ def test_resume_checkpoint_without_identity_keys_still_resumes(
     tmp_path, mdqa_examples, bpe_tokenizer, monkeypatch
 ):
     """A resume.pt written before the data digest and model joined the fingerprint is not a mismatch."""
-    data = mdqa_examples[:4]
-    cfg = MuDAFConfig(heads=[(1, 2)], learning_rate=1e-3, max_steps=2, batch_size=2, save_every=1)
-    out = tmp_path / "old"
-    _crash_at_call(monkeypatch, 2)
-    with pytest.raises(KeyboardInterrupt):
-        train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, progress=False)
+    data, out = mdqa_examples[:4], tmp_path / "old"
+    cfg = _interrupted_at_step_2(monkeypatch, bpe_tokenizer, data, out)
     saved = torch.load(out / "resume.pt", weights_only=True)["settings"]
     assert "data_sha256" not in saved and "model" not in saved
     monkeypatch.undo()
@@ -348,3 +353,29 @@ def test_resume_checkpoint_without_identity_keys_still_resumes(
     result = train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, resume=True,
                          progress=False, identity=identity)  # fmt: skip
     assert [r["step"] for r in result.log] == [1, 2]
+
+
+def test_stale_temporary_files_of_a_killed_write_are_removed(
+    tmp_path, mdqa_examples, bpe_tokenizer, monkeypatch, capsys
+):
+    """A kill -9 while resume.pt was written left a model-sized .resume.pt.tmpNNN after the resumed run
+    succeeded. Removed at the start of a run: the writers' own temporary names only."""
+    data, out = mdqa_examples[:4], tmp_path / "k"
+    cfg = _interrupted_at_step_2(monkeypatch, bpe_tokenizer, data, out)
+    monkeypatch.undo()
+    torn = [out / ".resume.pt.tmp4242", out / ".heads.json.tmp17"]
+    for p in torn:
+        p.write_bytes(b"PK\x03\x04torn")
+    kept = [
+        out / n for n in (".resume.pt.tmp", "resume.pt.tmp5", ".resume.pt.tmp5.bak", ".notes.tmp5", "x.tmp1")
+    ]
+    for p in kept:
+        p.write_text("not ours")
+    (out / ".resume.pt.tmp6").mkdir()  # a folder is never one of the writers' files
+    capsys.readouterr()
+    train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, cfg, resume=True, progress=False)
+    err = capsys.readouterr().err
+    assert not any(p.exists() for p in torn) and all(p.read_text() == "not ours" for p in kept)
+    assert (out / ".resume.pt.tmp6").is_dir()
+    line = f"retmask: removed 2 temporary file(s) an interrupted write left in {out}: .heads.json.tmp17, .resume.pt.tmp4242"
+    assert line in err.splitlines(), err
