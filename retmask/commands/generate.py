@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
     from retmask.heads import SelectionError, model_shape, read_heads
     from retmask.hf.loading import check_model_spec, parse_dtype, resolve_dtype_name
     from retmask.methods.retmask.generate import GenerateError, SamplingConfig, generate_pairs, stats_path
-    from retmask.methods.retmask.instructions import InstructionError, load_instructions
+    from retmask.methods.retmask.instructions import InstructionError, load_instructions, source_digest
 
     try:
         sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.seed)
@@ -160,6 +160,7 @@ def _run(args: argparse.Namespace) -> int:
             "model": args.model or "embedded",
             "rejected_model": args.rejected_model,
             "instructions": str(args.instructions),
+            "instructions_sha256": source_digest(args.instructions),
             "column": args.column,
             "dtype": dtype,
             # only off the CPU, so pair files begun before the option still resume

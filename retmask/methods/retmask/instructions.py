@@ -215,6 +215,16 @@ def _records(src: str | Path) -> tuple[str, Iterator[tuple[str, Any]]]:
     return str(src), _dataset_records(str(src))
 
 
+def source_digest(src: str | Path | None) -> str | None:
+    """SHA-256 of an instruction file (the shipped set's for ``"builtin"``), None for a datasets hub id: what
+    a resumed generation must find unchanged (a path alone would let an edited file mix old and new
+    prompts in one pairs file)."""
+    from retmask.runfiles import file_digest
+
+    path = BUILTIN_PATH if src is None or str(src) == BUILTIN else Path(src)
+    return file_digest(path) if path.is_file() else None
+
+
 def load_instructions(
     src: str | Path | None = BUILTIN,
     limit: int | None = None,

@@ -45,7 +45,7 @@ from retmask.hf.loading import DTYPES, check_model_spec, default_model_path, loa
 from retmask.methods import checkpoints
 from retmask.methods.retmask.dpo import train_dpo, train_sft
 from retmask.methods.retmask.generate import SamplingConfig, generate_pairs
-from retmask.methods.retmask.instructions import load_instructions
+from retmask.methods.retmask.instructions import load_instructions, source_digest
 from retmask.methods.retmask.pipeline_config import STAGES, UNMASKED_VARIANTS, PipelineConfig, PipelineError
 from retmask.methods.retmask.telemetry import RetrievalTelemetry
 from retmask.methods.retmask.train_config import TrainConfig
@@ -154,7 +154,8 @@ class Pipeline:
         if name == "mask":
             return {"baseline": c.baseline, "threshold": c.threshold, "top_k": c.top_k, "seed": c.mask_seed}
         if name == "generate":
-            return {"model": model, "instructions": c.instructions, "n": c.num_instructions, "temperature": c.temperature,
+            return {"model": model, "instructions": c.instructions, "instructions_sha256": source_digest(c.instructions),
+                    "n": c.num_instructions, "temperature": c.temperature,
                     "top_p": c.top_p, "max_new_tokens": c.gen_max_new_tokens, "batch_size": c.gen_batch_size,
                     "seed": c.gen_seed, "dtype": c.dtype,
                     # only where they apply, so the runs of the other variants still resume
@@ -358,7 +359,8 @@ class Pipeline:
         out.parent.mkdir(parents=True, exist_ok=True)
         sampling = SamplingConfig(c.temperature, c.top_p, c.gen_max_new_tokens, c.gen_seed)
         fp = {"model": c.model or "embedded", "rejected_model": c.rejected_model,
-              "instructions": f"{c.instructions}[:{c.num_instructions}]", "column": None, "dtype": c.dtype}  # fmt: skip
+              "instructions": f"{c.instructions}[:{c.num_instructions}]",
+              "instructions_sha256": source_digest(c.instructions), "column": None, "dtype": c.dtype}  # fmt: skip
         stats = generate_pairs(insts, model, tok, out, sampling, heads=heads, rejected_model=rejected_model,
                                rejected_tokenizer=rejected_tok, batch_size=c.gen_batch_size, resume=resume,
                                fingerprint=fp, progress_bar=self.progress, win_lose=win_lose,

@@ -198,6 +198,10 @@ def test_cli_generate_and_resume(tiny_dir, tmp_path, capsys):
     first = out.read_text()
     assert cli(base) == 2 and "--resume" in capsys.readouterr().err
     assert cli([*base, "--resume"]) == 0 and out.read_text() == first
+    # an edited instruction file under the same path is another run: old and new prompts must not mix
+    src.write_text(src.read_text().replace(PROMPTS[-1], PROMPTS[-1] + " Briefly."))
+    assert cli([*base, "--resume"]) == 2
+    assert "instructions_sha256" in capsys.readouterr().err and out.read_text() == first
 
 
 def write(path, text):
