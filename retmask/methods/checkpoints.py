@@ -6,7 +6,8 @@ optimizer, scheduler, RNG states, ``trainer_state.json`` with the log history) a
 what decides the result (mode, model, the pairs file's SHA-256, every training setting but ``save_every``
 and ``device``), so a resume with other settings is refused, naming what differs. ``trainer_state.json``
 is the last file a checkpoint gets: a folder without it was cut off while being written and is passed
-over for the one before it. When the trained model is saved, the checkpoints and the settings file are
+over for the one before it; so is one whose ``trainer_state.json`` does not parse (torn, empty), which a
+resume names. When the trained model is saved, the checkpoints and the settings file are
 deleted: they exist only while a run is unfinished.
 """
 
@@ -14,11 +15,20 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from retmask.runfiles import JsonFile, atomic_write_json, check_same_settings, file_digest
+from retmask.runfiles import (
+    JsonFile,
+    RunFileError,
+    atomic_write_json,
+    check_same_settings,
+    file_digest,
+    kind_of,
+    read_json,
+)
 
 SETTINGS_NAME = "train_settings.json"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
@@ -40,17 +50,43 @@ def training_settings(mode: str, cfg: Any, pairs_path: str | Path, model_name: s
     }  # flat: a change is named
 
 
-def checkpoints(out: str | Path) -> list[Path]:
-    """The complete checkpoint folders in ``out``, oldest step first."""
-    out = Path(out)
+def _step(folder: Path) -> int:
+    return int(_CHECKPOINT.fullmatch(folder.name).group(1))
+
+
+def _damage(folder: Path) -> str | None:
+    """Why ``folder``'s ``trainer_state.json`` (present) does not make it a checkpoint to resume from, or None."""
+    marker = folder / _COMPLETE_MARKER
+    try:
+        state = read_json(marker, what="checkpoint state file")
+    except RunFileError as err:  # torn or empty (a crash while the file was written), unreadable
+        return str(err)
+    if not isinstance(state, dict):
+        return f"checkpoint state file {marker} holds {kind_of(state)}, not an object"
+    return None
+
+
+def _scan(out: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """(the complete checkpoint folders in ``out``, oldest step first; those whose ``trainer_state.json``
+    exists but does not parse, with why). Folders without one (cut off while being written) are in neither."""
     if not out.is_dir():
-        return []
-    found = []
+        return [], []
+    found, damaged = [], []
     for path in out.iterdir():
-        match = _CHECKPOINT.fullmatch(path.name)
-        if match and (path / _COMPLETE_MARKER).is_file():
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+        if not (_CHECKPOINT.fullmatch(path.name) and (path / _COMPLETE_MARKER).is_file()):
+            continue
+        problem = _damage(path)
+        if problem is None:
+            found.append((_step(path), path))
+        else:
+            damaged.append((_step(path), path, problem))
+    return [p for _, p in sorted(found)], [(p, why) for _, p, why in sorted(damaged)]
+
+
+def checkpoints(out: str | Path) -> list[Path]:
+    """The complete checkpoint folders in ``out``, oldest step first (a folder without a parsable
+    ``trainer_state.json`` is not one)."""
+    return _scan(Path(out))[0]
 
 
 def has_run_files(out: str | Path) -> bool:
@@ -71,14 +107,20 @@ def resume_point(out: str | Path, settings: dict[str, Any], error: type[Exceptio
     ``error`` (naming ``out`` and the fix) when there is none or the settings differ."""
     out = Path(out)
     saved_at = out / SETTINGS_NAME
-    found = checkpoints(out)
+    found, damaged = _scan(out)
     if not found or not saved_at.is_file():
+        why = "".join(f"; {path.name} is passed over: {problem}" for path, problem in damaged)
         raise error(
             f"--resume: {out} holds no complete checkpoint to continue from (they are written every --save-every "
-            "N steps; without it nothing resumable is kept); run without --resume, with --overwrite to start over"
+            f"N steps; without it nothing resumable is kept){why}; run without --resume, with --overwrite to "
+            "start over"
         )
     f = JsonFile(saved_at, "training settings file", _FIX)
     check_same_settings(f.expect(f.read(), dict, "the file"), settings, path=saved_at, fix=_FIX)
+    for path, problem in damaged:
+        if _step(path) > _step(found[-1]):  # an older damaged one changes nothing
+            print(f"retmask train: warning: passing over {path}: {problem}; resuming from {found[-1].name}",
+                  file=sys.stderr)  # fmt: skip
     return found[-1]
 
 

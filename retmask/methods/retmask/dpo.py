@@ -93,9 +93,34 @@ def _train(
     ``settings`` in ``out`` first when checkpoints will be written."""
     if checkpoint is not None:
         print(f"retmask train: resuming from {checkpoint}")
+        if _restore_finished(trainer, checkpoint):
+            return
     elif cfg.save_every and trainer.is_world_process_zero():  # one process writes (as the Trainer's saves)
         checkpoints.start(out, settings)
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+
+
+def _restore_finished(trainer: Any, checkpoint: Path) -> bool:
+    """When ``checkpoint`` was written at the run's last step (its global step reached the planned total,
+    the same plan: the settings were checked), restore its weights and state into ``trainer`` and return
+    True: the trained model is those weights. ``Trainer.train`` would instead run one step past the plan
+    (or, at an epoch's end, log a ``train_loss`` of 0.0 over no steps). The callbacks still see the train's
+    begin and end (telemetry writes its files); the losses are the checkpoint's log, none recomputed."""
+    from transformers import TrainerState
+
+    state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    if not state.max_steps or state.global_step < state.max_steps:
+        return False
+    trainer._load_from_checkpoint(str(checkpoint))  # as Trainer.train does on resume
+    trainer.state = state
+    handler = trainer.callback_handler
+    trainer.control = handler.on_train_begin(trainer.args, trainer.state, trainer.control)
+    trainer.control = handler.on_train_end(trainer.args, trainer.state, trainer.control)
+    print(
+        f"retmask train: {checkpoint.name} is the planned last step ({state.global_step}): its weights are the "
+        "trained model, nothing more trained (losses from its log history; no train_loss recomputed)"
+    )
+    return True
 
 
 def _resume_point(
