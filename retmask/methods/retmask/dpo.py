@@ -100,6 +100,35 @@ def _train(
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
 
 
+def _load_weights(model: Any, checkpoint: Path) -> None:
+    """The weights a Trainer checkpoint saved (one safetensors file, or shards named by their index) into
+    ``model``. Every parameter must come back, except a tied one whose twin did (saved once)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    index = checkpoint / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else ["model.safetensors"]
+    )
+    state: dict = {}
+    for name in files:
+        state.update(load_file(str(checkpoint / name)))
+    result = model.load_state_dict(state, strict=False)
+    by_storage: dict[int, list[str]] = {}
+    for key, tensor in model.state_dict().items():
+        by_storage.setdefault(tensor.data_ptr(), []).append(key)
+    tied = {key for keys in by_storage.values() if len(keys) > 1 for key in keys}
+    missing = [key for key in result.missing_keys if key not in tied]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"checkpoint {checkpoint} does not match the model: missing {missing[:5]}, unexpected "
+            f"{result.unexpected_keys[:5]}; resume from an earlier checkpoint or train again with --overwrite"
+        )
+
+
 def _restore_finished(trainer: Any, checkpoint: Path) -> bool:
     """When ``checkpoint`` was written at the run's last step (its global step reached the planned total,
     the same plan: the settings were checked), restore its weights and state into ``trainer`` and return
@@ -111,7 +140,7 @@ def _restore_finished(trainer: Any, checkpoint: Path) -> bool:
     state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
     if not state.max_steps or state.global_step < state.max_steps:
         return False
-    trainer._load_from_checkpoint(str(checkpoint))  # as Trainer.train does on resume
+    _load_weights(trainer.model, checkpoint)
     trainer.state = state
     handler = trainer.callback_handler
     trainer.control = handler.on_train_begin(trainer.args, trainer.state, trainer.control)
