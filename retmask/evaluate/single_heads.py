@@ -105,6 +105,7 @@ def sweep_single_heads(
             "examples": [e["response"] for e in res.entries[:3]],
         }
         save()
+    save()  # also when a resume ran nothing: the file lists the heads in this call's order
     return _summary(state, heads)
 
 
@@ -141,7 +142,11 @@ def _read_sweep(out: Path) -> dict:
 
 
 def _summary(state: dict, heads: Sequence[Head]) -> dict:
+    """The sweep file: the heads asked for, in their order, then the heads an earlier run on the same file
+    measured that this one did not list (a resume with another --each list adds to the sweep, never drops
+    finished results)."""
     order = [f"{a}-{b}" for a, b in heads]
+    order += [name for name in state["heads"] if name not in set(order)]
     return {
         "version": SWEEP_VERSION,
         "meta": state["meta"],

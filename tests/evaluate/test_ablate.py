@@ -282,6 +282,10 @@ def test_each_head_alone_equals_direct_evaluations_and_resumes(tiny, tokenizer, 
     finally:
         sweep_single_heads.__globals__["evaluate_niah"] = real
     assert calls == [[(1, 3)]] and [r["name"] for r in more["heads"]] == ["1-2", "0-0", "1-3"]
+    # resume with another list: its heads first, and the finished ones it does not list are kept
+    other_list = sweep_single_heads(tiny, tokenizer, [(0, 0)], out=out, resume=True, **GRID, **kw)
+    assert [r["name"] for r in other_list["heads"]] == ["0-0", "1-2", "1-3"]
+    assert [r["name"] for r in json.loads(out.read_text())["heads"]] == ["0-0", "1-2", "1-3"]
 
     grid = ["--min-len", "300", "--max-len", "300", "--num-lengths", "1", "--num-depths", "2",
             "--num-needles", "1", "--max-new-tokens", "6", "--no-progress"]  # fmt: skip
