@@ -23,6 +23,7 @@ import contextlib
 import math
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -183,6 +184,13 @@ def staged_model_save(out: str | os.PathLike, *, last: Sequence[str] = ()) -> It
     """
     out = Path(out)
     created = not out.exists()
+    # a save killed with kill -9 leaves its hidden folder (model-sized); the callers hold the run's lock
+    # on ``out``, so any such folder is a dead run's
+    stale = [p for p in out.glob(".model-partial-*") if p.is_dir() and not p.is_symlink()]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    if stale:
+        print(f"removed {len(stale)} unfinished model save(s) of a killed run from {out}", file=sys.stderr)
     try:
         out.mkdir(parents=True, exist_ok=True)
         staged = Path(tempfile.mkdtemp(prefix=".model-partial-", dir=out))

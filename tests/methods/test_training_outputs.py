@@ -172,6 +172,20 @@ def test_staged_save_replaces_the_model_and_keeps_other_files(earlier):
     }  # fmt: skip
 
 
+def test_staged_save_removes_the_hidden_folder_a_killed_save_left(earlier, capsys):
+    """kill -9 during a save leaves its model-sized hidden folder; the next save (under the run's lock)
+    removes it, and only such folders."""
+    dead = earlier / ".model-partial-abc123"
+    dead.mkdir()
+    (dead / "model.safetensors").write_text("half")
+    (earlier / ".model-partial-note.txt").write_text("a file of the user's, not a save folder")
+    with staged_model_save(earlier, last=("summary.json",)) as staged:
+        _write_model(staged)
+    assert not dead.exists() and (earlier / ".model-partial-note.txt").exists()
+    assert f"removed 1 unfinished model save(s) of a killed run from {earlier}" in capsys.readouterr().err
+    assert not [p for p in earlier.iterdir() if p.name.startswith(".model-partial-") and p.is_dir()]
+
+
 def test_staged_save_failures_leave_the_folder_as_it_was(earlier, tmp_path, monkeypatch):
     before = listing(earlier)
     with pytest.raises(OutputWriteError, match=f"cannot write {earlier}: No space left on device"):
