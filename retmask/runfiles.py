@@ -516,7 +516,7 @@ def check_distinct_paths(
     for name, path in resolved(inputs or {}):
         if path in seen:
             raise RunFileError(
-                f"{seen[path]} {path} is also the {name} input: writing it would replace the input; give "
+                f"{seen[path]} {path} is also an input ({name}): writing it would replace the input; give "
                 f"{seen[path]} another path"
             )
 

@@ -68,7 +68,7 @@ def test_check_distinct_paths(tmp_path):
     ):
         check_distinct_paths({"--out": tmp_path / "s.png", "--plot": tmp_path / "sub" / ".." / "s.png"})
     (tmp_path / "link").symlink_to(tmp_path / "sub")
-    with pytest.raises(UsageError, match="--out .* is also the --scores input: writing it would replace"):
+    with pytest.raises(UsageError, match=r"--out .* is also an input \(--scores\): writing it would replace"):
         check_distinct_paths(
             {"--out": tmp_path / "link" / "x.json"}, {"--scores": tmp_path / "sub" / "x.json"}
         )

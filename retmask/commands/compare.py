@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         paths = [args.base, *args.others]
         labels = labels_for(paths, args.labels)
         check_distinct_paths(
-            {"--json": args.json, "--plot": args.plot}, {f"compared file {p}": p for p in paths}
+            {"--json": args.json, "--plot": args.plot},
+            {f"compared file {i}": p for i, p in enumerate(paths, 1)},
         )
         for path, what in ((args.json, "--json"), (args.plot, "--plot")):
             if path is not None:

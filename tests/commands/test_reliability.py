@@ -462,9 +462,9 @@ def _refusals(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["niah", *model, "--out", same, "--plot", same], "--out and --plot name the same file"),
         (["mdqa-score", *model, "--data", str(f["data"]), "--out", same, "--plot", same],
          "--out and --plot name the same file"),
-        (["compare", scores, scores, "--json", scores], f"--json {scores} is also the compared file"),
+        (["compare", scores, scores, "--json", scores], f"--json {scores} is also an input (compared file 1)"),
         # an output that replaces its own input
-        (["mask", "--scores", scores, "--top-k", "1", "--out", scores, "--overwrite"], "is also the --scores input"),
+        (["mask", "--scores", scores, "--top-k", "1", "--out", scores, "--overwrite"], "is also an input (--scores)"),
         # the heads file would be written into the folder the export must create
         (["mask", "--scores", scores, "--top-k", "1", "--out", str(tmp_path / "x" / "h.json"), "--export",
           str(tmp_path / "x"), *model], "lies inside the --export folder"),
