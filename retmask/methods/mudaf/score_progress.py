@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from retmask.runfiles import JsonFile, atomic_write_json, check_same_settings
+from retmask.runfiles import JsonFile, atomic_folder, atomic_write_json, check_same_settings
 
 PROGRESS_VERSION = 1
 _FIX = "resume with the same flags, or pass --overwrite to start over"
@@ -68,10 +68,13 @@ class ScoreProgress:
 
     def save(self, index: int, example_id: str, masses: np.ndarray) -> None:
         """Keep one scored example (masses float32 [L, Hq, P]), atomically."""
-        if not self.path.is_dir():
-            self.path.mkdir(parents=True)
-            header = {"version": PROGRESS_VERSION, "settings": self.settings}
-            atomic_write_json(self.path / "settings.json", header)
+        if (
+            not self.path.is_dir()
+        ):  # the folder appears with its settings file, never without (a kill between)
+            with atomic_folder(self.path) as staged:
+                atomic_write_json(
+                    staged / "settings.json", {"version": PROGRESS_VERSION, "settings": self.settings}
+                )
         atomic_write_json(
             self.path / f"{index}.json", {"index": index, "id": example_id, "masses": masses.tolist()}
         )

@@ -76,3 +76,31 @@ def test_an_existing_masses_file_is_checked_before_any_work(tmp_path, command, m
     assert npz.read_bytes() == b"an earlier run's masses"
     assert command(out, "--masses", "--overwrite") == 0
     assert np.load(npz)["masses_0"].shape[:2] == (2, 4)
+
+
+def test_the_progress_folder_appears_with_its_settings(tmp_path, monkeypatch):
+    """A kill between creating the progress folder and writing its settings left a folder that blocked
+    both a plain rerun and --resume; the folder now appears whole, settings inside, or not at all."""
+    import numpy as np
+
+    import retmask.methods.mudaf.score_progress as score_progress
+
+    progress = score_progress.ScoreProgress(tmp_path / "s.json", {"model": "m"})
+    real = score_progress.atomic_write_json
+
+    def killed(path, obj, **kw):
+        if path.name == "settings.json":
+            raise KeyboardInterrupt
+        return real(path, obj, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(score_progress, "atomic_write_json", killed)
+        with pytest.raises(KeyboardInterrupt):
+            progress.save(0, "ex0", np.zeros((1, 1, 2), dtype=np.float32))
+    assert list(tmp_path.iterdir()) == []
+    progress.save(0, "ex0", np.zeros((1, 1, 2), dtype=np.float32))
+    assert sorted(p.name for p in score_progress.progress_dir(tmp_path / "s.json").iterdir()) == [
+        "0.json",
+        "settings.json",
+    ]
+    assert progress.resume()[0][0] == "ex0"
