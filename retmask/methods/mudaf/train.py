@@ -324,6 +324,11 @@ def train_mudaf(
     settings = _resume_settings(cfg, len(items), identity)
     if resume and resume_path.is_file():
         state = _load_resume(resume_path, settings)
+        if int(state["step"]) > cfg.max_steps:  # it would save the checkpoint's steps as if --steps were met
+            raise RunFileError(
+                f"--resume: {resume_path} is at step {int(state['step'])}, past --steps {cfg.max_steps}; resume "
+                f"with --steps {int(state['step'])} or more, or pass --overwrite to train again"
+            )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, log, spent = int(state["step"]), list(state["log"]), float(state["seconds"])

@@ -24,6 +24,7 @@ from retmask.methods.mudaf.train import (
     read_record,
     train_mudaf,
 )
+from retmask.runfiles import RunFileError
 from tests.tiny import tiny_llama_for
 
 D = 16  # head dim of the tiny model; 4 query heads over 2 KV heads (group of 2)
@@ -313,6 +314,25 @@ def _interrupted_at_step_2(monkeypatch, tokenizer, data, out) -> MuDAFConfig:
     with pytest.raises(KeyboardInterrupt):
         train_mudaf(tiny_llama_for(tokenizer), tokenizer, data, out, cfg, progress=False)
     return cfg
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(
+    tmp_path, mdqa_examples, bpe_tokenizer, monkeypatch
+):
+    """A 3-step run stopped after step 2, resumed with --steps 1, would have saved 2 steps' weights as the
+    result of a 1-step run."""
+    data = mdqa_examples[:6]
+    cfg = MuDAFConfig(heads=[(1, 2)], learning_rate=1e-3, max_steps=3, batch_size=2, save_every=1)
+    _crash_at_call(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, tmp_path / "b", cfg, progress=False)
+    monkeypatch.undo()
+    fewer = MuDAFConfig(heads=[(1, 2)], learning_rate=1e-3, max_steps=1, batch_size=2, save_every=1)
+    with pytest.raises(
+        RunFileError, match=r"resume.pt is at step 2, past --steps 1; resume with --steps 2 or more"
+    ):
+        train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, tmp_path / "b", fewer, resume=True,
+                    progress=False)  # fmt: skip
 
 
 def test_resume_with_another_data_file_is_refused(
