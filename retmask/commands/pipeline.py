@@ -235,9 +235,14 @@ def check_pipeline_inputs(args: argparse.Namespace) -> None:
         )
     if _reaches(args, "generate"):
         try:
-            load_instructions(args.instructions)
+            pool = load_instructions(args.instructions)
         except InstructionError as e:
             raise UsageError(f"--instructions: {e}") from None
+        if args.baseline == "win-lose" and not any(inst.reference for inst in pool):
+            raise UsageError(
+                f"--baseline win-lose judges samples against the instructions' reference answers, and "
+                f"{args.instructions} has none; give instructions with a 'reference' column or another --baseline"
+            )
     if args.eval_cache is not None:
         check_writable(args.eval_cache, what="--eval-cache", directory=True)
 

@@ -150,6 +150,16 @@ def test_inputs_that_would_fail_late_or_be_ignored_are_refused_up_front(tmp_path
     )
     assert not run_dir.exists()  # before the detection (here: the copy of --scores)
 
+    no_reference = tmp_path / "plain.jsonl"
+    no_reference.write_text(json.dumps({"id": "a", "prompt": "Say hi."}) + "\n")
+    assert pipeline(run_dir, *base, "--baseline", "win-lose", "--instructions", str(no_reference)) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--baseline win-lose judges samples against the instructions' reference answers, and {no_reference} has none"
+        in err
+    )
+    assert not run_dir.exists()  # it used to fail at the generate stage, after the detection
+
     cache = tmp_path / "cache"
     cache.write_text("a file")
     assert pipeline(run_dir, *base, "--stop-after", "mask", "--eval-cache", str(cache)) == 2
