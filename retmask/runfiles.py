@@ -84,6 +84,24 @@ def io_failure(err: BaseException) -> OSError | None:
     return None
 
 
+def temporary_path(path: Path) -> Path:
+    """Where an atomic write of ``path`` stages its bytes: ``.<name>.tmp<pid>`` beside it (same folder, so
+    the final rename stays on one file system)."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def stale_temporaries(path: Path) -> list[Path]:
+    """The staging files of atomic writes of ``path`` that a ``kill -9`` left behind (``temporary_path``'s
+    names, any process id; regular files only). Call it where no writer of ``path`` can be running (under
+    the run's lock)."""
+    stage = re.compile(re.escape(f".{path.name}.tmp") + r"\d+")
+    if not path.parent.is_dir():
+        return []
+    return sorted(
+        p for p in path.parent.iterdir() if stage.fullmatch(p.name) and p.is_file() and not p.is_symlink()
+    )
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (temp file in the same folder, fsync, rename); parents created.
 
@@ -91,7 +109,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     ``path``; the old file, if any, is untouched and no temporary file is left behind.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = temporary_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:

@@ -146,7 +146,8 @@ def _summary(state: dict, heads: Sequence[Head]) -> dict:
     measured that this one did not list (a resume with another --each list adds to the sweep, never drops
     finished results)."""
     order = [f"{a}-{b}" for a, b in heads]
-    order += [name for name in state["heads"] if name not in set(order)]
+    listed = set(order)
+    order += [name for name in state["heads"] if name not in listed]
     return {
         "version": SWEEP_VERSION,
         "meta": state["meta"],

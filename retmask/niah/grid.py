@@ -163,10 +163,11 @@ def check_grid_size(prompt_tokens: int, what: str) -> None:
 
 
 def check_grid_tests(num_needles: int, lengths: Sequence[int], depths: Sequence[int]) -> None:
-    """Refuse, before any prompt is built, a grid that is empty or has a length that is not a whole number of
-    tokens (0 and short ones give tests skipped as too short) or a depth outside [0, 100] (a needle would be placed, silently, where the label does not say),
-    and tests whose prompts cannot fit in memory together (every prompt of the grid is built before the
-    first test runs): ``MAX_GRID_TOKENS``. Raises :class:`GridError`."""
+    """Refuse, before any prompt is built, a grid that is empty, has a length that is not a whole number of
+    tokens (0 and short ones give tests skipped as too short) or a depth outside [0, 100] (the needle would
+    be placed, silently, where the label does not say), and tests whose prompts cannot fit in memory
+    together (every prompt of the grid is built before the first test runs): ``MAX_GRID_TOKENS``. Raises
+    :class:`GridError`."""
     import numpy as np
 
     if not lengths or not depths:

@@ -68,9 +68,8 @@ class ScoreProgress:
 
     def save(self, index: int, example_id: str, masses: np.ndarray) -> None:
         """Keep one scored example (masses float32 [L, Hq, P]), atomically."""
-        if (
-            not self.path.is_dir()
-        ):  # the folder appears with its settings file, never without (a kill between)
+        # the folder appears with its settings file, never without (a kill between would block a resume)
+        if not self.path.is_dir():
             with atomic_folder(self.path) as staged:
                 atomic_write_json(
                     staged / "settings.json", {"version": PROGRESS_VERSION, "settings": self.settings}

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -58,6 +57,8 @@ from retmask.runfiles import (
     check_same_settings,
     io_failure,
     output_error,
+    stale_temporaries,
+    temporary_path,
     without_default_dtype,
 )
 
@@ -218,18 +219,11 @@ def check_not_finished(out: str | Path) -> None:
     )
 
 
-# the temporary names of the atomic writers of this run's files in ``out`` (``.<name>.tmp<pid>``, see
-# ``_save_resume`` and ``retmask.runfiles.atomic_write_bytes``)
-_STALE_TEMPORARY = re.compile(r"\.(resume\.pt|heads\.json)\.tmp\d+")
-
-
 def remove_stale_temporaries(out: Path) -> list[Path]:
-    """Delete the temporary files a ``kill -9`` during an atomic write of ``resume.pt`` / ``heads.json`` left
-    in ``out`` (a model-sized ``.resume.pt.tmpNNN``), with one line on stderr saying so. Only names of the
-    writers' own pattern; the command calls it under the run's lock (no writer of this folder is running)."""
-    stale = sorted(
-        p for p in out.iterdir() if _STALE_TEMPORARY.fullmatch(p.name) and p.is_file() and not p.is_symlink()
-    )
+    """Delete the staging files a ``kill -9`` during an atomic write of ``resume.pt`` / ``heads.json`` left
+    in ``out`` (a model-sized ``.resume.pt.tmpNNN``: ``runfiles.stale_temporaries``), with one line on
+    stderr saying so; the command calls it under the run's lock (no writer of this folder is running)."""
+    stale = sorted(p for name in ("resume.pt", "heads.json") for p in stale_temporaries(out / name))
     for p in stale:
         p.unlink(missing_ok=True)
     if stale:
@@ -242,7 +236,7 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
 def _save_resume(path: Path, model, optimizer, step: int, log: list, seconds: float, settings: dict) -> None:
     """Write the resume checkpoint atomically; a full disk is ``cannot write PATH: REASON`` (the previous
     checkpoint stays)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = temporary_path(path)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log,
              "seconds": seconds, "settings": settings}  # fmt: skip
     try:
