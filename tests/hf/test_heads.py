@@ -154,3 +154,26 @@ def test_head_mask_rejects_bools_as_indices():
         retmask.set_head_mask(model, [(torch.tensor(True), 0)])
     layers = retmask.hf.head_layout(model).layers
     assert all(getattr(m, "_retmask_skip", None) is None for m in layers)  # nothing was set
+
+
+def test_switching_attention_inside_a_mask_is_refused_not_ignored():
+    """A mask set, then the model moved to SDPA: the forward call is refused (it would run every head)."""
+    model = tiny_model("llama")
+    ids, mask = random_batch(2, 5)
+    reference = logits(model, ids, mask)
+    with retmask.head_mask(model, HEADS):
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ValueError, match="attn_implementation='sdpa', which ignores the mask"):
+            logits(model, ids, mask)
+        retmask.patch(model)
+        masked = logits(model, ids, mask)
+    assert not torch.allclose(masked, reference)
+    # the mask is gone after the block: SDPA runs again without complaint and equals the unmasked model
+    model.set_attn_implementation("sdpa")
+    assert torch.allclose(logits(model, ids, mask), reference, atol=1e-5)
+    retmask.patch(model)
+    retmask.set_head_mask(model, HEADS)
+    retmask.clear_head_mask(model)
+    model.set_attn_implementation("sdpa")
+    assert torch.allclose(logits(model, ids, mask), reference, atol=1e-5)
+    assert all(not m._forward_pre_hooks for m in retmask.hf.layers.head_layout(model).layers)
