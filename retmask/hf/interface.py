@@ -152,7 +152,8 @@ def _key_padding_mask(
         raise ValueError(
             f"model '{model}': the attention_mask has {attention_mask.shape[1]} columns but attention sees "
             f"{kv_len} keys (the cached tokens and this call's); pass a mask with one column per token, cached "
-            "ones included"
+            "ones included. A cache passed to generate() again still holds the earlier call's tokens: give each "
+            "generate() call a new cache, or call cache.reset() first"
         )
     if attention_mask.shape[0] != batch:
         raise ValueError(

@@ -227,6 +227,22 @@ def test_generate_equals_masked_eager(arch):
     assert cache.get_seq_length() == 27  # 20 + 8 - 1 (the last token is never fed back)
 
 
+def test_a_reused_cache_names_the_fix_and_reset_makes_it_new():
+    """A cache given to a second generate() still holds the first call's tokens: the error says to reset it,
+    and after ``cache.reset()`` the second call generates the same tokens as the first."""
+    model = tiny("qwen2")
+    ids, mask = random_batch(2, 20, left_pad=[0, 3], seed=1)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    cache = retmask.head_sparse_cache(model, full_heads=MIXED["qwen2"], window=W, sink_tokens=S)
+    with torch.no_grad():
+        first = model.generate(**kw, cache=cache)
+        with pytest.raises(ValueError, match=r"call cache\.reset\(\) first"):
+            model.generate(**kw, cache=cache)
+        cache.reset()
+        again = model.generate(**kw, cache=cache)
+    assert torch.equal(first, again)
+
+
 def test_sampling_and_beams_equal_masked_eager():
     """Sampling (same seed) and beam search (reorders the cache's batch rows) give the reference's tokens."""
     model = tiny("qwen2")

@@ -105,7 +105,7 @@ def head_sparse_cache(
     prefill: str = "windowed",
 ) -> HeadSparseCache:
     """A head-sparse KV cache for ``model`` (on retmask attention), for ``model.generate(..., cache=cache)``
-    or forward calls. Make a new one for every ``generate`` call.
+    or forward calls. Make a new one for every ``generate`` call (or ``cache.reset()`` it first).
 
     Args:
         scores: a scores file (``retmask detect``'s JSON) or mapping, for ``budget`` / ``tau``.
