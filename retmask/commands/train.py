@@ -184,8 +184,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"retmask train: error: {e}", file=sys.stderr)
         return 2
     print(result.lengths.summary())
+    ran = result.steps - result.resumed_from_step
+    resumed = (
+        f", {ran} of them in this run (resumed at step {result.resumed_from_step})"
+        if result.resumed_from_step
+        else ""
+    )
     print(
-        f"{'SFT' if args.sft else 'DPO'}: {result.steps} steps in {result.seconds:.1f} s "
+        f"{'SFT' if args.sft else 'DPO'}: {result.steps} steps{resumed}; {result.seconds:.1f} s "
         f"({result.seconds_per_step:.2f} s/step); final loss {result.losses[-1] if result.losses else float('nan'):.4f}"
     )
     if args.telemetry_every is not None:

@@ -36,12 +36,17 @@ from retmask.runfiles import atomic_write_json, check_writable
 
 @dataclass
 class TrainResult:
+    """``steps``: the run's optimizer steps in all; ``seconds``: the wall time of the steps this call ran
+    (``steps - resumed_from_step``; the Trainer keeps no time in its checkpoints), per step in
+    ``seconds_per_step``."""
+
     out: Path
     steps: int
     seconds: float
     seconds_per_step: float
     losses: list[float]
     lengths: LengthReport
+    resumed_from_step: int = 0
 
 
 def _use_cpu(device: str) -> bool:
@@ -88,16 +93,21 @@ def _bind(trainer: Any, callbacks: list | None) -> None:
 
 def _train(
     trainer: Any, out: Path, cfg: TrainConfig, settings: dict[str, Any], checkpoint: Path | None
-) -> None:
+) -> int:
     """``trainer.train()``: from ``checkpoint`` (:func:`_resume_point`), else from the start, recording
-    ``settings`` in ``out`` first when checkpoints will be written."""
-    if checkpoint is not None:
-        print(f"retmask train: resuming from {checkpoint}")
-        if _restore_finished(trainer, checkpoint):
-            return
-    elif cfg.save_every and trainer.is_world_process_zero():  # one process writes (as the Trainer's saves)
-        checkpoints.start(out, settings)
-    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+    ``settings`` in ``out`` first when checkpoints will be written. Returns the step it started from."""
+    if checkpoint is None:
+        if cfg.save_every and trainer.is_world_process_zero():  # one process writes (as the Trainer's saves)
+            checkpoints.start(out, settings)
+        trainer.train()
+        return 0
+    print(f"retmask train: resuming from {checkpoint}")
+    from transformers import TrainerState
+
+    first_step = int(TrainerState.load_from_json(str(checkpoint / "trainer_state.json")).global_step)
+    if not _restore_finished(trainer, checkpoint):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    return first_step
 
 
 def _load_weights(model: Any, checkpoint: Path) -> None:
@@ -172,16 +182,18 @@ def _resume_point(
 
 
 def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pairs, lengths: LengthReport,
-            seconds: float, mode: str, dropped: int = 0) -> TrainResult:  # fmt: skip
+            seconds: float, mode: str, dropped: int = 0, first_step: int = 0) -> TrainResult:  # fmt: skip
     """Save the trained model + tokenizer and a ``retmask_train.json`` summary in ``out``, whole or not at
     all: staged in a hidden folder and renamed in, the summary last (``staged_model_save``); files the run
     wrote during training (telemetry) stay. A full disk is ``cannot write OUT: ...`` and leaves ``out`` as
-    it was."""
+    it was. ``first_step``: the checkpoint's step a resumed run started from (``seconds`` timed the rest)."""
     steps = int(trainer.state.global_step)
     losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
-    result = TrainResult(out, steps, seconds, seconds / max(steps, 1), losses, lengths)
+    ran = steps - first_step
+    result = TrainResult(out, steps, seconds, seconds / ran if ran else 0.0, losses, lengths, first_step)
     summary = {
         "mode": mode, "pairs": pairs.source, "examples": len(pairs.rows), "dropped_unfinished": dropped, "steps": steps,
+        "resumed_from_step": first_step,  # seconds, seconds_per_step and a train_loss entry cover the steps after it
         "seconds": round(seconds, 2), "seconds_per_step": round(result.seconds_per_step, 3), "losses": losses,
         "config": asdict(cfg), "lengths": asdict(lengths),
         "log_history": trainer.state.log_history,  # every logged entry (losses, rewards, retrieval/* telemetry)
@@ -243,9 +255,18 @@ def train_dpo(
     _bind(trainer, callbacks)
     _watch(trainer, cfg)
     start = time.perf_counter()
-    _train(trainer, out, cfg, settings, checkpoint)
+    first_step = _train(trainer, out, cfg, settings, checkpoint)
     return _finish(
-        trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "dpo", dropped=dropped
+        trainer,
+        tokenizer,
+        out,
+        cfg,
+        pairs,
+        lengths,
+        time.perf_counter() - start,
+        "dpo",
+        dropped=dropped,
+        first_step=first_step,
     )
 
 
@@ -286,7 +307,16 @@ def train_sft(
     _bind(trainer, callbacks)
     _watch(trainer, cfg)
     start = time.perf_counter()
-    _train(trainer, out, cfg, settings, checkpoint)
+    first_step = _train(trainer, out, cfg, settings, checkpoint)
     return _finish(
-        trainer, tokenizer, out, cfg, pairs, lengths, time.perf_counter() - start, "sft", dropped=dropped
+        trainer,
+        tokenizer,
+        out,
+        cfg,
+        pairs,
+        lengths,
+        time.perf_counter() - start,
+        "sft",
+        dropped=dropped,
+        first_step=first_step,
     )

@@ -81,6 +81,10 @@ def test_interrupted_training_resumes_to_the_uninterrupted_result(
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
     summary = {d: json.loads((d / "retmask_train.json").read_text()) for d in (ref, out)}
     assert summary[out]["steps"] == 4
+    # the time is the resumed run's own, over its own steps, and says so
+    assert (summary[ref]["resumed_from_step"], summary[out]["resumed_from_step"]) == (0, 2)
+    assert "DPO: 4 steps, 2 of them in this run (resumed at step 2)" in printed.out
+    assert summary[out]["seconds_per_step"] == pytest.approx(summary[out]["seconds"] / 2, abs=0.01)
     assert summary[out]["losses"] == pytest.approx(summary[ref]["losses"], rel=1e-5)
     # the probes of steps 0 and 2 come from the checkpoint's log, step 4's from the resumed run
     assert [h["step"] for h in _history(out)] == [0, 2, 4]
@@ -119,14 +123,15 @@ def test_resume_from_the_last_steps_checkpoint_trains_no_further(
         assert cli(_argv(tiny_dir, pairs_with_heads, out, "--max-steps", steps, "--resume")) == 0
     assert calls == []
     printed = capsys.readouterr().out
-    assert f"DPO: {steps} steps" in printed
+    assert f"DPO: {steps} steps, 0 of them in this run (resumed at step {steps})" in printed
     assert f"checkpoint-{steps} is the planned last step ({steps})" in printed
     want, got = weights(ref), weights(out)
     assert want.keys() == got.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
     summary = {d: json.loads((d / "retmask_train.json").read_text()) for d in (ref, out)}
-    assert summary[out]["steps"] == int(steps)
+    assert summary[out]["steps"] == summary[out]["resumed_from_step"] == int(steps)
+    assert summary[out]["seconds_per_step"] == 0
     assert summary[out]["losses"] == pytest.approx(summary[ref]["losses"], rel=1e-5)
     assert not any("train_loss" in h for h in summary[out]["log_history"])  # not recomputed: not claimed
     assert _history(out) == pytest.approx(_history(ref), rel=1e-5)
