@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -281,6 +282,24 @@ def test_sound_detect_progress_still_resumes(tmp_path, capsys, tiny_dir, detect_
     assert main(_detect(tiny_dir, needles, out, "--resume")) == 2  # nothing counted, as before
     err = capsys.readouterr().err
     assert "resuming: 2 of 2 tests already done" in err and "no test counted" in err
+
+
+def test_detect_resume_on_a_model_folder_changed_since_is_refused(tmp_path, capsys, tiny_dir, one_needle):
+    """The model folder's weights rewritten between the run and its resume (trained again into it): another
+    model, whose answers must not be mixed with the first one's. Same bytes, new modification time here."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    out = tmp_path / "s.json"
+    assert main(_detect(model, one_needle, out)) == 2  # nothing counted: the progress file stays
+    capsys.readouterr()
+    assert main(_detect(model, one_needle, out, "--resume")) == 2
+    assert "resuming: 2 of 2 tests already done" in capsys.readouterr().err
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert main(_detect(model, one_needle, out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "was written by a run with other settings (model_files: " in err and "resuming" not in err, err
 
 
 # --------------------------------------------------------------------------------------------------

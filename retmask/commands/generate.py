@@ -28,6 +28,7 @@ from retmask.commands.common import (
     reports_errors,
 )
 from retmask.methods.retmask.instructions import BUILTIN
+from retmask.model_files import files_stamp
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -159,6 +160,8 @@ def _run(args: argparse.Namespace) -> int:
         fingerprint = {
             "model": args.model or "embedded",
             "rejected_model": args.rejected_model,
+            **files_stamp(args.model),  # a model folder changed since the run began is another model
+            **{f"rejected_{k}": v for k, v in files_stamp(args.rejected_model).items()},
             "instructions": str(args.instructions),
             "instructions_sha256": source_digest(args.instructions),
             "column": args.column,

@@ -17,6 +17,7 @@ from retmask.commands.common import (
     model_help,
     reports_errors,
 )
+from retmask.model_files import files_stamp
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -120,6 +121,7 @@ def _settings(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     return {
         "data_sha256": file_digest(args.data),
         "model": args.model,
+        **files_stamp(args.model),  # a model folder changed since the run began is another model
         "dtype": dtype,
         "device": args.device,
         "max_length": args.max_length,

@@ -26,6 +26,7 @@ from retmask.commands.common import (
     model_help,
     reports_errors,
 )
+from retmask.model_files import files_stamp
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -166,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
         examples = load_mdqa(args.data, limit=args.limit)
         model_name = args.model or "embedded SmolLM2-135M-Instruct"
         # what a resume must share besides the settings: the same data file (by content) and model
-        identity = {"data_sha256": file_digest(args.data), "model": model_name}
+        identity = {"data_sha256": file_digest(args.data), "model": model_name, **files_stamp(args.model)}
         if args.heads is not None:  # the files read before the model loads; checked against its shape after
             read_heads(args.heads)
         elif args.scores is not None:

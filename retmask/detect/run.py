@@ -26,6 +26,7 @@ from retmask.heads import model_shape
 from retmask.hf.layers import head_layout
 from retmask.hf.linears import decide_linears
 from retmask.hf.loading import load_model, max_context, parse_dtype, peek_config
+from retmask.model_files import files_stamp
 from retmask.niah import (
     NiahTest,
     build_tests,
@@ -125,6 +126,9 @@ def _fingerprint(
         "gguf_file": cfg.gguf_file,
         "dtype": cfg.dtype,
         "model_name_or_path": str(getattr(model.config, "name_or_path", "")),
+        **files_stamp(
+            cfg.model, cfg.gguf_file
+        ),  # a model folder changed since the run began is another model
         "needles": [n.to_dict() for n in needles],
         "haystack_sha256": hashlib.sha256(haystack_text.encode("utf-8")).hexdigest(),
         "lengths": lengths,

@@ -31,6 +31,7 @@ from retmask.errors import UsageError
 from retmask.heads import model_shape, normalize_head_mask
 from retmask.hf.heads import head_mask
 from retmask.hf.layers import head_layout
+from retmask.model_files import files_stamp
 from retmask.niah import Needle, build_tests, load_haystack, load_needles, resolve_prompt_style
 from retmask.niah.answer_kind import classify_answer, count_kinds
 from retmask.plotting import niah_cmap, pyplot, save_figure
@@ -178,6 +179,7 @@ def grid_fingerprint(
     return {
         **precision,
         "model": model_name or str(getattr(model.config, "name_or_path", "")),
+        **files_stamp(model_name),  # a model folder changed since the run began is another model
         "lengths": [int(x) for x in lengths],
         "depths": [int(x) for x in depths],
         "needles": [n.to_dict() for n in needles],

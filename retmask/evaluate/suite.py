@@ -43,6 +43,7 @@ from retmask.evaluate.synthetic import run_task
 from retmask.heads import model_shape
 from retmask.heads.selection import read_heads
 from retmask.hf.loading import DTYPES, check_model_spec, default_model_path, load_model
+from retmask.model_files import content_identity
 from retmask.niah import depth_grid, load_haystack, load_needles
 from retmask.runfiles import (
     JsonFile,
@@ -54,33 +55,16 @@ from retmask.runfiles import (
 )
 
 RESULT_VERSION = 1
-# besides the weights, what decides a model's prompts and context length
-PROMPT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                "special_tokens_map.json", "chat_template.jinja", "chat_template.json")  # fmt: skip
-
 
 # --- model identity --------------------------------------------------------------------------------------
 
 
 def model_identity(spec: str | None) -> str:
     """What makes two evaluations of ``spec`` the same model: the sha256 of its weight files and of the
-    files that shape its prompts and context (config, tokenizer, chat template) for a local folder or file,
-    else the spec itself (hub id; the embedded model's cached conversion)."""
-
+    files that shape its prompts and context (config, tokenizer, chat template) for a local folder or file
+    (``retmask.model_files``), else the spec itself (hub id; the embedded model's cached conversion)."""
     path = Path(spec) if spec is not None else default_model_path()
-    if path.exists():
-        files = [path]
-        if path.is_dir():
-            files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
-            files += [path / n for n in PROMPT_FILES if (path / n).is_file()] if files else []
-        if files:
-            h = hashlib.sha256()
-            for f in files:
-                with open(f, "rb") as fh:
-                    for block in iter(lambda fh=fh: fh.read(1 << 24), b""):
-                        h.update(block)
-            return "sha256:" + h.hexdigest()
-    return f"spec:{spec}"
+    return content_identity(path) or f"spec:{spec}"
 
 
 def default_label(spec: str | None) -> str:

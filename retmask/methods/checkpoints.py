@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from retmask.model_files import files_stamp
 from retmask.runfiles import (
     JsonFile,
     RunFileError,
@@ -45,6 +46,7 @@ def training_settings(mode: str, cfg: Any, pairs_path: str | Path, model_name: s
     return {
         "mode": mode,
         "model": model_name,
+        **files_stamp(model_name),  # a model folder changed since the run began is another model
         "pairs_sha256": file_digest(pairs_path),
         **config,
     }  # flat: a change is named

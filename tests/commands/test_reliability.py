@@ -351,7 +351,7 @@ def test_generate_overwrite_and_train_refuses_unfinished_pairs(tiny_dir, tmp_pat
     def fake_train(pairs, out_dir, model, cfg, callbacks=None, resume=False):
         calls.append(pairs)
         return SimpleNamespace(lengths=SimpleNamespace(summary=lambda: ""), steps=0, seconds=0.0,
-                               seconds_per_step=0.0, losses=[])  # fmt: skip
+                               seconds_per_step=0.0, losses=[], resumed_from_step=0)  # fmt: skip
 
     monkeypatch.setattr(dpo, "train_dpo", fake_train)
     train = ["train", "--pairs", str(out), "--model", str(tiny_dir), "--out", str(tmp_path / "model")]
