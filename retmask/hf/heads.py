@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from retmask.heads.mask import HeadSpec, normalize_head_mask
-from retmask.hf.interface import NAME
+from retmask.hf.guard import sync_guard
 from retmask.hf.layers import HeadLayout, head_layout
 from retmask.hf.patch import require_retmask
 
@@ -55,30 +55,7 @@ def _apply(layout: HeadLayout, states: list[LayerState]) -> None:
     for module, proj, (skip, rows) in zip(layout.layers, layout.projections, states, strict=True):
         module._retmask_skip = None if skip is None else skip.to(proj.weight.device)
         module._retmask_rows = rows
-        _guard_mask(module, skip is not None)
-
-
-def _guard_mask(module: torch.nn.Module, masked: bool) -> None:
-    """While ``module`` holds masked heads, a forward pre-hook refuses a call that would not reach retmask
-    attention (the model switched to another ``attn_implementation`` after the mask was set): that call
-    would compute every head, silently. Layers without masked heads carry no hook (no cost per call)."""
-    handle = module.__dict__.get("_retmask_mask_guard")
-    if masked and handle is None:
-        module._retmask_mask_guard = module.register_forward_pre_hook(_refuse_other_attention)
-    elif not masked and handle is not None:
-        handle.remove()
-        module._retmask_mask_guard = None
-
-
-def _refuse_other_attention(module: torch.nn.Module, args: tuple) -> None:
-    config = getattr(module, "config", None)
-    impl = getattr(config, "_attn_implementation", NAME)  # a module without its own config: cannot tell
-    if impl != NAME:
-        raise ValueError(
-            f"a head mask is set on this model, but it now uses attn_implementation={impl!r}, which ignores the "
-            "mask (every head would run); switch back with retmask.patch(model) or remove the mask with "
-            "retmask.clear_head_mask(model) first"
-        )
+        sync_guard(module)
 
 
 @contextmanager
@@ -99,7 +76,7 @@ def clear_head_mask(model: torch.nn.Module) -> None:
     for module in head_layout(model).layers:
         module._retmask_skip = None
         module._retmask_rows = None
-        _guard_mask(module, False)
+        sync_guard(module)
 
 
 def _current(model: torch.nn.Module) -> list[LayerState]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from retmask.hf.guard import sync_guard
 from retmask.hf.layers import head_layout
 from retmask.hf.patch import require_retmask
 
@@ -124,11 +125,13 @@ class QKTap:
             raise RuntimeError("tap_qk is already active on these layers; nested taps are not supported")
         for m in mods:
             m._retmask_tap = self
+            sync_guard(m)
         return self
 
     def __exit__(self, *exc) -> None:
         for i in self.layers:
             self.layout.layers[i]._retmask_tap = None
+            sync_guard(self.layout.layers[i])
 
 
 def _check_rows(rows: int | torch.Tensor | None) -> int | torch.Tensor | None:

@@ -163,7 +163,10 @@ def test_switching_attention_inside_a_mask_is_refused_not_ignored():
     reference = logits(model, ids, mask)
     with retmask.head_mask(model, HEADS):
         model.set_attn_implementation("sdpa")
-        with pytest.raises(ValueError, match="attn_implementation='sdpa', which ignores the mask"):
+        with pytest.raises(
+            ValueError,
+            match="a head mask is active on this model, but it now uses attn_implementation='sdpa', which ignores it",
+        ):
             logits(model, ids, mask)
         retmask.patch(model)
         masked = logits(model, ids, mask)

@@ -123,3 +123,28 @@ def test_tap_on_a_hybrid_model_keys_layers_by_attention_layer():
     torch.testing.assert_close(
         logits.masked_fill(~causal, float("-inf")).softmax(-1), weights, atol=1e-5, rtol=1e-4
     )
+
+
+@torch.no_grad()
+def test_switching_attention_inside_a_tap_is_refused_not_stale():
+    """Moved to SDPA inside the tap, a forward call would leave the previous call's q / k in the tap: it is
+    refused. A head mask on the same layer keeps its own guard after the tap ends."""
+    import retmask
+    from retmask.hf.layers import head_layout
+
+    model = tiny_model("llama")
+    ids, mask = random_batch(2, 10)
+    layers = head_layout(model).layers
+    with retmask.head_mask(model, [(1, 0)]):
+        with tap_qk(model, layers=[0, 1]):
+            model(input_ids=ids, attention_mask=mask)
+            model.set_attn_implementation("sdpa")
+            with pytest.raises(ValueError, match=r"^tap_qk is active on this model, .*'sdpa'"):
+                model(input_ids=ids, attention_mask=mask)
+            retmask.patch(model)
+        assert not layers[0]._forward_pre_hooks and len(layers[1]._forward_pre_hooks) == 1
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ValueError, match=r"^a head mask is active"):
+            model(input_ids=ids, attention_mask=mask)
+        retmask.patch(model)
+    assert not any(m._forward_pre_hooks for m in layers)
