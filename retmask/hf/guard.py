@@ -4,8 +4,8 @@ A head mask (``_retmask_skip``) and a ``tap_qk`` (``_retmask_tap``) live on the 
 only inside retmask's attention function. If the model is switched to another ``attn_implementation``
 while one is set, that function is no longer called: a masked head would run, a tap would keep the
 previous call's tensors, both silently. While a layer holds either it carries a forward pre-hook that
-refuses such a call by name (about 2 us per call of that layer on a Zen 3 core: under 1% of a decode
-step of the embedded model); a layer holding neither carries no hook and pays nothing. ``sync_guard``
+refuses such a call by name (one Python call per forward call of that layer); a layer holding neither
+carries no hook and pays nothing. ``sync_guard``
 is called wherever they are set or cleared. (``capture_argmax`` needs no hook: it checks after every
 forward call that each layer reported, and a capture runs on every layer of detection's decode steps.)
 """
