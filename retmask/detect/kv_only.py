@@ -11,8 +11,9 @@ which the caller throws away, and so does the LM head. :func:`kv_only` skips tha
 * every query head of the last layer is switched off (the retmask kernel skips switched-off heads: no
   work, output 0; other attention implementations ignore the switch and compute as usual), and
 * the last layer's MLP returns zeros instead of running, when it is a dense MLP (a module whose class
-  name ends in ``MLP``, which returns one tensor: Llama, Gemma, Qwen, Mistral, Phi). Mixture-of-experts
-  blocks may return router outputs too and are left alone;
+  name ends in ``MLP`` and whose parameters all belong to linear layers; it returns one tensor: Llama,
+  Gemma, Qwen, Mistral, Phi). Mixture-of-experts blocks may return router outputs too and are left alone,
+  even one named ``...MLP`` (gpt-oss's returns ``(hidden_states, router_scores)``);
 * the LM head (the model's output embedding, when it is a linear layer) returns zeros of the logits'
   shape instead of multiplying. Even one position's logits cost a pass over the whole output matrix: with
   Gemma-3-270M's 262,144-token vocabulary that was 6% of a 256-token-chunked fp32 prefill on 2 CPU cores
@@ -34,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from retmask.hf.layers import head_layout
+from retmask.hf.layers import _transposed_linear, head_layout
 
 
 def _decoder_layer_of(model: torch.nn.Module, attention: torch.nn.Module) -> torch.nn.Module | None:
@@ -46,8 +47,18 @@ def _decoder_layer_of(model: torch.nn.Module, attention: torch.nn.Module) -> tor
 
 
 def _dense_mlp(layer: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The decoder layer's ``mlp`` when it is dense, else None. Dense: its class name ends in ``MLP`` and every
+    submodule that holds parameters is a linear layer (``nn.Linear`` or its subclasses, GPT-2's ``Conv1D``),
+    so it maps hidden states [..., hidden] to one tensor of that shape. The name alone does not say it: a
+    mixture of experts holds a router and stacked expert weights, and gpt-oss's ``GptOssMLP`` is one that
+    returns ``(hidden_states, router_scores)``, which its decoder layer unpacks (zeros in its place broke
+    every prefill)."""
     mlp = getattr(layer, "mlp", None)
-    return mlp if isinstance(mlp, torch.nn.Module) and type(mlp).__name__.endswith("MLP") else None
+    if not isinstance(mlp, torch.nn.Module) or not type(mlp).__name__.endswith("MLP"):
+        return None
+    holders = [m for m in mlp.modules() if next(m.parameters(recurse=False), None) is not None]
+    linear = all(isinstance(m, torch.nn.Linear) or _transposed_linear(m) for m in holders)
+    return mlp if linear else None
 
 
 def _zeros_like_input(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:

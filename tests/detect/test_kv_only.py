@@ -12,6 +12,7 @@ from retmask.detect.kv_only import kv_only
 from retmask.hf.kv_cache import growing_cache, reserve
 from retmask.hf.layers import head_layout
 from tests.detect.test_fast_equals_oracle import tiny_local_global
+from tests.hf.test_attention_features import feature_model
 from tests.tiny import tiny_llama
 
 
@@ -31,14 +32,21 @@ def _chunked_prefill(model, ids: torch.Tensor, chunk: int, skip: bool):
     return cache, logits
 
 
-def _models():
-    return {"llama": tiny_llama(vocab=50, layers=3), "gemma3-local-global": tiny_local_global(window=24)}
+MODELS = {
+    "llama": lambda: tiny_llama(vocab=50, layers=3),
+    "gemma3-local-global": lambda: tiny_local_global(window=24),
+    # a mixture of experts named GptOssMLP that returns (hidden_states, router_scores): it must run
+    "gpt-oss": lambda: feature_model("gpt_oss"),
+}
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3-local-global"])
-@pytest.mark.parametrize("impl", ["retmask", "sdpa"])
+@pytest.mark.parametrize(
+    "name, impl",
+    [(name, impl) for name in ("llama", "gemma3-local-global") for impl in ("retmask", "sdpa")]
+    + [("gpt-oss", "retmask"), ("gpt-oss", "eager")],  # transformers has no SDPA path for gpt-oss
+)
 def test_cache_is_bit_identical_to_a_full_forward(name, impl):
-    model = _models()[name]
+    model = MODELS[name]()
     model.set_attn_implementation(impl)
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (1, 203), generator=torch.Generator().manual_seed(2))
@@ -127,3 +135,16 @@ def test_an_instance_forward_of_the_head_and_mlp_is_restored():
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     assert sorted(wrapped) == ["Linear", "LlamaMLP"] and logits.any()
+
+
+def test_only_dense_mlps_are_replaced():
+    """A dense MLP's linear layers (GPT-2's Conv1D included) hold all its parameters; gpt-oss's ``GptOssMLP``
+    holds a router and stacked experts and returns a tuple, so it is left to run."""
+    from retmask.detect.kv_only import _dense_mlp
+    from tests.hf.conftest import tiny_model
+
+    for model in (tiny_llama(vocab=50), tiny_model("gpt2")):
+        layer = model.model.layers[-1] if hasattr(model, "model") else model.transformer.h[-1]
+        assert _dense_mlp(layer) is layer.mlp
+    gpt_oss = feature_model("gpt_oss")
+    assert _dense_mlp(gpt_oss.model.layers[-1]) is None
