@@ -60,13 +60,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def load_for_export(
     model_spec: str | None, gguf_file: str | None = None, dtype: str = "float32"
 ) -> tuple[Any, Any, list[int]]:
-    """Load the model to export (and its tokenizer when the loader gives one) and its ``[L, Hq]``."""
+    """Load the model to export (and its tokenizer when the loader gives one) and its ``[L, Hq]``, a list
+    like ``--model-shape``'s, which it is compared with (``model_shape`` gives a tuple, never equal to a list)."""
     import retmask  # the model layer (load_model, export_masked) belongs to the package root
     from retmask.hf.loading import DTYPES
 
     loaded = retmask.load_model(model_spec, gguf_file=gguf_file, dtype=DTYPES[dtype])
     model, tokenizer = (loaded[0], loaded[1]) if isinstance(loaded, tuple) else (loaded, None)
-    return model, tokenizer, model_shape(model)
+    return model, tokenizer, list(model_shape(model))
 
 
 def check_export_target(folder: Path) -> None:

@@ -142,6 +142,20 @@ def test_export_uses_model_layer(tmp_path, monkeypatch):
     assert rc == 2 and not calls
 
 
+def test_export_with_the_models_own_model_shape_runs(tmp_path, monkeypatch):
+    """--model-shape equal to the loaded model's [L, Hq] is accepted (it was refused as disagreeing with
+    itself: a list compared with a tuple)."""
+    exported = []
+    monkeypatch.setattr(
+        retmask, "load_model", lambda spec=None, **kw: (tiny_llama(layers=3), None), raising=False
+    )
+    monkeypatch.setattr(retmask, "export_masked", lambda *a, **kw: exported.append(a[1]), raising=False)
+    out = tmp_path / "heads.json"
+    args = ["--scores", str(_scores(tmp_path)), "--top-k", "2", "--out", str(out), "--model-shape", "3", "4"]
+    assert mask.main([*args, "--export", str(tmp_path / "ckpt"), "--model", "tiny"]) == 0
+    assert json.loads(out.read_text())["model_shape"] == [3, 4] and len(exported[0]) == 2
+
+
 def test_export_of_a_model_whose_zeroed_heads_are_not_masked_heads_is_refused_first(
     tmp_path, monkeypatch, capsys
 ):
