@@ -61,6 +61,20 @@ def attn_implementation(model, name: str) -> Iterator[None]:
         model.set_attn_implementation(old)
 
 
+def _check_prefill_impl(model, name: str) -> None:
+    """Refuse, before any test, a prefill implementation transformers has none of for ``model`` (gpt-oss
+    has no SDPA path): its own error names a loading flag, not the detection setting to change."""
+    try:
+        with attn_implementation(model, name):
+            pass
+    except ValueError as err:
+        first = str(err).split(". ")[0]
+        raise ValueError(
+            f"prefill_impl={name!r} cannot run on this '{model.config.model_type}' model ({first}); use the "
+            "default prefill_impl='retmask' (retmask detect: --prefill-impl retmask, or leave the flag out)"
+        ) from None
+
+
 def _finished(device: torch.device) -> float:
     """``time.perf_counter()`` once the work queued on ``device`` has run: a CUDA prefill returns before
     its kernels finish, and its time would otherwise be counted in the decode that waits for it."""
@@ -211,6 +225,8 @@ class FastDetector:
         self.max_draft = max_draft
         self.min_draft = min_draft
         self.prefill_impl = prefill_impl
+        if prefill_impl != "retmask":
+            _check_prefill_impl(model, prefill_impl)
         # False: answers only (NIAH evaluation) -- no argmax capture, ``copies`` stays all zero.
         self.count_copies = count_copies
         layout = head_layout(model)

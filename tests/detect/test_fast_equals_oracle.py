@@ -99,6 +99,19 @@ def test_tiny_sdpa_prefill_equals_oracle(tiny_oracle):
     assert model.config._attn_implementation == "retmask"
 
 
+def test_a_prefill_implementation_the_model_lacks_is_refused_by_its_setting():
+    """gpt-oss has no SDPA path in transformers: refused when the detector is built, naming the setting to
+    change (transformers' own error names a loading flag), and the model stays on retmask attention."""
+    from tests.hf.test_attention_features import feature_model
+
+    model = feature_model("gpt_oss")
+    with pytest.raises(
+        ValueError, match=r"prefill_impl='sdpa' cannot run on this 'gpt_oss' model .*--prefill-impl retmask"
+    ):
+        FastDetector(model, {2}, max_new_tokens=4, prefill_impl="sdpa")
+    assert model.config._attn_implementation == "retmask"
+
+
 def _top2_margin_in_bf16_ulps(model, prompt: np.ndarray, answer: list[int]) -> float:
     """Gap between the two largest next-token logits after ``prompt + answer`` (an eager bf16 forward), in
     units of the bf16 spacing at the largest one (2^-7 relative)."""
