@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from retmask.hf.layers import _transposed_linear, head_layout
+from retmask.hf.layers import head_layout, is_transposed_linear
 
 
 def _decoder_layer_of(model: torch.nn.Module, attention: torch.nn.Module) -> torch.nn.Module | None:
@@ -57,7 +57,7 @@ def _dense_mlp(layer: torch.nn.Module | None) -> torch.nn.Module | None:
     if not isinstance(mlp, torch.nn.Module) or not type(mlp).__name__.endswith("MLP"):
         return None
     holders = [m for m in mlp.modules() if next(m.parameters(recurse=False), None) is not None]
-    linear = all(isinstance(m, torch.nn.Linear) or _transposed_linear(m) for m in holders)
+    linear = all(isinstance(m, torch.nn.Linear) or is_transposed_linear(m) for m in holders)
     return mlp if linear else None
 
 

@@ -13,7 +13,7 @@ from retmask.heads.layout import attention_layer_ids
 OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj")
 
 
-def _transposed_linear(module: torch.nn.Module) -> bool:
+def is_transposed_linear(module: torch.nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2's linear layers): weight [in, out], the transpose of ``nn.Linear``'s."""
     return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor)
 
@@ -23,7 +23,7 @@ def output_projection_name(attention: torch.nn.Module) -> str | None:
     or None."""
     for name in OUTPUT_PROJECTIONS:
         module = getattr(attention, name, None)
-        if isinstance(module, torch.nn.Linear) or (module is not None and _transposed_linear(module)):
+        if isinstance(module, torch.nn.Linear) or (module is not None and is_transposed_linear(module)):
             return name
     return None
 
@@ -31,14 +31,14 @@ def output_projection_name(attention: torch.nn.Module) -> str | None:
 def projection_inputs(projection: torch.nn.Module) -> int:
     """The input features of an output projection: Hq * D."""
     weight = projection.weight
-    return int(weight.shape[0] if _transposed_linear(projection) else weight.shape[1])
+    return int(weight.shape[0] if is_transposed_linear(projection) else weight.shape[1])
 
 
 def head_inputs(projection: torch.nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
     """A view of ``weight`` (default: the projection's own) with the input features first: [Hq * D, hidden].
     Zeroing rows ``[h*D, (h+1)*D)`` of it removes head h's contribution."""
     weight = projection.weight if weight is None else weight
-    return weight if _transposed_linear(projection) else weight.t()
+    return weight if is_transposed_linear(projection) else weight.t()
 
 
 def output_norms(attention: torch.nn.Module) -> tuple[str, ...]:
