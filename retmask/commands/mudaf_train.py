@@ -173,7 +173,9 @@ def _run(args: argparse.Namespace) -> int:
         elif args.scores is not None:
             load_scores(args.scores)
         # float32 master weights whatever --dtype says
-        model, tokenizer = retmask.load_model(args.model, device=args.device)
+        model, tokenizer = retmask.load_model(
+            args.model, device=args.device, attention_dropout=0.0
+        )  # retmask attention computes no dropout
         selection = select(args, list(head_layout(model).shape))
         cfg = dataclasses.replace(cfg, heads=list(selection.heads) if selection else [])
         cfg.check()

@@ -81,16 +81,22 @@ ROUTINE_ARGS = (KNOWN_TENSOR_ARGS - {"cu_seq_lens_q", "cu_seq_lens_k"}) | {
 
 
 # Config names of the attention-dropout probability: most models, GPT-2 / GPT-J / GPT-BigCode, others.
-_DROPOUT_SETTINGS = ("attention_dropout", "attn_pdrop", "attn_dropout", "attention_probs_dropout_prob")
+# ``retmask.load_model(..., attention_dropout=0.0)`` sets each one a config has.
+ATTENTION_DROPOUT_SETTINGS = (
+    "attention_dropout",
+    "attn_pdrop",
+    "attn_dropout",
+    "attention_probs_dropout_prob",
+)
 
 
 def _dropout_setting(module: torch.nn.Module) -> str:
     """The config name of ``module``'s attention-dropout probability, for a message."""
     config = getattr(module, "config", None)
-    for name in _DROPOUT_SETTINGS:
+    for name in ATTENTION_DROPOUT_SETTINGS:
         if isinstance(getattr(config, name, None), (int, float)):
             return name
-    return _DROPOUT_SETTINGS[0]
+    return ATTENTION_DROPOUT_SETTINGS[0]
 
 
 def _check_features(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:

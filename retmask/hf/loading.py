@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -38,6 +39,7 @@ from retmask import cpu_speedups
 from retmask.cache_dir import cache_root
 from retmask.cpu_speedups.half_matmul import native_half_matmul
 from retmask.errors import UsageError
+from retmask.hf.interface import ATTENTION_DROPOUT_SETTINGS
 from retmask.hf.linears import patch_linears
 from retmask.hf.patch import check_supported  # importing retmask.hf registers "retmask" with transformers
 from retmask.kernels.paths import check_settings
@@ -188,6 +190,30 @@ def max_context(model) -> int | None:
     config = model.config if hasattr(model, "config") else model
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(cfg, "max_position_embeddings", None)
+
+
+def set_attention_dropout(config: Any, p: float) -> dict[str, float]:
+    """Set every attention-dropout probability of ``config`` (``ATTENTION_DROPOUT_SETTINGS``, in the config
+    and in its text config, where a vision-language model keeps the language model's) to ``p``; returns
+    the settings it changed, by name, with their old values.
+
+    Attention modules read the probability from the config when they are built (or on every call), so the
+    config must carry it before the model is. The training commands set 0: retmask attention computes no
+    dropout and refuses a training call that asks for it."""
+    changed = {}
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        text = config.get_text_config(decoder=True)
+        if text is not config:
+            configs.append(text)
+    for cfg in configs:
+        for name in ATTENTION_DROPOUT_SETTINGS:
+            old = getattr(cfg, name, None)
+            # bool is an int: a flag of that name is no probability
+            if isinstance(old, (int, float)) and not isinstance(old, bool) and old != p:
+                setattr(cfg, name, p)
+                changed[name] = old
+    return changed
 
 
 def peek_config(spec: str | None, gguf_file: str | None = None) -> Any:
@@ -468,6 +494,7 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str = "retmask",
     cpu_linears: bool | None = None,
+    attention_dropout: float | None = None,
 ):
     """Load ``(model, tokenizer)`` for a causal LM (or a vision-language model, whose language model runs on
     text alone: ``model_class_for``).
@@ -489,6 +516,11 @@ def load_model(
             steps), measured once per layer shape and cached; bf16 / fp16 as
             fp32 products where the CPU has no native half-precision GEMM; ``retmask.hf.linears``);
             False keeps torch's ``nn.Linear``; None (default): on unless ``RETMASK_CPU_SPEEDUPS=0``.
+        attention_dropout: None (default) keeps the config's attention-dropout probability; a number
+            replaces it (``set_attention_dropout``; one line on stderr names a non-zero value it replaces).
+            Training on retmask attention needs 0.0: the kernel computes no dropout, and a model with
+            attention dropout (GPT-2: ``attn_pdrop`` 0.1) is refused at its first training step. The
+            replaced value stays in ``model.config``, so a checkpoint saved from it records 0.0.
 
     Returns:
         (model in eval mode, tokenizer with a pad token set: EOS when the model defines none).
@@ -508,8 +540,17 @@ def load_model(
         # trust_remote_code=False, said explicitly: left unset, transformers asks on a terminal whether to
         # run the Python files a model folder ships (auto_map), and one "y" would run them.
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        overrides = {}
+        if attention_dropout is not None:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+            changed = set_attention_dropout(config, attention_dropout)
+            if changed:
+                old = ", ".join(f"{name} {value:g}" for name, value in changed.items())
+                print(f"retmask: attention dropout {old} -> {attention_dropout:g} (retmask attention computes "
+                      "no dropout)", file=sys.stderr)  # fmt: skip
+            overrides["config"] = config
         model = model_class_for(source).from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False
+            source, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False, **overrides
         )
     except ValueError as err:
         if "trust_remote_code" not in str(err):

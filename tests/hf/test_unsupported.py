@@ -60,6 +60,23 @@ def test_dropout_in_training_rejected(arch, setting):
     model(input_ids=ids)
 
 
+@pytest.mark.parametrize("arch,setting", [("llama", "attention_dropout"), ("gpt2", "attn_pdrop")])
+def test_load_model_for_training_turns_attention_dropout_off(arch, setting, tmp_path, capsys):
+    """load_model(..., attention_dropout=0.0), as the training commands load: the model trains on retmask
+    attention, one stderr line names the setting it replaced, the config records 0.0."""
+    folder = tmp_path / arch
+    tiny_model(arch, **{setting: 0.1}).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(retmask.default_model_path()).save_pretrained(folder)
+    ids, _ = random_batch(1, 5)
+    model, _ = retmask.load_model(str(folder))  # as saved: refused in training
+    with pytest.raises(NotImplementedError, match="attention dropout"):
+        model.train()(input_ids=ids)
+    model, _ = retmask.load_model(str(folder), attention_dropout=0.0)
+    assert f"attention dropout {setting} 0.1 -> 0" in capsys.readouterr().err
+    assert getattr(model.config, setting) == 0.0
+    model.train()(input_ids=ids).logits.sum().backward()
+
+
 def test_custom_4d_mask_rejected():
     model = tiny_model("llama")
     ids, _ = random_batch(1, 4)

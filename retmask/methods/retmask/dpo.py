@@ -4,7 +4,9 @@ The reference policy is the original model: a frozen deep copy of the policy tak
 weights, same retmask attention), passed to ``DPOTrainer`` explicitly so TRL never re-loads it from
 ``config._name_or_path``, which fails for GGUF-loaded models. The policy itself is loaded with
 ``retmask.load_model``, which converts GGUF files once to a cached plain HF folder
-(``retmask.default_model_path()`` for the embedded model).
+(``retmask.default_model_path()`` for the embedded model), with its attention dropout set to 0: retmask
+attention computes none (TRL's DPO turns dropout off anyway; SFT would otherwise stop at its first step on
+a model that has some, e.g. GPT-2's ``attn_pdrop`` 0.1).
 
 Every micro-batch's loss and every step's gradient norm are checked before the optimizer step
 (``training_guards.FiniteTrainingGuard``): the first NaN / inf stops training with an error naming the
@@ -239,7 +241,7 @@ def train_dpo(
     out = Path(out)
     settings, checkpoint = _resume_point("dpo", cfg, pairs_path, out, model, model_spec, resume)
     if model is None:
-        model, tokenizer = load_model(model_spec)
+        model, tokenizer = load_model(model_spec, attention_dropout=0.0)  # retmask attention has none
     if ref_model is None:
         # a frozen copy of the untrained weights = the original model; no reload by path needed
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -294,7 +296,7 @@ def train_sft(
     out = Path(out)
     settings, checkpoint = _resume_point("sft", cfg, pairs_path, out, model, model_spec, resume)
     if model is None:
-        model, tokenizer = load_model(model_spec)
+        model, tokenizer = load_model(model_spec, attention_dropout=0.0)  # retmask attention has none
     lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen",), pairs.source)
     rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs.rows]
     # prompt-completion rows: TRL computes the loss on the completion only (completion_only_loss)

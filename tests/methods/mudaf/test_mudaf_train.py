@@ -399,3 +399,24 @@ def test_stale_temporary_files_of_a_killed_write_are_removed(
     assert (out / ".resume.pt.tmp6").is_dir()
     line = f"retmask: removed 2 temporary file(s) an interrupted write left in {out}: .heads.json.tmp17, .resume.pt.tmp4242"
     assert line in err.splitlines(), err
+
+
+def test_command_trains_a_model_with_attention_dropout(tmp_path, mdqa_examples, bpe_tokenizer, capsys):
+    """mudaf-train loads the model with its attention dropout set to 0 (retmask attention computes none);
+    a model whose config asks for some (GPT-2: attn_pdrop 0.1) used to stop at the first step with
+    NotImplementedError and a traceback."""
+    folder = tmp_path / "tiny"
+    model = tiny_llama_for(bpe_tokenizer)
+    model.config.attention_dropout = 0.1
+    model.save_pretrained(folder)
+    bpe_tokenizer.save_pretrained(folder)
+    data = write_mdqa(mdqa_examples[:2], tmp_path / "train.jsonl")
+    heads = tmp_path / "heads.json"
+    heads.write_text("[[1, 2]]")
+    out = tmp_path / "run"
+    rc = cli_main(["mudaf-train", "--data", str(data), "--model", str(folder), "--out", str(out), "--heads",
+                   str(heads), "--steps", "1", "--no-progress"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "attention dropout attention_dropout 0.1 -> 0" in err
+    assert read_record(out)["steps"] == 1

@@ -236,3 +236,23 @@ def test_drop_unfinished_pairs(tiny_dir, tmp_path, capsys):
                            for r in ROWS))  # fmt: skip
     with pytest.raises(PairsError, match="every one of the 4 pairs"):
         drop_unfinished(read_pairs_file(cut))
+
+
+@pytest.mark.parametrize("sft", [False, True], ids=["dpo", "sft"])
+def test_model_with_attention_dropout_trains_without_it(tokenizer, pairs_file, tmp_path, capsys, sft):
+    """A model whose config asks for attention dropout (GPT-2's attn_pdrop is 0.1) is loaded for training
+    with it set to 0, which retmask attention computes; it used to stop at the first step with
+    NotImplementedError and a traceback (TRL's DPO zeroes nn.Dropout modules, not Llama's float)."""
+    from tests.tiny import tiny_llama_for
+
+    folder = tmp_path / "dropout-model"
+    model = tiny_llama_for(tokenizer, init=0.02)
+    model.config.attention_dropout = 0.1
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "out"
+    argv = ["train", "--pairs", str(pairs_file), "--model", str(folder), "--out", str(out), "--max-steps", "1",
+            "--batch-size", "2", "--grad-accum", "1", "--max-length", "128"]  # fmt: skip
+    assert cli(argv + (["--sft"] if sft else [])) == 0
+    assert "attention dropout attention_dropout 0.1 -> 0" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["attention_dropout"] == 0.0  # as trained
