@@ -69,6 +69,11 @@ class TrainConfig:
             # the newest checkpoint only: the previous one is deleted once the new one is complete
             save_strategy="steps" if self.save_every else "no", save_steps=self.save_every or None,
             save_total_limit=1,
+            # the loss is the DPO / SFT loss alone, on every model: TRL 1.16 would add a mixture-of-experts
+            # model's router load-balancing loss (router_aux_loss_coef=None: the config's coefficient) and
+            # reads the expert count as config.num_experts, which GraniteMoe(Hybrid), PhiMoE and Llama 4
+            # configs lack (their training stopped with an AttributeError; a dense GraniteMoeHybrid too)
+            router_aux_loss_coef=0.0,
         )  # fmt: skip
 
 

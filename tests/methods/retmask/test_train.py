@@ -256,3 +256,31 @@ def test_model_with_attention_dropout_trains_without_it(tokenizer, pairs_file, t
     assert cli(argv + (["--sft"] if sft else [])) == 0
     assert "attention dropout attention_dropout 0.1 -> 0" in capsys.readouterr().err
     assert json.loads((out / "config.json").read_text())["attention_dropout"] == 0.0  # as trained
+
+
+@pytest.mark.parametrize("sft", [False, True], ids=["dpo", "sft"])
+def test_mixture_of_experts_model_trains_on_the_loss_alone(tokenizer, pairs_file, tmp_path, sft):
+    """The loss is DPO's / SFT's alone on a mixture-of-experts model too: TRL's router load-balancing loss
+    is off. With it, TRL read config.num_experts, which GraniteMoe's config lacks (num_local_experts):
+    training stopped with AttributeError. DPO's first loss, policy = reference, is then exactly log 2."""
+    import math
+
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "granitemoe", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    folder = tmp_path / "moe"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "out"
+    argv = ["train", "--pairs", str(pairs_file), "--model", str(folder), "--out", str(out), "--max-steps", "1",
+            "--batch-size", "2", "--grad-accum", "1", "--max-length", "128"]  # fmt: skip
+    assert cli(argv + (["--sft"] if sft else [])) == 0
+    losses = json.loads((out / "retmask_train.json").read_text())["losses"]
+    assert len(losses) == 1 and math.isfinite(losses[0])
+    if not sft:
+        assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
