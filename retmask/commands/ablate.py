@@ -22,6 +22,7 @@ from retmask.commands.common import (
     grid_from_args,
     load_from_args,
     needles_from_args,
+    print_error,
     reports_errors,
     run_configurations,
 )
@@ -170,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
             log=lambda msg: print(msg, file=sys.stderr), prompt_style=args.prompt_style,
         )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError, SelectionError) as err:
-        print(f"retmask ablate: error: {err}", file=sys.stderr)
+        print_error("retmask ablate", err)
         return 2
     png = args.out_dir / f"{args.prefix}.png"
     plot_ablation(
@@ -226,7 +227,7 @@ def _run_each(args: argparse.Namespace, t0: float) -> int:
             prompt_style=args.prompt_style,
         )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError, SelectionError) as err:
-        print(f"retmask ablate: error: {err}", file=sys.stderr)
+        print_error("retmask ablate", err)
         return 2
     table = sweep_table(sweep)
     print(

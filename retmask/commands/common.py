@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -201,6 +203,31 @@ def load_from_args(args: argparse.Namespace):
 
 
 RESUME_HINT = "continue with the same command plus --resume"
+TRACEBACK_SETTING = "RETMASK_TRACEBACK"  # =1: an error's traceback follows its one-line message
+
+
+def print_error(name: str, err: BaseException) -> None:
+    """``<name>: error: <message>`` on stderr. A command reports its refusals (bad input, a model it cannot
+    run) this way, without a traceback; an exception raised outside retmask's own code (inside torch or
+    transformers) also says where, since it may be a retmask bug rather than a mistake in the input. With
+    ``RETMASK_TRACEBACK=1`` the traceback follows."""
+    print(f"{name}: error: {err}{_raised_outside(err)}", file=sys.stderr)
+    if os.environ.get(TRACEBACK_SETTING) == "1":
+        traceback.print_exception(err, file=sys.stderr)
+
+
+def _raised_outside(err: BaseException) -> str:
+    """`` (raised in <module>; ...)`` when the innermost frame of ``err``'s traceback is not retmask's."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return ""
+    package = str(Path(__file__).resolve().parents[1])
+    if str(Path(frames[-1].filename).resolve()).startswith(package + os.sep):
+        return ""
+    return (
+        f" (raised in {frames[-1].filename}, line {frames[-1].lineno}: if the input looks right this may be a "
+        f"retmask bug; rerun with {TRACEBACK_SETTING}=1 and report the traceback)"
+    )
 
 
 def reports_errors(
@@ -224,7 +251,7 @@ def reports_errors(
                 print(f"\n{name}: interrupted; {hint}", file=sys.stderr)
                 return 130
             except UsageError as err:
-                print(f"{name}: error: {err}", file=sys.stderr)
+                print_error(name, err)
                 return 2
             except OSError as err:
                 # A file the machine refused (full disk, over-long name, permissions) that no writer above

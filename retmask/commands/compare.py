@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import png_path, positive_int, unit_float
-from retmask.commands.common import example, reports_errors
+from retmask.commands.common import example, print_error, reports_errors
 from retmask.heads.keys import RETRIEVAL_TAU
 
 
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             for table, label in zip(tables[1:], labels[1:], strict=True)
         ]
     except SelectionError as e:
-        print(f"retmask compare: error: {e}", file=sys.stderr)
+        print_error("retmask compare", e)
         return 2
     print("\n\n".join(format_comparison(c) for c in comparisons))
     if args.json is not None:

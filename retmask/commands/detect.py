@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import png_path, positive_int, seed_int, token_count
-from retmask.commands.common import add_grid_args, add_model_args, example, reports_errors
+from retmask.commands.common import add_grid_args, add_model_args, example, print_error, reports_errors
 from retmask.errors import UsageError
 
 
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             progress_bar=not args.no_progress,
         )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError) as err:
-        print(f"retmask detect: error: {err}", file=sys.stderr)
+        print_error("retmask detect", err)
         return 2
     print(f"scores -> {args.out}", file=sys.stderr)
     print(f"run record (settings, every answer, timings) -> {record_path(Path(args.out))}", file=sys.stderr)

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from retmask.commands.common import example, model_help, reports_errors
+from retmask.commands.common import example, model_help, print_error, reports_errors
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -69,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         description = describe()
     except ValueError as err:  # a bad RETMASK_* setting
-        print(f"retmask env: error: {err}", file=sys.stderr)
+        print_error("retmask env", err)
         return 2
     # After the machine, before the settings (the order the lines print in).
     description = {

@@ -23,6 +23,7 @@ from retmask.commands.common import (
     add_dtype_arg,
     check_device_arg,
     example,
+    print_error,
     reports_errors,
 )
 from retmask.evaluate.config import DEFAULT_MAX_LEN, TASK_LABELS, EvalConfig
@@ -131,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
             command="retmask " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None,
         )  # fmt: skip
     except (ValueError, SelectionError) as e:
-        print(f"retmask eval: error: {e}", file=sys.stderr)
+        print_error("retmask eval", e)
         return 2
     for r in data["models"]:
         scores = "  ".join(f"{k}={v:.3f}" for k, v in r["tasks"].items())

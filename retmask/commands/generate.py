@@ -7,7 +7,6 @@ guarantee and the resume protocol.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from retmask.commands.common import (
     check_device_arg,
     example,
     model_help,
+    print_error,
     reports_errors,
 )
 from retmask.methods.retmask.instructions import BUILTIN
@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
             fingerprint=fingerprint, progress_bar=not args.no_progress,
         )  # fmt: skip
     except (GenerateError, InstructionError, SelectionError) as e:
-        print(f"retmask generate: error: {e}", file=sys.stderr)
+        print_error("retmask generate", e)
         return 2
     print(stats.table())
     print(f"pairs -> {args.out}; statistics -> {stats_path(args.out)}")

@@ -29,6 +29,7 @@ from retmask.commands.common import (
     grid_from_args,
     load_from_args,
     needles_from_args,
+    print_error,
     reports_errors,
     run_configurations,
 )
@@ -249,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
             model_name=name, progress=not args.no_progress, log=lambda msg: print(msg, file=sys.stderr),
         )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError, SelectionError) as err:
-        print(f"retmask kv: error: {err}", file=sys.stderr)
+        print_error("retmask kv", err)
         return 2
     png = args.out_dir / f"{args.prefix}.png"
     if res.results:

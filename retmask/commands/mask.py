@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import MAX_HEADS, head_count, seed_int, unit_float
-from retmask.commands.common import example, model_help, reports_errors
+from retmask.commands.common import example, model_help, print_error, reports_errors
 from retmask.heads import model_shape
 from retmask.heads.selection import BASELINES, SelectionError, load_scores, select_heads, write_heads
 
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             retmask.export_masked(model, selection.heads, args.export, tokenizer, provenance=provenance)
             print(f"masked checkpoint -> {args.export}")
     except SelectionError as e:
-        print(f"retmask mask: error: {e}", file=sys.stderr)
+        print_error("retmask mask", e)
         return 2
     return 0
 

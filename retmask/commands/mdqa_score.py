@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from retmask.commands.common import (
     check_device_arg,
     example,
     model_help,
+    print_error,
     reports_errors,
 )
 from retmask.model_files import files_stamp
@@ -177,7 +177,7 @@ def _run(args: argparse.Namespace) -> int:
         paths = write_scores(scores, args.out, args.plot, masses=args.masses, **extra)
         progress.finish()
     except MDQAError as e:
-        print(f"retmask mdqa-score: error: {e}", file=sys.stderr)
+        print_error("retmask mdqa-score", e)
         return 2
     n, resumed = len(scores.example_ids), scores.resumed
     per_example = scores.seconds / max(n - resumed, 1)

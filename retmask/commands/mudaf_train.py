@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from retmask.commands.common import (
     check_device_arg,
     example,
     model_help,
+    print_error,
     reports_errors,
 )
 from retmask.model_files import files_stamp
@@ -187,7 +187,7 @@ def _run(args: argparse.Namespace) -> int:
                           "head_selection": selection.to_json() if selection else None}, identity=identity,
         )  # fmt: skip
     except (MDQAError, SelectionError) as e:
-        print(f"retmask mudaf-train: error: {e}", file=sys.stderr)
+        print_error("retmask mudaf-train", e)
         return 2
     last = result.log[-1]
     con = f", L_CON {last['con']:.4f}" if "con" in last else ""

@@ -22,6 +22,7 @@ from retmask.commands.common import (
     grid_from_args,
     load_from_args,
     needles_from_args,
+    print_error,
     reports_errors,
 )
 
@@ -221,7 +222,7 @@ def _run(args: argparse.Namespace) -> int:
             prompt_style=args.prompt_style, done=done, on_entry=save,
         )  # fmt: skip
     except (ValueError, NeedleFileError, HaystackError, SelectionError) as err:
-        print(f"retmask niah: error: {err}", file=sys.stderr)
+        print_error("retmask niah", err)
         return 2
     res.meta["model"] = name
     res.meta["mask"] = what

@@ -26,6 +26,7 @@ from retmask.commands.common import (
     check_device_arg,
     example,
     model_help,
+    print_error,
     reports_errors,
 )
 from retmask.methods.retmask.pipeline_config import STAGES, VARIANTS, PipelineConfig
@@ -292,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
         )
     except (PipelineError, SelectionError, GenerateError, InstructionError, PairsError, ValueError) as e:
-        print(f"retmask pipeline: error: {e}", file=sys.stderr)
+        print_error("retmask pipeline", e)
         return 2
     times = ", ".join(
         f"{k} {v.get('seconds', 0):.0f} s" for k, v in state["stages"].items() if "seconds" in v

@@ -24,6 +24,7 @@ from retmask.commands.common import (
     check_device_arg,
     example,
     model_help,
+    print_error,
     reports_errors,
 )
 from retmask.heads.selection import SelectionError
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
                 checkpoints.clear(args.out)  # an earlier run's checkpoints must not be resumed later
             result = fn(args.pairs, args.out, args.model, cfg, callbacks=callbacks, resume=args.resume)
     except (PairsError, SelectionError, ValueError) as e:
-        print(f"retmask train: error: {e}", file=sys.stderr)
+        print_error("retmask train", e)
         return 2
     print(result.lengths.summary())
     ran = result.steps - result.resumed_from_step
