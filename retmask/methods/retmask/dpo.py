@@ -106,10 +106,10 @@ def _train(
     print(f"retmask train: resuming from {checkpoint}")
     from transformers import TrainerState
 
-    first_step = int(TrainerState.load_from_json(str(checkpoint / "trainer_state.json")).global_step)
-    if not _restore_finished(trainer, checkpoint):
+    state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    if not _restore_finished(trainer, checkpoint, state):
         trainer.train(resume_from_checkpoint=str(checkpoint))
-    return first_step
+    return int(state.global_step)
 
 
 def _load_weights(model: Any, checkpoint: Path) -> None:
@@ -141,15 +141,12 @@ def _load_weights(model: Any, checkpoint: Path) -> None:
         )
 
 
-def _restore_finished(trainer: Any, checkpoint: Path) -> bool:
-    """When ``checkpoint`` was written at the run's last step (its global step reached the planned total,
+def _restore_finished(trainer: Any, checkpoint: Path, state: Any) -> bool:
+    """When ``checkpoint`` (its ``TrainerState``: ``state``) was written at the run's last step (its global step reached the planned total,
     the same plan: the settings were checked), restore its weights and state into ``trainer`` and return
     True: the trained model is those weights. ``Trainer.train`` would instead run one step past the plan
     (or, at an epoch's end, log a ``train_loss`` of 0.0 over no steps). The callbacks still see the train's
     begin and end (telemetry writes its files); the losses are the checkpoint's log, none recomputed."""
-    from transformers import TrainerState
-
-    state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
     if not state.max_steps or state.global_step < state.max_steps:
         return False
     _load_weights(trainer.model, checkpoint)
@@ -210,6 +207,17 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
     return result
 
 
+def _train_and_save(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pairs, lengths: LengthReport,
+                    settings: dict[str, Any], checkpoint: Path | None, mode: str, dropped: int) -> TrainResult:  # fmt: skip
+    """The common tail of DPO and SFT: guard the steps (:func:`_watch`), train (:func:`_train`, timed from
+    the step it starts at) and save (:func:`_finish`)."""
+    _watch(trainer, cfg)
+    start = time.perf_counter()
+    first_step = _train(trainer, out, cfg, settings, checkpoint)
+    seconds = time.perf_counter() - start
+    return _finish(trainer, tokenizer, out, cfg, pairs, lengths, seconds, mode, dropped, first_step)
+
+
 def _watch(trainer: Any, cfg: TrainConfig) -> None:
     """Stop at the first non-finite loss or gradient norm, before the optimizer applies it."""
     FiniteTrainingGuard(cfg.learning_rate).watch(trainer)
@@ -255,21 +263,7 @@ def train_dpo(
         processing_class=tokenizer, callbacks=callbacks,
     )  # fmt: skip
     _bind(trainer, callbacks)
-    _watch(trainer, cfg)
-    start = time.perf_counter()
-    first_step = _train(trainer, out, cfg, settings, checkpoint)
-    return _finish(
-        trainer,
-        tokenizer,
-        out,
-        cfg,
-        pairs,
-        lengths,
-        time.perf_counter() - start,
-        "dpo",
-        dropped=dropped,
-        first_step=first_step,
-    )
+    return _train_and_save(trainer, tokenizer, out, cfg, pairs, lengths, settings, checkpoint, "dpo", dropped)
 
 
 def train_sft(
@@ -307,18 +301,4 @@ def train_sft(
         callbacks=callbacks,
     )  # fmt: skip
     _bind(trainer, callbacks)
-    _watch(trainer, cfg)
-    start = time.perf_counter()
-    first_step = _train(trainer, out, cfg, settings, checkpoint)
-    return _finish(
-        trainer,
-        tokenizer,
-        out,
-        cfg,
-        pairs,
-        lengths,
-        time.perf_counter() - start,
-        "sft",
-        dropped=dropped,
-        first_step=first_step,
-    )
+    return _train_and_save(trainer, tokenizer, out, cfg, pairs, lengths, settings, checkpoint, "sft", dropped)
