@@ -32,9 +32,8 @@ from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from retmask.hf.kv_cache import TailLayer, growing_cache
+from retmask.hf.kv_cache import FULL, TailLayer, cache_layer_kinds, describe_layers, growing_cache
 
 BUCKETS = (2, 3, 5, 9, 17, 33, 65)  # rows per pass: the fed token + drafts of up to 1, 2, 4, ... 64 tokens
 CAPACITY_STEP = 1024  # positions
@@ -42,13 +41,12 @@ CAPACITY_STEP = 1024  # positions
 
 def unsupported_reason(model) -> str | None:
     """Why ``model`` cannot run fixed-shape passes, or None if it can."""
-    config = model.config.get_text_config(decoder=True)
-    kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
-    if kinds != {DynamicLayer.__name__}:
+    odd = {kind: layers for kind, layers in cache_layer_kinds(model).items() if kind != FULL}
+    if odd:
         return (
-            f"model '{config.model_type}' has cache layers of kind {sorted(kinds)}: fixed-shape verification "
-            "passes need every layer to attend to every key (a sliding window is a distance in buffer slots "
-            "there, not in positions)"
+            f"model '{model.config.model_type}' is not full attention throughout ({describe_layers(odd)}): "
+            "fixed-shape verification passes need every layer to attend to every key (a sliding window is a "
+            "distance in buffer slots there, not in positions)"
         )
     return None
 
@@ -77,7 +75,10 @@ class StaticPasses:
     def __init__(self, model) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
-            raise ValueError(reason + "; use the default verification passes (static_passes=False)")
+            raise ValueError(
+                reason + "; use the default verification passes (static_passes=False; retmask detect: drop "
+                "--static-passes)"
+            )
         self.model = model
         self.graphs = model.device.type == "cuda"  # the one rule: graphs wherever CUDA runs the model
         self.cache: DynamicCache | None = None

@@ -22,6 +22,53 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_CAPACITY = 256  # tokens; the first allocation of a layer's buffer
 
+# What a transformers cache layer holds, in words, matched by class name on the layer's class and its bases
+# (first match wins: a linear-attention layer that also keeps attention keys is named by its state).
+# By name, so that a transformers release without one of these classes still imports.
+FULL = "keys and values of full attention"
+SLIDING = "keys and values of sliding-window attention"
+_LAYER_KINDS = (
+    ("DummyLayer", "nothing (such a layer reuses another layer's cache or needs none)"),
+    ("LinearAttentionLayer", "a recurrent state (linear attention or a state-space layer)"),
+    ("DynamicIndexedLayer", "an indexer cache for sparse attention"),
+    ("BaseQuantizedLayer", "quantized keys and values"),
+    ("DynamicSlidingWindowLayer", SLIDING),
+    ("DynamicLayer", FULL),
+)
+
+
+def cache_layer_kinds(model) -> dict[str, list[int]]:
+    """The layers of ``model``'s default cache grouped by what they hold, in words (``FULL``, ``SLIDING``
+    and the other phrases of ``_LAYER_KINDS``; a class none matches by its own name), e.g.
+    ``{SLIDING: [0, 1, 2], FULL: [3]}``: for messages that name the layers a feature cannot handle
+    without naming transformers' classes."""
+    kinds: dict[str, list[int]] = {}
+    for index, layer in enumerate(DynamicCache(config=model.config.get_text_config(decoder=True)).layers):
+        bases = {cls.__name__ for cls in type(layer).__mro__}
+        kind = next((words for name, words in _LAYER_KINDS if name in bases), type(layer).__name__)
+        kinds.setdefault(kind, []).append(index)
+    return kinds
+
+
+def describe_layers(kinds: dict[str, list[int]]) -> str:
+    """``{SLIDING: [0, 1, 2, 4], FULL: [3]}`` -> "layers 0-2, 4 hold keys and values of sliding-window
+    attention; layer 3 holds keys and values of full attention"."""
+    return "; ".join(
+        f"{_layer_list(layers)} {'holds' if len(layers) == 1 else 'hold'} {words}"
+        for words, layers in kinds.items()
+    )
+
+
+def _layer_list(layers: list[int]) -> str:
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    text = ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    return ("layer " if len(layers) == 1 else "layers ") + text
+
 
 class GrowingLayer(DynamicLayer):
     """One layer's keys and values: ``keys``/``values`` are views ``[B, Hkv, length, D]`` of buffers

@@ -70,7 +70,11 @@ def test_buckets_and_refusals():
         bucket(BUCKETS[-1] + 1)
     with pytest.raises(ValueError, match="max_draft <= 64"):
         FastDetector(tiny_llama(), {2}, max_draft=65, static_passes=True)
-    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer.*static_passes=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"'gemma3_text' is not full attention throughout \(layers 0-1 hold keys and values of "
+        r"sliding-window attention\): .*static_passes=False; retmask detect: drop --static-passes",
+    ):
         StaticPasses(tiny_local_global())
     import transformers
 

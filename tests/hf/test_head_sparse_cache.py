@@ -516,7 +516,11 @@ def test_hybrid_and_latent_attention_models_are_refused_by_name():
     lfm2 = transformers.AutoModelForCausalLM.from_config(
         tiny_config("lfm2", **HYBRIDS["lfm2"]), attn_implementation="retmask"
     )
-    with pytest.raises(ValueError, match=r"'lfm2' has cache layers of kind \['LinearAttentionLayer'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"'lfm2' has layers whose cache is not attention keys and values: layers 0, 2 hold a recurrent "
+        r"state \(linear attention or a state-space layer\); the head-sparse cache handles full and",
+    ):
         retmask.head_sparse_cache(lfm2, full_heads=[(0, 0)], window=4)
     deepseek = transformers.AutoModelForCausalLM.from_config(
         tiny_config("deepseek_v2", **LATENT["deepseek_v2"]), attn_implementation="retmask"

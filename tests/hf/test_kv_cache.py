@@ -147,3 +147,33 @@ def test_growth_past_the_capacity_hint_doubles():
         layer.update(one, one)
         allocations.add(layer._key_buffer.data_ptr())
     assert layer._key_buffer.shape[-2] >= 28 and len(allocations) <= 3
+
+
+def test_cache_layers_are_described_in_words_not_transformers_classes():
+    """Refusals (head-sparse cache, fixed-shape passes) name what a layer keeps, with runs of layers."""
+    import types
+
+    from retmask.hf.kv_cache import FULL, SLIDING, cache_layer_kinds, describe_layers
+    from tests.hf.conftest import tiny_config
+    from tests.hf.test_architectures import ARCHITECTURES
+
+    def kinds(name: str, **overrides) -> dict[str, list[int]]:
+        config = tiny_config(name, **{**ARCHITECTURES[name], **overrides})
+        return cache_layer_kinds(types.SimpleNamespace(config=config))
+
+    assert kinds("gemma3n_text") == {
+        SLIDING: [0],
+        FULL: [1],
+        "nothing (such a layer reuses another layer's cache or needs none)": [2, 3],
+    }
+    nemotron_h = kinds("nemotron_h")  # layer 2 is an MLP-only layer: no cache at all
+    assert describe_layers(nemotron_h) == (
+        "layer 0 holds a recurrent state (linear attention or a state-space layer); layers 1, 3 hold keys "
+        "and values of full attention; layer 2 holds nothing (such a layer reuses another layer's cache or "
+        "needs none)"
+    )
+    assert kinds("gpt2", num_hidden_layers=5) == {FULL: [0, 1, 2, 3, 4]}
+    assert describe_layers({SLIDING: [0, 1, 2, 4, 5, 7], FULL: [3, 6]}) == (
+        "layers 0-2, 4-5, 7 hold keys and values of sliding-window attention; layers 3, 6 hold keys and "
+        "values of full attention"
+    )

@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from retmask.hf.kv_cache import FULL, SLIDING, cache_layer_kinds, describe_layers
 from retmask.hf.layers import head_layout
 from retmask.hf.patch import require_retmask
 from retmask.hf.sparse_kv.layer import HeadSparseLayer
@@ -138,11 +139,11 @@ def head_sparse_cache(
         _check_int("max_length", max_length, 1, "pass prompt length + max_new_tokens, or None")
     config = model.config.get_text_config(decoder=True)
     template = DynamicCache(config=config).layers
-    odd = sorted({type(layer).__name__ for layer in template} - {"DynamicLayer", "DynamicSlidingWindowLayer"})
+    odd = {kind: layers for kind, layers in cache_layer_kinds(model).items() if kind not in (FULL, SLIDING)}
     if odd:
         raise ValueError(
-            f"model '{config.model_type}' has cache layers of kind {odd}; the head-sparse cache handles full "
-            "and sliding-window attention layers only"
+            f"model '{config.model_type}' has layers whose cache is not attention keys and values: "
+            f"{describe_layers(odd)}; the head-sparse cache handles full and sliding-window attention layers only"
         )
     global_layers = tuple(i for i, layer in enumerate(template) if type(layer) is DynamicLayer)
     if not global_layers:
