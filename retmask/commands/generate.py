@@ -128,7 +128,12 @@ def _run(args: argparse.Namespace) -> int:
     from retmask.heads import SelectionError, model_shape, read_heads
     from retmask.hf.loading import check_model_spec, parse_dtype, resolve_dtype_name
     from retmask.methods.retmask.generate import GenerateError, SamplingConfig, generate_pairs, stats_path
-    from retmask.methods.retmask.instructions import InstructionError, load_instructions, source_digest
+    from retmask.methods.retmask.instructions import (
+        InstructionError,
+        check_lengths,
+        load_instructions,
+        source_digest,
+    )
 
     try:
         sampling = SamplingConfig(args.temperature, args.top_p, args.max_new_tokens, args.seed)
@@ -142,7 +147,10 @@ def _run(args: argparse.Namespace) -> int:
         # against the model's shape and the instructions' lengths with its tokenizer once it has loaded
         if args.heads is not None:
             read_heads(args.heads)
-        load_instructions(args.instructions, args.limit, column=args.column)
+        instructions = load_instructions(args.instructions, args.limit, column=args.column)
+        instructions_sha256 = source_digest(
+            args.instructions
+        )  # of the file just read, before the models load
         model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype), device=args.device)
         check_generation_budget(args, model)
         heads = rejected_model = rejected_tokenizer = None
@@ -153,17 +161,14 @@ def _run(args: argparse.Namespace) -> int:
                 args.rejected_model, dtype=parse_dtype(dtype), device=args.device
             )
             check_generation_budget(args, rejected_model, "--rejected-model")
-        instructions = load_instructions(
-            args.instructions, args.limit, column=args.column, tokenizer=tokenizer,
-            max_tokens=args.max_prompt_tokens,
-        )  # fmt: skip
+        check_lengths(instructions, tokenizer, args.max_prompt_tokens)
         fingerprint = {
             "model": args.model or "embedded",
             "rejected_model": args.rejected_model,
             **files_stamp(args.model),  # a model folder changed since the run began is another model
             **{f"rejected_{k}": v for k, v in files_stamp(args.rejected_model).items()},
             "instructions": str(args.instructions),
-            "instructions_sha256": source_digest(args.instructions),
+            "instructions_sha256": instructions_sha256,
             "column": args.column,
             "dtype": dtype,
             # only off the CPU, so pair files begun before the option still resume

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ class Instruction:
     prompt: str
     category: str | None = None
     reference: str | None = None
+    where: str = field(default="", compare=False)  # file and line (or row) in its source, for messages
 
 
 def _first_user_turn(messages: Any, where: str, column: str) -> str:
@@ -114,6 +115,7 @@ def record_to_instruction(record: Any, where: str, column: str, default_id: str)
         prompt=prompt,
         category=str(category) if category is not None else None,
         reference=str(reference) if reference is not None else None,
+        where=where,
     )
 
 
@@ -254,15 +256,21 @@ def load_instructions(
                     f"{where}: expected an object with an instruction column, got {type(rec).__name__}"
                 )
             column = pick_column(rec, where)
-        inst = record_to_instruction(rec, where, column or "", f"{stem}-{len(out)}")
-        if tokenizer is not None:
-            n = len(tokenizer(inst.prompt, add_special_tokens=False)["input_ids"])
-            if n > max_tokens:  # type: ignore[operator]
-                raise InstructionError(
-                    f"{where}: instruction has {n} tokens, more than the limit of {max_tokens}; "
-                    "shorten or remove it, or raise the limit"
-                )
-        out.append(inst)
+        out.append(record_to_instruction(rec, where, column or "", f"{stem}-{len(out)}"))
     if not out:
         raise InstructionError(f"{name}: no instructions found (the source is empty)")
+    if tokenizer is not None:
+        check_lengths(out, tokenizer, max_tokens)  # type: ignore[arg-type]
     return out
+
+
+def check_lengths(instructions: Iterable[Instruction], tokenizer: Any, max_tokens: int) -> None:
+    """Raise naming the first instruction longer than ``max_tokens`` tokens (without special tokens) and
+    where it is in its source: training silently dropping long prompts is what we avoid."""
+    for inst in instructions:
+        n = len(tokenizer(inst.prompt, add_special_tokens=False)["input_ids"])
+        if n > max_tokens:
+            raise InstructionError(
+                f"{inst.where or inst.id}: instruction has {n} tokens, more than the limit of {max_tokens}; "
+                "shorten or remove it, or raise the limit"
+            )

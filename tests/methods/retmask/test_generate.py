@@ -184,7 +184,12 @@ def test_resume_after_interrupt_no_duplicates(tiny, tmp_path):
     assert C.read_pairs(out) == C.read_pairs(ref)
 
 
-def test_cli_generate_and_resume(tiny_dir, tmp_path, capsys):
+def test_cli_generate_and_resume(tiny_dir, tmp_path, capsys, monkeypatch):
+    from retmask.methods.retmask import instructions as instruction_sources
+
+    reads = []  # the instruction file is parsed once per run: what is hashed is what is generated from
+    records = instruction_sources._records
+    monkeypatch.setattr(instruction_sources, "_records", lambda src: reads.append(src) or records(src))
     src = tmp_path / "inst.jsonl"
     src.write_text("".join(json.dumps({"id": f"q{k}", "prompt": p}) + "\n" for k, p in enumerate(PROMPTS)))
     heads = tmp_path / "heads.json"
@@ -192,7 +197,7 @@ def test_cli_generate_and_resume(tiny_dir, tmp_path, capsys):
     out = tmp_path / "pairs.jsonl"
     base = ["generate", "--model", str(tiny_dir), "--instructions", str(src), "--heads", str(heads), "--out",
             str(out), "--max-new-tokens", "5", "--batch-size", "2", "--no-progress"]  # fmt: skip
-    assert cli(base) == 0
+    assert cli(base) == 0 and reads == [str(src)]
     text = capsys.readouterr().out
     assert "mean instruction tokens" in text and "pairs" in text
     first = out.read_text()
@@ -214,7 +219,7 @@ def write(path, text):
     [
         ("bad-head", "does not exist in a model"),
         ("empty", "no instructions found"),
-        ("too-long", "more than the limit"),
+        ("too-long", "inst.jsonl line 1: instruction has"),
         ("dup-id", "appears twice"),
         ("bad-temp", "temperature"),
     ],
