@@ -110,6 +110,9 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 _PACKAGE = Path(__file__).resolve().parent
+# commands that pick up their finished work on a rerun, without a flag (the others with work to keep take
+# --resume; mask, compare and env finish in seconds and keep nothing)
+RESUME_BY_THEMSELVES = ("eval", "pipeline")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         # reported by the sub-command's parser (its usage line), with a hint where the flag is a known habit
         command_parser = parser.retmask_commands.get(args.command, parser)
         hint = ""
-        if "--resume" in unknown:
+        if "--resume" in unknown and args.command in RESUME_BY_THEMSELVES:
             hint = f"; retmask {args.command} resumes by itself: run the same command again"
+        elif "--resume" in unknown:
+            hint = f"; retmask {args.command} keeps nothing to resume: run the same command again"
         command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if getattr(args, "func", None) is None:
         parser.print_help()

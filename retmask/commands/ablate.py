@@ -237,10 +237,7 @@ def _run_each(args: argparse.Namespace, t0: float) -> int:
     try:
         atomic_write_text(out.with_suffix(".md"), table + "\n")
     except OutputWriteError as err:  # the sweep's results are in the JSON file and printed above
-        print(
-            f"retmask ablate: error: {err} (the table is printed above; the results are in {out})",
-            file=sys.stderr,
-        )
+        print_error("retmask ablate", err, f"{err} (the table is printed above; the results are in {out})")
         return 2
     print(f"done in {time.perf_counter() - t0:.0f} s; outputs -> {out} and {out.with_suffix('.md')}")
     return 0

@@ -206,12 +206,14 @@ RESUME_HINT = "continue with the same command plus --resume"
 TRACEBACK_SETTING = "RETMASK_TRACEBACK"  # =1: an error's traceback follows its one-line message
 
 
-def print_error(name: str, err: BaseException) -> None:
-    """``<name>: error: <message>`` on stderr. A command reports its refusals (bad input, a model it cannot
-    run) this way, without a traceback; an exception raised outside retmask's own code (inside torch or
-    transformers) also says where, since it may be a retmask bug rather than a mistake in the input. With
-    ``RETMASK_TRACEBACK=1`` the traceback follows."""
-    print(f"{name}: error: {err}{_raised_outside(err)}", file=sys.stderr)
+def print_error(name: str, err: BaseException, message: str | None = None) -> None:
+    """``<name>: error: <message>`` on stderr (``message``, or ``err``'s own). A command reports its
+    refusals (bad input, a model it cannot run) and failed writes this way, without a traceback; an
+    exception raised outside retmask's own code (inside torch or transformers) also says where, since it
+    may be a retmask bug rather than a mistake in the input. With ``RETMASK_TRACEBACK=1`` the traceback
+    follows."""
+    text = f"{err}{_raised_outside(err)}" if message is None else message
+    print(f"{name}: error: {text}", file=sys.stderr)
     if os.environ.get(TRACEBACK_SETTING) == "1":
         traceback.print_exception(err, file=sys.stderr)
 
@@ -258,7 +260,7 @@ def reports_errors(
                 # named itself: still one line naming the file, not a traceback.
                 if err.filename is None:
                     raise
-                print(f"{name}: error: cannot use {err.filename}: {err.strerror or err}", file=sys.stderr)
+                print_error(name, err, f"cannot use {err.filename}: {err.strerror or err}")
                 return 2
 
         return wrapped

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -264,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             load_scores(args.scores)  # a missing or malformed file fails now, not after the run dir is set up
         except (SelectionError, OSError) as e:
-            print(f"retmask pipeline: error: --scores: {e}", file=sys.stderr)
+            print_error("retmask pipeline", e, f"--scores: {e}")
             return 2
     check_pipeline_inputs(args)
     check_pipeline_grids(args)

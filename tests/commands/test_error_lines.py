@@ -50,3 +50,30 @@ def test_the_traceback_follows_on_request(capsys, monkeypatch, make):
     print_error("retmask x", make())
     err = capsys.readouterr().err
     assert err.startswith("retmask x: error: ") and "Traceback (most recent call last)" in err
+
+
+@pytest.mark.parametrize("traceback_setting", [None, "1"])
+def test_a_file_the_machine_refused_is_one_line_and_its_traceback_follows_on_request(
+    capsys, monkeypatch, tmp_path, traceback_setting
+):
+    """An OSError naming a file, caught by ``reports_errors``: the file and the reason on one line, and
+    like every other error line the traceback only with RETMASK_TRACEBACK=1."""
+    import argparse
+
+    from retmask.commands.common import reports_errors
+
+    if traceback_setting is None:
+        monkeypatch.delenv("RETMASK_TRACEBACK", raising=False)
+    else:
+        monkeypatch.setenv("RETMASK_TRACEBACK", traceback_setting)
+    missing = tmp_path / "absent" / "out.json"
+
+    @reports_errors()
+    def run(args: argparse.Namespace) -> int:
+        missing.write_text("{}")
+        return 0
+
+    assert run(argparse.Namespace(command="x")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"retmask x: error: cannot use {missing}: No such file or directory\n")
+    assert ("Traceback (most recent call last)" in err) == (traceback_setting == "1")

@@ -277,6 +277,16 @@ def test_unknown_flags_are_reported_by_the_command_with_a_resume_hint(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: retmask pipeline") and "pipeline resumes by itself" in err
+    nothing_to_resume = {
+        "mask": ["--scores", "s.json", "--top-k", "3"],
+        "compare": ["a.json", "b.json"],
+        "env": [],
+    }
+    for name, required in nothing_to_resume.items():  # not told that it resumes
+        with pytest.raises(SystemExit):
+            main([name, *required, "--resume"])
+        err = capsys.readouterr().err
+        assert f"retmask {name} keeps nothing to resume" in err and "resumes by itself" not in err
     with pytest.raises(SystemExit):
         main(["detect", "--bogus"])
     assert "retmask detect: error: unrecognized arguments: --bogus" in capsys.readouterr().err
