@@ -73,7 +73,7 @@ def machine_description() -> dict[str, str]:
     simd = "avx512f" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")
     bf16 = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
     from retmask import cpu_speedups
-    from retmask.cpuinfo import cpu_family
+    from retmask.cpuinfo import cpu_family, cpu_model_number
     from retmask.kernels import paths
 
     try:
@@ -87,6 +87,7 @@ def machine_description() -> dict[str, str]:
     return {
         "cpu": cpu_model(),
         "cpu family": cpu_family() or "unknown",
+        "cpu model": cpu_model_number() or "unknown",
         "cores": str(os.cpu_count()),
         "torch_threads": str(torch.get_num_threads()),
         "simd": simd,
@@ -104,7 +105,8 @@ def machine_description() -> dict[str, str]:
 def cpu_kind(machine: dict[str, str]) -> str:
     """File-name tag of the machine: CPU model and SIMD level, e.g. ``intel-xeon-platinum-8481c-avx512f``.
     A generic model name without a model number (a hypervisor's "AMD EPYC") also gets the CPU family,
-    e.g. ``amd-epyc-f25-avx2`` (Zen 3) apart from ``amd-epyc-f23-avx2`` (Zen 2); pages from before this rule
+    e.g. ``amd-epyc-f25-avx2`` (Zen 3) apart from ``amd-epyc-f23-avx2`` (Zen 2), and on Intel, whose cores
+    are all family 6, the model number too (``intel-xeon-f6m207-avx512f``); pages from before this rule
     are named ``amd-epyc-avx2`` (family 23) and ``amd-epyc-avx512f``. Speed results hold only for the CPU
     they were measured on, so benchmarks keep one result file per kind."""
     model = re.sub(r"\(r\)|\(tm\)|processor|\d+-core|cpu @.*", "", machine.get("cpu", "cpu").lower())
@@ -112,6 +114,9 @@ def cpu_kind(machine: dict[str, str]) -> str:
     family = machine.get("cpu family", "")
     if family.isdigit() and not re.search(r"\d", slug):
         slug += f"-f{family}"
+        number = machine.get("cpu model", "")
+        if family == "6" and number.isdigit():
+            slug += f"m{number}"
     return f"{slug}-{machine.get('simd', 'unknown')}"
 
 

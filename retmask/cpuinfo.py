@@ -24,6 +24,12 @@ def cpu_model() -> str:
     return _field("model name") or platform.processor() or "unknown CPU"
 
 
+def cpu_model_number() -> str:
+    """The CPU model number within its family ("" off Linux x86): on Intel, whose cores have all been family
+    6 since 2006, what tells one generation from another."""
+    return _field("model") or ""
+
+
 def cpu_flags() -> set[str]:
     """The feature flags of the first CPU (empty off Linux)."""
     return set((_field("flags") or "").split())
