@@ -148,9 +148,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.heads is not None:
             read_heads(args.heads)
         instructions = load_instructions(args.instructions, args.limit, column=args.column)
-        instructions_sha256 = source_digest(
-            args.instructions
-        )  # of the file just read, before the models load
+        # the hash of the file just read (before the models load): what the resume fingerprint must match
+        instructions_sha256 = source_digest(args.instructions)
         model, tokenizer = retmask.load_model(args.model, dtype=parse_dtype(dtype), device=args.device)
         check_generation_budget(args, model)
         heads = rejected_model = rejected_tokenizer = None
