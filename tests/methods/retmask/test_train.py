@@ -238,6 +238,13 @@ def test_drop_unfinished_pairs(tiny_dir, tmp_path, capsys):
         drop_unfinished(read_pairs_file(cut))
 
 
+def _train_one_step(pairs_file, model_folder, out, sft: bool) -> int:
+    """`retmask train` (DPO, or SFT with ``sft``) for one optimisation step of two pairs; its exit code."""
+    argv = ["train", "--pairs", str(pairs_file), "--model", str(model_folder), "--out", str(out), "--max-steps",
+            "1", "--batch-size", "2", "--grad-accum", "1", "--max-length", "128"]  # fmt: skip
+    return cli(argv + (["--sft"] if sft else []))
+
+
 @pytest.mark.parametrize("sft", [False, True], ids=["dpo", "sft"])
 def test_model_with_attention_dropout_trains_without_it(tokenizer, pairs_file, tmp_path, capsys, sft):
     """A model whose config asks for attention dropout (GPT-2's attn_pdrop is 0.1) is loaded for training
@@ -251,9 +258,7 @@ def test_model_with_attention_dropout_trains_without_it(tokenizer, pairs_file, t
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     out = tmp_path / "out"
-    argv = ["train", "--pairs", str(pairs_file), "--model", str(folder), "--out", str(out), "--max-steps", "1",
-            "--batch-size", "2", "--grad-accum", "1", "--max-length", "128"]  # fmt: skip
-    assert cli(argv + (["--sft"] if sft else [])) == 0
+    assert _train_one_step(pairs_file, folder, out, sft) == 0
     assert "attention dropout attention_dropout 0.1 -> 0" in capsys.readouterr().err
     assert json.loads((out / "config.json").read_text())["attention_dropout"] == 0.0  # as trained
 
@@ -277,9 +282,7 @@ def test_mixture_of_experts_model_trains_on_the_loss_alone(tokenizer, pairs_file
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     out = tmp_path / "out"
-    argv = ["train", "--pairs", str(pairs_file), "--model", str(folder), "--out", str(out), "--max-steps", "1",
-            "--batch-size", "2", "--grad-accum", "1", "--max-length", "128"]  # fmt: skip
-    assert cli(argv + (["--sft"] if sft else [])) == 0
+    assert _train_one_step(pairs_file, folder, out, sft) == 0
     losses = json.loads((out / "retmask_train.json").read_text())["losses"]
     assert len(losses) == 1 and math.isfinite(losses[0])
     if not sft:
