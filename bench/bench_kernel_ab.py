@@ -9,7 +9,8 @@ For a kernel change: copy the built ``retmask/_C*.so`` away first, change and re
 Both builds run the same inputs interleaved (A B A B ..., so drift of a shared machine hits both), on the
 attention shapes of detection and generation: full-prefill argmax (2K and 8K keys), a 256-row prefill
 chunk, a 1-row decode step (on the same K/V each call, and streamed: one call per layer over K/V sets
-too large to stay in cache, as in a model) and a 9-row verification pass, for SmolLM2-135M (9 query / 3
+too large to stay in cache, as in a model; also with every odd query head skipped, as a
+masked model decodes) and a 9-row verification pass, for SmolLM2-135M (9 query / 3
 KV heads, D 64) and Llama-3.1-8B (32 / 8, D 128), and the decode cases for Gemma-3-270M (4 / 1, D 256);
 B = 1; fp32 unless ``--dtype``, the fused fp32 FMA micro-kernels unless ``--path bf16dot`` (bfloat16: both
 block products as bf16 dot products). Outputs and argmaxes must be bit-identical between the builds unless
@@ -40,15 +41,17 @@ HEADS = {"SmolLM2": (9, 3, 64), "Llama-3.1-8B": (32, 8, 128), "Gemma-3-270M": (4
 # Gemma 3's single KV head matters for decode (one work item per call unless the keys are split); its
 # prefill tiles are the other shapes' story, so only its decode cases run.
 DECODE_ONLY = {"Gemma-3-270M"}
-# (name, M query rows, N keys, argmax rows, streamed)
+# (name, M query rows, N keys, argmax rows, streamed, odd query heads skipped)
 CASES = [
-    ("prefill argmax all", 2048, 2048, 2048, False),
-    ("prefill argmax all 8K", 8192, 8192, 8192, False),  # 256 tile rows per item (default_block_m at 8K)
-    ("prefill chunk", 256, 4096, 0, False),
-    ("decode step", 1, 5000, 1, False),
-    ("decode step 1K, streamed", 1, 1024, 1, True),
-    ("decode step 16K, streamed", 1, 16384, 1, True),
-    ("verify 9 rows", 9, 5000, 9, False),
+    ("prefill argmax all", 2048, 2048, 2048, False, False),
+    ("prefill argmax all 8K", 8192, 8192, 8192, False, False),  # 256 tile rows per item (default_block_m)
+    ("prefill chunk", 256, 4096, 0, False, False),
+    ("decode step", 1, 5000, 1, False, False),
+    ("decode step 1K, streamed", 1, 1024, 1, True, False),
+    ("decode step 1K, streamed, odd heads skipped", 1, 1024, 1, True, True),
+    ("decode step 16K, streamed", 1, 16384, 1, True, False),
+    ("decode step 16K, streamed, odd heads skipped", 1, 16384, 1, True, True),
+    ("verify 9 rows", 9, 5000, 9, False, False),
 ]
 # Streamed cases time one call per "layer" over enough distinct K/V sets that they cannot stay in the CPU's
 # caches (256 MiB in all, at most 30 sets, as many layers as a small model has): a model's decode reads
@@ -56,8 +59,18 @@ CASES = [
 STREAM_BYTES = 256 << 20
 
 
+def odd_heads(hq: int) -> torch.Tensor:
+    """skip_heads: bool [1, Hq], True for every odd query head (as the decode-step benchmark masks): every
+    KV group of these models keeps an active head, so all its keys and values are still read."""
+    return (torch.arange(hq) % 2 == 1).unsqueeze(0)
+
+
 def run_case(
-    lib: cpu.KernelLibrary, sets: list[tuple[torch.Tensor, ...]], argmax_rows: int, path: str = "cpp"
+    lib: cpu.KernelLibrary,
+    sets: list[tuple[torch.Tensor, ...]],
+    argmax_rows: int,
+    path: str = "cpp",
+    skip_heads: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """One call per (q, k, v) of ``sets`` with build ``lib`` -> (the last call's out and argmax, seconds per
     call)."""
@@ -65,7 +78,7 @@ def run_case(
     t0 = time.perf_counter()
     for q, k, v in sets:
         out, idx = cpu.cpp_forward(
-            q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5, key_padding_mask=None, skip_heads=None,
+            q, k, v, causal=True, sm_scale=q.shape[-1] ** -0.5, key_padding_mask=None, skip_heads=skip_heads,
             argmax_rows=argmax_rows, bf16_dot=path == "bf16dot",
         )  # fmt: skip
     return out, idx, (time.perf_counter() - t0) / len(sets)
@@ -94,7 +107,7 @@ def main() -> None:
     rows, records = [], []
     gen = torch.Generator().manual_seed(0)
     for model, (hq, hkv, d) in HEADS.items():
-        for name, m, n, t, streamed in CASES:
+        for name, m, n, t, streamed, skip_half in CASES:
             if args.only not in f"{model} {name}" or (model in DECODE_ONLY and m != 1):
                 continue
             dtype = getattr(torch, args.dtype)
@@ -107,13 +120,14 @@ def main() -> None:
                 )
                 for _ in range(n_sets)
             ]
+            skip = odd_heads(hq) if skip_half else None
             times: dict[str, list[float]] = {"baseline": [], "new": []}
             results = {}
             for rep in range(args.repeats + 1):
                 for side, lib in (
                     (("baseline", old), ("new", new)) if rep % 2 else (("new", new), ("baseline", old))
                 ):
-                    out, idx, dt = run_case(lib, sets, t, args.path)
+                    out, idx, dt = run_case(lib, sets, t, args.path, skip)
                     results[side] = (out, idx)
                     if rep:  # the first round is the warm-up
                         times[side].append(dt)

@@ -611,12 +611,12 @@ inline int64_t sink_end(const Args& a, int64_t min_pos) {
 struct Plan {
     int64_t g, nblk;
     int64_t max_rows = 0;  // most tile rows of any item (scratch size)
-    int64_t work = 0;      // sum over items of visited keys x rows x D (~ multiply-adds of QK^T)
+    int64_t work = 0;      // sum over items of visited keys x rows x D (~ multiply-adds of QK^T; split_keys)
     // Below this the call runs on one thread: waking a second one costs more than it saves (and on a
     // busy machine it can cost milliseconds: the scheduler must find it a core). ~0.1-0.2 ms of work.
     static constexpr int64_t kParallelWork = int64_t(1) << 21;
     // A split decode call streams its keys from memory (one row per head: few flops per byte), so the same
-    // time is spent at a quarter of the multiply-adds.
+    // time is spent at a quarter of the multiply-adds (counted over every head of its active KV groups).
     static constexpr int64_t kParallelDecodeWork = kParallelWork / 4;
     bool parallel() const { return work >= (whole.empty() ? kParallelWork : kParallelDecodeWork) && items.size() > 1; }
     std::vector<uint8_t> blk_state;  // per batch, per key block: 0 none valid, 1 some, 2 all
@@ -918,6 +918,10 @@ inline void split_keys(const Args& a, Plan& plan) {
     const int64_t pieces = plan.pieces = 2 + (key_end - first_cut - 1) / C;
     const int64_t sinks = sink_end(a, a.N - 1);  // visited by the first piece only (for_each_item)
     const int64_t keys = key_end - first_block_key(a, a.N - 1) + sinks;  // the keys make_plan costed an item by
+    // A decode call's time is reading its keys and values, which an active KV group does once however many
+    // of its heads are active: its work counts all g heads of every active group (an unmasked call's work
+    // unchanged, a masked one's as the unmasked call that reads the same memory) for the thread threshold.
+    plan.work = static_cast<int64_t>(plan.items.size()) * keys * plan.g * a.D;
     plan.whole = std::move(plan.items);
     plan.items.clear();
     plan.items.reserve(plan.whole.size() * pieces);
