@@ -1,4 +1,5 @@
-"""The files a local model is made of, and two identities built from them.
+"""The files a local model is made of, two identities built from them, and the processor files a saved
+checkpoint carries over.
 
 * ``content_identity``: the sha256 of the files' bytes. Reads every weight: for results cached across runs
   and machines (``retmask eval``), where minutes of hashing are small against the evaluation they save.
@@ -14,12 +15,35 @@ by its spec alone.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 # besides the weights, what decides a model's prompts and context length
 PROMPT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json")  # fmt: skip
+
+
+# A vision-language model's image and video processing: neither model nor tokenizer, so what a run saves
+# (a trained or exported checkpoint) carries them over from the source folder, for use with images.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def copy_processor_files(model: Any, dest: Path) -> list[str]:
+    """Copy the ``PROCESSOR_FILES`` of the folder ``model`` was loaded from (``model.name_or_path``) into
+    ``dest`` where ``dest`` lacks them; returns the names copied (none for a model not loaded from a local
+    folder)."""
+    name = str(getattr(model, "name_or_path", "") or "")
+    source = Path(name).expanduser()
+    if not name or not source.is_dir() or source.resolve() == dest.resolve():
+        return []
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file() and not (dest / name).exists():
+            shutil.copyfile(source / name, dest / name)
+            copied.append(name)
+    return copied
 
 
 def model_files(path: Path) -> list[Path]:

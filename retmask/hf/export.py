@@ -23,6 +23,8 @@ import torch
 
 from retmask.heads.mask import HeadSpec, normalize_head_mask
 from retmask.hf.layers import HeadLayout, head_inputs, head_layout, output_norms
+from retmask.hf.loading import auto_class_name
+from retmask.model_files import copy_processor_files
 from retmask.runfiles import atomic_folder, io_failure, output_error
 
 
@@ -103,8 +105,10 @@ def export_masked(
             _save_checkpoint(model, state, masked, masking, partial)
             if tokenizer is not None:
                 tokenizer.save_pretrained(partial)
+            copy_processor_files(model, partial)
             (partial / "README.md").write_text(
-                model_card(masked, masking, layout.shape, layout.projection_name), encoding="utf-8"
+                model_card(masked, masking, layout.shape, layout.projection_name, auto_class_name(model)),
+                encoding="utf-8",
             )
         except OSError:
             raise  # atomic_folder names ``out``
@@ -173,10 +177,15 @@ def _rule(selection: dict) -> str:
 
 
 def model_card(
-    masked: list[list[int]], masking: dict, shape: tuple[int, int], projection: str = "o_proj"
+    masked: list[list[int]],
+    masking: dict,
+    shape: tuple[int, int],
+    projection: str = "o_proj",
+    auto_class: str = "AutoModelForCausalLM",
 ) -> str:
     """``README.md`` of an exported folder: what was done to which model (``projection``: the name of the
-    output projection edited), readable without retmask."""
+    output projection edited; ``auto_class``: the transformers class that loads it), readable without
+    retmask."""
     base = masking.get("base_model") or "unknown"
     selection = masking.get("selection") or {}
     heads = ", ".join(f"{a}-{b}" for a, b in masked) or "none"
@@ -220,7 +229,7 @@ def model_card(
             *table,
             "",
             "Load it with plain transformers (no retmask needed): "
-            "`AutoModelForCausalLM.from_pretrained(folder)`. `config.json` carries the same facts: "
+            f"`{auto_class}.from_pretrained(folder)`. `config.json` carries the same facts: "
             "`retmask_masked_heads` (`[[layer, head], ...]`) and `retmask_masking`.",
             "",
         ]

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from transformers import (
-    MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
@@ -474,16 +473,22 @@ def check_model_spec(spec: str | None) -> None:
 
 
 def model_class_for(source: str) -> type:
-    """``AutoModelForCausalLM``; for a vision-language model without a causal-LM class (Mistral 3,
-    Qwen2.5-VL, LLaVA, ...) ``AutoModelForImageTextToText``, whose model also runs on text alone (its
-    language model is a causal LM; images are optional inputs)."""
+    """``AutoModelForImageTextToText`` for a vision-language model (Gemma 3, Mistral 3, Qwen2.5-VL, Qwen3.5,
+    LLaVA, Llama 4, ...), else ``AutoModelForCausalLM``. A vision-language model runs on text alone (its
+    language model is a causal LM; images are optional inputs), and it loads whole, vision tower included:
+    for some (Qwen3.5, Llama 4, Mllama) the causal-LM class would load the language model alone, and a
+    checkpoint trained or exported from it would lose the vision tower and change class."""
     config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-    if (
-        type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING
-        and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-    ):
+    if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
+
+
+def auto_class_name(model: Any) -> str:
+    """The transformers auto class that loads ``model``'s checkpoints as ``model_class_for`` does."""
+    if type(model) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.values():
+        return "AutoModelForImageTextToText"
+    return "AutoModelForCausalLM"
 
 
 def load_model(

@@ -105,3 +105,26 @@ def test_interrupted_export_leaves_nothing_and_existing_folders_are_refused(tmp_
         retmask.export_masked(model, HEADS, tmp_path / "taken")
     (tmp_path / "empty").mkdir()
     assert (retmask.export_masked(model, HEADS, tmp_path / "empty") / "config.json").is_file()
+
+
+def test_export_of_a_vision_language_model_keeps_it_whole(tmp_path):
+    """A vision-language model exports whole: same class, vision tower, its folder's processor config, and
+    a model card naming the auto class that loads it."""
+    import shutil
+
+    from transformers import AutoModelForImageTextToText
+
+    from .test_architectures import VISION_LANGUAGE
+
+    torch.manual_seed(0)
+    base = tmp_path / "base"
+    AutoModelForImageTextToText.from_config(VISION_LANGUAGE["qwen3_5"]()).save_pretrained(base)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(retmask.default_model_path() / name, base)
+    (base / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "made-up"}))
+    model, tokenizer = retmask.load_model(str(base))
+    out = retmask.export_masked(model, [(0, 1)], tmp_path / "masked", tokenizer=tokenizer)
+    assert json.loads((out / "preprocessor_config.json").read_text()) == {"image_processor_type": "made-up"}
+    assert "`AutoModelForImageTextToText.from_pretrained(folder)`" in (out / "README.md").read_text()
+    reloaded = AutoModelForImageTextToText.from_pretrained(out)
+    assert type(reloaded) is type(model) and set(reloaded.state_dict()) == set(model.state_dict())

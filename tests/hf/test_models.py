@@ -36,6 +36,25 @@ def test_load_model_local_folder(tmp_path):
     assert sdpa.config._attn_implementation == "sdpa" and sdpa.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "llava"])
+def test_vision_language_model_loads_whole(tmp_path, arch):
+    """A vision-language folder loads as the class it was saved as, vision tower included (Qwen3.5's config
+    also maps to a text-only causal-LM class, whose checkpoints would drop the vision tower)."""
+    import transformers
+
+    from tests.hf.test_architectures import VISION_LANGUAGE
+
+    torch.manual_seed(0)
+    saved = transformers.AutoModelForImageTextToText.from_config(VISION_LANGUAGE[arch]())
+    saved.save_pretrained(tmp_path)
+    shutil.copy(retmask.default_model_path() / "tokenizer.json", tmp_path)
+    shutil.copy(retmask.default_model_path() / "tokenizer_config.json", tmp_path)
+    model, _ = retmask.load_model(str(tmp_path))
+    assert type(model) is type(saved)
+    assert set(model.state_dict()) == set(saved.state_dict())
+    assert any("visual" in k or "vision" in k for k in model.state_dict())
+
+
 def _fake_convert(calls):
     def convert(gguf, out_dir):
         calls.append(gguf)

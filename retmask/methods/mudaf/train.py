@@ -51,6 +51,7 @@ from retmask.methods.training_guards import (
     gradient_norm,
     staged_model_save,
 )
+from retmask.model_files import copy_processor_files
 from retmask.runfiles import (
     RunFileError,
     atomic_write_json,
@@ -399,6 +400,7 @@ def train_mudaf(
     with staged_model_save(out, last=("mudaf_train.json",)) as staged:
         model.save_pretrained(staged)
         tokenizer.save_pretrained(staged)
+        copy_processor_files(model, staged)
         atomic_write_json(staged / "mudaf_train.json", record)
     if resume_path.is_file():
         resume_path.unlink()  # finished: the HF checkpoint is the result

@@ -29,9 +29,16 @@ from typing import Any
 from retmask import kernels
 from retmask.hf.loading import ModelLoadError, check_device, load_model
 from retmask.methods import checkpoints
-from retmask.methods.retmask.pairs import Pairs, PairsError, drop_unfinished, read_pairs_file
+from retmask.methods.retmask.pairs import (
+    Pairs,
+    PairsError,
+    check_chat_template,
+    drop_unfinished,
+    read_pairs_file,
+)
 from retmask.methods.retmask.train_config import LengthReport, TrainConfig, check_lengths
 from retmask.methods.training_guards import FiniteTrainingGuard, staged_model_save
+from retmask.model_files import copy_processor_files
 from retmask.requirements import check_installed
 from retmask.runfiles import atomic_write_json, check_writable
 
@@ -201,6 +208,7 @@ def _finish(trainer: Any, tokenizer: Any, out: Path, cfg: TrainConfig, pairs: Pa
     with staged_model_save(out, last=("retmask_train.json",)) as staged:
         trainer.save_model(str(staged))
         tokenizer.save_pretrained(str(staged))
+        copy_processor_files(trainer.model, staged)
         atomic_write_json(staged / "retmask_train.json", summary, indent=1)
     if trainer.is_world_process_zero():
         checkpoints.clear(out)  # the run is complete: nothing left to resume
@@ -245,6 +253,7 @@ def train_dpo(
     cfg = cfg or TrainConfig()
     kernels.check_settings()  # a bad $RETMASK_* setting fails here, not at the first step
     pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen", "rejected"))  # before loading: fails fast
+    cfg.warn_if_nothing_trains()
     check_writable(out, what="output folder", directory=True)  # likewise: not after minutes of loading
     out = Path(out)
     settings, checkpoint = _resume_point("dpo", cfg, pairs_path, out, model, model_spec, resume)
@@ -253,6 +262,7 @@ def train_dpo(
     if ref_model is None:
         # a frozen copy of the untrained weights = the original model; no reload by path needed
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    check_chat_template(pairs, tokenizer)
     lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen", "rejected"), pairs.source)
     args = DPOConfig(
         **cfg.trainer_kwargs(str(out), _use_cpu(cfg.device)), beta=cfg.beta, loss_type=["sigmoid"]
@@ -286,11 +296,13 @@ def train_sft(
     cfg = cfg or TrainConfig()
     kernels.check_settings()  # a bad $RETMASK_* setting fails before any loading
     pairs, dropped = _read_pairs(pairs_path, cfg, ("chosen",))
+    cfg.warn_if_nothing_trains()
     check_writable(out, what="output folder", directory=True)  # before loading: fails fast
     out = Path(out)
     settings, checkpoint = _resume_point("sft", cfg, pairs_path, out, model, model_spec, resume)
     if model is None:
         model, tokenizer = load_model(model_spec, attention_dropout=0.0)  # retmask attention has none
+    check_chat_template(pairs, tokenizer)
     lengths = check_lengths(pairs.rows, tokenizer, cfg.max_length, ("chosen",), pairs.source)
     rows = [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs.rows]
     # prompt-completion rows: TRL computes the loss on the completion only (completion_only_loss)

@@ -37,6 +37,7 @@ from retmask.methods.retmask.sampling import (
     row_seed,
 )
 from retmask.methods.retmask.win_lose import JUDGE, judge_pair
+from retmask.niah.prompt import is_chat_tokenizer
 from retmask.runfiles import atomic_write_json
 
 __all__ = [
@@ -146,6 +147,8 @@ def generate_pairs(
     else:  # the work is counted in pairs: how many instructions it takes depends on the drops
         bar = tqdm(total=target_pairs, initial=min(written, target_pairs), desc="pairs", unit="pair",
                    disable=not progress_bar)  # fmt: skip
+    # chat messages when the prompts were sampled through the chat template, else plain text (chat_prompts)
+    conversational = is_chat_tokenizer(tokenizer)
     for i, batch in enumerate(batches(todo, batch_size)):
         if target_pairs is not None and written >= target_pairs:
             break
@@ -183,7 +186,7 @@ def generate_pairs(
                     continue
                 chosen, rejected = judged.chosen, judged.rejected
                 meta["quality"] = {"chosen": judged.chosen_quality, "rejected": judged.rejected_quality}
-            records.append(pair_record(inst, chosen, rejected, n_prompt, meta))
+            records.append(pair_record(inst, chosen, rejected, n_prompt, meta, conversational))
         writer.commit(records, handled, dropped, seconds, tokens)
         written += len(records)
         bar.update(len(batch) if target_pairs is None else len(records))

@@ -33,14 +33,25 @@ def drop_reason(chosen: Completion, rejected: Completion) -> str | None:
 
 
 def pair_record(
-    inst: Instruction, chosen: Completion, rejected: Completion, prompt_tokens: int, meta: dict[str, Any]
+    inst: Instruction,
+    chosen: Completion,
+    rejected: Completion,
+    prompt_tokens: int,
+    meta: dict[str, Any],
+    conversational: bool = True,
 ) -> dict[str, Any]:
-    """TRL's conversational preference format plus ``id`` and ``metadata``."""
+    """TRL's conversational preference format (chat messages) plus ``id`` and ``metadata``; with
+    ``conversational=False`` (the responses were sampled from the plain prompt of a model without a chat
+    template) its standard format, plain strings, which the trainer tokenizes the same way."""
+
+    def turn(role: str, text: str) -> list[dict[str, str]] | str:
+        return [{"role": role, "content": text}] if conversational else text
+
     return {
         "id": inst.id,
-        "prompt": [{"role": "user", "content": inst.prompt}],
-        "chosen": [{"role": "assistant", "content": chosen.text}],
-        "rejected": [{"role": "assistant", "content": rejected.text}],
+        "prompt": turn("user", inst.prompt),
+        "chosen": turn("assistant", chosen.text),
+        "rejected": turn("assistant", rejected.text),
         "metadata": {
             **meta,
             "category": inst.category,

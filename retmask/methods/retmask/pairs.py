@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from retmask.niah.prompt import is_chat_tokenizer
+
 KEYS = ("prompt", "chosen", "rejected")
 
 
@@ -68,6 +70,18 @@ class Pairs:
     # per row {"chosen": bool | None, "rejected": bool | None}: whether the response ended by itself (EOS)
     # rather than at the token limit; None where the file does not say (hand-made rows)
     finished: list[dict[str, bool | None]] = field(default_factory=list)
+
+
+def check_chat_template(pairs: Pairs, tokenizer: Any) -> None:
+    """Chat-message rows become tokens through the tokenizer's chat template: refuse them for a tokenizer
+    without one, naming the fix, instead of failing in the trainer at the first row."""
+    if pairs.format == "conversational" and not is_chat_tokenizer(tokenizer):
+        raise PairsError(
+            f"{pairs.source}: the rows are chat messages, and the model's tokenizer has no chat template (a "
+            "base model?) to turn them into tokens; give the rows as plain text "
+            '({"prompt": str, "chosen": str, "rejected": str}), as `retmask generate` writes them for a model '
+            "without a chat template, or train a model whose tokenizer has one"
+        )
 
 
 def drop_unfinished(pairs: Pairs, sides: Sequence[str] = ("chosen", "rejected")) -> tuple[Pairs, int]:

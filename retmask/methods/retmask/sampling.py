@@ -31,6 +31,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from retmask.heads import heads_to_mask, model_shape
 from retmask.hf.generation import generate_copies
 from retmask.methods.retmask.instructions import Instruction
+from retmask.niah.prompt import is_chat_tokenizer
 
 SIDES = ("chosen", "rejected")
 
@@ -130,8 +131,9 @@ class Completion:
 
 
 def chat_prompts(tokenizer: Any, prompts: Sequence[str]) -> list[str]:
-    """The first user turn with the chat template and the generation prompt (plain text for base models)."""
-    if getattr(tokenizer, "chat_template", None) is None:
+    """The first user turn with the chat template and the generation prompt (plain text for a tokenizer
+    without a chat template: a base model)."""
+    if not is_chat_tokenizer(tokenizer):
         return list(prompts)
     return [
         tokenizer.apply_chat_template(

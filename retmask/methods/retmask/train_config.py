@@ -18,6 +18,7 @@ examples trained on is the number in the file) and reports how many responses wi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,17 @@ class TrainConfig:
     # write a checkpoint into the output folder every N optimizer steps (0: never), so an interrupted run
     # continues with resume (``retmask.methods.checkpoints``)
     save_every: int = 0
+
+    def warn_if_nothing_trains(self) -> None:
+        """Warn when the schedule leaves the weights as they are: the linear warmup starts at learning rate
+        0, so a run of one step (``max_steps`` 1) with any warmup takes it at 0 and saves the base model."""
+        if self.max_steps == 1 and self.warmup_ratio > 0:
+            warnings.warn(
+                f"--max-steps 1 with --warmup-ratio {self.warmup_ratio:g}: the one step is the warmup's first, "
+                "at learning rate 0, so the saved model equals the base model; pass --warmup-ratio 0 to take "
+                "it at --lr",
+                stacklevel=2,
+            )
 
     def trainer_kwargs(self, output_dir: str, use_cpu: bool) -> dict[str, Any]:
         """Keyword arguments shared by ``DPOConfig`` and ``SFTConfig``."""

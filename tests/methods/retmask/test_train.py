@@ -287,3 +287,61 @@ def test_mixture_of_experts_model_trains_on_the_loss_alone(tokenizer, pairs_file
     assert len(losses) == 1 and math.isfinite(losses[0])
     if not sft:
         assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def base_model_dir(tmp_path_factory, tokenizer):
+    """The tiny Llama with a tokenizer that has no chat template (a base model), and an image processor's
+    config as a vision-language model's folder holds one."""
+    from tests.tiny import tiny_llama_for
+
+    folder = tmp_path_factory.mktemp("base-model")
+    tiny_llama_for(tokenizer, init=0.02).save_pretrained(folder)
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    plain.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "made-up"}))
+    return folder
+
+
+def test_base_model_pairs_are_plain_text_and_train(base_model_dir, pairs_file, tmp_path, capsys):
+    """`retmask generate` on a model without a chat template samples from the plain prompt and writes plain
+    text rows, which `retmask train` takes (DPO and SFT); chat-message rows are refused for such a model
+    with the fix, not with the trainer's error. The checkpoint keeps the folder's processor config."""
+    prompts = tmp_path / "inst.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"id": f"q{k}", "prompt": r[0]}) + "\n" for k, r in enumerate(ROWS))
+    )
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"heads": [[0, 1], [1, 3]]}))
+    pairs = tmp_path / "plain.jsonl"
+    argv = ["generate", "--model", str(base_model_dir), "--instructions", str(prompts), "--heads", str(heads),
+            "--out", str(pairs), "--max-new-tokens", "5", "--batch-size", "2", "--no-progress"]  # fmt: skip
+    assert cli(argv) == 0
+    rows, _ = read_pairs_file(pairs).rows, capsys.readouterr()
+    assert len(rows) >= 2 and read_pairs_file(pairs).format == "standard"
+    assert {r["prompt"] for r in rows} <= {r[0] for r in ROWS}
+    for sft in (False, True):
+        out = tmp_path / f"out-{sft}"
+        assert _train_one_step(pairs, base_model_dir, out, sft) == 0
+        assert json.loads((out / "preprocessor_config.json").read_text()) == {
+            "image_processor_type": "made-up"
+        }
+    assert "the one step is the warmup's first, at learning rate 0" in capsys.readouterr().err
+    assert _train_one_step(pairs_file, base_model_dir, tmp_path / "refused", sft=False) == 2
+    err = capsys.readouterr().err
+    assert "the rows are chat messages, and the model's tokenizer has no chat template" in err
+    assert "give the rows as plain text" in err and "Traceback" not in err
+
+
+def test_a_schedule_that_trains_nothing_is_named():
+    """The warmup starts at learning rate 0: one step with any warmup leaves the weights as they were."""
+    import warnings
+
+    with pytest.warns(UserWarning, match="saved model equals the base model; pass --warmup-ratio 0"):
+        TrainConfig(max_steps=1).warn_if_nothing_trains()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainConfig(max_steps=1, warmup_ratio=0.0).warn_if_nothing_trains()
+        TrainConfig(max_steps=2).warn_if_nothing_trains()
+        TrainConfig().warn_if_nothing_trains()
