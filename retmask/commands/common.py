@@ -70,6 +70,17 @@ def check_device_arg(device: str, command: str) -> None:
               file=sys.stderr)  # fmt: skip
 
 
+def _training_dtype(name: str) -> str:
+    """``--dtype`` of a training command, as typed; float16 is refused with the reason (argparse's choices
+    check would only list the others)."""
+    if name == "float16":
+        raise argparse.ArgumentTypeError(
+            "float16 is not a training precision here (it needs loss scaling, which retmask does not do); use "
+            "bfloat16 (bf16 autocast over float32 master weights), float32 or auto"
+        )
+    return name
+
+
 def add_dtype_arg(
     p: argparse.ArgumentParser | argparse._ActionsContainer,
     *,
@@ -83,6 +94,7 @@ def add_dtype_arg(
         p.add_argument(
             "--dtype",
             default="float32",
+            type=_training_dtype,
             choices=["auto", "float32", "bfloat16"],
             help=help
             or "training precision: bfloat16 = bf16 autocast with float32 master weights and optimizer "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from retmask.evaluate.config_runs import ConfigFolder, remaining
-from retmask.evaluate.niah import NiahResult, evaluate_niah, grid_fingerprint
+from retmask.evaluate.niah import NiahResult, evaluate_niah, grid_fingerprint, model_precision
 from retmask.heads import model_shape
 from retmask.heads.selection import (
     Head,
@@ -336,6 +336,7 @@ def run_ablation(
         )
     meta = {
         **{k: v for k, v in fingerprint.items() if k != "needles"},
+        **model_precision(model),  # also where the fingerprint leaves the defaults out
         "needles": len(needle_list),
         "ks": ks,
         "seeds": seeds,

@@ -155,6 +155,15 @@ def _resolve_heads(model, heads) -> torch.Tensor | None:
 
 
 @torch.no_grad()
+def model_precision(model: torch.nn.Module) -> dict[str, str]:
+    """``{"dtype": "bfloat16", "device": "cuda:0"}``: what the model's parameters are, as result files
+    record it ({} for a model without parameters)."""
+    param = next(model.parameters(), None)
+    if param is None:
+        return {}
+    return {"dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device)}
+
+
 def grid_fingerprint(
     model,
     model_name: str | None,
@@ -170,14 +179,10 @@ def grid_fingerprint(
     are in it only where they are not float32 / the CPU, so resume files of earlier runs still match."""
     import hashlib
 
-    param = next(model.parameters(), None)
-    precision = {}
-    if param is not None and param.dtype != torch.float32:
-        precision["dtype"] = str(param.dtype).removeprefix("torch.")
-    if param is not None and param.device.type != "cpu":
-        precision["device"] = str(param.device)
+    precision = model_precision(model)
+    defaults = {"dtype": "float32", "device": "cpu"}
     return {
-        **precision,
+        **{k: v for k, v in precision.items() if v != defaults[k]},
         "model": model_name or str(getattr(model.config, "name_or_path", "")),
         **files_stamp(model_name),  # a model folder changed since the run began is another model
         "lengths": [int(x) for x in lengths],
@@ -312,6 +317,7 @@ def evaluate_niah(
     meta = {
         "prompt_style": style,
         "model": str(getattr(model.config, "name_or_path", "")),
+        **model_precision(model),
         "shape": list(model_shape(model)),
         "heads": heads_list,
         "grid": {"lengths": lengths, "depths": depths, "needles": len(needle_list), "tests": len(tests)},

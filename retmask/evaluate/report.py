@@ -96,10 +96,14 @@ def plot_shift(results: Sequence[dict], heads_sets: Sequence[dict], path: Path) 
         diff = np.asarray(r["scores"]["mean"]) - base
         ax2.scatter(base[~mask], diff[~mask], s=6, alpha=0.5, label=f"{r['label']}: other")
         ax2.scatter(base[mask], diff[mask], s=22, marker="^", label=f"{r['label']}: {heads_sets[0]['name']}")
-    ax2.axhline(0, color="black", lw=0.6)
-    ax2.set_xlabel(f"score of {scored[0]['label']}")
-    ax2.set_ylabel(f"change from {scored[0]['label']}")
-    ax2.legend(fontsize=6)
+    if len(scored) > 1:
+        ax2.axhline(0, color="black", lw=0.6)
+        ax2.set_xlabel(f"score of {scored[0]['label']}")
+        ax2.set_ylabel(f"change from {scored[0]['label']}")
+        ax2.legend(fontsize=6)
+    else:  # one model evaluated: no change to draw (an empty panel and matplotlib's empty-legend warning)
+        ax2.text(0.5, 0.5, "one model: no change to show", ha="center", va="center", transform=ax2.transAxes)
+        ax2.set_axis_off()
     fig.tight_layout()
     return save_figure(fig, path)
 

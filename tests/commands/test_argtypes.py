@@ -95,3 +95,12 @@ def test_prefix_is_a_plain_file_name(command, prefix, tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "argument --prefix: " in (err := capsys.readouterr().err) and "is not a plain file name" in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["train", "mudaf-train", "pipeline"])
+def test_float16_training_is_refused_with_the_reason(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--dtype", "float16"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "float16 is not a training precision here (it needs loss scaling" in err and "bfloat16" in err

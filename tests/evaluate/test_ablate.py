@@ -189,6 +189,7 @@ def test_commands_write_outputs(tiny_dir, tmp_path, capsys):
     assert {p.name for p in out.iterdir()} >= {"ablate.json", "ablate.md", "ablate.png", "ablate.configs"}
     meta = json.loads((out / "ablate.json").read_text())["meta"]
     assert meta["tests_per_config"] == 4 and meta["configs_done"] == meta["configs_total"] == 4
+    assert (meta["dtype"], meta["device"]) == ("float32", "cpu")
     assert main([*argv[:-4], "--k", "0,20", *grid, "--out-dir", str(tmp_path / "x")]) == 2
     assert "only 8 heads" in capsys.readouterr().err
 

@@ -56,6 +56,7 @@ def test_answers_equal_step_by_step_greedy(which, runs, tiny, tokenizer):
             real = _needles()[t.needle_index].real_needle
             assert e["answer_kind"] == classify_answer(real, e["response"])
     assert res.meta["heads"] == [list(h) for h in mask]
+    assert (res.meta["dtype"], res.meta["device"]) == ("float32", "cpu")  # recorded, also when the default
     # entries of results written before the kind was recorded are classified from meta["needles"]
     old = NiahResult(
         [{k: v for k, v in e.items() if k != "answer_kind"} for e in res.entries], [], [], res.meta

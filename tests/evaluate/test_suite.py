@@ -137,3 +137,20 @@ def test_an_interrupted_model_resumes_with_its_next_task(folders, tmp_path, monk
     untimed = lambda r: {k: v for k, v in r.items() if k != "seconds"} if isinstance(r, dict) else r  # noqa: E731
     for key in ("tasks", "niah", "scores", "multi_needle", "kv", "lengths", "shape", "fingerprint"):
         assert untimed(got[key]) == untimed(want[key]), key
+
+
+@pytest.mark.parametrize("models", [1, 2])
+def test_shift_plot_of_one_or_more_models(models, tmp_path):
+    """One evaluated model has no change to plot: the panel says so, with no empty-legend warning."""
+    import warnings
+
+    from retmask.evaluate.report import plot_shift
+
+    rng = np.random.default_rng(0)
+    results = [{"label": f"m{i}", "scores": {"mean": rng.random((2, 3)).tolist()}} for i in range(models)]
+    shift = [{"masked_mean": 0.5, "other_mean": 0.1} for _ in range(models)]
+    heads_sets = [{"name": "retrieval", "heads": [[0, 1]], "shift": shift}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = plot_shift(results, heads_sets, tmp_path / "shift.png")
+    assert path.stat().st_size > 1000

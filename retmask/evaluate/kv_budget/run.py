@@ -70,7 +70,7 @@ def run_kv_budget(
     """
     from retmask.detect.run import check_context_limit
     from retmask.detect.stopping import stop_token_ids
-    from retmask.evaluate.niah import grid_fingerprint
+    from retmask.evaluate.niah import grid_fingerprint, model_precision
     from retmask.niah import load_haystack, load_needles, resolve_prompt_style
 
     policies = parse_names(policies, POLICIES, "policy")
@@ -174,6 +174,7 @@ def run_kv_budget(
         folder.save(c.name, {"version": CONFIG_VERSION, "fingerprint": fingerprint, **res.to_json()})
     meta = {
         **{k: v for k, v in fingerprint.items() if k != "needles"},
+        **model_precision(model),  # also where the fingerprint leaves the defaults out
         "needles": len(needle_list),
         "policies": policies,
         "budgets": sorted({c.budget for c in configs if c.policy in BUDGET_POLICIES}),
