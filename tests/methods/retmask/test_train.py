@@ -338,7 +338,7 @@ def test_a_schedule_that_trains_nothing_is_named():
     """The warmup starts at learning rate 0: one step with any warmup leaves the weights as they were."""
     import warnings
 
-    with pytest.warns(UserWarning, match="saved model equals the base model; pass --warmup-ratio 0"):
+    with pytest.warns(UserWarning, match="saved model equals the base model; take 2 or more steps"):
         TrainConfig(max_steps=1).warn_if_nothing_trains()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
