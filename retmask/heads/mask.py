@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from retmask.heads.keys import Head, parse_head_pair
 
-HeadSpec = torch.Tensor | Iterable  # bool [L, Hq] | bool [B, L, Hq] | [(layer, head), ...] | ["l-h", ...]
+# bool [L, Hq] | bool [B, L, Hq] (tensor or NumPy array) | [(layer, head), ...] | ["l-h", ...]
+HeadSpec = torch.Tensor | Iterable
 
 
 def normalize_head_mask(
@@ -20,15 +22,22 @@ def normalize_head_mask(
     """Turn a head selection into a CPU bool mask (True = head masked).
 
     Args:
-        heads: list of (layer, head) pairs or "layer-head" strings; bool tensor [L, Hq]; or bool tensor
-            [B, L, Hq] (one mask per batch row, if ``allow_per_row``).
+        heads: list of (layer, head) pairs or "layer-head" strings; bool tensor (or NumPy bool array)
+            [L, Hq]; or [B, L, Hq] (one mask per batch row, if ``allow_per_row``).
         num_layers, num_heads: the model's [L, Hq].
 
     Returns:
         bool [L, Hq] or [B, L, Hq] on the CPU.
     """
     shape = f"[L, Hq] = [{num_layers}, {num_heads}]"
+    if isinstance(heads, np.ndarray) and heads.dtype == np.bool_:
+        heads = torch.from_numpy(heads)  # a NumPy bool mask is the same mask; an integer array lists pairs
     if isinstance(heads, torch.Tensor):
+        if heads.is_meta:
+            raise ValueError(
+                "head mask tensor is on the meta device (a shape without values); build it on the CPU, e.g. "
+                "torch.zeros(L, Hq, dtype=torch.bool)"
+            )
         if heads.dtype != torch.bool:
             raise ValueError(
                 f"head mask tensor must be bool (True = masked), got {heads.dtype}; use mask.bool() for 0/1 masks"

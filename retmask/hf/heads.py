@@ -23,7 +23,9 @@ def set_head_mask(model: torch.nn.Module, heads: HeadSpec) -> torch.Tensor:
 
     Args:
         heads: list of (layer, head) pairs (or "layer-head" strings), bool [L, Hq], or bool [B, L, Hq]
-            = one mask per batch row (every forward call must then have exactly B rows).
+            = one mask per batch row (every forward call must then have exactly B rows; for a
+            ``generate()`` that expands each row to k rows, beams or ``num_return_sequences``, pass
+            ``mask.repeat_interleave(k, dim=0)``: the k copies of a row sit next to each other).
 
     Returns:
         the normalised CPU mask, bool [L, Hq] or [B, L, Hq].

@@ -206,8 +206,9 @@ def _skip_heads(
         raise ValueError(
             f"model '{_model_name(module)}': the per-row head mask was set for batch size {rows} "
             f"but this forward call has {batch} rows; set a mask of shape [{batch}, L, Hq] (or a shared "
-            "[L, Hq] mask) with retmask.set_head_mask. Note that generate() expands the batch for beam "
-            "search / num_return_sequences"
+            "[L, Hq] mask) with retmask.set_head_mask. generate() expands the batch for beam search / "
+            "num_return_sequences, k copies of each row next to each other: give it "
+            "mask.repeat_interleave(k, dim=0), not mask.repeat(k, 1, 1)"
         )
     if skip is not None and skip.device != device:  # the model was moved after set_head_mask
         skip = skip.to(device)

@@ -67,6 +67,8 @@ def test_mask_forms_agree_and_context_manager_restores():
         from_tensor = logits(model, ids, mask)
     with retmask.head_mask(model, ["0-1", "1-0", "1-3"]):
         from_strings = logits(model, ids, mask)
+    with retmask.head_mask(model, as_tensor.numpy()) as from_numpy:  # a NumPy bool array is a mask too
+        assert torch.equal(from_numpy, as_tensor)
     assert torch.equal(from_pairs, from_tensor) and torch.equal(from_pairs, from_strings)
     # Nested: the inner block restores the outer mask, the outer block restores "no mask".
     unmasked = logits(model, ids, mask)
@@ -124,6 +126,8 @@ def test_head_mask_errors():
         retmask.set_head_mask(model, [(0, 0), (1,)])
     with pytest.raises(TypeError, match="list of"):
         retmask.set_head_mask(model, 3)
+    with pytest.raises(ValueError, match="meta device .* build it on the CPU"):
+        retmask.set_head_mask(model, torch.zeros(2, 4, dtype=torch.bool, device="meta"))
     with pytest.raises(ValueError, match="retmask.patch"):
         retmask.set_head_mask(with_attn(model, "sdpa"), [(0, 0)])
     ids, mask = random_batch(2, 5)
@@ -180,3 +184,24 @@ def test_switching_attention_inside_a_mask_is_refused_not_ignored():
     model.set_attn_implementation("sdpa")
     assert torch.allclose(logits(model, ids, mask), reference, atol=1e-5)
     assert all(not m._forward_pre_hooks for m in retmask.hf.layers.head_layout(model).layers)
+
+
+def test_per_row_mask_under_beam_search_names_the_row_order():
+    """generate() with beams runs k copies of each row next to each other: a [B, L, Hq] mask is refused
+    naming repeat_interleave, and the mask so expanded gives every beam its row's heads."""
+    model = tiny_model("llama")
+    ids, mask = random_batch(2, 7, left_pad=[0, 2], seed=5)
+    rows = torch.zeros(2, 2, 4, dtype=torch.bool)
+    rows[1, 0, 0] = rows[1, 1, 2] = True
+    kw = dict(max_new_tokens=5, do_sample=False, num_beams=3, pad_token_id=0)
+    with retmask.head_mask(model, rows), torch.no_grad():
+        with pytest.raises(ValueError, match=r"mask.repeat_interleave\(k, dim=0\), not mask.repeat"):
+            model.generate(input_ids=ids, attention_mask=mask, **kw)
+    with retmask.head_mask(model, rows.repeat_interleave(3, dim=0)), torch.no_grad():
+        both = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    with torch.no_grad():
+        plain = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        with retmask.head_mask(model, rows[1]):
+            masked = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(both[0], plain[0]) and torch.equal(both[1], masked[1])
+    assert not torch.equal(plain[1], masked[1])  # the heads change row 1's beams: the test can fail
