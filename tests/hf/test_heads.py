@@ -100,14 +100,20 @@ def test_per_row_generate_equals_separate_generates():
     ids, mask = random_batch(2, 7, left_pad=[0, 2], seed=5)
     rows = torch.zeros(2, 2, 4, dtype=torch.bool)
     rows[1, 0, 0] = rows[1, 1, 2] = True
-    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    with retmask.head_mask(model, rows), torch.no_grad():
+    both, plain, masked = _generate_per_row(model, ids, mask, rows, rows, max_new_tokens=6)
+    assert torch.equal(both[0], plain[0]) and torch.equal(both[1], masked[1])
+
+
+def _generate_per_row(model, ids, mask, rows, per_row_mask, **kw):
+    """Greedy generate with ``per_row_mask`` set, unmasked, and with row 1's heads on the whole batch."""
+    kw = dict(do_sample=False, pad_token_id=0, **kw)
+    with retmask.head_mask(model, per_row_mask), torch.no_grad():
         both = model.generate(input_ids=ids, attention_mask=mask, **kw)
     with torch.no_grad():
         plain = model.generate(input_ids=ids, attention_mask=mask, **kw)
         with retmask.head_mask(model, rows[1]):
             masked = model.generate(input_ids=ids, attention_mask=mask, **kw)
-    assert torch.equal(both[0], plain[0]) and torch.equal(both[1], masked[1])
+    return both, plain, masked
 
 
 def test_head_mask_errors():
@@ -193,15 +199,10 @@ def test_per_row_mask_under_beam_search_names_the_row_order():
     ids, mask = random_batch(2, 7, left_pad=[0, 2], seed=5)
     rows = torch.zeros(2, 2, 4, dtype=torch.bool)
     rows[1, 0, 0] = rows[1, 1, 2] = True
-    kw = dict(max_new_tokens=5, do_sample=False, num_beams=3, pad_token_id=0)
     with retmask.head_mask(model, rows), torch.no_grad():
         with pytest.raises(ValueError, match=r"mask.repeat_interleave\(k, dim=0\), not mask.repeat"):
-            model.generate(input_ids=ids, attention_mask=mask, **kw)
-    with retmask.head_mask(model, rows.repeat_interleave(3, dim=0)), torch.no_grad():
-        both = model.generate(input_ids=ids, attention_mask=mask, **kw)
-    with torch.no_grad():
-        plain = model.generate(input_ids=ids, attention_mask=mask, **kw)
-        with retmask.head_mask(model, rows[1]):
-            masked = model.generate(input_ids=ids, attention_mask=mask, **kw)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=3, pad_token_id=0)
+    expanded = rows.repeat_interleave(3, dim=0)
+    both, plain, masked = _generate_per_row(model, ids, mask, rows, expanded, max_new_tokens=5, num_beams=3)
     assert torch.equal(both[0], plain[0]) and torch.equal(both[1], masked[1])
     assert not torch.equal(plain[1], masked[1])  # the heads change row 1's beams: the test can fail
