@@ -154,7 +154,6 @@ def _resolve_heads(model, heads) -> torch.Tensor | None:
     return mask if bool(mask.any()) else None
 
 
-@torch.no_grad()
 def model_precision(model: torch.nn.Module) -> dict[str, str]:
     """``{"dtype": "bfloat16", "device": "cuda:0"}``: what the model's parameters are, as result files
     record it ({} for a model without parameters)."""
@@ -164,6 +163,7 @@ def model_precision(model: torch.nn.Module) -> dict[str, str]:
     return {"dtype": str(param.dtype).removeprefix("torch."), "device": str(param.device)}
 
 
+@torch.no_grad()
 def grid_fingerprint(
     model,
     model_name: str | None,
