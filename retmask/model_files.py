@@ -24,7 +24,6 @@ from typing import Any
 PROMPT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json")  # fmt: skip
 
-
 # A vision-language model's image and video processing: neither model nor tokenizer, so what a run saves
 # (a trained or exported checkpoint) carries them over from the source folder, for use with images.
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
@@ -39,10 +38,10 @@ def copy_processor_files(model: Any, dest: Path) -> list[str]:
     if not name or not source.is_dir() or source.resolve() == dest.resolve():
         return []
     copied = []
-    for name in PROCESSOR_FILES:
-        if (source / name).is_file() and not (dest / name).exists():
-            shutil.copyfile(source / name, dest / name)
-            copied.append(name)
+    for file in PROCESSOR_FILES:
+        if (source / file).is_file() and not (dest / file).exists():
+            shutil.copyfile(source / file, dest / file)
+            copied.append(file)
     return copied
 
 
