@@ -104,12 +104,20 @@ def start(out: str | Path, settings: dict[str, Any]) -> None:
     atomic_write_json(Path(out) / SETTINGS_NAME, settings)
 
 
-def resume_point(out: str | Path, settings: dict[str, Any], error: type[Exception]) -> Path:
+def resume_point(out: str | Path, settings: dict[str, Any], error: type[Exception]) -> Path | None:
     """The newest complete checkpoint in ``out``, after checking that it was written with ``settings``;
-    ``error`` (naming ``out`` and the fix) when there is none or the settings differ."""
+    None (start from step 0) for a run with these settings stopped before it wrote any checkpoint;
+    ``error`` (naming ``out`` and the fix) when there is nothing to resume or the settings differ."""
     out = Path(out)
     saved_at = out / SETTINGS_NAME
     found, damaged = _scan(out)
+    if not found and not damaged and saved_at.is_file():
+        # stopped before its first checkpoint: the same run starts over (the interruption said --resume)
+        f = JsonFile(saved_at, "training settings file", _FIX)
+        check_same_settings(f.expect(f.read(), dict, "the file"), settings, path=saved_at, fix=_FIX)
+        print("retmask train: the run stopped before its first checkpoint: training starts from step 0",
+              file=sys.stderr)  # fmt: skip
+        return None
     if not found or not saved_at.is_file():
         why = "".join(f"; {path.name} is passed over: {problem}" for path, problem in damaged)
         raise error(

@@ -147,6 +147,36 @@ def test_resume_without_a_checkpoint_is_refused(tiny_dir, pairs_with_heads, tmp_
     assert "--resume and --overwrite exclude each other" in capsys.readouterr().err
 
 
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(
+    tiny_dir, pairs_with_heads, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C before the first checkpoint leaves the run's settings file alone: --resume, as the interruption
+    says, starts the same run over from step 0 (it used to be refused, and a plain rerun too)."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    steps = ("--max-steps", "2")
+    assert cli(_argv(tiny_dir, pairs_with_heads, ref, *steps)) == 0
+    capsys.readouterr()
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(trl.DPOTrainer, "training_step", interrupted)
+        assert cli(_argv(tiny_dir, pairs_with_heads, out, *steps)) == 130
+    assert "continue with the same command plus --resume" in capsys.readouterr().err
+    assert (out / "train_settings.json").is_file() and not list(out.glob("checkpoint-*"))
+    assert cli(_argv(tiny_dir, pairs_with_heads, out, *steps)) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert cli(_argv(tiny_dir, pairs_with_heads, out, *steps, "--resume", "--lr", "2e-2")) == 2
+    assert "other settings (learning_rate: 0.01 -> 0.02)" in capsys.readouterr().err
+    assert cli(_argv(tiny_dir, pairs_with_heads, out, *steps, "--resume")) == 0
+    assert "stopped before its first checkpoint: training starts from step 0" in capsys.readouterr().err
+    want, got = weights(ref), weights(out)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+    assert not (out / "train_settings.json").exists()
+
+
 def test_checkpoints_in_step_order_and_cut_off_ones_passed_over(tmp_path, capsys):
     from retmask.methods import checkpoints
 
