@@ -47,12 +47,15 @@ def copy_processor_files(model: Any, dest: Path) -> list[str]:
 
 def model_files(path: Path) -> list[Path]:
     """``path`` itself when it is a file (a GGUF); for a folder its weight files (``*.safetensors``,
-    ``*.bin``) and, when it has weights, the files of ``PROMPT_FILES`` it holds; [] when it has none."""
+    ``*.bin`` but ``training_args.bin``) and, when it has weights, the files of ``PROMPT_FILES`` it holds; [] when it has none."""
     if path.is_file():
         return [path]
     if not path.is_dir():
         return []
-    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+    # *.bin but the Trainer's training_args.bin: a pickle of the run's arguments (its output path, logging
+    # folder), which would make two identical trainings' weights two models
+    bins = [p for p in sorted(path.glob("*.bin")) if p.name != "training_args.bin"]
+    files = sorted(path.glob("*.safetensors")) + bins
     return files + [path / n for n in PROMPT_FILES if (path / n).is_file()] if files else []
 
 

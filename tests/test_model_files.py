@@ -30,6 +30,13 @@ def test_model_files_are_the_weights_and_prompt_files(tmp_path):
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "config.json",
     ]  # fmt: skip
     assert model_files(tmp_path / "missing") == []
+    # the Trainer's pickled arguments (output path, logging folder) are not the model; old-style weights are
+    (folder / "training_args.bin").write_bytes(os.urandom(50))
+    identity = content_identity(folder)
+    (folder / "training_args.bin").write_bytes(os.urandom(50))
+    assert content_identity(folder) == identity
+    (folder / "pytorch_model.bin").write_bytes(os.urandom(50))
+    assert "pytorch_model.bin" in [p.name for p in model_files(folder)] and content_identity(folder) != identity
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text("{}")
     assert model_files(tmp_path / "empty") == []  # no weights: not a model folder
