@@ -303,8 +303,10 @@ def score_mdqa(
         f1, em = f1_em(m, golden, cfg.epsilon)
         f1s.append(f1.numpy())
         ems.append(em.numpy())
-        gms.append(m[:, :, golden].sum(-1).double().numpy())
-        pms.append(m.sum(-1).double().numpy())
+        # summed in float64: a float32 sum's order follows the tensor's layout (a slice of a padded batch,
+        # or a resumed example's own tensor), which moved the run record's means in the 6th decimal
+        gms.append(m[:, :, golden].double().sum(-1).numpy())
+        pms.append(m.double().sum(-1).numpy())
         ms.append(m.numpy())
     return MDQAScores(
         example_ids=[it.example.id for it in items],
