@@ -36,7 +36,9 @@ def test_model_files_are_the_weights_and_prompt_files(tmp_path):
     (folder / "training_args.bin").write_bytes(os.urandom(50))
     assert content_identity(folder) == identity
     (folder / "pytorch_model.bin").write_bytes(os.urandom(50))
-    assert "pytorch_model.bin" in [p.name for p in model_files(folder)] and content_identity(folder) != identity
+    assert (
+        "pytorch_model.bin" in [p.name for p in model_files(folder)] and content_identity(folder) != identity
+    )
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text("{}")
     assert model_files(tmp_path / "empty") == []  # no weights: not a model folder
