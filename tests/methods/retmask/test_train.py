@@ -318,9 +318,10 @@ def test_base_model_pairs_are_plain_text_and_train(base_model_dir, pairs_file, t
     argv = ["generate", "--model", str(base_model_dir), "--instructions", str(prompts), "--heads", str(heads),
             "--out", str(pairs), "--max-new-tokens", "5", "--batch-size", "2", "--no-progress"]  # fmt: skip
     assert cli(argv) == 0
-    rows, _ = read_pairs_file(pairs).rows, capsys.readouterr()
-    assert len(rows) >= 2 and read_pairs_file(pairs).format == "standard"
-    assert {r["prompt"] for r in rows} <= {r[0] for r in ROWS}
+    capsys.readouterr()
+    written = read_pairs_file(pairs)
+    assert written.format == "standard" and len(written.rows) >= 2
+    assert {r["prompt"] for r in written.rows} <= {r[0] for r in ROWS}
     for sft in (False, True):
         out = tmp_path / f"out-{sft}"
         assert _train_one_step(pairs, base_model_dir, out, sft) == 0
