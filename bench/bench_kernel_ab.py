@@ -107,7 +107,7 @@ def main() -> None:
     rows, records = [], []
     gen = torch.Generator().manual_seed(0)
     for model, (hq, hkv, d) in HEADS.items():
-        for name, m, n, t, streamed, skip_half in CASES:
+        for name, m, n, t, streamed, skip_odd in CASES:
             if args.only not in f"{model} {name}" or (model in DECODE_ONLY and m != 1):
                 continue
             dtype = getattr(torch, args.dtype)
@@ -120,7 +120,7 @@ def main() -> None:
                 )
                 for _ in range(n_sets)
             ]
-            skip = odd_heads(hq) if skip_half else None
+            skip = odd_heads(hq) if skip_odd else None
             times: dict[str, list[float]] = {"baseline": [], "new": []}
             results = {}
             for rep in range(args.repeats + 1):

@@ -42,7 +42,7 @@ from retmask.niah import (
     load_haystack,
     period_token_ids,
 )
-from retmask.niah.prompt import chat_prompt_text
+from retmask.niah.prompt import chat_prompt_text, is_chat_tokenizer
 
 ONSETS = (
     "b",
@@ -234,7 +234,7 @@ def kv_items(
         for d in depths:
             i = min(len(keys) - 1, int(round(d / 100 * (len(keys) - 1))))
             question = KV_QUESTION.format(key=keys[i])
-            if getattr(tokenizer, "chat_template", None):
+            if is_chat_tokenizer(tokenizer):
                 text = chat_prompt_text(tokenizer, body + "\n" + question)
                 prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
             else:

@@ -111,14 +111,9 @@ def resume_point(out: str | Path, settings: dict[str, Any], error: type[Exceptio
     out = Path(out)
     saved_at = out / SETTINGS_NAME
     found, damaged = _scan(out)
-    if not found and not damaged and saved_at.is_file():
-        # stopped before its first checkpoint: the same run starts over (the interruption said --resume)
-        f = JsonFile(saved_at, "training settings file", _FIX)
-        check_same_settings(f.expect(f.read(), dict, "the file"), settings, path=saved_at, fix=_FIX)
-        print("retmask train: the run stopped before its first checkpoint: training starts from step 0",
-              file=sys.stderr)  # fmt: skip
-        return None
-    if not found or not saved_at.is_file():
+    # no complete checkpoint is resumable only as a run stopped before its first one: its settings file, and
+    # no checkpoint cut off (which would say it got further)
+    if not saved_at.is_file() or (not found and damaged):
         why = "".join(f"; {path.name} is passed over: {problem}" for path, problem in damaged)
         raise error(
             f"--resume: {out} holds no complete checkpoint to continue from (they are written every --save-every "
@@ -127,6 +122,10 @@ def resume_point(out: str | Path, settings: dict[str, Any], error: type[Exceptio
         )
     f = JsonFile(saved_at, "training settings file", _FIX)
     check_same_settings(f.expect(f.read(), dict, "the file"), settings, path=saved_at, fix=_FIX)
+    if not found:  # the same run starts over (the interruption said --resume)
+        print("retmask train: the run stopped before its first checkpoint: training starts from step 0",
+              file=sys.stderr)  # fmt: skip
+        return None
     for path, problem in damaged:
         if _step(path) > _step(found[-1]):  # an older damaged one changes nothing
             print(f"retmask train: warning: passing over {path}: {problem}; resuming from {found[-1].name}",
