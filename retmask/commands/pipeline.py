@@ -8,6 +8,7 @@ from typing import Any
 
 from retmask.commands.argtypes import (
     depth_count,
+    float_range,
     length_count,
     nonneg_float,
     nonneg_int,
@@ -114,6 +115,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--lr", type=positive_float, default=d.lr, help="peak learning rate (RetMask's published one)"
     )
+    g.add_argument("--min-lr-rate", type=unit_float, default=d.min_lr_rate,
+                   help="final lr / peak lr (the cosine decay's end)")  # fmt: skip
+    g.add_argument("--warmup-ratio", type=float_range(0.0, 1.0, hi_open=True), default=d.warmup_ratio,
+                   help="share of the steps with a linear lr warm-up from 0")  # fmt: skip
+    g.add_argument("--weight-decay", type=nonneg_float, default=d.weight_decay, help="AdamW weight decay")
     g.add_argument("--epochs", type=positive_float, default=d.epochs, help="passes over the pairs")
     g.add_argument("--max-steps", type=steps_or_off, default=d.max_steps,
                    help="stop DPO after N optimizer steps; -1: --epochs decides")  # fmt: skip
@@ -130,6 +136,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=d.train_seed,
         help="seed of DPO's data order and initialisation",
     )
+    g.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute activations in the backward pass: less memory, the same result (not part "
+                        "of the stage's settings)")  # fmt: skip
     g.add_argument(
         "--sft",
         action="store_true",
@@ -275,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
         detect_depths=args.detect_depths, threshold=threshold, top_k=args.top_k, mask_seed=args.mask_seed,
         instructions=args.instructions, num_instructions=args.num_instructions, temperature=args.temperature,
         gen_max_new_tokens=args.gen_max_new_tokens, gen_batch_size=args.gen_batch_size, gen_seed=args.gen_seed,
-        lr=args.lr, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
+        lr=args.lr, min_lr_rate=args.min_lr_rate, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
+        gradient_checkpointing=args.gradient_checkpointing, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
         grad_accum=args.grad_accum, max_length=args.max_length, beta=args.beta, train_seed=args.train_seed,
         objective="sft" if args.sft else "dpo", telemetry_every=args.telemetry_every,
         drop_unfinished=args.drop_unfinished, save_every=args.save_every,

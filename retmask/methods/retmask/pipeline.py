@@ -63,6 +63,9 @@ from retmask.runfiles import (
 )
 
 VERSION = 1
+# the training schedule's settings: in the training stage's fingerprint only when not PipelineConfig's
+# default, so runs begun before these options existed still resume
+_SCHEDULE = ("min_lr_rate", "warmup_ratio", "weight_decay")
 
 
 class StageSettingsChanged(PipelineError, RunFileError):
@@ -167,6 +170,7 @@ class Pipeline:
                     "telemetry_every": c.telemetry_every, "dtype": c.dtype,
                     # only when not the default, so runs started before the option still resume
                     **({"objective": c.objective} if c.objective != "dpo" else {}),
+                    **{k: getattr(c, k) for k in _SCHEDULE if getattr(c, k) != getattr(PipelineConfig, k)},
                     **({"drop_unfinished": True} if c.drop_unfinished else {})}  # fmt: skip
         return {"model": model, **self.eval_config_dict()}
 
@@ -382,10 +386,11 @@ class Pipeline:
             self.log(f"[pipeline] train: continuing from {found[-1].name}")
         else:
             shutil.rmtree(out, ignore_errors=True)
-        cfg = TrainConfig(learning_rate=c.lr, epochs=c.epochs, max_steps=c.max_steps, batch_size=c.batch_size,
-                          grad_accum=c.grad_accum, max_length=c.max_length, beta=c.beta, seed=c.train_seed,
-                          dtype=c.dtype, device=c.device, drop_unfinished=c.drop_unfinished,
-                          save_every=c.save_every)  # fmt: skip
+        cfg = TrainConfig(learning_rate=c.lr, min_lr_rate=c.min_lr_rate, warmup_ratio=c.warmup_ratio,
+                          weight_decay=c.weight_decay, epochs=c.epochs, max_steps=c.max_steps,
+                          batch_size=c.batch_size, grad_accum=c.grad_accum, max_length=c.max_length, beta=c.beta,
+                          seed=c.train_seed, gradient_checkpointing=c.gradient_checkpointing, dtype=c.dtype,
+                          device=c.device, drop_unfinished=c.drop_unfinished, save_every=c.save_every)  # fmt: skip
         callbacks = None
         if c.telemetry_every:
             # a baseline that masks nothing follows the retrieval heads themselves

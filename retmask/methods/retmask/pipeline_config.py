@@ -49,6 +49,9 @@ class PipelineConfig:
     gen_seed: int = 0
     # train (RetMask's published optimiser settings; a short run)
     lr: float = 5e-7
+    min_lr_rate: float = 0.1  # the cosine ends at 0.1 x lr
+    warmup_ratio: float = 0.1  # share of the steps with a linear warm-up from lr 0
+    weight_decay: float = 0.1
     epochs: float = 2.0
     max_steps: int = -1
     batch_size: int = 2
@@ -59,6 +62,8 @@ class PipelineConfig:
     # "dpo" (RetMask) or "sft": the SFT baseline, trained on the pairs' chosen responses only
     objective: str = "dpo"
     telemetry_every: int = 2
+    # recompute activations in the backward pass (less memory, the same result): not in the fingerprint
+    gradient_checkpointing: bool = False
     drop_unfinished: bool = False  # train only on pairs whose responses ended before --gen-max-new-tokens
     # a training checkpoint every N optimizer steps (0: none), so a rerun continues the interrupted training
     # stage instead of starting it over; not in the stage's fingerprint (the result does not depend on it)
@@ -93,5 +98,9 @@ class PipelineConfig:
             raise PipelineError(f"--num-instructions must be positive, got {self.num_instructions}")
         if self.objective not in OBJECTIVES:
             raise PipelineError(f"the training objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_rate <= 1.0:
+            raise PipelineError("--warmup-ratio must be in [0, 1) and --min-lr-rate in [0, 1]")
+        if self.weight_decay < 0:
+            raise PipelineError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.telemetry_every < 0:
             raise PipelineError("--telemetry-every must be >= 0 (0 = off)")

@@ -62,8 +62,8 @@ class TrainConfig:
         if self.max_steps == 1 and self.warmup_ratio > 0:
             warnings.warn(
                 f"--max-steps 1 with warmup ratio {self.warmup_ratio:g}: the one step is the warmup's first, at "
-                "learning rate 0, so the saved model equals the base model; take 2 or more steps (`retmask "
-                "train`: or pass --warmup-ratio 0 to take the one step at --lr)",
+                "learning rate 0, so the saved model equals the base model; take 2 or more steps, or pass "
+                "--warmup-ratio 0 to take the one step at --lr",
                 stacklevel=2,
             )
 

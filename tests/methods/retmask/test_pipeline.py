@@ -221,3 +221,55 @@ def test_new_options_enter_the_fingerprints_only_when_set(tiny_dir, tmp_path):
     assert all(drop.stage_config(s) == default[s] for s in STAGES if s != "train")
     gpu = Pipeline(dataclasses.replace(base, device="cuda"), tmp_path / "c")
     assert {s for s in STAGES if gpu.stage_config(s).get("device") == "cuda"} == set(STAGES) - {"mask"}
+
+
+def test_training_schedule_options_reach_the_trainer_and_fingerprint_only_when_changed(
+    tiny_dir, tmp_path, monkeypatch
+):
+    """--warmup-ratio, --min-lr-rate and --weight-decay enter the training stage's fingerprint when they
+    differ from the published recipe's (a different result), --gradient-checkpointing never (the same
+    result); the command line's values reach the TrainConfig the stage trains with."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    base = PipelineConfig(model=str(tiny_dir), **TINY)
+    default = {s: Pipeline(base, tmp_path / "a").stage_config(s) for s in STAGES}
+    assert not {"warmup_ratio", "min_lr_rate", "weight_decay", "gradient_checkpointing"} & set(
+        default["train"]
+    )
+    changed = dataclasses.replace(base, warmup_ratio=0.0, min_lr_rate=0.5, weight_decay=0.0)
+    pipe = Pipeline(changed, tmp_path / "b")
+    assert pipe.stage_config("train") == default["train"] | {"warmup_ratio": 0.0, "min_lr_rate": 0.5,
+                                                             "weight_decay": 0.0}  # fmt: skip
+    assert all(pipe.stage_config(s) == default[s] for s in STAGES if s != "train")
+    checkpointed = Pipeline(dataclasses.replace(base, gradient_checkpointing=True), tmp_path / "c")
+    assert checkpointed.stage_config("train") == default["train"]
+
+    run_dir, scores = tmp_path / "cli", tmp_path / "scores.json"
+    scores.write_text(json.dumps({f"{a}-{b}": [0.5 * (a == b)] for a in range(2) for b in range(4)}))
+    argv = ["pipeline", "--model", str(tiny_dir), "--run-dir", str(run_dir), "--scores", str(scores),
+            "--top-k", "1", "--no-progress", "--stop-after", "mask", "--warmup-ratio", "0", "--min-lr-rate", "0.5",
+            "--weight-decay", "0", "--gradient-checkpointing", "--telemetry-every", "0"]  # fmt: skip
+    assert cli(argv) == 0
+    recorded = json.loads((run_dir / "pipeline.json").read_text())["config"]
+    cfg = PipelineConfig(**recorded)
+    seen = []
+    monkeypatch.setattr(
+        "retmask.methods.retmask.pipeline.train_dpo",
+        lambda pairs, out, model, train_cfg, **kw: (
+            seen.append(train_cfg) or SimpleNamespace(steps=1, seconds_per_step=0.0)
+        ),
+    )
+    Pipeline(cfg, run_dir)._train(resume=False)
+    (train_cfg,) = seen
+    assert (train_cfg.warmup_ratio, train_cfg.min_lr_rate, train_cfg.weight_decay) == (0.0, 0.5, 0.0)
+    assert train_cfg.gradient_checkpointing and train_cfg.learning_rate == cfg.lr
+
+
+def test_pipeline_schedule_flags_are_checked(tmp_path, capsys):
+    argv = ["pipeline", "--run-dir", str(tmp_path / "r"), "--warmup-ratio", "1", "--stop-after", "detect"]
+    with pytest.raises(SystemExit):
+        cli(argv)
+    assert "argument --warmup-ratio" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--warmup-ratio must be in \[0, 1\)"):
+        PipelineConfig(warmup_ratio=1.5).check()
