@@ -346,3 +346,28 @@ def test_a_schedule_that_trains_nothing_is_named():
         TrainConfig(max_steps=1, warmup_ratio=0.0).warn_if_nothing_trains()
         TrainConfig(max_steps=2).warn_if_nothing_trains()
         TrainConfig().warn_if_nothing_trains()
+
+
+@pytest.mark.parametrize("sft", [False, True], ids=["dpo", "sft"])
+def test_gradient_checkpointing_trains_to_the_same_weights(tiny_dir, pairs_file, tmp_path, monkeypatch, sft):
+    """--gradient-checkpointing recomputes each layer's forward (retmask attention included) in the backward
+    pass: less memory, the same gradients, so the same trained weights as without it."""
+    import transformers.modeling_utils as modeling
+
+    real, checkpointed = (
+        modeling.checkpoint,
+        [],
+    )  # torch.utils.checkpoint.checkpoint, as transformers calls it
+    monkeypatch.setattr(modeling, "checkpoint", lambda *a, **k: checkpointed.append(1) or real(*a, **k))
+    argv = ["train", "--pairs", str(pairs_file), "--model", str(tiny_dir), "--max-steps", "2", "--batch-size",
+            "2", "--grad-accum", "1", "--lr", "1e-2", "--max-length", "128", *(["--sft"] if sft else [])]  # fmt: skip
+    assert cli([*argv, "--out", str(tmp_path / "plain")]) == 0
+    assert not checkpointed
+    assert cli([*argv, "--out", str(tmp_path / "ckpt"), "--gradient-checkpointing"]) == 0
+    assert checkpointed  # the decoder layers ran under torch's activation checkpointing
+    record = json.loads((tmp_path / "ckpt" / "retmask_train.json").read_text())
+    assert record["config"]["gradient_checkpointing"] is True
+    plain, ckpt, base = weights(tmp_path / "plain"), weights(tmp_path / "ckpt"), weights(tiny_dir)
+    assert any(not torch.equal(base[k], plain[k]) for k in plain)
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], rtol=1e-5, atol=1e-6, msg=k)
