@@ -92,6 +92,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--limit", type=positive_int, help="train on the first N examples only")
     p.add_argument("--seed", type=seed_int, default=d.seed, help="data order and head sampling seed")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each layer's forward in the backward pass: less memory for long examples, "
+                        "the same gradients (a --resume may change it)")  # fmt: skip
     p.add_argument(
         "--save-every", type=nonneg_int, default=0, help="write <out>/resume.pt every N steps (0 = never)"
     )
@@ -162,6 +165,7 @@ def _run(args: argparse.Namespace) -> int:
             learning_rate=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
             max_steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
             max_length=args.max_length, seed=args.seed, save_every=args.save_every, dtype=dtype,
+            gradient_checkpointing=args.gradient_checkpointing,
         )  # fmt: skip
         cfg.check(heads=False)  # the heads are known once the model has loaded
         examples = load_mdqa(args.data, limit=args.limit)

@@ -102,10 +102,14 @@ class QKTap:
         window / softcap / sinks ([Hq]): the layer's attention features as passed to the kernel, or None."""
         rows = self.query_rows
         if rows is not None:
-            if isinstance(rows, int):
-                query = query[:, :, -min(rows, query.shape[2]) :].clone()
-            else:
-                query = _gather_rows(query, rows)
+            # Under activation checkpointing the layer runs again in the backward pass, after the tap has
+            # closed; the checkpoint requires that run to save the same tensors for backward as the first, so
+            # what the row selection saves (its indices) is kept here, out of the checkpoint's count.
+            with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                if isinstance(rows, int):
+                    query = query[:, :, -min(rows, query.shape[2]) :].clone()
+                else:
+                    query = _gather_rows(query, rows)
         layer = self._position[layer_idx]
         self.q[layer] = query
         self.k[layer] = key
@@ -151,7 +155,7 @@ def _check_rows(rows: int | torch.Tensor | None) -> int | torch.Tensor | None:
 
 def _gather_rows(query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """query [B, Hq, S, D], rows int64 [B] or [B, T] -> [B, Hq, T, D] (T = 1 for [B]); differentiable."""
-    B, H, S, D = query.shape
+    B, S = query.shape[0], query.shape[2]
     idx = rows if rows.dim() == 2 else rows[:, None]
     if idx.shape[0] != B:
         raise ValueError(f"tap_qk query_rows has {idx.shape[0]} batch rows but this forward call has {B}")
@@ -161,7 +165,13 @@ def _gather_rows(query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             "cache have one row; tap the prefill call)"
         )
     idx = idx.to(query.device)
-    return query.gather(2, idx[:, None, :, None].expand(B, H, idx.shape[1], D))
+    # one index_select per batch row: its backward keeps only the indices (gather would keep the whole query)
+    return torch.stack([query[b].index_select(1, idx[b]) for b in range(B)])
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved tensor kept as it is (pack and unpack hook)."""
+    return tensor
 
 
 def tap_qk(

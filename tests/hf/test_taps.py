@@ -78,6 +78,36 @@ def test_tap_keeps_autograd_into_projections():
     assert gk[:16].abs().sum() > 0 and gk[16:].abs().sum() == 0
 
 
+@pytest.mark.parametrize("rows", [None, 2, torch.tensor([[1, 6], [7, 0]])], ids=["all", "last", "per-row"])
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward-after", "backward-inside"])
+def test_tap_under_activation_checkpointing_gives_the_same_gradients(rows, backward_inside):
+    """With activation checkpointing each layer runs again in the backward pass (without the tap once it has
+    closed, with it inside the block): the checkpoint's check that both runs save the same tensors holds,
+    and the gradients of a loss on the tapped q / k and the logits equal those without checkpointing."""
+    ids, mask = random_batch(2, 8)
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model("llama")
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with tap_qk(model, layers=[0, 1], query_rows=rows) as tap:
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            loss = (
+                logits.square().mean() + (tap.q[1] * tap.k[1].mean(2, keepdim=True).repeat(1, 2, 1, 1)).sum()
+            )
+            loss = loss + tap.q[0].square().sum()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    plain, checkpointed = grads
+    assert plain.keys() == checkpointed.keys() and any("q_proj" in n for n in plain)
+    for n in plain:
+        torch.testing.assert_close(checkpointed[n], plain[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_bad_arguments_are_clear():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="not in 0..1"):

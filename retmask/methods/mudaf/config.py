@@ -51,6 +51,8 @@ class MuDAFConfig:
     seed: int = 0
     save_every: int = 0  # optimizer steps between resume checkpoints; 0 = none
     dtype: str = "float32"  # or "bfloat16": bf16 autocast over float32 master weights
+    # recompute each decoder layer's forward in the backward pass: less memory, the same gradients
+    gradient_checkpointing: bool = False
 
     def check(self, *, heads: bool = True) -> None:
         """MDQAError naming the setting that is out of range or in conflict; ``heads=False`` leaves out the

@@ -194,8 +194,10 @@ IDENTITY_KEYS = ("data_sha256", "model")
 def _resume_settings(
     cfg: MuDAFConfig, examples: int, identity: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """What a resumed run must share with the checkpoint (more --steps or another --save-every is fine)."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("max_steps", "save_every")}
+    """What a resumed run must share with the checkpoint (more --steps, another --save-every or
+    --gradient-checkpointing is fine: none changes the result)."""
+    changeable = ("max_steps", "save_every", "gradient_checkpointing")
+    settings = {k: v for k, v in asdict(cfg).items() if k not in changeable}
     return (
         without_default_dtype(settings)
         | {"heads": [list(h) for h in cfg.heads], "examples": examples}
@@ -328,6 +330,10 @@ def train_mudaf(
         optimizer.load_state_dict(state["optimizer"])
         step, log, spent = int(state["step"]), list(state["log"]), float(state["seconds"])
     model.train()
+    if cfg.gradient_checkpointing:
+        # non-reentrant: the q / k tapped for L_CON leave the checkpointed layers with their autograd graph,
+        # and the recomputation in the backward pass runs after the tap has closed (nothing tapped twice)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     per_epoch = _batches(len(items), cfg.batch_size, cfg.seed, 0)
     micro_per_epoch = len(per_epoch)
     micro = step * cfg.grad_accum  # micro-batches already consumed (resume continues the same order)
@@ -382,6 +388,8 @@ def train_mudaf(
     bar.close()
     seconds = spent + time.perf_counter() - t0
     model.eval()
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_disable()  # the model is trained in place: returned as it came
     record = {
         "mode": "vanilla-sft" if cfg.vanilla_sft else "mudaf",
         "loss": "L_CLM" if cfg.con_weight == 0 else (

@@ -135,6 +135,38 @@ def test_resume_continues_identically(tmp_path, mdqa_examples, bpe_tokenizer, mo
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
 
 
+@pytest.mark.parametrize("vanilla", [False, True], ids=["mudaf", "vanilla-sft"])
+def test_gradient_checkpointing_trains_identically(
+    tmp_path, mdqa_examples, bpe_tokenizer, monkeypatch, vanilla
+):
+    """With activation checkpointing each decoder layer runs again in the backward pass; L_CON's tapped q / k
+    keep their gradient path, so the losses and the trained weights equal those without it, and the
+    model comes back with checkpointing off (it is trained in place)."""
+    import transformers.modeling_utils as modeling
+
+    real, checkpointed = (
+        modeling.checkpoint,
+        [],
+    )  # torch.utils.checkpoint.checkpoint, as transformers calls it
+    monkeypatch.setattr(modeling, "checkpoint", lambda *a, **k: checkpointed.append(1) or real(*a, **k))
+    data = mdqa_examples[:4]
+    cfg = MuDAFConfig(
+        heads=[(1, 0), (0, 3)], vanilla_sft=vanilla, learning_rate=3e-3, max_steps=3, batch_size=2
+    )
+    plain, ckpt = tiny_llama_for(bpe_tokenizer), tiny_llama_for(bpe_tokenizer)
+    a = train_mudaf(plain, bpe_tokenizer, data, tmp_path / "a", cfg, progress=False)
+    assert not checkpointed
+    ckpt_cfg = MuDAFConfig(**{**cfg.__dict__, "gradient_checkpointing": True})
+    b = train_mudaf(ckpt, bpe_tokenizer, data, tmp_path / "b", ckpt_cfg, progress=False)
+    assert len(checkpointed) == 3 * 2  # every step, both layers of the tiny model
+    assert not ckpt.is_gradient_checkpointing
+    for x, y in zip(a.log, b.log, strict=True):
+        assert x.keys() == y.keys() and "con" in x
+        assert all(y[k] == pytest.approx(x[k], rel=1e-5) for k in x)
+    for (n, p), q in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_resume_checkpoint_damaged_or_of_other_settings_is_named(tmp_path, mdqa_examples, bpe_tokenizer):
     from retmask.runfiles import RunFileError
 
@@ -192,8 +224,10 @@ def test_command_samples_heads_and_errors(tmp_path, mdqa_examples, bpe_tokenizer
     assert cli_main(["mdqa-score", "--data", str(data), "--model", str(folder), "--out", str(scores)]) == 0
     out = tmp_path / "run"
     rc = cli_main(["mudaf-train", "--data", str(data), "--model", str(folder), "--out", str(out), "--scores",
-                   str(scores), "--num-heads", "3", "--steps", "2", "--batch-size", "2", "--lr", "1e-4"])  # fmt: skip
+                   str(scores), "--num-heads", "3", "--steps", "2", "--batch-size", "2", "--lr", "1e-4",
+                   "--gradient-checkpointing"])  # fmt: skip
     assert rc == 0, capsys.readouterr().err
+    assert read_record(out)["config"]["gradient_checkpointing"] is True
     sel = read_heads(out / "heads.json")
     assert len(sel.heads) == 3 and sel.method == "mudaf-sample" and sel.temperature == 0.05
     assert read_record(out)["config"]["heads"] == [list(h) for h in sel.heads]
@@ -333,6 +367,18 @@ def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(
     ):
         train_mudaf(tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, tmp_path / "b", fewer, resume=True,
                     progress=False)  # fmt: skip
+
+
+def test_resume_may_switch_gradient_checkpointing(tmp_path, mdqa_examples, bpe_tokenizer, monkeypatch):
+    """Activation checkpointing does not change the result, so a resumed run may turn it on (or off)."""
+    data, out = mdqa_examples[:4], tmp_path / "run"
+    cfg = _interrupted_at_step_2(monkeypatch, bpe_tokenizer, data, out)
+    monkeypatch.undo()
+    on = MuDAFConfig(**{**cfg.__dict__, "gradient_checkpointing": True})
+    result = train_mudaf(
+        tiny_llama_for(bpe_tokenizer), bpe_tokenizer, data, out, on, resume=True, progress=False
+    )
+    assert [r["step"] for r in result.log] == [1, 2]
 
 
 def test_resume_with_another_data_file_is_refused(
