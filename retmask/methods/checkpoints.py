@@ -1,14 +1,14 @@
 """Resumable ``retmask train``: the Trainer's checkpoints in ``--out`` and the settings they belong to.
 
 With ``save_every = N`` the Trainer writes ``<out>/checkpoint-<step>`` every N optimizer steps (weights,
-optimizer, scheduler, RNG states, ``trainer_state.json`` with the log history) and keeps only the newest
-(the older one is deleted after the new one is complete). Next to them ``<out>/train_settings.json`` holds
-what decides the result (mode, model, the pairs file's SHA-256, every training setting but ``save_every``
-and ``device``), so a resume with other settings is refused, naming what differs. ``trainer_state.json``
-is the last file a checkpoint gets: a folder without it was cut off while being written and is passed
-over for the one before it; so is one whose ``trainer_state.json`` does not parse (torn, empty), which a
-resume names. When the trained model is saved, the checkpoints and the settings file are
-deleted: they exist only while a run is unfinished.
+optimizer, scheduler, RNG states, ``trainer_state.json`` with the log history) and keeps only the newest (the
+older one is deleted after the new one is complete). Next to them ``<out>/train_settings.json`` holds what
+decides the result (mode, model, the pairs file's SHA-256, every training setting but ``save_every``,
+``device`` and ``gradient_checkpointing``), so a resume with other settings is refused, naming what differs.
+``trainer_state.json`` is the last file a checkpoint gets: a folder without it was cut off while being written
+and is passed over for the one before it; so is one whose ``trainer_state.json`` does not parse (torn, empty),
+which a resume names. When the trained model is saved, the checkpoints and the settings file are deleted: they
+exist only while a run is unfinished.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ SETTINGS_NAME = "train_settings.json"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _COMPLETE_MARKER = "trainer_state.json"  # written last into a checkpoint folder
 _FIX = "resume with the same flags, or pass --overwrite to start over"
-# settings that may change between an interrupted run and its resume
-_FREE = ("save_every", "device")
+# settings that may change between an interrupted run and its resume (none changes the result)
+_FREE = ("save_every", "device", "gradient_checkpointing")
 
 
 def training_settings(mode: str, cfg: Any, pairs_path: str | Path, model_name: str) -> dict[str, Any]:
