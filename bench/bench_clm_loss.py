@@ -10,6 +10,8 @@ Methods (each cell in a fresh subprocess: median wall time of forward + backward
 warm-up call, peak RSS above the loaded model during the warm-up call):
   full_logits   model(input_ids, attention_mask, labels).loss, then backward.
   answer_rows   clm_loss(model, input_ids, attention_mask, labels), then backward (retmask's MuDAF).
+  checkpointed  answer_rows with activation checkpointing (``mudaf-train --gradient-checkpointing``): each
+                decoder layer runs again in the backward pass instead of keeping its activations.
 
 One example of S tokens (random ids), the last 16 labelled (an answer and its EOS), batch 1, fp32 and
 bf16 autocast (``--dtypes``), retmask attention.
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("full_logits", "answer_rows")
+METHODS = ("full_logits", "answer_rows", "checkpointed")
 ANSWER_TOKENS = 16
 
 
@@ -47,6 +49,8 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     model, _ = retmask.load_model()
     model.train()
+    if cfg["method"] == "checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     S = cfg["length"]
     ids = torch.randint(100, model.config.vocab_size, (1, S))
     mask = torch.ones_like(ids)
@@ -78,7 +82,7 @@ def plot(path: Path, cells: dict[str, dict], lengths: list[int], dtypes: list[st
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for dtype, style in zip(dtypes, ("-", "--"), strict=False):
-        for method, color in zip(METHODS, ("tab:gray", "tab:green"), strict=True):
+        for method, color in zip(METHODS, ("tab:gray", "tab:green", "tab:blue"), strict=True):
             xs = [s for s in lengths if "seconds" in cells.get(f"{dtype} {method} {s}", {})]
             for ax, key, scale in ((axes[0], "seconds", 1.0), (axes[1], "peak_bytes", 2**-30)):
                 ys = [cells[f"{dtype} {method} {s}"][key] * scale for s in xs]
@@ -122,18 +126,22 @@ def main() -> None:
     rows = []
     for dtype in dtypes:
         for s in lengths:
-            full, ours = (cells[f"{dtype} {m} {s}"] for m in METHODS)
-            rows.append([dtype, str(s), common.time_and_peak(full), common.time_and_peak(ours),
-                         common.cell_ratio(ours, full, "seconds"), common.cell_ratio(ours, full, "peak_bytes")])  # fmt: skip
+            full, ours, ckpt = (cells[f"{dtype} {m} {s}"] for m in METHODS)
+            rows.append([dtype, str(s), *(common.time_and_peak(c) for c in (full, ours, ckpt)),
+                         common.cell_ratio(ours, full, "seconds"), common.cell_ratio(ours, full, "peak_bytes"),
+                         common.cell_ratio(ckpt, ours, "seconds"), common.cell_ratio(ckpt, ours, "peak_bytes")])  # fmt: skip
     headers = [
         "dtype",
         "tokens",
         "full_logits (time / peak)",
         "answer_rows (time / peak)",
-        "time ratio",
-        "memory ratio",
+        "checkpointed (time / peak)",
+        "answer_rows / full_logits time",
+        "memory",
+        "checkpointed / answer_rows time",
+        "memory",
     ]
-    title = f"MuDAF CLM loss: LM head on the answer rows vs full logits ({common.cpu_label(machine)})"
+    title = f"MuDAF CLM loss: LM head on the answer rows vs full logits, and activation checkpointing ({common.cpu_label(machine)})"
     lines = [
         f"# {title}",
         "",
@@ -141,7 +149,9 @@ def main() -> None:
         f"tokens with the last {ANSWER_TOKENS} labelled, batch 1; bf16 = autocast over fp32 weights. Each cell in "
         f"a fresh process: median of {args.repeats} timed forward + backward steps after a warm-up step, peak "
         "RSS above the loaded model during the warm-up. `full_logits`: transformers' `model(labels=...).loss`; "
-        "`answer_rows`: `retmask.methods.mudaf.train.clm_loss` (what `retmask mudaf-train` computes).",
+        "`answer_rows`: `retmask.methods.mudaf.train.clm_loss` (what `retmask mudaf-train` computes); "
+        "`checkpointed`: the same with activation checkpointing (`--gradient-checkpointing`: each decoder layer "
+        "runs again in the backward pass instead of keeping its activations).",
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()) + ".",
         "",
