@@ -97,7 +97,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="keep a checkpoint in --out every N optimizer steps (the newest only; deleted when "
                         "the run completes), so an interrupted run continues with --resume (0: none)")  # fmt: skip
     p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --out (same settings; --save-every, --device and --gradient-checkpointing may change)")  # fmt: skip
+                   help="continue from the newest checkpoint in --out (same settings; --save-every, --device and "
+                        "--gradient-checkpointing may change)")  # fmt: skip
     p.add_argument(
         "--overwrite", action="store_true", help="replace the files of an earlier run in --out (else refused)"
     )
