@@ -160,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
                 args.rejected_model, dtype=parse_dtype(dtype), device=args.device
             )
             check_generation_budget(args, rejected_model, "--rejected-model")
-        check_lengths(instructions, tokenizer, args.max_prompt_tokens)
+        check_lengths(instructions, tokenizer, args.max_prompt_tokens, "--max-prompt-tokens")
         fingerprint = {
             "model": args.model or "embedded",
             "rejected_model": args.rejected_model,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
 from retmask.commands.argtypes import (
     depth_count,
     float_range,
+    head_count,
     length_count,
     nonneg_float,
     nonneg_int,
@@ -40,7 +42,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="detect -> mask -> generate -> train -> eval, every artefact in one run dir; resumable stages",
         description=(
             "The whole RetMask recipe. Each stage is skipped when run_dir/pipeline.json records it done with the "
-            "same settings and inputs; an interrupted stage resumes (detect, generate, eval) or restarts (train). "
+            "same settings and inputs; an interrupted stage resumes (detect, generate, eval; train from its last "
+            "--save-every checkpoint) or restarts (train without one). "
             "A stage run before with other settings is refused, since running it again deletes its outputs and "
             "the later stages': pass --overwrite to run the pipeline again from it, or choose a new --run-dir. "
             "Defaults: the embedded SmolLM2 takes about 17 minutes on 2 CPU cores (detection about 5)."
@@ -94,7 +97,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("mask")
     sel = g.add_mutually_exclusive_group()
     sel.add_argument("--threshold", type=unit_float, help="retrieval heads: score >= τ (default: 0.1)")
-    sel.add_argument("--top-k", type=positive_int, help="retrieval heads: the K best")
+    sel.add_argument("--top-k", type=head_count, help="retrieval heads: the K best")
     g.add_argument("--mask-seed", type=seed_int, default=d.mask_seed, help="seed of the baselines' draw")
     g = p.add_argument_group("generate")
     g.add_argument(
@@ -228,7 +231,8 @@ def _reaches(args: argparse.Namespace, stage: str) -> bool:
 def check_pipeline_inputs(args: argparse.Namespace) -> None:
     """Flags that would be ignored or fail only at a later stage, refused before the run dir is set up or a
     model loads: the detection's flags with --scores (which replaces the detection), --instructions that
-    cannot be read (when the run reaches generate), an --eval-cache that is not a writable folder."""
+    cannot be read (when the run reaches generate), an --eval-cache that is not a writable folder, a --top-k
+    over the heads of a model folder."""
     from retmask.errors import UsageError
     from retmask.methods.retmask.instructions import InstructionError, load_instructions
     from retmask.runfiles import check_writable
@@ -254,6 +258,15 @@ def check_pipeline_inputs(args: argparse.Namespace) -> None:
             )
     if args.eval_cache is not None:
         check_writable(args.eval_cache, what="--eval-cache", directory=True)
+    if args.top_k is not None:  # a local folder's config tells the number of heads before any detection
+        from retmask.heads import model_shape
+        from retmask.hf.loading import peek_config
+
+        config = peek_config(args.model)
+        if config is not None and args.top_k > (heads := math.prod(model_shape(config))):
+            raise UsageError(
+                f"--top-k {args.top_k} is more than the {heads} heads of {args.model}; lower --top-k"
+            )
 
 
 @reports_errors(interrupt_hint="run the same command again to resume")

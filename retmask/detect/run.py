@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -435,6 +436,12 @@ def _earlier_run_files(out: Path) -> list[Path]:
     return [out, record_path(out), *sorted(out.parent.glob(out.name + ".progress*.json"))]
 
 
+# the flags of `retmask detect` that the no-test messages suggest; a caller with other names (the pipeline's
+# --detect-max-len) passes its own, and None for a setting it has no flag for (the suggestion is left out)
+DETECT_FLAGS = {"min_len": "--min-len", "max_len": "--max-len", "max_new_tokens": "--max-new-tokens",
+                "needles": "--needles", "span_rule": "--span-rule", "span_miss": "--span-miss"}  # fmt: skip
+
+
 def _nothing_counted(
     tests: list[NiahTest],
     runnable: list[NiahTest],
@@ -442,8 +449,11 @@ def _nothing_counted(
     record: str,
     span_rule: str = "reference",
     span_miss: str = "zeros",
+    flags: Mapping[str, str | None] | None = None,
 ) -> str:
-    """Why a detection has no counted test, with the counts and what to change."""
+    """Why a detection has no counted test, with the counts and what to change (``flags``: the caller's
+    names for ``DETECT_FLAGS``' settings)."""
+    flag = {**DETECT_FLAGS, **(flags or {})}
     if not runnable:
         short = [t for t in tests if t.insertion < 0]
         parts = []
@@ -454,13 +464,13 @@ def _nothing_counted(
         if len(short) < len(tests):
             parts.append(
                 f"{len(tests) - len(short)} whose needle answer is not found in the prompt (span rule"
-                + ("; try --span-rule tolerant" if span_rule == "reference" else "")
-                + ("; --span-miss zeros runs them)" if span_miss == "skip" else ")")
-            )
-        return (
-            f"no test could run: all {len(tests)} tests were skipped: {'; '.join(parts)}; raise "
-            "--min-len/--max-len or check --needles"
-        )
+                + (f"; try {flag['span_rule']} tolerant" if span_rule == "reference" and flag["span_rule"] else "")
+                + (f"; {flag['span_miss']} zeros runs them)" if span_miss == "skip" and flag["span_miss"] else ")")
+            )  # fmt: skip
+        fixes = [f"raise {flag['min_len']}/{flag['max_len']}"]
+        if flag["needles"]:
+            fixes.append(f"check {flag['needles']}")
+        return f"no test could run: all {len(tests)} tests were skipped: {'; '.join(parts)}; {' or '.join(fixes)}"
     best = max((e["rouge1_recall"] for e in done.values()), default=0.0)
     skipped = len(tests) - len(runnable)
     return (
@@ -468,7 +478,9 @@ def _nothing_counted(
         f"{RECALL_THRESHOLD}; best recall {best:.2f})"
         + (f", and {skipped} of {len(tests)} tests were skipped" if skipped else "")
         + f"; the model does not retrieve the needles at lengths {sorted({t.length for t in runnable})}: try "
-        f"shorter contexts (--max-len), more --max-new-tokens, or another model (answers: {record})"
+        f"shorter contexts ({flag['max_len']}), "
+        + (f"more {flag['max_new_tokens']}, " if flag["max_new_tokens"] else "")
+        + f"or another model (answers: {record})"
     )
 
 
@@ -483,6 +495,7 @@ def run_detect(
     tokenizer=None,
     progress_bar: bool = True,
     log=print,
+    flags: Mapping[str, str | None] | None = None,
 ) -> DetectResult:
     """Run a detection end to end. Writes ``out`` (scores JSON), ``<out stem>.run.json`` (run record),
     ``<out>.progress.json`` (progress, atomically after each test; deleted when the run completes, so only
@@ -491,9 +504,10 @@ def run_detect(
     Before any work: the outputs must be writable; files of an earlier run on ``out`` are continued
     (``resume``), deleted (``overwrite``) or refused; one process at a time writes ``out`` (a lock; with
     several processes, rank 0 holds the one on ``out`` and every other rank one on its progress file). A
-    detection in which no test counted raises :class:`DetectError` (the run record is still written)."""
+    detection in which no test counted raises :class:`DetectError` (the run record is still written), whose
+    message suggests the flags of ``DETECT_FLAGS`` under the caller's names in ``flags``."""
     if out is None:
-        return _run_detect(cfg, None, plot, resume, model, tokenizer, progress_bar, log)
+        return _run_detect(cfg, None, plot, resume, model, tokenizer, progress_bar, log, flags)
     out = Path(out)
     check_distinct_paths({"the scores file": out, "the run record": record_path(out), "the plot": plot})
     for path, what in ((out, "scores file"), (record_path(out), "run record")):
@@ -519,10 +533,10 @@ def run_detect(
             # every rank has checked (and rank 0, with --overwrite, removed) the earlier files before any
             # rank writes progress: a fast rank 0 must not make a slow rank see "an earlier run"
             dist.barrier()
-        return _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log)
+        return _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log, flags)
 
 
-def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> DetectResult:
+def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log, flags) -> DetectResult:
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     lengths, depths = cfg.grid()
@@ -643,6 +657,7 @@ def _run_detect(cfg, out, plot, resume, model, tokenizer, progress_bar, log) -> 
                 str(record_path(out)) if out else "the run record",
                 cfg.span_rule,
                 cfg.span_miss,
+                flags,
             )
         )
     if rank != 0:  # rank 0 writes the outputs

@@ -264,13 +264,16 @@ def load_instructions(
     return out
 
 
-def check_lengths(instructions: Iterable[Instruction], tokenizer: Any, max_tokens: int) -> None:
+def check_lengths(
+    instructions: Iterable[Instruction], tokenizer: Any, max_tokens: int, limit_flag: str | None = None
+) -> None:
     """Raise naming the first instruction longer than ``max_tokens`` tokens (without special tokens) and
-    where it is in its source: training silently dropping long prompts is what we avoid."""
+    where it is in its source: training silently dropping long prompts is what we avoid. ``limit_flag``: the
+    flag that raises the limit, if the caller has one."""
     for inst in instructions:
         n = len(tokenizer(inst.prompt, add_special_tokens=False)["input_ids"])
         if n > max_tokens:
             raise InstructionError(
                 f"{inst.where or inst.id}: instruction has {n} tokens, more than the limit of {max_tokens}; "
-                "shorten or remove it, or raise the limit"
+                "shorten or remove it" + (f", or raise {limit_flag}" if limit_flag else "")
             )

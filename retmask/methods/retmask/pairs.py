@@ -101,7 +101,8 @@ def drop_unfinished(pairs: Pairs, sides: Sequence[str] = ("chosen", "rejected"))
     if not keep:
         raise PairsError(
             f"{pairs.source}: every one of the {len(pairs.rows)} pairs has a response cut at the token limit; "
-            "generate with a larger --max-new-tokens, or drop --drop-unfinished"
+            "generate them with a larger token limit (`retmask generate --max-new-tokens`, `retmask pipeline "
+            "--gen-max-new-tokens`), or drop --drop-unfinished"
         )
     kept = replace(pairs, rows=[pairs.rows[i] for i in keep], finished=[pairs.finished[i] for i in keep])
     return kept, len(pairs.rows) - len(keep)

@@ -65,7 +65,11 @@ from retmask.runfiles import (
 VERSION = 1
 # the training schedule's settings: in the training stage's fingerprint only when not PipelineConfig's
 # default, so runs begun before these options existed still resume
+PROMPT_TOKENS = 512  # the longest instruction the generate stage takes (tokens, without the chat template)
 _SCHEDULE = ("min_lr_rate", "warmup_ratio", "weight_decay")
+# the pipeline's names for the detection settings a failed detection suggests changing (None: no such flag)
+_DETECT_FLAGS = {"min_len": "--detect-min-len", "max_len": "--detect-max-len", "max_new_tokens": None,
+                 "needles": None, "span_rule": None, "span_miss": None}  # fmt: skip
 
 
 class StageSettingsChanged(PipelineError, RunFileError):
@@ -215,7 +219,9 @@ class Pipeline:
         for name in STAGES:
             fp = self.fingerprint(name)  # every stage's, in order: a stage's includes the earlier ones'
             rec = self.state["stages"].get(name)
-            if rec is not None and rec["fingerprint"] != fp:
+            # a run that stopped before writing anything (an error in the mask stage) has nothing to lose
+            lost = rec is not None and (rec.get("status") == "done" or _holds_files(self.dir / name))
+            if lost and rec["fingerprint"] != fp:
                 saved = rec.get("config")
                 diff = settings_diff(saved, self.stage_config(name)) if isinstance(saved, dict) else []
                 if diff:
@@ -300,7 +306,8 @@ class Pipeline:
             return {"source": str(c.scores)}
         cfg = DetectConfig(model=c.model, protocol=c.protocol, min_len=c.detect_min_len, max_len=c.detect_max_len,
                            num_lengths=c.detect_lengths, num_depths=c.detect_depths, dtype=c.dtype, device=c.device)  # fmt: skip
-        res = run_detect(cfg, out, plot=out.with_suffix(".png"), resume=resume, progress_bar=self.progress)
+        res = run_detect(cfg, out, plot=out.with_suffix(".png"), resume=resume, progress_bar=self.progress,
+                         flags=_DETECT_FLAGS)  # fmt: skip
         return {"tests_counted": res.record["tests_counted"]}
 
     def _mask(self, resume: bool) -> dict:
@@ -348,7 +355,7 @@ class Pipeline:
             rejected_model, rejected_tok = load_model(
                 c.rejected_model, dtype=DTYPES[c.dtype], device=c.device
             )
-        pool = load_instructions(c.instructions, tokenizer=tok, max_tokens=512)
+        pool = load_instructions(c.instructions, tokenizer=tok, max_tokens=PROMPT_TOKENS)
         if win_lose:  # its judge ranks the two samples against the instruction's reference answer
             pool = [inst for inst in pool if inst.reference]
             if not pool:

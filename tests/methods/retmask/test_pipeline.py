@@ -273,3 +273,25 @@ def test_pipeline_schedule_flags_are_checked(tmp_path, capsys):
     assert "argument --warmup-ratio" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"--warmup-ratio must be in \[0, 1\)"):
         PipelineConfig(warmup_ratio=1.5).check()
+
+
+def test_a_failed_detection_suggests_the_pipelines_own_flags(tiny_dir, tmp_path, capsys):
+    """The detection's failure messages name the pipeline's flags (--detect-max-len), never `retmask
+    detect`'s that the pipeline does not have (--max-len, --max-new-tokens, --needles)."""
+    base = ["pipeline", "--model", str(tiny_dir), "--top-k", "1", "--no-progress", "--detect-lengths", "1",
+            "--detect-depths", "2"]  # fmt: skip
+    # a random model retrieves nothing: no test counts
+    assert (
+        cli([*base, "--run-dir", str(tmp_path / "a"), "--detect-min-len", "300", "--detect-max-len", "300"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "no test counted" in err and "try shorter contexts (--detect-max-len), or another model" in err
+    # contexts too short for any needle: no test runs
+    assert (
+        cli([*base, "--run-dir", str(tmp_path / "b"), "--detect-min-len", "60", "--detect-max-len", "60"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "no test could run" in err and err.rstrip().endswith("raise --detect-min-len/--detect-max-len")
+    assert "--max-new-tokens" not in err and "--needles" not in err and " --max-len" not in err

@@ -183,3 +183,25 @@ def test_inputs_that_would_fail_late_or_be_ignored_are_refused_up_front(tmp_path
         pipeline(run_dir, *base, "--stop-after", "mask", "--instructions", str(tmp_path / "nope.jsonl")) == 0
     )
     assert json.loads((run_dir / "pipeline.json").read_text())["config"]["protocol"] == "default"
+
+
+def test_a_top_k_over_the_model_folders_heads_is_refused_before_the_detection(tiny_dir, tmp_path, capsys):
+    run_dir = tmp_path / "P"
+    assert pipeline(run_dir, "--model", str(tiny_dir), "--top-k", "9") == 2  # 2 layers x 4 heads
+    assert f"--top-k 9 is more than the 8 heads of {tiny_dir}; lower --top-k" in capsys.readouterr().err
+    assert not run_dir.exists()
+    with pytest.raises(SystemExit):  # parse time, any model
+        pipeline(run_dir, "--top-k", "65537")
+    assert "argument --top-k: 65537 is out of range" in capsys.readouterr().err
+
+
+def test_a_stage_that_failed_before_writing_anything_is_not_in_the_way(tmp_path, scores, capsys):
+    """The mask stage fails (no head reaches the threshold) and writes nothing: the rerun with another
+    threshold runs it without --overwrite, and keeps the detection."""
+    run_dir = tmp_path / "P"
+    assert pipeline(run_dir, "--scores", str(scores), "--threshold", "0.9", "--stop-after", "mask") == 2
+    assert "no head has a retrieval score >= 0.9" in capsys.readouterr().err
+    assert pipeline(run_dir, "--scores", str(scores), "--threshold", "0.3", "--stop-after", "mask") == 0
+    out = capsys.readouterr().out
+    assert "[pipeline] detect: up to date" in out and "[pipeline] mask: running" in out
+    assert json.loads((run_dir / "mask" / "heads.json").read_text())["heads"] == [[1, 2], [0, 3], [1, 3]]
