@@ -66,8 +66,9 @@ def export_masked(
 
     ``model`` itself is not modified. The saved config names no retmask attention, so plain
     transformers loads it; it records the heads (``retmask_masked_heads``) and ``provenance``
-    (``retmask_masking``: e.g. ``base_model``, ``selection`` = the heads JSON's rule, ``scores_file``), also
-    written as a model card (``README.md``). Returns the output folder.
+    (``retmask_masking``: e.g. ``base_model``, ``selection`` = the heads JSON's dict,
+    ``HeadSelection.to_json()``, or a sentence saying how the heads were chosen, ``scores_file``), also written
+    as a model card (``README.md``). Returns the output folder.
     """
     layout = head_layout(model)
     check_zeroing_is_masking(layout)
@@ -198,7 +199,7 @@ def model_card(
         ("which (layer-head, 0-based)", heads),
     ]
     if selection:
-        rows.append(("chosen as", _rule(selection)))
+        rows.append(("chosen as", selection if isinstance(selection, str) else _rule(selection)))
     if masking.get("scores_file"):
         digest = masking.get("scores_sha256")
         rows.append(

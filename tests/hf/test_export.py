@@ -128,3 +128,11 @@ def test_export_of_a_vision_language_model_keeps_it_whole(tmp_path):
     assert "`AutoModelForImageTextToText.from_pretrained(folder)`" in (out / "README.md").read_text()
     reloaded = AutoModelForImageTextToText.from_pretrained(out)
     assert type(reloaded) is type(model) and set(reloaded.state_dict()) == set(model.state_dict())
+
+
+def test_export_takes_the_selection_in_words(tmp_path):
+    """``provenance["selection"]`` may be a sentence instead of a heads-file dict: the card quotes it."""
+    out = retmask.export_masked(
+        tiny_model("llama"), HEADS, tmp_path / "masked", provenance={"selection": "picked by hand"}
+    )
+    assert "| chosen as | picked by hand |" in (out / "README.md").read_text()
