@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=BASELINES,
         help="mask as many random heads instead: none of them retrieval heads (non-retrieval) or any (random)",
     )
-    p.add_argument("--seed", type=seed_int, default=0, help="seed of the baseline's random draw")
+    p.add_argument("--seed", type=seed_int, help="seed of the baseline's random draw (default: 0)")
     p.add_argument("--out", type=Path, default=Path("heads.json"), help="heads JSON to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (else refused)")
     p.add_argument(
@@ -108,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
             raise SelectionError(
                 f"{', '.join(given)} only matter(s) with --export DIR; add --export or drop them"
             )
+        if args.seed is not None and not args.baseline:
+            raise SelectionError(
+                "--seed draws a baseline's random heads; add --baseline random or non-retrieval, or drop --seed"
+            )
+        seed = 0 if args.seed is None else args.seed
         scores = load_scores(args.scores)
         check_distinct_paths({"--out": args.out}, {"--scores": args.scores})
         check_writable(args.out, what="--out")
@@ -153,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             threshold=args.threshold,
             top_k=args.top_k,
             baseline=args.baseline,
-            seed=args.seed,
+            seed=seed,
             model_shape=shape,
             source=str(args.scores),
         )

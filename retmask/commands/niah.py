@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     mask.add_argument("--mask-file", type=Path, help="mask the heads of a heads JSON (`retmask mask --out`)")
     p.add_argument("--scores", type=Path, help="retrieval-scores JSON (`retmask detect`), for --mask-top")
-    p.add_argument("--seed", type=seed_int, default=0, help="seed of --mask-random")
+    p.add_argument("--seed", type=seed_int, help="seed of --mask-random (default: 0)")
     add_grid_args(p)
     p.add_argument(
         "--chunk",
@@ -151,6 +151,20 @@ def _interrupt_hint(args: argparse.Namespace) -> str | None:
     return RESUME_HINT if args.out is not None and progress_path(args.out).exists() else None
 
 
+def check_ignored_flags(args: argparse.Namespace) -> None:
+    """Refuse --seed without --mask-random and --title without --plot (they would change nothing), then
+    set --seed's default."""
+    from retmask.errors import UsageError
+
+    if args.seed is not None and args.mask_random is None:
+        raise UsageError(
+            "--seed only applies with --mask-random K (its draw); add --mask-random or drop --seed"
+        )
+    if args.title is not None and args.plot is None:
+        raise UsageError("--title is the heatmap's title; add --plot FILE.png or drop --title")
+    args.seed = 0 if args.seed is None else args.seed
+
+
 @reports_errors(interrupt_hint=_interrupt_hint)
 def run(args: argparse.Namespace) -> int:
     from retmask.evaluate.niah_progress import progress_path
@@ -166,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
         raise RunFileError(
             "--resume continues the run on --out (its progress file sits next to it); add --out"
         )
+    check_ignored_flags(args)
     check_distinct_paths(
         {"--out": args.out, "--plot": args.plot}, {"--mask-file": args.mask_file, "--scores": args.scores}
     )

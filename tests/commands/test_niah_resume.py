@@ -162,3 +162,27 @@ def test_a_run_stopped_while_plotting_resumes_to_the_plot(
     assert main(_argv(tiny_dir, two_needles, out, "--plot", str(plot), "--resume")) == 0
     assert handed == [0] or handed == []  # every answer came from the progress file
     assert plot.exists() and not (tmp_path / "n.json.progress.json").exists()
+
+
+def test_mask_random_is_drawn_with_seed_and_the_plot_takes_the_title(tiny_dir, two_needles, tmp_path):
+    """--seed (with --mask-random) picks the draw: the same seed masks the same heads, another seed others;
+    --title (with --plot) heads the heatmap."""
+    heads = {}
+    for name, seed in (("a", "3"), ("b", "3"), ("c", "4")):
+        out = tmp_path / f"{name}.json"
+        extra = [
+            "--mask-random",
+            "3",
+            "--seed",
+            seed,
+            "--plot",
+            str(tmp_path / f"{name}.png"),
+            "--title",
+            "T",
+        ]
+        assert main(_argv(tiny_dir, two_needles, out, *extra)) == 0
+        meta = json.loads(out.read_text())["meta"]
+        heads[name] = meta["heads"]
+        assert meta["mask"] == f"3 random heads (seed {seed}) masked"
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+    assert heads["a"] == heads["b"] != heads["c"] and len(heads["a"]) == 3
