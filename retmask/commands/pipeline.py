@@ -98,8 +98,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     sel = g.add_mutually_exclusive_group()
     sel.add_argument("--threshold", type=unit_float, help="retrieval heads: score >= τ (default: 0.1)")
     sel.add_argument("--top-k", type=head_count, help="retrieval heads: the K best")
-    g.add_argument("--mask-seed", type=seed_int,
-                   help=f"seed of the random and non-retrieval baselines' draw (default: {d.mask_seed})")  # fmt: skip
+    g.add_argument("--mask-seed", type=seed_int, default=d.mask_seed,
+                   help="seed of the random and non-retrieval baselines' draw (the other baselines draw no heads)")  # fmt: skip
     g = p.add_argument_group("generate")
     g.add_argument(
         "--instructions",
@@ -233,7 +233,8 @@ def check_pipeline_inputs(args: argparse.Namespace) -> None:
     """Flags that would be ignored or fail only at a later stage, refused before the run dir is set up or a
     model loads: the detection's flags with --scores (which replaces the detection), --instructions that
     cannot be read (when the run reaches generate), an --eval-cache that is not a writable folder, a --top-k
-    over the heads of a model folder, --mask-seed with a baseline that draws no heads."""
+    over the heads of a model folder. (--mask-seed is taken with every baseline, though only random and
+    non-retrieval draw heads, so that a sweep over baselines shares one command line.)"""
     from retmask.errors import UsageError
     from retmask.methods.retmask.instructions import InstructionError, load_instructions
     from retmask.runfiles import check_writable
@@ -257,11 +258,6 @@ def check_pipeline_inputs(args: argparse.Namespace) -> None:
                 f"--baseline win-lose judges samples against the instructions' reference answers, and "
                 f"{args.instructions} has none; give instructions with a 'reference' column or another --baseline"
             )
-    if args.mask_seed is not None and args.baseline not in ("random", "non-retrieval"):
-        raise UsageError(
-            f"--mask-seed seeds the draw of --baseline random or non-retrieval, and --baseline {args.baseline} "
-            "draws no heads; drop --mask-seed"
-        )
     if args.eval_cache is not None:
         check_writable(args.eval_cache, what="--eval-cache", directory=True)
     if args.top_k is not None:  # a local folder's config tells the number of heads before any detection
@@ -300,8 +296,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, dtype=resolve_training_dtype(args.dtype, args.device), device=args.device, baseline=args.baseline, rejected_model=args.rejected_model,
         scores=args.scores, protocol=_protocol(args),
         detect_min_len=args.detect_min_len, detect_max_len=args.detect_max_len, detect_lengths=args.detect_lengths,
-        detect_depths=args.detect_depths, threshold=threshold, top_k=args.top_k,
-        mask_seed=PipelineConfig.mask_seed if args.mask_seed is None else args.mask_seed,
+        detect_depths=args.detect_depths, threshold=threshold, top_k=args.top_k, mask_seed=args.mask_seed,
         instructions=args.instructions, num_instructions=args.num_instructions, temperature=args.temperature,
         gen_max_new_tokens=args.gen_max_new_tokens, gen_batch_size=args.gen_batch_size, gen_seed=args.gen_seed,
         lr=args.lr, min_lr_rate=args.min_lr_rate, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,

@@ -488,8 +488,6 @@ def _refusals(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["niah", *model, "--title", "mine"], "--title is the heatmap's title; add --plot"),
         (["mask", "--scores", scores, "--top-k", "1", "--seed", "3", "--out", str(tmp_path / "h2.json")],
          "--seed draws a baseline's random heads; add --baseline"),
-        (["pipeline", *model, "--mask-seed", "3", "--run-dir", str(tmp_path / "p")],
-         "--mask-seed seeds the draw of --baseline random or non-retrieval, and --baseline retmask draws no heads"),
     ]  # fmt: skip
 
 
