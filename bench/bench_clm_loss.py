@@ -50,7 +50,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     model, _ = retmask.load_model()
     model.train()
     if cfg["method"] == "checkpointed":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable()  # non-reentrant, as mudaf-train runs it
     S = cfg["length"]
     ids = torch.randint(100, model.config.vocab_size, (1, S))
     mask = torch.ones_like(ids)

@@ -47,7 +47,8 @@ def copy_processor_files(model: Any, dest: Path) -> list[str]:
 
 def model_files(path: Path) -> list[Path]:
     """``path`` itself when it is a file (a GGUF); for a folder its weight files (``*.safetensors``,
-    ``*.bin`` but ``training_args.bin``) and, when it has weights, the files of ``PROMPT_FILES`` it holds; [] when it has none."""
+    ``*.bin`` but ``training_args.bin``) and, when it has weights, the files of ``PROMPT_FILES`` it holds; []
+    when it has none."""
     if path.is_file():
         return [path]
     if not path.is_dir():

@@ -99,7 +99,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     sel.add_argument("--threshold", type=unit_float, help="retrieval heads: score >= τ (default: 0.1)")
     sel.add_argument("--top-k", type=head_count, help="retrieval heads: the K best")
     g.add_argument("--mask-seed", type=seed_int, default=d.mask_seed,
-                   help="seed of the random and non-retrieval baselines' draw (the other baselines draw no heads)")  # fmt: skip
+                   help="seed of the random and non-retrieval baselines' draw (the other baselines draw no "
+                        "heads)")  # fmt: skip
     g = p.add_argument_group("generate")
     g.add_argument(
         "--instructions",
@@ -301,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
         gen_max_new_tokens=args.gen_max_new_tokens, gen_batch_size=args.gen_batch_size, gen_seed=args.gen_seed,
         lr=args.lr, min_lr_rate=args.min_lr_rate, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
         gradient_checkpointing=args.gradient_checkpointing, epochs=args.epochs, max_steps=args.max_steps,
-        batch_size=args.batch_size, grad_accum=args.grad_accum, max_length=args.max_length, beta=args.beta, train_seed=args.train_seed,
+        batch_size=args.batch_size, grad_accum=args.grad_accum, max_length=args.max_length, beta=args.beta,
+        train_seed=args.train_seed,
         objective="sft" if args.sft else "dpo", telemetry_every=args.telemetry_every,
         drop_unfinished=args.drop_unfinished, save_every=args.save_every,
         eval_min_len=args.eval_min_len, eval_max_len=args.eval_max_len, eval_lengths=args.eval_lengths,

@@ -331,9 +331,9 @@ def train_mudaf(
         step, log, spent = int(state["step"]), list(state["log"]), float(state["seconds"])
     model.train()
     if cfg.gradient_checkpointing:
-        # non-reentrant: the q / k tapped for L_CON leave the checkpointed layers with their autograd graph,
-        # and the recomputation in the backward pass runs after the tap has closed (nothing tapped twice)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers' default is non-reentrant: the q / k tapped for L_CON leave the checkpointed layers with
+        # their autograd graph, and the recomputation in the backward pass runs after the tap has closed
+        model.activation_checkpointing_enable()
     per_epoch = _batches(len(items), cfg.batch_size, cfg.seed, 0)
     micro_per_epoch = len(per_epoch)
     micro = step * cfg.grad_accum  # micro-batches already consumed (resume continues the same order)
@@ -389,7 +389,7 @@ def train_mudaf(
     seconds = spent + time.perf_counter() - t0
     model.eval()
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_disable()  # the model is trained in place: returned as it came
+        model.activation_checkpointing_disable()  # the model is trained in place: returned as it came
     record = {
         "mode": "vanilla-sft" if cfg.vanilla_sft else "mudaf",
         "loss": "L_CLM" if cfg.con_weight == 0 else (

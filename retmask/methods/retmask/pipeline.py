@@ -63,9 +63,9 @@ from retmask.runfiles import (
 )
 
 VERSION = 1
+PROMPT_TOKENS = 512  # the longest instruction the generate stage takes (tokens, without the chat template)
 # the training schedule's settings: in the training stage's fingerprint only when not PipelineConfig's
 # default, so runs begun before these options existed still resume
-PROMPT_TOKENS = 512  # the longest instruction the generate stage takes (tokens, without the chat template)
 _SCHEDULE = ("min_lr_rate", "warmup_ratio", "weight_decay")
 # the pipeline's names for the detection settings a failed detection suggests changing (None: no such flag)
 _DETECT_FLAGS = {"min_len": "--detect-min-len", "max_len": "--detect-max-len", "max_new_tokens": None,

@@ -159,7 +159,7 @@ def test_gradient_checkpointing_trains_identically(
     ckpt_cfg = MuDAFConfig(**{**cfg.__dict__, "gradient_checkpointing": True})
     b = train_mudaf(ckpt, bpe_tokenizer, data, tmp_path / "b", ckpt_cfg, progress=False)
     assert len(checkpointed) == 3 * 2  # every step, both layers of the tiny model
-    assert not ckpt.is_gradient_checkpointing
+    assert not ckpt.is_activation_checkpointing
     for x, y in zip(a.log, b.log, strict=True):
         assert x.keys() == y.keys() and "con" in x
         assert all(y[k] == pytest.approx(x[k], rel=1e-5) for k in x)
