@@ -22,9 +22,11 @@ sparse_kv/    ``head_sparse_cache``: every key for retrieval KV heads, sink + wi
         model.generate(**batch)                             # = the o_proj-zeroed checkpoint's output
     retmask.export_masked(model, [(3, 1), (7, 4)], "out/")  # that checkpoint, for plain transformers
 
+Packed (padding-free) batches run in eager mode, one sequence per kernel row (``packed.py``).
+
 Limits (each raises a clear error instead of computing something else): chunked attention, attention
-dropout in training, custom 4D masks, packed sequences, paged caches, a compiled multi-token call into a
-static KV cache (generate compiles decode steps only), ``output_attentions=True`` (use ``capture_argmax``),
+dropout in training, custom 4D masks, packed sequences under torch.compile or with ``capture_argmax`` /
+``tap_qk``, paged caches, a compiled multi-token call into a static KV cache (generate compiles decode steps only), ``output_attentions=True`` (use ``capture_argmax``),
 a zeroed-head export of a model that normalises its heads' joint output before the output projection
 (BitNet), transformers releases older than the range retmask declares (``retmask/requirements.py``).
 """

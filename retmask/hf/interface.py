@@ -26,6 +26,9 @@ A layer of a head-sparse KV cache (``retmask.head_sparse_cache``) hands over onl
 ``key`` / ``value`` and the rest on the side (``key._retmask_sparse``, a ``retmask.hf.sparse_kv.layer.SparseKV``):
 such a call goes to ``_head_sparse_attention``, which computes the full and the windowed KV heads in
 separate calls (``retmask/hf/sparse_kv/attention.py``).
+
+Packed sequences (padding-free batches: ``position_ids`` restarting at 0, or ``cu_seq_lens_q/k``) run as
+a batch of one sequence per row (``retmask/hf/packed.py``), the outputs put back in their packed places.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from transformers.masking_utils import (
     flash_attention_mask,
 )
 
+from retmask.hf.packed import PackedLayout, packed_parts
 from retmask.hf.sparse_kv.attention import sparse_attention
 from retmask.hf.sparse_kv.layer import SparseKV
 from retmask.kernels import attention as kernel_attention
@@ -124,8 +128,6 @@ def _check_features(module: torch.nn.Module, dropout: float, kwargs: dict) -> No
         )
     if kwargs.get("position_bias") is not None:
         raise _unsupported(_model_name(module), "an additive position bias")
-    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-        raise _unsupported(_model_name(module), "packed sequences (cu_seq_lens)")
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise _unsupported(_model_name(module), "a paged KV cache (continuous batching)")
@@ -285,8 +287,9 @@ def retmask_attention(
             scaling = query.shape[-1] ** -0.5
         query, key, value = _one_head_dim(query, key, value)
     B, _, S, _ = query.shape
-    kpm = None
+    kpm = packed = None
     if attention_mask is not None:
+        packed = getattr(attention_mask, "_retmask_packed", None)  # padding-free batches (see packed.py)
         _check_window(attention_mask, window, module)
         if sink_tokens is not None:
             _check_first_keys_kept(attention_mask, module)
@@ -296,6 +299,14 @@ def retmask_attention(
         kpm = _key_padding_mask(attention_mask, module, B, key.shape[2], query.device)
     if skip is not None or rows is not None:
         skip = _skip_heads(module, skip, rows, B, query.device)
+    if "cu_seq_lens_q" in kwargs or "cu_seq_lens_k" in kwargs:  # flash-attention's varlen arguments
+        packed = _varlen_layout(module, packed, kpm, kwargs, B, key.shape[2])
+    if packed is not None:  # one sequence per batch row from here on; packed back at the end
+        _check_packed_call(module, packed, tap, recorder)
+        query, key, value = packed.unpack(query), packed.unpack(key), packed.unpack(value)
+        kpm = packed.valid
+        if skip is not None and skip.dim() == 2:  # a per-row head mask: each sequence takes its row's
+            skip = skip.index_select(0, packed.segment_row)
     if tap is not None:  # the exact kernel inputs, not detached (MuDAF's loss trains through them)
         if sink_tokens is not None:
             raise ValueError(
@@ -318,10 +329,74 @@ def retmask_attention(
             query, key, value, causal=causal, sm_scale=scaling, key_padding_mask=kpm, skip_heads=skip,
             window=window, softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, out_layout="bmhd",
         )  # fmt: skip
+    if packed is not None:
+        out = packed.pack(out).transpose(1, 2)  # [B, Hq, N, D], a view of a contiguous [B, N, Hq, D]
     if out.shape[-1] != value_dim:  # drop the padded lanes (multi-head latent attention)
         out = out[..., :value_dim]
     # out is a view of a contiguous [B, S, Hq, D] tensor ("bmhd"): contiguous() copies nothing
     return out.transpose(1, 2).contiguous(), None
+
+
+def _varlen_layout(
+    module: torch.nn.Module,
+    packed: PackedLayout | None,
+    kpm: torch.Tensor | None,
+    kwargs: dict,
+    batch: int,
+    kv_len: int,
+) -> PackedLayout | None:
+    """The packed layout of flash-attention's ``cu_seq_lens_q/k`` (int [S + 1]: 0, then each sequence's
+    end in one packed row), as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` passes them.
+    Built once per forward (kept on the tensor every layer gets) and checked against the layout of the
+    mask when transformers found the packing in ``position_ids`` too. None for one sequence."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return packed
+    model = _model_name(module)
+    if torch.compiler.is_compiling():  # the layout is built from a host read of the sequence ends
+        raise _unsupported(model, "packed sequences (cu_seq_lens) under torch.compile; run them eagerly")
+    if cu_q is None or cu_k is None or cu_q.shape != cu_k.shape or not torch.equal(cu_q, cu_k):
+        raise ValueError(
+            f"model '{model}': packed sequences take cu_seq_lens_q and cu_seq_lens_k with the same sequence "
+            "ends (each query sees the keys of its own sequence); pass both, equal, or neither (position_ids "
+            "that restart at 0 for each sequence also mark the packing)"
+        )
+    layout = getattr(cu_q, "_retmask_packed", None)
+    if layout is None:
+        ends = cu_q.tolist()
+        if batch != 1 or cu_q.dim() != 1 or ends[0] != 0 or ends[-1] != kv_len or ends != sorted(ends):
+            raise ValueError(
+                f"model '{model}': cu_seq_lens_q = {ends} does not describe a packed row of {kv_len} tokens "
+                f"(batch size {batch}): it must start at 0, rise, and end at the row's length, with the "
+                "sequences in one batch row and no KV cache"
+            )
+        if kpm is not None:
+            raise ValueError(
+                f"model '{model}': packed sequences (cu_seq_lens) with padding in the attention_mask; pack "
+                "without padding, or pad without packing"
+            )
+        layout = PackedLayout.from_cumulative_lengths(cu_q, kv_len)
+        cu_q._retmask_packed = layout
+    if packed is not None and not packed.same_sequences(layout):
+        raise ValueError(
+            f"model '{model}': cu_seq_lens_q marks other sequences than position_ids do; pass position_ids "
+            "that restart at 0 where each sequence of cu_seq_lens_q starts"
+        )
+    return layout if layout.segments > 1 else packed
+
+
+def _check_packed_call(module: torch.nn.Module, packed: PackedLayout, tap: Any, recorder: Any) -> None:
+    """Refuse what a packed call cannot give: the per-layer records of retmask.tap_qk and
+    retmask.capture_argmax are laid out per batch row (the last rows of a row, its keys), which a row of
+    several sequences does not have."""
+    model = _model_name(module)
+    for what, state in (("retmask.tap_qk", tap), ("retmask.capture_argmax", recorder)):
+        if state is not None and getattr(state, "active", True):
+            raise ValueError(
+                f"model '{model}': {what} records rows and keys per batch row, and this forward packs "
+                f"{packed.segments} sequences into {packed.rows} row(s); give it a padded batch (one sequence "
+                "per row, with an attention_mask) instead"
+            )
 
 
 def _head_sparse_attention(
@@ -420,16 +495,20 @@ def retmask_mask(
     """transformers mask function: bool [B, kv_length] padding mask (True = valid), or None if none.
 
     Accepted patterns: plain causal, bidirectional, and the causal sliding window of local layers (the
-    window itself reaches the kernel through the attention module's ``sliding_window`` argument). Any other
-    pattern (chunks, packed sequences, custom overlays) cannot be expressed by a padding mask: raise
-    instead of silently ignoring it.
+    window itself reaches the kernel through the attention module's ``sliding_window`` argument), each also
+    over packed sequences (the mask then carries their ``PackedLayout``, see packed.py). Any other pattern
+    (chunks, custom overlays) cannot be expressed by a padding mask: raise instead of silently ignoring it.
     """
+    packed = None if torch.compiler.is_compiling() else packed_parts(mask_function)
+    if packed is not None:  # padding-free batch: each sequence runs as a row of its own (see packed.py)
+        segment_ids, mask_function = packed
+        packed = PackedLayout.from_segment_ids(segment_ids.to(kwargs.get("device")))
     sliding = _sliding_window_of(mask_function)
     if mask_function not in (causal_mask_function, bidirectional_mask_function) and sliding is None:
         model = _model_name(kwargs.get("config"))
         feature = (
             "an attention pattern other than causal, bidirectional or a causal sliding window (chunked "
-            "attention, packed sequences without an attention_mask, or a custom mask overlay)"
+            "attention, a custom mask overlay, or packing combined with one of them)"
         )
         if attention_mask is None:
             # Under torch.compile / torch.export transformers cannot test whether position_ids pack several
@@ -438,7 +517,8 @@ def retmask_mask(
             feature += (
                 "; under torch.compile / torch.export this includes every call without an attention_mask and "
                 "without a KV cache (transformers cannot rule out packed position_ids while tracing): pass "
-                "attention_mask (e.g. torch.ones_like(input_ids)) or use_cache=True"
+                "attention_mask (e.g. torch.ones_like(input_ids)) or use_cache=True to a batch that is not "
+                "packed, and run a packed one (position_ids restarting at 0 per sequence) eagerly"
             )
         raise _unsupported(model, feature)
     causal = mask_function is not bidirectional_mask_function
@@ -474,6 +554,11 @@ def retmask_mask(
             mask._retmask_all_valid = True
         mask._retmask_window = sliding
         mask._retmask_kv_offset = kv_offset  # keys this layer's cache dropped (sink tokens need them)
+    if packed is not None:
+        if mask is None:
+            mask = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+            mask._retmask_all_valid = True
+        mask._retmask_packed = packed
     return mask
 
 

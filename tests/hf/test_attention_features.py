@@ -239,7 +239,7 @@ def test_an_unknown_tensor_argument_warns_once_known_ones_do_not():
     [
         ({"sinks": torch.zeros(4)}, UserWarning),
         ({"position_bias": torch.zeros(1, 4, 6, 6)}, NotImplementedError),
-        ({"cu_seq_lens_q": torch.tensor([0, 6])}, NotImplementedError),
+        ({"cu_seq_lens_q": torch.tensor([0, 6])}, ValueError),  # without cu_seq_lens_k
         ({"output_attentions": True}, ValueError),
     ],
 )
