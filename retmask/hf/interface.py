@@ -72,14 +72,17 @@ def _unsupported(model: str, feature: str) -> NotImplementedError:
     )
 
 
-# Tensor arguments of transformers' attention calls that the kernel uses or that do not change attention.
-KNOWN_TENSOR_ARGS = frozenset({"position_ids", "cache_position", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k"})
+# Tensor arguments of transformers' attention calls that the kernel uses or that do not change attention
+# (``seq_idx``: a packed token's sequence for the Mamba layers of hybrids; attention takes cu_seq_lens).
+KNOWN_TENSOR_ARGS = frozenset(
+    {"position_ids", "cache_position", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"}
+)
 
 
 # Keyword arguments whose value never calls for a warning or an error: the tensors above that the kernel
 # uses or that do not change attention, and the plain values transformers passes to every call. A call
 # with only these (every decode step of most models) skips the scan below.
-ROUTINE_ARGS = (KNOWN_TENSOR_ARGS - {"cu_seq_lens_q", "cu_seq_lens_k"}) | {
+ROUTINE_ARGS = (KNOWN_TENSOR_ARGS - {"cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"}) | {
     "use_cache", "sliding_window", "softcap", "is_causal", "sink_tokens",
 }  # fmt: skip
 

@@ -69,18 +69,23 @@ def test_packed_gradients_equal_eager(arch):
 def test_flattening_collator_batches_equal_each_sequence_alone(flash_kwargs, with_positions):
     """transformers' DataCollatorWithFlattening: position_ids, or cu_seq_lens_q/k (flash-attention's
     variable-length arguments), or both, mark the sequences; without position_ids only cu_seq_lens does
-    (the rotary positions then run on across sequences, which changes no q.k product within one)."""
+    (the rotary positions then run on across sequences, which changes no q.k product within one). Its
+    seq_idx (for the Mamba layers of hybrids) raises no unknown-argument warning."""
+    import warnings
+
+    from retmask.hf.interface import UnknownAttentionArgumentWarning
+
     model = feature_model("gemma2")
     g = torch.Generator().manual_seed(3)
     sequences = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(
-        [{"input_ids": s} for s in sequences]
-    )
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs, return_seq_idx=flash_kwargs)
+    batch = collator([{"input_ids": s} for s in sequences])
     batch.pop("labels")
     if not with_positions:
         batch.pop("position_ids")
     batch = {k: v.to(TEST_DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UnknownAttentionArgumentWarning)
         got = model(**batch, use_cache=False).logits
         alone = torch.cat(
             [model(input_ids=torch.tensor([s], device=TEST_DEVICE)).logits for s in sequences], 1
