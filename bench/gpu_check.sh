@@ -71,7 +71,7 @@ fi
 gpu_tests=(
     tests/kernels/test_triton.py tests/kernels/test_triton_launch.py tests/kernels/test_sink_window.py
     tests/hf/test_equivalence.py tests/hf/test_heads.py tests/hf/test_capture.py tests/hf/test_kv_cache.py
-    tests/hf/test_attention_features.py tests/hf/test_shared_prefill.py tests/hf/test_static_cache.py
+    tests/hf/test_attention_features.py tests/hf/test_shared_prefill.py tests/hf/test_static_cache.py tests/hf/test_packed.py
     tests/detect/test_fast_equals_oracle.py tests/detect/test_kv_only.py tests/detect/test_static_passes.py
 )
 
