@@ -7,6 +7,7 @@ through :func:`parse_head_key` / :func:`parse_head_pair`.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 RETRIEVAL_TAU = 0.1
@@ -37,17 +38,21 @@ def parse_head_key(key: str, *, source: str = "scores") -> Head:
 
 
 def _is_index(x: Any) -> bool:
-    # bool is an int subclass: (0, True) would silently index "every head" in a tensor mask.
-    return isinstance(x, int) and not isinstance(x, bool)
+    # bool is an int subclass: (0, True) would silently index "every head" in a tensor mask. NumPy
+    # integers (np.argwhere rows) register as numbers.Integral; NumPy bools do not.
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def parse_head_pair(item: Any, where: str) -> Head:
     """``[layer, head]`` / ``(layer, head)`` of non-negative ints, or a ``"layer-head"`` string.
 
-    0-d integer tensors are accepted (``mask.nonzero()`` rows); bools and floats are not.
+    0-d integer tensors and NumPy integers are accepted, and a pair may be a 1-D integer tensor or array
+    of two (the rows of ``mask.nonzero()`` / ``np.argwhere(mask)``); bools and floats are not.
     """
     if isinstance(item, str):
         return parse_head_key(item, source=where)
+    if getattr(item, "ndim", None) == 1 and hasattr(item, "tolist"):  # a tensor / array row of a pair list
+        item = item.tolist()
     if isinstance(item, (list, tuple)) and len(item) == 2:
         pair = []
         for x in item:

@@ -10,6 +10,8 @@ argmax_rows=T``); attention is never materialised and nothing is copied to the h
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from retmask.hf.layers import head_layout
@@ -63,8 +65,9 @@ class ArgmaxCapture:
         if self._mask_len != q_len:
             raise ValueError(
                 f"capture_argmax rows mask has {self._mask_len} entries but this forward call has "
-                f"{q_len} query rows: the mask selects rows outside the sequence; pass a bool mask of length "
-                f"{q_len} or rows=<int> (the last rows of each call)"
+                f"{q_len} query rows: a bool mask fits calls of exactly its length, so it cannot follow "
+                "generate() (a prefill, then one row per decode step); capture such runs with rows=<int> (the "
+                f"last rows of each call), and forward calls of {q_len} rows with a mask of that length"
             )
         if self._row_index is not None:  # per-batch-row selection: gathered in ``record``
             return q_len - self._mask_first, None
@@ -187,10 +190,18 @@ def _parse_rows(rows) -> tuple[int | None, int, torch.Tensor | None, int]:
             raise ValueError("capture_argmax rows mask selects no row; set at least one entry to True")
         first = int(select[0])
         return None, first, select - first, rows.shape[0]
-    if isinstance(rows, bool) or not isinstance(rows, int):
+    if isinstance(rows, numbers.Integral) and not isinstance(rows, bool):
+        rows = int(rows)  # NumPy integers too (NumPy bools are not Integral)
+    if isinstance(rows, torch.Tensor):
+        raise TypeError(
+            f"capture_argmax rows as a tensor must be a bool mask [S] or [B, S] (True = a row to capture), got "
+            f"{rows.dtype} of shape {list(rows.shape)}; use rows.bool() for a 0/1 mask, or an int for the last "
+            "rows of each call"
+        )
+    if not isinstance(rows, int) or isinstance(rows, bool):
         raise TypeError(
             f"capture_argmax rows must be an int (the last T query rows of each call), a bool tensor [S] or "
-            f"None (all rows), got {type(rows).__name__}"
+            f"[B, S], or None (all rows), got {type(rows).__name__}"
         )
     if rows < 1:
         raise ValueError(f"capture_argmax rows must be >= 1 (the last T query rows of each call), got {rows}")

@@ -14,7 +14,9 @@ scores file, the retmask version), and ``README.md`` is a model card with the sa
 from __future__ import annotations
 
 import errno
+import json
 import os
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,12 @@ def export_masked(
     layout = head_layout(model)
     check_zeroing_is_masking(layout)
     mask = normalize_head_mask(heads, *layout.shape, allow_per_row=False)
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(
+            f"tokenizer must be a tokenizer or processor object (with save_pretrained), got "
+            f"{type(tokenizer).__name__}; load one with transformers.AutoTokenizer.from_pretrained(path)"
+        )
+    provenance = _plain_provenance(provenance)
     D = layout.head_dim
     by_ptr = {proj.weight.data_ptr(): (layer_idx, proj) for layer_idx, proj in enumerate(layout.projections)}
     state = dict(model.state_dict())
@@ -92,9 +100,8 @@ def export_masked(
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         # errno and file name set: the commands print it as one line naming the folder
-        raise FileExistsError(
-            errno.EEXIST, f"export folder {out} already exists and is not empty; pick a new folder", str(out)
-        )
+        what = "is a file, not a folder" if not out.is_dir() else "already exists and is not empty"
+        raise FileExistsError(errno.EEXIST, f"export folder {out} {what}; pick a new folder", str(out))
     masked = [[int(a), int(b)] for a, b in mask.nonzero().tolist()]
     masking = masking_record(model, masked, provenance, projection=layout.projection_name)
     # Written into a hidden sibling folder and renamed into place at the end: an interrupted export
@@ -136,6 +143,30 @@ def _save_checkpoint(
         for name in ("retmask_masked_heads", "retmask_masking"):
             if name in config.__dict__:
                 delattr(config, name)
+
+
+def _plain_provenance(provenance: Any) -> dict[str, Any] | None:
+    """``provenance`` as plain JSON values (it goes into config.json and the model card): paths become
+    strings, NumPy / torch scalars and arrays numbers and lists; anything else is a TypeError naming it."""
+    if provenance is None:
+        return None
+    if not isinstance(provenance, Mapping):
+        raise TypeError(
+            f"provenance must be a dict (e.g. {{'selection': 'top 5 heads by retrieval score', 'scores_file': "
+            f"'scores.json'}}), got {type(provenance).__name__}"
+        )
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if hasattr(value, "tolist"):  # NumPy / torch scalars and arrays
+            return value.tolist()
+        raise TypeError(
+            f"provenance holds a {type(value).__name__} ({value!r:.60}), which a config file cannot store; "
+            "pass strings, numbers, lists and dicts"
+        )
+
+    return json.loads(json.dumps(dict(provenance), default=plain))
 
 
 def masking_record(

@@ -48,8 +48,19 @@ def generate_copies(
     be set. head_mask: None, a per-row bool [R, L, Hq] or a shared [L, Hq] (needs
     ``attn_implementation="retmask"``), applied for the call. share_prefill: False always prefills every row (for comparisons).
     """
+    if not isinstance(config, GenerationConfig):
+        raise TypeError(
+            f"generate_copies config must be a transformers.GenerationConfig, got {type(config).__name__}; "
+            "e.g. GenerationConfig(max_new_tokens=64, do_sample=False)"
+        )
     if config.max_new_tokens is None:
         raise ValueError("generate_copies needs config.max_new_tokens (the cache is reserved for it)")
+    rows = input_ids.shape[0]
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1 or rows % copies:
+        raise ValueError(
+            f"generate_copies copies must be a whole number >= 1 that divides the batch ({rows} rows: copy c "
+            f"of row i is row c * {rows} / copies + i), got {copies!r}"
+        )
     cache = growing_cache(model)
     reserve(cache, input_ids.shape[1] + config.max_new_tokens)
     kwargs: dict[str, Any] = {

@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import numbers
 import os
 import re
 import shutil
@@ -492,9 +493,9 @@ def auto_class_name(model: Any) -> str:
 
 
 def load_model(
-    spec: str | None = None,
+    spec: str | os.PathLike | None = None,
     *,
-    gguf_file: str | None = None,
+    gguf_file: str | os.PathLike | None = None,
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "retmask",
@@ -532,6 +533,18 @@ def load_model(
     """
     check_device(device)  # before any loading: a wrong --device fails in a second, not after the weights
     check_settings()  # and so does a bad $RETMASK_CPU_PATH / _ISA / _SPEEDUPS
+    spec, gguf_file = (None if p is None else os.fspath(p) for p in (spec, gguf_file))  # Path or str
+    if cpu_linears is not None and not isinstance(cpu_linears, bool):
+        raise TypeError(f"cpu_linears must be True, False or None (the default), got {cpu_linears!r}")
+    if attention_dropout is not None and not (
+        isinstance(attention_dropout, numbers.Real)
+        and not isinstance(attention_dropout, bool)
+        and 0.0 <= attention_dropout <= 1.0
+    ):
+        raise ValueError(
+            f"attention_dropout must be a probability in [0, 1] (0.0 to train on retmask attention), got "
+            f"{attention_dropout!r}"
+        )
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype, device)
     elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

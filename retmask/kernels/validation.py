@@ -7,7 +7,8 @@ can fix the call without reading kernel code.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+import numbers
+from typing import Any, NamedTuple
 
 import torch
 
@@ -144,6 +145,15 @@ def check_skip_heads(
     return skip.contiguous()
 
 
+def _whole_number(x: Any) -> int | None:
+    """``x`` as an int when it is an integer of another type (a NumPy integer, a 0-d integer tensor's
+    ``item()``), else None. bool is an int subclass but no count: True would silently mean 1, so it is
+    refused (None), as NumPy bools are (not ``numbers.Integral``)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        return None
+    return int(x)
+
+
 def check_argmax_rows(argmax_rows: int | None, return_argmax: bool, shape: AttentionShape) -> int:
     """Number of trailing query rows that get an argmax (0 = no argmax requested)."""
     if not return_argmax:
@@ -152,16 +162,12 @@ def check_argmax_rows(argmax_rows: int | None, return_argmax: bool, shape: Atten
         return 0
     if argmax_rows is None:
         return shape.q_len
-    # bool is an int subclass: True would silently mean 1 row; refused as everywhere else (window, ...)
-    if (
-        isinstance(argmax_rows, bool)
-        or not isinstance(argmax_rows, int)
-        or not 1 <= argmax_rows <= shape.q_len
-    ):
+    rows = argmax_rows if type(argmax_rows) is int else _whole_number(argmax_rows)
+    if rows is None or not 1 <= rows <= shape.q_len:
         raise ValueError(
             f"argmax_rows must be an int in [1, M] = [1, {shape.q_len}] (the last rows of q), got {argmax_rows!r}"
         )
-    return argmax_rows
+    return rows
 
 
 # Parameter ranges (issue 47: backends disagreed on extreme finite parameters). Every backend computes
@@ -229,8 +235,9 @@ def check_window(window: int | None, causal: bool) -> int | None:
     """A sliding-window size: row at position p sees keys j with p - window < j <= p. None = no window."""
     if window is None:
         return None
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise ValueError(f"window must be a positive int (keys per sliding window) or None, got {window!r}")
+    given, window = window, window if type(window) is int else _whole_number(window)
+    if window is None:
+        raise ValueError(f"window must be a positive int (keys per sliding window) or None, got {given!r}")
     if window <= 0:
         raise ValueError(
             f"window must be >= 1 (a query at position p sees keys p - window < j <= p), got {window}; "
@@ -252,10 +259,11 @@ def check_sink_tokens(sink_tokens: int | None, window: int | None) -> int | None
     denominator). ``window`` must be the checked window (so causal is already required)."""
     if sink_tokens is None:
         return None
-    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int):
+    given, sink_tokens = sink_tokens, sink_tokens if type(sink_tokens) is int else _whole_number(sink_tokens)
+    if sink_tokens is None:
         raise ValueError(
             f"sink_tokens must be a positive int (the first keys every row keeps seeing besides its sliding "
-            f"window) or None, got {sink_tokens!r}"
+            f"window) or None, got {given!r}"
         )
     if sink_tokens <= 0:
         raise ValueError(

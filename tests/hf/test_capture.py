@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -139,8 +140,17 @@ def test_capture_errors():
         retmask.capture_argmax(model, rows=0)
     with pytest.raises(TypeError, match="rows must be an int"):
         retmask.capture_argmax(model, rows=2.5)
+    with pytest.raises(
+        TypeError, match=r"bool mask \[S\] or \[B, S\].*got torch.int64 of shape \[5\].*rows.bool\(\)"
+    ):
+        retmask.capture_argmax(model, rows=torch.tensor([0, 0, 0, 1, 1]))
+    with retmask.capture_argmax(model, rows=np.int64(2)) as cap, torch.no_grad():  # NumPy ints are ints
+        model(input_ids=ids, attention_mask=mask)
+    assert cap.calls[0].shape[-1] == 2
     with retmask.capture_argmax(model, rows=torch.ones(8, dtype=torch.bool)), torch.no_grad():
-        with pytest.raises(ValueError, match="outside the sequence"):
+        with pytest.raises(
+            ValueError, match="8 entries but this forward call has 5 query rows.*generate.*rows=<int>"
+        ):
             model(input_ids=ids, attention_mask=mask)
     sdpa = with_attn(model, "sdpa")
     with pytest.raises(ValueError, match="retmask.patch"):

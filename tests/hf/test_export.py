@@ -103,6 +103,9 @@ def test_interrupted_export_leaves_nothing_and_existing_folders_are_refused(tmp_
     (tmp_path / "taken" / "config.json").write_text("{}")
     with pytest.raises(FileExistsError, match="taken already exists and is not empty"):
         retmask.export_masked(model, HEADS, tmp_path / "taken")
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(FileExistsError, match="a_file is a file, not a folder; pick a new folder"):
+        retmask.export_masked(model, HEADS, tmp_path / "a_file")
     (tmp_path / "empty").mkdir()
     assert (retmask.export_masked(model, HEADS, tmp_path / "empty") / "config.json").is_file()
 
@@ -136,3 +139,29 @@ def test_export_takes_the_selection_in_words(tmp_path):
         tiny_model("llama"), HEADS, tmp_path / "masked", provenance={"selection": "picked by hand"}
     )
     assert "| chosen as | picked by hand |" in (out / "README.md").read_text()
+
+
+def test_export_records_paths_and_numpy_values_as_plain_json(tmp_path):
+    """Provenance values users have at hand (a Path, NumPy numbers) are stored as strings and numbers."""
+    import numpy as np
+
+    out = retmask.export_masked(
+        tiny_model("llama"), HEADS, tmp_path / "masked",
+        provenance={"scores_file": tmp_path / "s.json", "top_k": np.int64(2), "tau": np.float32(0.5)},
+    )  # fmt: skip
+    record = json.loads((out / "config.json").read_text())["retmask_masking"]
+    assert (record["scores_file"], record["top_k"], record["tau"]) == (str(tmp_path / "s.json"), 2, 0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(provenance="chosen by hand"), TypeError, r"provenance must be a dict .*got str"),
+        (dict(provenance={"when": object()}), TypeError, r"provenance holds a object .*strings, numbers"),
+        (dict(tokenizer="tok"), TypeError, r"tokenizer must be a tokenizer .*got str.*AutoTokenizer"),
+    ],
+)
+def test_export_refuses_bad_arguments_by_name_before_writing(tmp_path, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        retmask.export_masked(tiny_model("llama"), HEADS, tmp_path / "masked", **kwargs)
+    assert not (tmp_path / "masked").exists()

@@ -166,6 +166,43 @@ def test_head_mask_rejects_bools_as_indices():
     assert all(getattr(m, "_retmask_skip", None) is None for m in layers)  # nothing was set
 
 
+def test_index_arrays_of_pairs_select_the_same_heads_as_the_mask():
+    """What users get from a bool mask's indices: mask.nonzero(), np.argwhere(mask), their rows, and
+    NumPy integers inside pairs."""
+    import numpy as np
+
+    model = tiny_model("llama")
+    want = torch.zeros(2, 4, dtype=torch.bool)
+    want[0, 1] = want[1, 3] = True
+    for spec in (
+        want.nonzero(), np.argwhere(want.numpy()), list(want.nonzero()), list(np.argwhere(want.numpy())),
+        [(np.int64(0), np.int64(1)), (1, 3)],
+    ):  # fmt: skip
+        retmask.set_head_mask(model, spec)
+        got = torch.stack([m._retmask_skip for m in retmask.hf.head_layout(model).layers])
+        assert torch.equal(got, want), spec
+    retmask.set_head_mask(model, torch.zeros(0, 2, dtype=torch.long))  # no pairs: nothing masked
+    assert all(m._retmask_skip is None for m in retmask.hf.head_layout(model).layers)
+
+
+def test_dicts_and_ambiguous_integer_tensors_are_refused_with_the_fix():
+    """A scores dict's keys would select every head it scores: refused, naming how to choose heads."""
+    import numpy as np
+
+    from retmask.heads import normalize_head_mask
+
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match=r"heads is a dict.*select_top_k.*data\['heads'\]"):
+        retmask.set_head_mask(model, {"0-1": [0.9], "1-2": [0.0]})
+    with pytest.raises(ValueError, match=r"must be bool.*int8 of shape \[2, 4\].*mask.bool\(\)"):
+        retmask.set_head_mask(model, np.zeros((2, 4), dtype=np.int8))
+    with pytest.raises(ValueError, match=r"shape \[2, 2\] is ambiguous.*mask.bool\(\).*tolist\(\)"):
+        normalize_head_mask(torch.tensor([[0, 1], [1, 0]]), 2, 2)
+    assert torch.equal(
+        normalize_head_mask(torch.tensor([[0, 1], [1, 0]]).bool(), 2, 2), torch.eye(2).flip(0).bool()
+    )
+
+
 def test_switching_attention_inside_a_mask_is_refused_not_ignored():
     """A mask set, then the model moved to SDPA: the forward call is refused (it would run every head)."""
     model = tiny_model("llama")

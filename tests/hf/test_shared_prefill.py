@@ -213,3 +213,26 @@ def test_an_argmax_capture_turns_the_shared_prefill_off():
         out = generate_copies(model, ids, attn, _config(3), copies=2, head_mask=mask)
     assert out.sequences.shape[0] == 2 * B
     assert all(c.shape[1] == 2 * B for c in cap.calls)  # every call recorded every row
+
+
+@pytest.mark.parametrize(
+    "config, copies, error, message",
+    [
+        (None, 2, TypeError, r"config must be a transformers.GenerationConfig, got NoneType"),
+        ({"max_new_tokens": 4}, 2, TypeError, r"config must be a transformers.GenerationConfig, got dict"),
+        (
+            _config(),
+            0,
+            ValueError,
+            r"copies must be a whole number >= 1 that divides the batch \(6 rows.*got 0",
+        ),
+        (_config(), 4, ValueError, r"divides the batch \(6 rows.*got 4"),
+        (_config(), 2.0, ValueError, r"copies must be a whole number.*got 2.0"),
+    ],
+)
+def test_generate_copies_refuses_bad_arguments_by_name(config, copies, error, message):
+    model = tiny_model("llama")
+    ids, attn = _copies()
+    assert ids.shape[0] == 6
+    with pytest.raises(error, match=message):
+        generate_copies(model, ids, attn, config, copies=copies)

@@ -71,10 +71,34 @@ def test_load_model_for_training_turns_attention_dropout_off(arch, setting, tmp_
     model, _ = retmask.load_model(str(folder))  # as saved: refused in training
     with pytest.raises(NotImplementedError, match="attention dropout"):
         model.train()(input_ids=ids)
-    model, _ = retmask.load_model(str(folder), attention_dropout=0.0)
+    model, _ = retmask.load_model(folder, attention_dropout=0.0)  # a pathlib.Path as well as a str
     assert f"attention dropout {setting} 0.1 -> 0" in capsys.readouterr().err
     assert getattr(model.config, setting) == 0.0
     model.train()(input_ids=ids).logits.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (
+            dict(attention_dropout=-1.0),
+            ValueError,
+            r"attention_dropout must be a probability in \[0, 1\].*got -1.0",
+        ),
+        (
+            dict(attention_dropout=float("nan")),
+            ValueError,
+            r"attention_dropout must be a probability.*got nan",
+        ),
+        (dict(attention_dropout=True), ValueError, r"attention_dropout must be a probability.*got True"),
+        (dict(cpu_linears="no"), TypeError, r"cpu_linears must be True, False or None .*got 'no'"),
+    ],
+)
+def test_load_model_refuses_bad_settings_before_loading(kwargs, error, message):
+    """Eager attention refuses a negative dropout only at its first training call, and retmask's kernel
+    computes none: a bad value is refused when the model loads, as is a string where a bool belongs."""
+    with pytest.raises(error, match=message):
+        retmask.load_model(**kwargs)
 
 
 def test_custom_4d_mask_rejected():

@@ -77,6 +77,23 @@ def test_out_of_range_parameters_are_refused_with_the_range(kwargs, match):
         attention(q, k, v, backend="reference", **kwargs)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_numpy_integers_count_as_ints(backend):
+    """argmax_rows, window and sink_tokens computed with NumPy (np.int64) work as the same Python ints;
+    NumPy bools are refused as Python bools are."""
+    import numpy as np
+
+    q, k, v = make_qkv(1, 2, 1, 6, 9, 8, seed=4)
+    kw = dict(backend=backend, return_argmax=True)
+    want = attention(q, k, v, argmax_rows=2, window=3, sink_tokens=1, **kw)
+    got = attention(q, k, v, argmax_rows=np.int64(2), window=np.int32(3), sink_tokens=np.int16(1), **kw)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    with pytest.raises(ValueError, match=r"argmax_rows must be an int .*got np.True_"):
+        attention(q, k, v, argmax_rows=np.bool_(True), **kw)
+    with pytest.raises(ValueError, match=r"window must be a positive int .*got np.float64\(2.0\)"):
+        attention(q, k, v, window=np.float64(2.0), **kw)
+
+
 def test_the_ranges_are_the_documented_ones():
     assert SM_SCALE_RANGE == (1e-6, 1e4) and SOFTCAP_RANGE == (1e-6, 1e10)
 
