@@ -38,8 +38,8 @@ def normalize_head_mask(
             "(retmask.heads.select_top_k(retmask.heads.mean_scores(scores), k) or select_threshold), for a "
             "heads file pass its list (data['heads'], or retmask.heads.read_heads(path).heads)"
         )
-    if isinstance(heads, np.ndarray):
-        heads = torch.from_numpy(heads)  # the same mask or pair list as a tensor
+    if isinstance(heads, np.ndarray):  # numbers: the same mask or pair list as a tensor; strings: a list
+        heads = torch.from_numpy(heads) if heads.dtype.kind in "biuf" else heads.tolist()
     if isinstance(heads, torch.Tensor) and heads.is_meta:
         raise ValueError(
             "head mask tensor is on the meta device (a shape without values); build it on the CPU, e.g. "

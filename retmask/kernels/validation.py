@@ -146,9 +146,9 @@ def check_skip_heads(
 
 
 def _whole_number(x: Any) -> int | None:
-    """``x`` as an int when it is an integer of another type (a NumPy integer, a 0-d integer tensor's
-    ``item()``), else None. bool is an int subclass but no count: True would silently mean 1, so it is
-    refused (None), as NumPy bools are (not ``numbers.Integral``)."""
+    """``x`` as an int when it is an integer of another type (a NumPy integer), else None. bool is an int
+    subclass but no count: True would silently mean 1, so it is refused (None), as NumPy bools are (not
+    ``numbers.Integral``)."""
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         return None
     return int(x)

@@ -176,7 +176,7 @@ def test_index_arrays_of_pairs_select_the_same_heads_as_the_mask():
     want[0, 1] = want[1, 3] = True
     for spec in (
         want.nonzero(), np.argwhere(want.numpy()), list(want.nonzero()), list(np.argwhere(want.numpy())),
-        [(np.int64(0), np.int64(1)), (1, 3)],
+        [(np.int64(0), np.int64(1)), (1, 3)], np.array(["0-1", "1-3"]),
     ):  # fmt: skip
         retmask.set_head_mask(model, spec)
         got = torch.stack([m._retmask_skip for m in retmask.hf.head_layout(model).layers])
