@@ -350,11 +350,30 @@ def _varlen_layout(
 ) -> PackedLayout | None:
     """The packed layout of flash-attention's ``cu_seq_lens_q/k`` (int [S + 1]: 0, then each sequence's
     end in one packed row), as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` passes them.
-    Built once per forward (kept on the tensor every layer gets) and checked against the layout of the
-    mask when transformers found the packing in ``position_ids`` too. None for one sequence."""
+    Checked and built at the forward's first layer, then kept on the tensor every layer gets (the checks
+    read the device tensors: once, not per layer); checked against the layout of the mask when
+    transformers found the packing in ``position_ids`` too. None for one sequence."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         return packed
+    layout = getattr(cu_q, "_retmask_packed", None)
+    if layout is None:
+        layout = _check_varlen(module, packed, kpm, cu_q, cu_k, batch, kv_len)
+        cu_q._retmask_packed = layout
+    return layout if layout.segments > 1 else packed
+
+
+def _check_varlen(
+    module: torch.nn.Module,
+    packed: PackedLayout | None,
+    kpm: torch.Tensor | None,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    batch: int,
+    kv_len: int,
+) -> PackedLayout:
+    """The layout of ``cu_seq_lens_q`` after checking it against ``cu_seq_lens_k``, the row, the padding
+    mask and the packing ``position_ids`` gave (``packed``); a ValueError naming the mismatch."""
     model = _model_name(module)
     if torch.compiler.is_compiling():  # the layout is built from a host read of the sequence ends
         raise _unsupported(model, "packed sequences (cu_seq_lens) under torch.compile; run them eagerly")
@@ -364,28 +383,25 @@ def _varlen_layout(
             "ends (each query sees the keys of its own sequence); pass both, equal, or neither (position_ids "
             "that restart at 0 for each sequence also mark the packing)"
         )
-    layout = getattr(cu_q, "_retmask_packed", None)
-    if layout is None:
-        ends = cu_q.tolist()
-        if batch != 1 or cu_q.dim() != 1 or ends[0] != 0 or ends[-1] != kv_len or ends != sorted(ends):
-            raise ValueError(
-                f"model '{model}': cu_seq_lens_q = {ends} does not describe a packed row of {kv_len} tokens "
-                f"(batch size {batch}): it must start at 0, rise, and end at the row's length, with the "
-                "sequences in one batch row and no KV cache"
-            )
-        if kpm is not None:
-            raise ValueError(
-                f"model '{model}': packed sequences (cu_seq_lens) with padding in the attention_mask; pack "
-                "without padding, or pad without packing"
-            )
-        layout = PackedLayout.from_cumulative_lengths(cu_q, kv_len)
-        cu_q._retmask_packed = layout
+    ends = cu_q.tolist()
+    if batch != 1 or cu_q.dim() != 1 or ends[0] != 0 or ends[-1] != kv_len or ends != sorted(ends):
+        raise ValueError(
+            f"model '{model}': cu_seq_lens_q = {ends} does not describe a packed row of {kv_len} tokens "
+            f"(batch size {batch}): it must start at 0, rise, and end at the row's length, with the "
+            "sequences in one batch row and no KV cache"
+        )
+    if kpm is not None:
+        raise ValueError(
+            f"model '{model}': packed sequences (cu_seq_lens) with padding in the attention_mask; pack "
+            "without padding, or pad without packing"
+        )
+    layout = PackedLayout.from_cumulative_lengths(cu_q, kv_len)
     if packed is not None and not packed.same_sequences(layout):
         raise ValueError(
             f"model '{model}': cu_seq_lens_q marks other sequences than position_ids do; pass position_ids "
             "that restart at 0 where each sequence of cu_seq_lens_q starts"
         )
-    return layout if layout.segments > 1 else packed
+    return layout
 
 
 def _check_packed_call(module: torch.nn.Module, packed: PackedLayout, tap: Any, recorder: Any) -> None:
